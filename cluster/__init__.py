@@ -1,0 +1,1 @@
+"""Control plane: config, requests, scheduler, engine, server, client, CLI, metrics, benchmarks."""

@@ -1,0 +1,256 @@
+"""Context-chunk scheduler: token-budgeted continuous batching with chunked prefill and preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.block_manager import BlockManager
+from cluster.config import SchedulerConfig
+from cluster.request import Request, RequestStatus
+from speculative.stats import SpecStats
+from proto.messages import DraftOutputs, SeqPlan, StepPlan, TargetOutput
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class Scheduler:
+    """Plans each step within `max_num_batched_tokens` and applies its results.
+
+    Generation requests are scheduled first (1 + K rows each), then running context requests, then
+    waiting ones, each context request taking at most `chunk_size` tokens from its cursor. When KV
+    blocks run out, the most recently admitted request is preempted and later recomputes its context
+    (prompt plus tokens generated so far).
+    """
+
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        num_blocks: int,
+        num_draft_tokens: int,
+        eos_token_ids: list[int],
+        max_model_len: int,
+    ) -> None:
+        self.cfg = cfg
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.k = num_draft_tokens
+        self.eos = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_plan: list[str] = []
+        self._step = 0
+
+    # ---- admission -------------------------------------------------------------------------------
+    def slots_needed(self, num_tokens: int) -> int:
+        """KV slots a sequence of `num_tokens` needs, including the draft chain's lookahead writes."""
+        return num_tokens + self.k
+
+    def add(self, req: Request) -> None:
+        """Queue a validated request."""
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Finish a request now and free its blocks; False if unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self._finish(req, reason)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests."""
+        return len(self.waiting)
+
+    # ---- planning --------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Choose this step's rows: generation first, then context chunks, within the token budget."""
+        budget = self.cfg.max_num_batched_tokens
+        gen: list[SeqPlan] = []
+        ctx: list[SeqPlan] = []
+        scheduled: set[str] = set()
+        for req in list(self.running):
+            if req.in_context or req.status is not RequestStatus.RUNNING:
+                continue
+            n = 1 + len(req.draft_token_ids)
+            if n > budget:
+                continue
+            if not self._reserve(req, self.slots_needed(req.num_computed_tokens + n), scheduled):
+                continue
+            gen.append(self._gen_plan(req))
+            scheduled.add(req.request_id)
+            budget -= n
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if not req.in_context or req.status is not RequestStatus.RUNNING:
+                continue
+            plan = self._chunk_plan(req, budget, scheduled, allow_preempt=True)
+            if plan is not None:
+                ctx.append(plan)
+                scheduled.add(req.request_id)
+                budget -= len(plan.token_ids)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_requests:
+            req = self.waiting[0]
+            plan = self._chunk_plan(req, budget, scheduled, allow_preempt=False)
+            if plan is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            ctx.append(plan)
+            scheduled.add(req.request_id)
+            budget -= len(plan.token_ids)
+        self._step += 1
+        finished, self._finished_since_plan = self._finished_since_plan, []
+        return StepPlan(self._step, ctx + gen, self.k, finished)
+
+    def _chunk_plan(self, req: Request, budget: int, scheduled: set[str], allow_preempt: bool) -> SeqPlan | None:
+        start = req.num_computed_tokens
+        seq = req.all_token_ids
+        n = min(self.cfg.chunk_size, len(seq) - start, budget)
+        if n <= 0:
+            return None
+        end = start + n
+        final = end == len(seq)
+        need = self.slots_needed(end) if final else end
+        if allow_preempt:
+            if not self._reserve(req, need, scheduled):
+                return None
+        elif not self.blocks.grow(req.block_ids, need):
+            return None
+        p = req.params
+        return SeqPlan(
+            request_id=req.request_id,
+            token_ids=seq[start:end],
+            start=start,
+            block_ids=list(req.block_ids),
+            is_context=True,
+            is_final_chunk=final,
+            lookahead_token=-1 if final else seq[end],
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+        )
+
+    def _gen_plan(self, req: Request) -> SeqPlan:
+        p = req.params
+        return SeqPlan(
+            request_id=req.request_id,
+            token_ids=[req.all_token_ids[-1], *req.draft_token_ids],
+            start=req.num_computed_tokens,
+            block_ids=list(req.block_ids),
+            is_context=False,
+            is_final_chunk=True,
+            lookahead_token=-1,
+            num_draft_tokens=len(req.draft_token_ids),
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            draft_probs=req.draft_probs,
+        )
+
+    def _reserve(self, req: Request, num_slots: int, scheduled: set[str]) -> bool:
+        """Grow req's blocks to `num_slots`, preempting the latest unscheduled requests if needed."""
+        while not self.blocks.grow(req.block_ids, num_slots):
+            victims = [r for r in self.running if r.request_id not in scheduled]
+            victim = victims[-1] if victims else req
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.block_ids)
+        req.num_computed_tokens = 0
+        req.in_context = True
+        req.draft_token_ids = []
+        req.draft_probs = None
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # ---- results ---------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, out: TargetOutput, drafts: DraftOutputs | None) -> list[RequestOutput]:
+        """Apply a step's tokens and proposals; finish requests that hit a stop condition."""
+        outputs: list[RequestOutput] = []
+        for sp, res in zip(plan.seqs, out.results, strict=True):
+            req = self.requests.get(sp.request_id)
+            if req is None or req.finished or req.status is not RequestStatus.RUNNING:
+                continue
+            if sp.is_context:
+                req.num_computed_tokens = sp.end
+                if not sp.is_final_chunk:
+                    continue
+                req.in_context = False
+            else:
+                req.num_computed_tokens += 1 + res.num_accepted
+                if res.num_drafted:
+                    req.stats.record(res.num_drafted, res.num_accepted)
+            req.draft_token_ids, req.draft_probs = [], None
+            outputs.append(self._append(req, res.new_token_ids))
+        if drafts is not None:
+            for i, rid in enumerate(drafts.request_ids):
+                req = self.requests.get(rid)
+                if req is None or req.status is not RequestStatus.RUNNING or req.in_context:
+                    continue
+                req.draft_token_ids = drafts.draft_token_ids[i].tolist()
+                req.draft_probs = None if drafts.draft_probs is None else drafts.draft_probs[i]
+        return outputs
+
+    def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
+        p = req.params
+        emitted: list[int] = []
+        reason = None
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            emitted.append(tok)
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        if reason:
+            self._finish(req, reason)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=emitted,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_output_tokens=len(req.output_token_ids),
+            stats=req.stats,
+        )
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.status = RequestStatus.FINISHED
+        self.blocks.free(req.block_ids)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finished_since_plan.append(req.request_id)
+        self.requests.pop(req.request_id, None)

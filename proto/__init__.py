@@ -1,0 +1,1 @@
+"""Wire formats: protobuf APIs under mtpserve/v1, the tensor codec, and the step message dataclasses."""

@@ -1,0 +1,1 @@
+"""Pure-torch speculative decoding: lookahead, draft inputs, MTP Eagle head, verification, stats, training."""

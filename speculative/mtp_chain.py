@@ -1,0 +1,78 @@
+"""MTP Eagle linear chain: one MTP layer reused K times over its own paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from proto.messages import DraftInputs, DraftOutputs
+from speculative.draft_inputs import draft_input_tokens, last_rows
+from speculative.lookahead import LookaheadBuffer
+from speculative.methods import DraftMethod
+from speculative.mtp_head import MTPEagleHead
+from workers.attention import AttentionMetadata
+from workers.kv_cache import KVCache
+from workers.model import LlamaModel
+
+
+class MTPEagleChain(DraftMethod):
+    """Runs the draft head over accepted/context rows, then chains K greedy proposals.
+
+    `shared` supplies the target's embedding, final norm and lm_head (a LlamaModel, possibly with no
+    layers). Drafts are the head's argmax, so their distribution is one-hot and no draft probabilities
+    need to travel to the verifier.
+    """
+
+    def __init__(
+        self,
+        head: MTPEagleHead,
+        shared: LlamaModel,
+        cache: KVCache,
+        lookahead: LookaheadBuffer,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.head = head
+        self.shared = shared
+        self.cache = cache
+        self.lookahead = lookahead
+        self.device = torch.device(device)
+
+    @torch.no_grad()
+    def propose(self, inputs: DraftInputs) -> DraftOutputs:
+        """Write draft KV for this step's rows and propose `num_draft_tokens` per proposing request."""
+        dev = self.device
+        k = inputs.num_draft_tokens
+        seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long)
+        ctx_index = torch.full((len(inputs.seq_lens),), -1, dtype=torch.long)
+        ctx_pos = [i for i, c in enumerate(inputs.is_context) if c]
+        ctx_index[ctx_pos] = torch.arange(len(ctx_pos))
+        self.lookahead.write(inputs.lookahead_tokens)
+        ids = draft_input_tokens(
+            inputs.token_ids.to(dev),
+            seq_lens.to(dev),
+            ctx_index.to(dev),
+            self.lookahead.tokens,
+            inputs.sampled_tokens.to(dev),
+            inputs.lookahead_source,
+        )
+        positions = inputs.positions.to(dev)
+        starts = [int(positions[int(e) - int(n) + 1]) for e, n in zip(last_rows(seq_lens), seq_lens, strict=True)]
+        meta = AttentionMetadata.build(starts, inputs.seq_lens, inputs.block_ids, self.cache.block_size, dev)
+        hidden = inputs.hidden_states.to(dev)
+        out = self.head(self.shared.embed(ids), hidden, positions, self.cache, meta)
+
+        rows = [i for i, p in enumerate(inputs.propose) if p]
+        if not rows or k == 0:
+            return DraftOutputs(inputs.step_id, [], torch.zeros(0, k, dtype=torch.long))
+        ends = last_rows(seq_lens)[rows].to(dev)
+        h = out[ends]
+        pos = positions[ends]
+        tables = [inputs.block_ids[i] for i in rows]
+        tok = self.shared.logits(h).argmax(-1)
+        drafts = [tok]
+        for _ in range(k - 1):
+            pos = pos + 1
+            meta = AttentionMetadata.build(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, dev)
+            h = self.head(self.shared.embed(tok), h, pos, self.cache, meta)
+            tok = self.shared.logits(h).argmax(-1)
+            drafts.append(tok)
+        return DraftOutputs(inputs.step_id, [inputs.request_ids[i] for i in rows], torch.stack(drafts, 1).cpu())

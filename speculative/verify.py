@@ -1,0 +1,68 @@
+"""Verification of K drafts against the target: rejection sampling that reduces to greedy matching.
+
+Terms. For one request with drafts d_1..d_K:
+- p_k: the target's distribution at draft position k (k = 0..K; p_K is the bonus position), after
+  temperature/top-k/top-p; a one-hot at the argmax when temperature is 0.
+- q_k: the distribution d_k was drawn from; a one-hot at d_k when the draft chose greedily.
+- Draft k is accepted when u_k < p_k(d_k) / q_k(d_k), and only if drafts 1..k-1 were accepted.
+- At the first rejected position j, one token is drawn from norm(max(0, p_j - q_j)); if all K are
+  accepted, the bonus token is drawn from p_K. So every verify step emits accepted + 1 tokens.
+This keeps the output distribution equal to the target's (Leviathan et al. 2023; Chen et al. 2023).
+With one-hot p and q the rule is exactly "longest prefix matching the target argmax, plus the argmax
+after it", so greedy speculative decoding is token-identical to target-only greedy decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.sampling import sample_from_uniform
+
+
+def verify(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    uniforms: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept a prefix of each row's drafts; returns (num_accepted [B], tokens [B, K+1]).
+
+    target_probs [B, K+1, V]; draft_tokens [B, K]; uniforms [B, K+1] in [0, 1) (the last one draws the
+    correction or bonus token); draft_probs [B, K, V] or None for one-hot drafts.
+    tokens[b, :num_accepted[b] + 1] are the emitted tokens; the rest is padding. No host sync.
+    """
+    bsz, k1, _ = target_probs.shape
+    k = k1 - 1
+    p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    accept = uniforms[:, :k] * q_draft < p_draft  # u < p/q without dividing by zero
+    num_accepted = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)  # [B]
+
+    residual = target_probs.clone()
+    if draft_probs is None:
+        one_hot = torch.zeros_like(residual[:, :k]).scatter_(-1, draft_tokens[..., None], 1.0)
+        residual[:, :k] = (residual[:, :k] - one_hot).clamp_(min=0)
+    else:
+        residual[:, :k] = (residual[:, :k] - draft_probs).clamp_(min=0)
+    rows = torch.arange(bsz, device=target_probs.device)
+    final_dist = residual[rows, num_accepted]  # [B, V]; p_K itself when all were accepted
+    empty = final_dist.sum(-1, keepdim=True) <= 0  # p == q exactly: fall back to p
+    final_dist = torch.where(empty, target_probs[rows, num_accepted], final_dist)
+    final_tok = sample_from_uniform(final_dist, uniforms[:, k])
+
+    tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
+    tokens[rows, num_accepted] = final_tok
+    return num_accepted, tokens
+
+
+def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy special case without distributions: target_argmax [B, K+1], draft_tokens [B, K].
+
+    Returns (num_accepted [B], tokens [B, K+1]) with tokens = target_argmax: the accepted drafts equal
+    it, and the token after them is the target's own choice (correction or bonus).
+    """
+    match = (draft_tokens == target_argmax[:, :-1]).to(torch.int64)
+    return torch.cumprod(match, dim=1).sum(dim=1), target_argmax

@@ -1,0 +1,48 @@
+"""Paged KV-cache storage: one fixed set of block tensors per model, indexed by slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """Key and value block tensors for every layer, shape [num_blocks, block_size, kv_heads, head_dim]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    block_size: int
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """Allocate zeroed caches once; their addresses stay fixed for the worker's life."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(keys, values, block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per layer."""
+        return self.keys[0].shape[0]
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (keys, values) [N, kv_heads, head_dim] stored at `slots` of one layer."""
+        k = self.keys[layer].view(-1, *self.keys[layer].shape[2:])[slots]
+        v = self.values[layer].view(-1, *self.values[layer].shape[2:])[slots]
+        return k, v
+
+    def nbytes(self) -> int:
+        """Total bytes held."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -1,0 +1,165 @@
+"""Target model runner: one forward over a StepPlan, then sampling/verification and the draft's inputs."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from proto.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from speculative.sampling import processed_probs, request_generator, sample_from_uniform
+from speculative.verify import verify, verify_greedy
+from workers.attention import AttentionMetadata
+from workers.kv_cache import KVCache
+from workers.model import LlamaModel
+
+
+class TargetRunner:
+    """Owns one rank's model and KV cache; every rank computes the same tokens (logits are gathered)."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, device: torch.device | str, lookahead_source: str = "prompt"):
+        self.model = model
+        self.cache = cache
+        self.device = torch.device(device)
+        self.lookahead_source = lookahead_source
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _gen(self, sp: SeqPlan) -> torch.Generator:
+        g = self._generators.get(sp.request_id)
+        if g is None:
+            g = self._generators[sp.request_id] = request_generator(sp.seed)
+        return g
+
+    @torch.no_grad()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Hidden states [T, d] for every scheduled row (writes the target KV)."""
+        dev = self.device
+        ids = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(s.start, s.end) for s in plan.seqs]).to(dev)
+        meta = AttentionMetadata.build(
+            [s.start for s in plan.seqs],
+            [len(s.token_ids) for s in plan.seqs],
+            [s.block_ids for s in plan.seqs],
+            self.cache.block_size,
+            dev,
+        )
+        return self.model(ids, positions, self.cache, meta)
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> TargetOutput:
+        """Run the step: forward, sample final context rows, verify drafts, and build DraftInputs."""
+        for rid in plan.finished_request_ids:
+            self._generators.pop(rid, None)
+        if not plan.seqs:
+            return TargetOutput(plan.step_id, [])
+        hidden = self.forward(plan)
+        starts: list[int] = []  # first hidden row of each sequence
+        spans: list[tuple[int, int]] = []  # each sequence's rows in `logits`
+        logit_rows: list[int] = []
+        off = 0
+        for s in plan.seqs:
+            n = len(s.token_ids)
+            starts.append(off)
+            picked = [off + n - 1] if s.is_context else list(range(off, off + n))
+            spans.append((len(logit_rows), len(logit_rows) + len(picked)))
+            logit_rows.extend(picked)
+            off += n
+        logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        tokens: list[list[int]] = [[] for _ in plan.seqs]
+        accepted = [0] * len(plan.seqs)
+        last_token = [0] * len(plan.seqs)
+        groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
+        for i, s in enumerate(plan.seqs):
+            groups[(s.temperature <= 0, -1 if s.is_context else s.num_draft_tokens)].append(i)
+        for (greedy, k), members in groups.items():
+            lg = logits[torch.tensor([list(range(*spans[i])) for i in members], device=self.device)]
+            if k == -1:
+                toks = self._sample_context(plan, members, lg[:, 0], greedy)
+                for i, t in zip(members, toks, strict=True):
+                    last_token[i] = t
+                    tokens[i] = [t] if plan.seqs[i].is_final_chunk else []
+                continue
+            drafts = torch.tensor([plan.seqs[i].token_ids[1:] for i in members], dtype=torch.long, device=self.device)
+            if greedy:
+                n_acc, out = verify_greedy(lg.argmax(-1), drafts)
+            else:
+                n_acc, out = self._verify_sampling(plan, members, lg, drafts)
+            for j, i in enumerate(members):
+                a = int(n_acc[j])
+                accepted[i] = a
+                tokens[i] = out[j, : a + 1].tolist()
+                last_token[i] = tokens[i][-1]
+        results = [
+            SeqResult(s.request_id, tokens[i], s.num_draft_tokens if not s.is_context else 0, accepted[i])
+            for i, s in enumerate(plan.seqs)
+        ]
+        draft_inputs = None
+        if plan.num_draft_tokens > 0:
+            draft_inputs = self._draft_inputs(plan, hidden, starts, accepted, last_token)
+        return TargetOutput(plan.step_id, results, draft_inputs)
+
+    def _sample_context(self, plan: StepPlan, members: list[int], logits: torch.Tensor, greedy: bool) -> list[int]:
+        if greedy:
+            return logits.argmax(-1).tolist()
+        seqs = [plan.seqs[i] for i in members]
+        probs = self._probs(seqs, logits)
+        u = torch.stack([torch.rand(1, generator=self._gen(s)) for s in seqs])[:, 0].to(self.device)
+        sampled = sample_from_uniform(probs, u)
+        guess = logits.argmax(-1)
+        final = torch.tensor([s.is_final_chunk for s in seqs], device=self.device)
+        return torch.where(final, sampled, guess).tolist()
+
+    def _probs(self, seqs: list[SeqPlan], logits: torch.Tensor) -> torch.Tensor:
+        reps = logits.shape[0] // len(seqs)
+        dev = self.device
+        t = torch.tensor([s.temperature for s in seqs], device=dev).repeat_interleave(reps)
+        k = torch.tensor([s.top_k for s in seqs], device=dev).repeat_interleave(reps)
+        p = torch.tensor([s.top_p for s in seqs], device=dev).repeat_interleave(reps)
+        return processed_probs(logits, t, k, p)
+
+    def _verify_sampling(
+        self, plan: StepPlan, members: list[int], logits: torch.Tensor, drafts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        seqs = [plan.seqs[i] for i in members]
+        g, k1, v = logits.shape
+        probs = self._probs(seqs, logits.reshape(g * k1, v)).reshape(g, k1, v)
+        u = torch.stack([torch.rand(k1, generator=self._gen(s)) for s in seqs]).to(self.device)
+        q = None
+        if all(s.draft_probs is not None for s in seqs):
+            q = torch.stack([s.draft_probs for s in seqs]).to(self.device)  # type: ignore[misc]
+        return verify(probs, drafts, u, q)
+
+    def _draft_inputs(
+        self, plan: StepPlan, hidden: torch.Tensor, starts: list[int], accepted: list[int], last_token: list[int]
+    ) -> DraftInputs:
+        rows: list[int] = []
+        seq_lens: list[int] = []
+        positions: list[int] = []
+        token_ids: list[int] = []
+        for i, s in enumerate(plan.seqs):
+            n = len(s.token_ids) if s.is_context else accepted[i] + 1
+            rows.extend(range(starts[i], starts[i] + n))
+            seq_lens.append(n)
+            positions.extend(range(s.start, s.start + n))
+            token_ids.extend(s.token_ids[:n])
+        ctx = [s for s in plan.seqs if s.is_context]
+        return DraftInputs(
+            step_id=plan.step_id,
+            request_ids=[s.request_id for s in plan.seqs],
+            token_ids=torch.tensor(token_ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            seq_lens=seq_lens,
+            is_context=[s.is_context for s in plan.seqs],
+            lookahead_tokens=torch.tensor([s.lookahead_token for s in ctx], dtype=torch.long),
+            sampled_tokens=torch.tensor(last_token, dtype=torch.long),
+            hidden_states=hidden[torch.tensor(rows, device=hidden.device)],
+            block_ids=[s.block_ids for s in plan.seqs],
+            propose=[(not s.is_context) or s.is_final_chunk for s in plan.seqs],
+            temperature=[s.temperature for s in plan.seqs],
+            top_p=[s.top_p for s in plan.seqs],
+            top_k=[s.top_k for s in plan.seqs],
+            seed=[s.seed for s in plan.seqs],
+            num_draft_tokens=plan.num_draft_tokens,
+            lookahead_source=self.lookahead_source,
+            finished_request_ids=list(plan.finished_request_ids),
+        )
