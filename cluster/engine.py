@@ -205,6 +205,13 @@ class LLMEngine:
             c.text = self.decode(c.token_ids)
         return [done[rid] for rid in ids]
 
+    def shutdown(self) -> None:
+        """Release executors (actors, process groups); the in-process engine has nothing to release."""
+        for part in (self.target, self.draft):
+            close = getattr(part, "shutdown", None)
+            if close is not None:
+                close()
+
     # ---- text ------------------------------------------------------------------------------------
     def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
         """Token ids for `text`, wrapped in the chat template unless chat is False."""

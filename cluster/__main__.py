@@ -1,0 +1,7 @@
+"""`python -m cluster` runs the mtpserve CLI."""
+
+import sys
+
+from cluster.cli import main
+
+sys.exit(main())

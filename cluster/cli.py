@@ -1,0 +1,47 @@
+"""`mtpserve` command line: one sub-command module per verb."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "serve": "cluster.cmd_serve",
+    "generate": "cluster.cmd_generate",
+    "bench": "cluster.cmd_bench",
+    "train-draft": "cluster.cmd_train",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every available sub-command."""
+    parser = argparse.ArgumentParser(
+        prog="mtpserve",
+        description="Speculative-decoding LLM service: a tensor-parallel target plus an MTP Eagle draft head.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        mod.add_parser(sub, name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `mtpserve` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

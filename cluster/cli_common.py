@@ -1,0 +1,75 @@
+"""Flags shared by sub-commands and their mapping onto MTPServeConfig."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from cluster.config import MTPServeConfig
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Model, speculation and scheduling flags used by serve, generate --local and bench."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--config", help="YAML config file; flags below override it")
+    g.add_argument("--model", help="HF Llama directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], help="dummy = random weights")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")
+    g.add_argument("--draft", help="draft head: 'default', 'random' (untrained, explicit), or a .safetensors path")
+    g.add_argument("--num-draft-tokens", type=int, help="K, draft tokens per step (1-8)")
+    g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
+    g.add_argument(
+        "--lookahead-source", choices=["prompt", "sampled"], help="'sampled' reproduces the pre-fix bug (ablation)"
+    )
+    g.add_argument("--chunk-size", type=int, help="max prompt tokens per request per step")
+    g.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
+    g.add_argument("--max-num-requests", type=int, help="concurrent running requests")
+    g.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: sized from max-num-requests)")
+    g.add_argument("--tp", type=int, help="tensor-parallel size (runs through Ray actors when > 1)")
+    g.add_argument("--draft-placement", choices=["separate", "colocated"], help="draft worker on its own device or not")
+    g.add_argument("--distributed", action="store_true", default=None, help="use Ray actors even at --tp 1")
+    g.add_argument("--address", help="existing Ray cluster address (default: start a local one)")
+
+
+def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
+    """Merge --config YAML with flag overrides; exits with a field-named message on bad values."""
+    a = vars(args)
+    overrides: dict[str, Any] = {
+        "model.path": a.get("model"),
+        "model.load_format": a.get("load_format"),
+        "model.device": a.get("device"),
+        "model.dtype": a.get("dtype"),
+        "model.max_model_len": a.get("max_model_len"),
+        "speculative.draft": a.get("draft"),
+        "speculative.num_draft_tokens": a.get("num_draft_tokens"),
+        "speculative.enabled": False if a.get("no_speculation") else None,
+        "speculative.lookahead_source": a.get("lookahead_source"),
+        "scheduler.chunk_size": a.get("chunk_size"),
+        "scheduler.max_num_batched_tokens": a.get("max_num_batched_tokens"),
+        "scheduler.max_num_requests": a.get("max_num_requests"),
+        "scheduler.num_kv_blocks": a.get("num_kv_blocks"),
+        "parallel.tp_size": a.get("tp"),
+        "parallel.draft_placement": a.get("draft_placement"),
+        "parallel.distributed": a.get("distributed"),
+        "parallel.ray_address": a.get("address"),
+        "server.host": a.get("host"),
+        "server.port": a.get("port"),
+        "server.metrics_port": a.get("metrics_port"),
+    }
+    try:
+        if a.get("config"):
+            return MTPServeConfig.from_yaml(a["config"], overrides)
+        return MTPServeConfig.from_dict({}, overrides)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "config"
+            print(f"mtpserve: invalid config: {loc}: {err['msg']}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (OSError, ValueError) as exc:
+        print(f"mtpserve: invalid config: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

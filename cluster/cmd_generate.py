@@ -1,0 +1,79 @@
+"""`mtpserve generate`: one prompt, in process (--local) or against a running server (--server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from cluster.cli_common import add_engine_flags, config_from_args
+from cluster.errors import MTPServeError
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    """Register the sub-command."""
+    p = sub.add_parser(
+        name,
+        help="generate text for one prompt",
+        description="Generate for one prompt, either with an in-process engine (--local) or through a running "
+        "`mtpserve serve` (--server HOST:PORT). Speculates whenever a draft head is configured.",
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", action="store_true", help="load the model in this process")
+    where.add_argument("--server", metavar="HOST:PORT", help="address of a running mtpserve gRPC server")
+    p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    p.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, finish_reason, stats")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds (--server)")
+    add_engine_flags(p)
+    p.set_defaults(func=run)
+
+
+def sampling_dict(args: argparse.Namespace) -> dict:
+    """SamplingParams fields from the flags."""
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate and print."""
+    if args.server:
+        from cluster.client import run_generate_cli
+
+        return run_generate_cli(args)
+    cfg = config_from_args(args)
+    from cluster.build import build_engine
+
+    try:
+        engine = build_engine(cfg)
+        ids = engine.encode_prompt(args.prompt, chat=not args.raw)
+        t0 = time.perf_counter()
+        (done,) = engine.generate([ids], sampling_dict(args))
+        elapsed = time.perf_counter() - t0
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if "engine" in locals():
+            engine.shutdown()
+    if args.json:
+        print(json.dumps(done.to_json()))
+    else:
+        print(done.text)
+        s = done.stats
+        line = f"[{len(done.token_ids)} tokens in {elapsed:.2f}s, finish={done.finish_reason}"
+        if s.verify_steps:
+            line += f", acceptance length {s.acceptance_length:.2f}, rate {s.acceptance_rate:.2f}"
+        print(line + "]", file=sys.stderr)
+    return 0
