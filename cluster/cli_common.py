@@ -24,7 +24,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-draft-tokens", type=int, help="K, draft tokens per step (1-8)")
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     g.add_argument(
-        "--lookahead-source", choices=["prompt", "sampled"], help="'sampled' reproduces the pre-fix bug (ablation)"
+        "--lookahead-source",
+        choices=["prompt", "sampled"],
+        help="'sampled' reproduces the pre-fix bug (ablation)",
     )
     g.add_argument("--chunk-size", type=int, help="max prompt tokens per request per step")
     g.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")

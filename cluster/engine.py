@@ -22,7 +22,7 @@ from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
 from speculative.stats import SpecStats
-from workers.loader import ModelSource, resolve_device, resolve_model, to_dtype
+from workers.loader import resolve_device, resolve_model, to_dtype
 from workers.model import LlamaArgs, LlamaModel
 from workers.runner import TargetRunner
 
@@ -104,20 +104,34 @@ class LLMEngine:
     def from_config(cls, cfg: MTPServeConfig, load_tokenizer: bool = True) -> LLMEngine:
         """Load the target (and draft) in this process."""
         source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
-        device = resolve_device(cfg.model.device)
-        dtype = to_dtype(cfg.model.dtype, device)
         args = source.args()
         weights = source.weights(seed=cfg.model.seed)
+        tok = source.tokenizer() if load_tokenizer and not source.dummy else None
+        return cls.from_weights(cfg, args, weights, tok)
+
+    @classmethod
+    def from_weights(
+        cls,
+        cfg: MTPServeConfig,
+        args: LlamaArgs,
+        weights: dict[str, torch.Tensor],
+        tokenizer: Any = None,
+        head: MTPEagleHead | None = None,
+    ) -> LLMEngine:
+        """Build from in-memory weights; `head` overrides the configured draft head."""
+        device = resolve_device(cfg.model.device)
+        dtype = to_dtype(cfg.model.dtype, device)
         model = build_target(args, weights, dtype, device)
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
         target = TargetRunner(model, cache, device, cfg.speculative.lookahead_source)
-        draft = build_draft(cfg, args, model, source, num_blocks, device, dtype)
+        if head is None:
+            head = load_head(cfg, args)
+        draft = build_draft(cfg, head, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
         k = cfg.speculative.num_draft_tokens if draft is not None else 0
         sched = Scheduler(cfg.scheduler, num_blocks, k, args.eos_ids(), max_len)
-        tok = source.tokenizer() if load_tokenizer and not source.dummy else None
-        return cls(cfg, args, sched, target, draft, tok)
+        return cls(cfg, args, sched, target, draft, tokenizer)
 
     # ---- requests --------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | dict[str, Any]) -> SamplingParams:
@@ -133,7 +147,8 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise InvalidRequestError(
-                "prompt", f"has {n} tokens; the model's maximum length is {self.max_model_len} (prompt + output)"
+                "prompt",
+                f"has {n} tokens; the model's maximum length is {self.max_model_len} (prompt + output)",
             )
         vocab = self.args.vocab_size
         for i, t in enumerate(prompt_token_ids):
@@ -146,7 +161,8 @@ class LLMEngine:
         sched = self.scheduler
         if sched.blocks.blocks_for(sched.slots_needed(total)) > sched.blocks.num_blocks:
             raise InvalidRequestError(
-                "max_tokens", f"prompt + max_tokens = {total} tokens do not fit in the KV cache; lower max_tokens"
+                "max_tokens",
+                f"prompt + max_tokens = {total} tokens do not fit in the KV cache; lower max_tokens",
             )
         return params
 
@@ -199,7 +215,11 @@ class LLMEngine:
                 tokens[o.request_id].extend(o.new_token_ids)
                 if o.finished:
                     done[o.request_id] = Completion(
-                        o.request_id, prompts_by_id[o.request_id], tokens[o.request_id], o.finish_reason, o.stats
+                        o.request_id,
+                        prompts_by_id[o.request_id],
+                        tokens[o.request_id],
+                        o.finish_reason,
+                        o.stats,
                     )
         for c in done.values():
             c.text = self.decode(c.token_ids)
@@ -242,7 +262,7 @@ def build_target(
     return model.to(device=device, dtype=dtype).eval()
 
 
-def load_head(cfg: MTPServeConfig, args: LlamaArgs, weights: dict[str, torch.Tensor]) -> MTPEagleHead | None:
+def load_head(cfg: MTPServeConfig, args: LlamaArgs) -> MTPEagleHead | None:
     """The configured draft head: shipped default, explicit path, explicit random, or None."""
     spec = cfg.speculative
     if not spec.enabled or spec.draft is None:
@@ -269,16 +289,13 @@ def load_head(cfg: MTPServeConfig, args: LlamaArgs, weights: dict[str, torch.Ten
 
 def build_draft(
     cfg: MTPServeConfig,
-    args: LlamaArgs,
+    head: MTPEagleHead | None,
     shared: LlamaModel,
-    source: ModelSource,
     num_blocks: int,
     device: str,
     dtype: torch.dtype,
 ) -> DraftMethod | None:
-    """The MTP Eagle chain for this config, sharing `shared`'s embedding and head, or None."""
-    del source
-    head = load_head(cfg, args, {})
+    """The MTP Eagle chain around `head`, sharing `shared`'s embedding and output head, or None."""
     if head is None:
         return None
     head = head.to(device=device, dtype=dtype).eval()

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from cluster.block_manager import BlockManager
 from cluster.config import SchedulerConfig
 from cluster.request import Request, RequestStatus
-from speculative.stats import SpecStats
 from proto.messages import DraftOutputs, SeqPlan, StepPlan, TargetOutput
+from speculative.stats import SpecStats
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_plan: list[str] = []
         self._step = 0
+        self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------------
     def slots_needed(self, num_tokens: int) -> int:
@@ -187,6 +188,7 @@ class Scheduler:
         req.draft_token_ids = []
         req.draft_probs = None
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.running.remove(req)
         self.waiting.appendleft(req)

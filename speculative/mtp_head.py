@@ -70,7 +70,7 @@ class MTPEagleHead(nn.Module):
         """Copy the target's last (or given) decoder layer into the head; eh_proj starts as [0 | I]."""
         idx = self.args.num_hidden_layers - 1 if layer is None else layer
         prefix = f"model.layers.{idx}."
-        sd = {k[len(prefix):]: v for k, v in target_weights.items() if k.startswith(prefix)}
+        sd = {k[len(prefix) :]: v for k, v in target_weights.items() if k.startswith(prefix)}
         self.layer.load_state_dict(sd)
         d = self.args.hidden_size
         with torch.no_grad():
@@ -89,10 +89,9 @@ class MTPEagleHead(nn.Module):
     def load(cls, path: str | Path, args: LlamaArgs) -> MTPEagleHead:
         """Read a head saved by `save`; shapes must match the target's architecture."""
         raw = load_file(str(path))
-        sd = {k[len(PREFIX):]: v for k, v in raw.items() if k.startswith(PREFIX)}
+        sd = {k[len(PREFIX) :]: v for k, v in raw.items() if k.startswith(PREFIX)}
         head = cls(args)
         missing, unexpected = head.load_state_dict(sd, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: draft head tensors missing {missing[:3]} / unexpected {unexpected[:3]}")
         return head
-

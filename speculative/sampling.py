@@ -12,7 +12,7 @@ def processed_probs(
 
     logits [N, V] float; temperature [N]; top_k [N] (0 = off); top_p [N] in (0, 1].
     """
-    n, v = logits.shape
+    v = logits.shape[-1]
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)

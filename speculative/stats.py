@@ -37,9 +37,11 @@ class SpecStats:
         n = max(len(self.accepted_per_position), len(other.accepted_per_position))
         for name in ("accepted_per_position", "drafted_per_position"):
             mine, theirs = getattr(self, name), getattr(other, name)
-            setattr(self, name, [
-                (mine[i] if i < len(mine) else 0) + (theirs[i] if i < len(theirs) else 0) for i in range(n)
-            ])
+            setattr(
+                self,
+                name,
+                [(mine[i] if i < len(mine) else 0) + (theirs[i] if i < len(theirs) else 0) for i in range(n)],
+            )
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,8 +55,7 @@ class SpecStats:
 
     def per_position_rates(self) -> list[float]:
         """Fraction of verify steps whose k-th draft was accepted."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position,
-                                                     strict=True)]
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)]
 
     def to_dict(self) -> dict[str, Any]:
         """The stats object of the `--json` contract."""

@@ -53,7 +53,7 @@ def verify(
     final_dist = torch.where(empty, target_probs[rows, num_accepted], final_dist)
     final_tok = sample_from_uniform(final_dist, uniforms[:, k])
 
-    tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
+    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(bsz, 1)], dim=1)
     tokens[rows, num_accepted] = final_tok
     return num_accepted, tokens
 

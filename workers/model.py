@@ -72,6 +72,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -235,7 +238,13 @@ class LlamaModel(nn.Module):
         """A paged cache sized for this rank's KV heads."""
         dtype = next(self.parameters()).dtype
         return KVCache.allocate(
-            len(self.layers), num_blocks, block_size, self.num_kv_heads_local, self.args.dim_per_head, dtype, device
+            len(self.layers),
+            num_blocks,
+            block_size,
+            self.num_kv_heads_local,
+            self.args.dim_per_head,
+            dtype,
+            device,
         )
 
     @torch.no_grad()
@@ -263,7 +272,11 @@ def load_sharded(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
         param.copy_(value.to(param.dtype))
 
     lo, hi = model.embed_tokens.range
-    put(model.embed_tokens.weight, _rows(take("model.embed_tokens.weight"), lo, hi), "model.embed_tokens.weight")
+    put(
+        model.embed_tokens.weight,
+        _rows(take("model.embed_tokens.weight"), lo, hi),
+        "model.embed_tokens.weight",
+    )
     if not model.args.tie_word_embeddings:
         name = "lm_head.weight"
         put(model.lm_head_weight, _rows(take(name), lo, hi), name)

@@ -99,15 +99,16 @@ class TargetRunner:
         return TargetOutput(plan.step_id, results, draft_inputs)
 
     def _sample_context(self, plan: StepPlan, members: list[int], logits: torch.Tensor, greedy: bool) -> list[int]:
-        if greedy:
-            return logits.argmax(-1).tolist()
-        seqs = [plan.seqs[i] for i in members]
-        probs = self._probs(seqs, logits)
-        u = torch.stack([torch.rand(1, generator=self._gen(s)) for s in seqs])[:, 0].to(self.device)
-        sampled = sample_from_uniform(probs, u)
-        guess = logits.argmax(-1)
-        final = torch.tensor([s.is_final_chunk for s in seqs], device=self.device)
-        return torch.where(final, sampled, guess).tolist()
+        """Final chunks sample their first token; non-final chunks report the argmax guess (ablation only)."""
+        out = logits.argmax(-1)
+        final = [j for j, i in enumerate(members) if plan.seqs[i].is_final_chunk]
+        if greedy or not final:
+            return out.tolist()
+        seqs = [plan.seqs[members[j]] for j in final]
+        probs = self._probs(seqs, logits[final])
+        u = torch.cat([torch.rand(1, generator=self._gen(s)) for s in seqs]).to(self.device)
+        out[final] = sample_from_uniform(probs, u)
+        return out.tolist()
 
     def _probs(self, seqs: list[SeqPlan], logits: torch.Tensor) -> torch.Tensor:
         reps = logits.shape[0] // len(seqs)
@@ -130,7 +131,12 @@ class TargetRunner:
         return verify(probs, drafts, u, q)
 
     def _draft_inputs(
-        self, plan: StepPlan, hidden: torch.Tensor, starts: list[int], accepted: list[int], last_token: list[int]
+        self,
+        plan: StepPlan,
+        hidden: torch.Tensor,
+        starts: list[int],
+        accepted: list[int],
+        last_token: list[int],
     ) -> DraftInputs:
         rows: list[int] = []
         seq_lens: list[int] = []

@@ -1,0 +1,1 @@
+"""Deployment assets for mtpserve: KubeRay manifests, a kustomize-compatible renderer, validators."""

@@ -1,0 +1,243 @@
+"""Cross-file checks for one rendered deployment: do the pieces agree with each other?
+
+The service config (ConfigMap config.yaml, loaded with MTPServeConfig) is the source of truth for
+the gRPC and metrics ports. Against it, check_consistency compares the Service, the Ray head's
+container ports and probes, the PodMonitor, the Dockerfile's EXPOSE, the image everywhere, the
+RayJob's --config path, the GPU worker groups and every container's security settings.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from deploy.render import Doc
+from deploy.validate import REPO_ROOT, json_path, pod_templates
+
+IMAGE = "ghcr.io/mtpserve/mtpserve:0.1.0"
+DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile"
+CONFIG_KEY = "config.yaml"
+GPU = "nvidia.com/gpu"
+
+
+def project_version(pyproject: Path = REPO_ROOT / "pyproject.toml") -> str:
+    """The [project] version string of pyproject.toml."""
+    match = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(encoding="utf-8"), re.M)
+    if match is None:
+        raise ValueError(f"{pyproject}: no version")
+    return match.group(1)
+
+
+def dockerfile_exposed_ports(text: str) -> set[int]:
+    """Port numbers of every EXPOSE instruction (protocol suffixes dropped)."""
+    ports: set[int] = set()
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0].upper() == "EXPOSE":
+            ports.update(int(w.split("/")[0]) for w in words[1:])
+    return ports
+
+
+def _by_kind(docs: list[Doc], kind: str) -> list[Doc]:
+    return [d for d in docs if d.get("kind") == kind]
+
+
+def _label(doc: Doc) -> str:
+    return f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}"
+
+
+def load_service_config(docs: list[Doc]) -> tuple[Any, Doc]:
+    """(MTPServeConfig, ConfigMap) of the one ConfigMap that carries config.yaml."""
+    from cluster.config import MTPServeConfig
+
+    maps = [d for d in _by_kind(docs, "ConfigMap") if CONFIG_KEY in (d.get("data") or {})]
+    if len(maps) != 1:
+        raise ValueError(f"expected one ConfigMap with {CONFIG_KEY}, found {len(maps)}")
+    data = yaml.safe_load(maps[0]["data"][CONFIG_KEY]) or {}
+    return MTPServeConfig.from_dict(data), maps[0]
+
+
+def head_templates(docs: list[Doc]) -> Iterator[tuple[Doc, list[Any], Doc]]:
+    """(owner, path, template) of every Ray head pod template."""
+    for doc in docs:
+        for path, template in pod_templates(doc):
+            if "headGroupSpec" in path:
+                yield doc, path, template
+
+
+def _ports(container: Doc) -> dict[str, int]:
+    return {p.get("name"): p.get("containerPort") for p in container.get("ports") or [] if p.get("name")}
+
+
+def _head_labels(template: Doc) -> dict[str, str]:
+    labels = dict((template.get("metadata") or {}).get("labels") or {})
+    labels["ray.io/node-type"] = "head"  # KubeRay sets it on every head pod
+    return labels
+
+
+def _selects(selector: Any, labels: dict[str, str]) -> bool:
+    if not isinstance(selector, dict) or not selector:
+        return False
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _service_errors(docs: list[Doc], cfg: Any, heads: list[Doc]) -> Iterator[str]:
+    wanted = {"grpc": cfg.server.port, "metrics": cfg.server.metrics_port}
+    for svc in _by_kind(docs, "Service"):
+        spec = svc.get("spec") or {}
+        ports = {p.get("name"): (i, p) for i, p in enumerate(spec.get("ports") or [])}
+        for name, number in wanted.items():
+            if name not in ports:
+                yield f"{_label(svc)}: no port named {name!r}"
+                continue
+            i, port = ports[name]
+            if port.get("port") != number:
+                yield f"{_label(svc)}: {json_path(['spec', 'ports', i, 'port'])}: {port.get('port')} != {number}"
+            if port.get("targetPort") not in (name, number):
+                yield f"{_label(svc)}: {json_path(['spec', 'ports', i, 'targetPort'])}: not {name!r}/{number}"
+        if ports.get("grpc", (0, {}))[1].get("appProtocol") != "grpc":
+            yield f"{_label(svc)}: the grpc port needs appProtocol: grpc"
+        if not any(_selects(spec.get("selector") or {}, _head_labels(h)) for h in heads):
+            yield f"{_label(svc)}: selector {spec.get('selector')} matches no Ray head pod"
+
+
+def _pod_monitor_errors(docs: list[Doc], heads: list[Doc]) -> Iterator[str]:
+    for mon in _by_kind(docs, "PodMonitor"):
+        spec = mon.get("spec") or {}
+        matching = [h for h in heads if _selects((spec.get("selector") or {}).get("matchLabels"), _head_labels(h))]
+        if not matching:
+            yield f"{_label(mon)}: selector matches no Ray head pod"
+        for i, ep in enumerate(spec.get("podMetricsEndpoints") or []):
+            for head in matching:
+                if ep.get("port") not in _ports(head["spec"]["containers"][0]):
+                    where = json_path(["spec", "podMetricsEndpoints", i, "port"])
+                    yield f"{_label(mon)}: {where}: no head container port named {ep.get('port')!r}"
+
+
+def jobs_running_on(owner: Doc, docs: list[Doc]) -> list[Doc]:
+    """The RayJobs whose driver runs on owner's head: owner itself, or clusterSelector jobs aimed at it."""
+    if owner.get("kind") == "RayJob":
+        return [owner]
+    name = (owner.get("metadata") or {}).get("name")
+    return [
+        j
+        for j in _by_kind(docs, "RayJob")
+        if ((j.get("spec") or {}).get("clusterSelector") or {}).get("ray.io/cluster") == name
+    ]
+
+
+def _config_mount(template: Doc, config_map: Doc) -> str | None:
+    container = template["spec"]["containers"][0]
+    volumes = {v.get("name"): v for v in template["spec"].get("volumes") or []}
+    for mount in container.get("volumeMounts") or []:
+        source = (volumes.get(mount.get("name")) or {}).get("configMap") or {}
+        if source.get("name") == config_map["metadata"]["name"]:
+            return str(mount.get("mountPath", "")).rstrip("/")
+    return None
+
+
+def _head_errors(
+    owner: Doc, path: list[Any], template: Doc, cfg: Any, config_map: Doc, jobs: list[Doc]
+) -> Iterator[str]:
+    where = f"{_label(owner)}: {json_path(path)}"
+    container = template["spec"]["containers"][0]
+    ports = _ports(container)
+    for name, number in (("grpc", cfg.server.port), ("metrics", cfg.server.metrics_port)):
+        if ports.get(name) != number:
+            yield f"{where}: container port {name!r} is {ports.get(name)}, config says {number}"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        grpc = (container.get(probe) or {}).get("grpc")
+        if grpc is not None and grpc.get("port") != cfg.server.port:
+            yield f"{where}: {probe}.grpc.port is {grpc.get('port')}, config says {cfg.server.port}"
+    head_spec = _group_of(owner, path)
+    if str((head_spec.get("rayStartParams") or {}).get("num-gpus")) != "0":
+        yield f"{where}: the head must start with rayStartParams num-gpus: '0'"
+    mount = _config_mount(template, config_map)
+    if mount is None:
+        yield f"{where}: the head does not mount ConfigMap {config_map['metadata']['name']}"
+        return
+    if not jobs:
+        yield f"{where}: no RayJob runs on this head"
+    for job in jobs:
+        config_arg = f"--config {mount}/{CONFIG_KEY}"
+        if config_arg not in str((job.get("spec") or {}).get("entrypoint", "")):
+            yield f"{_label(job)}: entrypoint does not pass {config_arg!r}"
+
+
+def _gpu_errors(docs: list[Doc], cfg: Any) -> Iterator[str]:
+    total = 0
+    for doc in docs:
+        for path, template in pod_templates(doc):
+            if "workerGroupSpecs" not in path:
+                continue
+            res = template["spec"]["containers"][0].get("resources") or {}
+            req, lim = (res.get("requests") or {}).get(GPU), (res.get("limits") or {}).get(GPU)
+            if req is None and lim is None:
+                continue
+            where = f"{_label(doc)}: {json_path(path)}"
+            if req != lim:
+                yield f"{where}: {GPU} requests ({req}) and limits ({lim}) differ"
+            tolerations = template["spec"].get("tolerations") or []
+            if not any(t.get("key") == GPU for t in tolerations):
+                yield f"{where}: GPU workers need a toleration for {GPU}"
+            group = _group_of(doc, path)
+            total += int(lim or 0) * int(group.get("replicas", 1))
+    if cfg.model.device == "cuda" and total < cfg.parallel.tp_size:
+        yield f"parallel.tp_size is {cfg.parallel.tp_size} but the worker groups have {total} GPUs"
+    if cfg.model.device == "cpu" and total:
+        yield f"model.device is cpu but the worker groups request {total} GPUs"
+
+
+def _group_of(doc: Doc, path: list[Any]) -> Doc:
+    node: Any = doc
+    for part in path[:-1]:
+        node = node[part]
+    return node
+
+
+def _container_errors(docs: list[Doc], image: str) -> Iterator[str]:
+    for doc in docs:
+        for path, template in pod_templates(doc):
+            pod_sc = template["spec"].get("securityContext") or {}
+            for kind in ("initContainers", "containers"):
+                for i, c in enumerate(template["spec"].get(kind) or []):
+                    where = f"{_label(doc)}: {json_path([*path, 'spec', kind, i])}"
+                    sc = {**pod_sc, **(c.get("securityContext") or {})}
+                    if c.get("image") != image:
+                        yield f"{where}: image {c.get('image')!r} is not {image!r}"
+                    if not (c.get("resources") or {}).get("requests"):
+                        yield f"{where}: no resource requests"
+                    if sc.get("runAsNonRoot") is not True or sc.get("runAsUser") != 1000:
+                        yield f"{where}: must run as non-root user 1000"
+                    if (c.get("securityContext") or {}).get("allowPrivilegeEscalation") is not False:
+                        yield f"{where}: allowPrivilegeEscalation must be false"
+
+
+def check_consistency(docs: list[Doc], dockerfile: Path | None = DOCKERFILE, image: str = IMAGE) -> list[str]:
+    """Every disagreement between the objects of one rendered deployment (and the Dockerfile)."""
+    try:
+        cfg, config_map = load_service_config(docs)
+    except Exception as exc:  # a config that does not load is itself the finding
+        return [f"service config: {exc}"]
+    errors: list[str] = []
+    if image.rsplit(":", 1)[-1] != project_version():
+        errors.append(f"image tag of {image} differs from the project version {project_version()}")
+    heads = list(head_templates(docs))
+    if not heads:
+        errors.append("no Ray head pod template (RayCluster or RayJob.rayClusterSpec)")
+    for owner, path, template in heads:
+        errors.extend(_head_errors(owner, path, template, cfg, config_map, jobs_running_on(owner, docs)))
+    errors.extend(_service_errors(docs, cfg, [t for _, _, t in heads]))
+    errors.extend(_pod_monitor_errors(docs, [t for _, _, t in heads]))
+    errors.extend(_gpu_errors(docs, cfg))
+    errors.extend(_container_errors(docs, image))
+    if dockerfile is not None:
+        exposed = dockerfile_exposed_ports(Path(dockerfile).read_text(encoding="utf-8"))
+        for port in (cfg.server.port, cfg.server.metrics_port):
+            if port not in exposed:
+                errors.append(f"{dockerfile}: EXPOSE lacks {port}")
+    return errors

@@ -1,0 +1,16 @@
+"""Shared pytest setup: repo root on sys.path, single-threaded torch for stable CPU timings."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (str(ROOT), str(ROOT / "tests")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,0 +1,57 @@
+"""Sampling: seeded reproducibility, top-k / top-p support, stop conditions."""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.sampling import processed_probs, sample_from_uniform
+
+from tiny import random_prompts, tiny_args, tiny_engine, tiny_weights
+
+
+def test_top_k_and_top_p_restrict_support() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    one = torch.ones(1)
+    k2 = processed_probs(logits, one, torch.tensor([2]), one)
+    assert torch.allclose(k2, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+    p07 = processed_probs(logits, one, torch.tensor([0]), torch.tensor([0.7]))
+    assert torch.allclose(p07, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+    full = processed_probs(logits, one, torch.tensor([0]), one)
+    assert torch.allclose(full, torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    greedy = processed_probs(logits, torch.zeros(1), torch.tensor([0]), one)
+    assert greedy.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_inverse_cdf_sampling_frequencies() -> None:
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3]).expand(40000, 4)
+    u = torch.rand(40000, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(sample_from_uniform(probs, u), minlength=4).float() / 40000
+    assert counts[1] == 0
+    assert torch.allclose(counts, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.01)
+
+
+def test_seeded_sampling_reproducible_and_seed_sensitive() -> None:
+    args = tiny_args()
+    w = tiny_weights(args)
+    p = random_prompts(2, args.vocab_size, [9, 14], seed=4)
+    params = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 123}
+    a = [c.token_ids for c in tiny_engine(args, w).generate(p, params)]
+    b = [c.token_ids for c in tiny_engine(args, w, scheduler={"chunk_size": 4}).generate(p, params)]
+    c = [c.token_ids for c in tiny_engine(args, w).generate(p, {**params, "seed": 124})]
+    assert a == b
+    assert a != c
+
+
+def test_stop_token_and_eos_and_length() -> None:
+    args = tiny_args(eos_token_id=7)
+    w = tiny_weights(args)
+    p = random_prompts(1, args.vocab_size, [10], seed=1)
+    free = tiny_engine(args, w).generate(p, {"max_tokens": 40, "ignore_eos": True})[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 40
+    stop_tok = free.token_ids[5]
+    first = free.token_ids.index(stop_tok)
+    stopped = tiny_engine(args, w).generate(p, {"max_tokens": 40, "ignore_eos": True, "stop_token_ids": [stop_tok]})
+    assert stopped[0].finish_reason == "stop" and stopped[0].token_ids == free.token_ids[: first + 1]
+    if 7 in free.token_ids:
+        eos = tiny_engine(args, w).generate(p, {"max_tokens": 40})[0]
+        assert eos.finish_reason == "stop" and eos.token_ids[-1] == 7

@@ -1,0 +1,172 @@
+"""Context-chunk scheduler driven by a fake model output."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.config import SchedulerConfig
+from cluster.request import Request, SamplingParams
+from cluster.scheduler import Scheduler
+from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
+
+from tiny import random_prompts, tiny_args, tiny_engine, tiny_weights
+
+
+class FakeTarget:
+    """Emits token (sum of the sequence so far) % 50 + 1 at each sampled row; records every plan."""
+
+    def __init__(self) -> None:
+        self.plans: list[StepPlan] = []
+        self.sequences: dict[str, list[int]] = {}
+
+    def execute(self, plan: StepPlan) -> TargetOutput:
+        self.plans.append(plan)
+        results = []
+        for s in plan.seqs:
+            seq = self.sequences.setdefault(s.request_id, [])
+            if s.start == 0:
+                seq.clear()
+            del seq[s.start :]
+            seq.extend(s.token_ids)
+            new = [sum(seq) % 50 + 1] if s.is_final_chunk else []
+            results.append(SeqResult(s.request_id, new))
+        return TargetOutput(plan.step_id, results)
+
+
+def run(sched: Scheduler, fake: FakeTarget, max_steps: int = 10_000) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule()
+        for o in sched.update(plan, fake.execute(plan), None):
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert not sched.has_unfinished()
+    return out
+
+
+def make(budget: int = 16, chunk: int = 5, blocks: int = 64, k: int = 0, max_requests: int = 4) -> Scheduler:
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, chunk_size=chunk, max_num_requests=max_requests, block_size=4)
+    return Scheduler(cfg, blocks, k, eos_token_ids=[], max_model_len=1000)
+
+
+def test_budget_coverage_and_final_flags() -> None:
+    sched, fake = make(), FakeTarget()
+    prompts = random_prompts(6, 90, [13, 1, 4, 22, 5, 9], seed=1)
+    for i, p in enumerate(prompts):
+        sched.add(Request(f"r{i}", p, SamplingParams(max_tokens=6)))
+    out = run(sched, fake)
+    assert all(len(out[f"r{i}"]) == 6 for i in range(6))
+    covered: dict[str, list[int]] = {}
+    for plan in fake.plans:
+        assert plan.num_tokens <= 16
+        assert len({s.request_id for s in plan.seqs}) == len(plan.seqs)
+        for s in plan.seqs:
+            if not s.is_context:
+                continue
+            got = covered.setdefault(s.request_id, [])
+            assert s.start == len(got), "context chunks must be contiguous and in order"
+            got.extend(s.token_ids)
+            prompt = prompts[int(s.request_id[1:])]
+            assert s.is_final_chunk == (s.end == len(prompt))
+            assert s.lookahead_token == (-1 if s.is_final_chunk else prompt[s.end])
+    for i, p in enumerate(prompts):
+        assert covered[f"r{i}"] == p, "every prompt token is computed exactly once, in order"
+    assert sched.blocks.num_free == 64
+
+
+def test_continuous_batching_admits_between_steps() -> None:
+    sched, fake = make(), FakeTarget()
+    sched.add(Request("a", [1] * 20, SamplingParams(max_tokens=30)))
+    for _ in range(6):
+        plan = sched.schedule()
+        sched.update(plan, fake.execute(plan), None)
+    sched.add(Request("b", [2] * 3, SamplingParams(max_tokens=3)))
+    plan = sched.schedule()
+    assert {s.request_id for s in plan.seqs} == {"a", "b"}
+    sched.update(plan, fake.execute(plan), None)
+    run(sched, fake)
+
+
+def test_preemption_frees_blocks_and_resume_recomputes_identically() -> None:
+    prompts = random_prompts(4, 90, [15, 11, 19, 7], seed=2)
+    ref_sched, ref_fake = make(blocks=200), FakeTarget()
+    for i, p in enumerate(prompts):
+        ref_sched.add(Request(f"r{i}", p, SamplingParams(max_tokens=20)))
+    ref = run(ref_sched, ref_fake)
+    sched, fake = make(blocks=16), FakeTarget()
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add(r)
+    free_seen = []
+    out: dict[str, list[int]] = {}
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        held = sum(len(r.block_ids) for r in sched.running)
+        assert held + sched.blocks.num_free == 16, "blocks are held by running requests or free, never lost"
+        for o in sched.update(plan, fake.execute(plan), None):
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        free_seen.append(sched.blocks.num_free)
+    assert sum(r.num_preemptions for r in reqs) > 0, "the small cache must force preemption"
+    assert out == ref
+    assert sched.blocks.num_free == 16
+
+
+def test_preempted_context_recomputes_prompt_plus_output() -> None:
+    sched, fake = make(blocks=200, chunk=4), FakeTarget()
+    req = Request("x", list(range(1, 10)), SamplingParams(max_tokens=5))
+    sched.add(req)
+    while len(req.output_token_ids) < 2:
+        plan = sched.schedule()
+        sched.update(plan, fake.execute(plan), None)
+    sched._preempt(req)
+    assert req.block_ids == [] and req.num_computed_tokens == 0 and req.in_context
+    plan = sched.schedule()
+    (s,) = plan.seqs
+    assert s.is_context and s.start == 0 and s.token_ids == req.all_token_ids[:4]
+    assert s.lookahead_token == req.all_token_ids[4]
+
+
+def test_speculative_slots_and_drafts_are_planned() -> None:
+    sched, fake = make(k=3), FakeTarget()
+    sched.add(Request("a", [5, 6, 7], SamplingParams(max_tokens=8)))
+    plan = sched.schedule()
+    out = fake.execute(plan)
+    sched.update(plan, out, DraftOutputs(plan.step_id, ["a"], __import__("torch").tensor([[1, 2, 3]])))
+    plan = sched.schedule()
+    (s,) = plan.seqs
+    assert not s.is_context and s.token_ids[1:] == [1, 2, 3] and s.num_draft_tokens == 3
+    assert len(sched.requests["a"].block_ids) * 4 >= s.end + 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_workload_never_leaks(seed: int) -> None:
+    rng = random.Random(seed)
+    sched, fake = make(budget=rng.randint(4, 20), chunk=rng.randint(1, 8), blocks=40), FakeTarget()
+    n = 12
+    for i in range(n):
+        p = [rng.randrange(1, 90) for _ in range(rng.randint(1, 30))]
+        sched.add(Request(f"r{i}", p, SamplingParams(max_tokens=rng.randint(1, 12))))
+    aborted = {"r3", "r7"}
+    for _ in range(3):
+        plan = sched.schedule()
+        sched.update(plan, fake.execute(plan), None)
+    for rid in aborted:
+        sched.abort(rid)
+    out = run(sched, fake)
+    assert set(out) | aborted >= {f"r{i}" for i in range(n)} - aborted
+    assert sched.blocks.num_free == 40
+
+
+def test_real_engine_preemption_resume_matches_unpreempted() -> None:
+    args = tiny_args()
+    w = tiny_weights(args)
+    prompts = random_prompts(4, args.vocab_size, [30, 25, 18, 33], seed=9)
+    ref = [c.token_ids for c in tiny_engine(args, w).generate(prompts, {"max_tokens": 24})]
+    eng = tiny_engine(args, w, scheduler={"num_kv_blocks": 14, "chunk_size": 7, "max_num_batched_tokens": 20})
+    got = eng.generate(prompts, {"max_tokens": 24})
+    assert eng.scheduler.num_preemptions > 0
+    assert [c.token_ids for c in got] == ref
+    assert eng.scheduler.blocks.num_free == 14

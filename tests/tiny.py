@@ -1,0 +1,124 @@
+"""Tiny random Llama targets, draft heads and engines for fast CPU tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cluster.config import MTPServeConfig
+from cluster.engine import LLMEngine
+from speculative.mtp_head import MTPEagleHead
+from workers.model import LlamaArgs, random_llama_weights
+
+
+def tiny_args(**overrides: Any) -> LlamaArgs:
+    """A 2-layer GQA Llama with a small vocabulary."""
+    base: dict[str, Any] = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        eos_token_id=None,
+    )
+    base.update(overrides)
+    return LlamaArgs(**base)
+
+
+def tiny_weights(args: LlamaArgs, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights peaky enough that greedy choices are not near-ties."""
+    return random_llama_weights(args, seed=seed, std=0.15)
+
+
+def tiny_head(args: LlamaArgs, weights: dict[str, torch.Tensor] | None = None, seed: int = 1) -> MTPEagleHead:
+    """A draft head: copied from the target's last layer when weights are given (some acceptance), else random."""
+    head = MTPEagleHead(args)
+    if weights is None:
+        head.init_random(seed=seed, std=0.15)
+    else:
+        head.init_from_target(weights)
+    return head
+
+
+def engine_config(**sections: dict[str, Any]) -> MTPServeConfig:
+    """A CPU fp32 config with small caches; keyword arguments are config sections."""
+    data: dict[str, Any] = {
+        "model": {"device": "cpu", "dtype": "float32"},
+        "scheduler": {"num_kv_blocks": 256, "block_size": 8, "max_num_requests": 8},
+        "speculative": {"draft": None, "num_draft_tokens": 3},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return MTPServeConfig.model_validate(data)
+
+
+def tiny_engine(
+    args: LlamaArgs,
+    weights: dict[str, torch.Tensor],
+    head: MTPEagleHead | None = None,
+    **sections: dict[str, Any],
+) -> LLMEngine:
+    """An in-process engine over the given weights; speculation is on iff a head is given."""
+    cfg = engine_config(**sections)
+    if head is None:
+        cfg = cfg.model_copy(update={"speculative": cfg.speculative.model_copy(update={"enabled": False})})
+    else:
+        head = _clone(head, args)
+    return LLMEngine.from_weights(cfg, args, weights, head=head)
+
+
+def _clone(head: MTPEagleHead, args: LlamaArgs) -> MTPEagleHead:
+    copy = MTPEagleHead(args)
+    copy.load_state_dict(head.state_dict())
+    return copy
+
+
+def slots_of(block_ids: list[int], block_size: int, n: int) -> torch.Tensor:
+    """Cache slots of positions [0, n) for a block table."""
+    pos = torch.arange(n)
+    return torch.tensor(block_ids)[pos // block_size] * block_size + pos % block_size
+
+
+def draft_kv(engine: LLMEngine, request_id: str, n: int) -> torch.Tensor:
+    """The draft head's K and V for positions [0, n) of a running request, stacked [2, n, H, D]."""
+    req = engine.scheduler.requests[request_id]
+    cache = engine.draft.cache  # type: ignore[union-attr]
+    k, v = cache.gather(0, slots_of(req.block_ids, cache.block_size, n))
+    return torch.stack([k, v]).clone()
+
+
+def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Reproducible random token prompts."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def mimic_head(args: LlamaArgs, weights: dict[str, torch.Tensor]) -> MTPEagleHead:
+    """For a 1-layer target with unit-RMS embeddings: a head that re-runs the target layer on the next token.
+
+    eh_proj passes only the (normalised) token embedding, so draft row i computes nearly the target's
+    hidden state at i+1 (it misses only token 0): high but imperfect acceptance, exercising both the
+    accept and the reject paths of verification.
+    """
+    assert args.num_hidden_layers == 1
+    head = MTPEagleHead(args)
+    head.init_from_target(weights, layer=0)
+    d = args.hidden_size
+    with torch.no_grad():
+        head.eh_proj.weight.zero_()
+        head.eh_proj.weight[:, :d] = torch.eye(d)
+    return head
+
+
+def mimic_target(seed: int = 0) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
+    """A 1-layer tiny target whose embeddings have unit RMS (pairs with `mimic_head`)."""
+    args = tiny_args(num_hidden_layers=1)
+    w = tiny_weights(args, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    w["model.embed_tokens.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g)
+    w["lm_head.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g) * 0.3
+    return args, w
