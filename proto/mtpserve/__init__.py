@@ -1,0 +1,1 @@
+"""mtpserve protobuf packages."""

@@ -1,0 +1,191 @@
+"""Shared fixtures of the service tests: tiny model directories and an `mtpserve serve` subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+SERVING_LINE = re.compile(r"mtpserve: serving gRPC on (?P<host>\S+):(?P<port>\d+), metrics on :(?P<metrics>\d+)")
+
+
+def tiny_config(vocab_size: int, num_layers: int = 1) -> dict[str, Any]:
+    """HF config.json of a tiny Llama (hidden 64, 4 heads, 2 KV heads, 512 positions)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def write_dummy_model(directory: Path, vocab_size: int = 256) -> Path:
+    """A config.json-only model directory for `--load-format dummy` (random weights, no tokenizer)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(vocab_size, num_layers=2)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+def default_tokenizer_dir() -> Path:
+    """The converted default model's directory (holds SmolLM2's tokenizer and chat template)."""
+    from workers.loader import convert_gguf, default_gguf_path
+
+    return convert_gguf(default_gguf_path())
+
+
+def write_tiny_model(directory: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny 1-layer random Llama in safetensors with SmolLM2's tokenizer, and a draft head for it.
+
+    The head re-runs the target's layer on the next token (eh_proj passes only the token embedding),
+    so some drafts are accepted. Returns (model directory, head path).
+    """
+    from speculative.mtp_head import MTPEagleHead
+    from workers.model import LlamaArgs, random_llama_weights
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(49152, num_layers=1)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    src = default_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, directory / name)
+    args = LlamaArgs.from_hf_dict(cfg)
+    weights = random_llama_weights(args, seed=seed, std=0.15)
+    g = torch.Generator().manual_seed(seed + 7)
+    weights["model.embed_tokens.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g)
+    weights["lm_head.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g) * 0.3
+    save_file(weights, str(directory / "model.safetensors"))
+    head = MTPEagleHead(args)
+    head.init_from_target(weights, layer=0)
+    with torch.no_grad():
+        head.eh_proj.weight.zero_()
+        head.eh_proj.weight[:, : args.hidden_size] = torch.eye(args.hidden_size)
+    head_path = directory / "draft.safetensors"
+    head.save(head_path)
+    return directory, head_path
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for child processes: repo on PYTHONPATH, one torch thread (the CPU is shared)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env.update(extra)
+    return env
+
+
+class ServeProcess:
+    """`python -m cluster serve ... --port 0 --metrics-port 0` in a subprocess; parses the bound ports."""
+
+    def __init__(self, args: list[str], startup_timeout: float = 120.0) -> None:
+        self.cmd = [sys.executable, "-m", "cluster", "serve", "--host", "127.0.0.1", "--port", "0"]
+        self.cmd += ["--metrics-port", "0", *args]
+        self.startup_timeout = startup_timeout
+        self.lines: list[str] = []
+        self.port = 0
+        self.metrics_port = 0
+        self._ready = threading.Event()
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port of the gRPC server."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        """Everything the server printed so far."""
+        return "".join(self.lines)
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = SERVING_LINE.search(line)
+            if m:
+                self.port, self.metrics_port = int(m["port"]), int(m["metrics"])
+                self._ready.set()
+        self._ready.set()
+
+    def start(self) -> ServeProcess:
+        """Start and wait for the serving line; raises with the server's output if it does not come."""
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(self.startup_timeout) or not self.port:
+            self.stop()
+            raise RuntimeError(f"mtpserve serve did not start:\n{self.log}")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        """Signal the server and wait; returns its exit code (kills it if it hangs)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_for(predicate: Any, timeout: float = 15.0, interval: float = 0.1) -> Any:
+    """Poll `predicate()` until it returns something truthy; returns it, or raises TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout}s (last value {value!r})")
+        time.sleep(interval)
+
+
+def rpc_error(fn: Any) -> grpc.RpcError:
+    """Run `fn`, expecting a grpc.RpcError; returns it (fails the test if nothing was raised)."""
+    try:
+        fn()
+    except grpc.RpcError as exc:
+        return exc
+    raise AssertionError("expected a gRPC error, the call succeeded")

@@ -1,0 +1,79 @@
+"""Rejection sampling keeps the target's distribution, with an accept rate that matches theory."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+from speculative.verify import verify, verify_greedy
+
+V = 6
+TRIALS = 40_000
+
+
+def expected(p: torch.Tensor, counts: torch.Tensor):
+    """Expected counts under p, summing exactly to the observed total."""
+    pd = p.double() / p.double().sum()
+    return (pd * counts.sum()).numpy()
+
+
+def _dists() -> tuple[torch.Tensor, torch.Tensor]:
+    p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
+    q = torch.tensor([0.02, 0.05, 0.08, 0.15, 0.30, 0.40])  # deliberately unlike p
+    return p, q
+
+
+def test_first_token_distribution_and_accept_rate() -> None:
+    p, q = _dists()
+    g = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q, TRIALS, replacement=True, generator=g)[:, None]  # [N, 1]
+    target = torch.stack([p, p])[None].expand(TRIALS, 2, V)
+    u = torch.rand(TRIALS, 2, generator=g)
+    n_acc, tokens = verify(target, drafts, u, q[None, None].expand(TRIALS, 1, V))
+    first = tokens[:, 0]
+    counts = torch.bincount(first, minlength=V).double()
+    _, pvalue = chisquare(counts.numpy(), expected(p, counts))
+    assert pvalue > 1e-3
+    theory = torch.minimum(p, q).sum().item()  # P(accept) = sum_x min(p(x), q(x))
+    rate = n_acc.double().mean().item()
+    assert abs(rate - theory) < 4 * (theory * (1 - theory) / TRIALS) ** 0.5 + 1e-3
+
+
+def test_one_hot_drafts_with_sampled_target() -> None:
+    p, _ = _dists()
+    g = torch.Generator().manual_seed(1)
+    drafts = torch.full((TRIALS, 1), 4)  # a deterministic (greedy) draft proposing token 4
+    target = torch.stack([p, p])[None].expand(TRIALS, 2, V)
+    n_acc, tokens = verify(target, drafts, torch.rand(TRIALS, 2, generator=g), None)
+    counts = torch.bincount(tokens[:, 0], minlength=V).double()
+    _, pvalue = chisquare(counts.numpy(), expected(p, counts))
+    assert pvalue > 1e-3
+    assert abs(n_acc.double().mean().item() - p[4].item()) < 0.01
+
+
+def test_second_position_is_conditioned_correctly() -> None:
+    """With two drafts, the token emitted at position 2 (given position 1 accepted) follows p_2."""
+    p1, q = _dists()
+    p2 = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
+    g = torch.Generator().manual_seed(2)
+    d = torch.multinomial(q, 2 * TRIALS, replacement=True, generator=g).view(TRIALS, 2)
+    target = torch.stack([p1, p2, p2])[None].expand(TRIALS, 3, V)
+    qq = q[None, None].expand(TRIALS, 2, V)
+    n_acc, tokens = verify(target, d, torch.rand(TRIALS, 3, generator=g), qq)
+    second = tokens[n_acc >= 1, 1]
+    counts = torch.bincount(second, minlength=V).double()
+    _, pvalue = chisquare(counts.numpy(), expected(p2, counts))
+    assert pvalue > 1e-3
+
+
+def test_greedy_accepts_longest_matching_prefix_plus_bonus() -> None:
+    argmax = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
+    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [0, 2, 3]])
+    n, tokens = verify_greedy(argmax, drafts)
+    assert n.tolist() == [3, 1, 0]
+    emitted = [tokens[i, : n[i] + 1].tolist() for i in range(3)]
+    assert emitted == [[5, 6, 7, 8], [5, 6], [1]]
+    one_hot = torch.nn.functional.one_hot(argmax, 10).float()
+    n2, tokens2 = verify(one_hot, drafts, torch.rand(3, 4), None)
+    assert n2.tolist() == n.tolist()
+    assert [tokens2[i, : n2[i] + 1].tolist() for i in range(3)] == emitted
