@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -97,6 +97,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = scheduler.max_model_len
         self.totals = SpecStats()
+        self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
 
     # ---- construction ----------------------------------------------------------------------------
@@ -195,7 +196,9 @@ class LLMEngine:
         """One scheduling step over every running request."""
         plan = self.scheduler.schedule()
         out = self.target.execute(plan)
-        drafts = self.draft.propose(out.draft_inputs) if self.draft and out.draft_inputs else None
+        drafts = out.draft_outputs or (
+            self.draft.propose(out.draft_inputs) if self.draft and out.draft_inputs else None
+        )
         outputs = self.scheduler.update(plan, out, drafts)
         for o in outputs:
             if o.finished:

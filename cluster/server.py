@@ -592,6 +592,7 @@ class MTPServer:
         self.health = health.HealthServicer()
         self.loop = EngineLoop(engine, self.metrics, on_health_change=lambda _ok: self._refresh_health())
         self.servicer = InferenceServicer(self.loop, self.accepting)
+        engine.health_listeners.append(self.set_serving)
         self.port = 0
         self.metrics_port: int | None = None
         self._grpc: grpc.Server | None = None

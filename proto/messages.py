@@ -100,4 +100,6 @@ class TargetOutput:
 
     step_id: int
     results: list[SeqResult]
-    draft_inputs: DraftInputs | None = None
+    draft_inputs: DraftInputs | None = None  # for an in-process draft
+    draft_outputs: DraftOutputs | None = None  # when the worker already ran the draft (colocated or remote)
+    timing: dict[str, float] = field(default_factory=dict)

@@ -122,3 +122,20 @@ def mimic_target(seed: int = 0) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
     w["model.embed_tokens.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g)
     w["lm_head.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g) * 0.3
     return args, w
+
+
+def save_model_dir(path: Any, args: LlamaArgs, weights: dict[str, torch.Tensor]) -> str:
+    """Write an HF-style Llama directory (config.json + model.safetensors) that workers can load."""
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {k: v for k, v in asdict(args).items() if v is not None}
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    return str(out)

@@ -46,12 +46,21 @@ def _file_key(path: Path) -> str:
 
 def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     """Convert a GGUF file once into a cached HF-style directory (config, safetensors, tokenizer)."""
-    from workers.gguf_reader import read_gguf
-
     out = cache_root(cache_dir) / f"{gguf.stem}-{_file_key(gguf)}"
     if (out / ".complete").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(out) + ".lock"):  # several workers on one node may ask at once
+        if not (out / ".complete").exists():
+            _convert_into(gguf, out)
+    return out
+
+
+def _convert_into(gguf: Path, out: Path) -> None:
+    from workers.gguf_reader import read_gguf
+
     try:
         with tqdm(total=1, desc=f"converting {gguf.name}", unit="tensor") as bar:
 
@@ -69,7 +78,6 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tok.save_pretrained(str(out))
     (out / ".complete").write_text(str(gguf))
-    return out
 
 
 @dataclass

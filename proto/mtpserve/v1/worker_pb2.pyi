@@ -1,0 +1,171 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SeqPlan(_message.Message):
+    __slots__ = ("request_id", "token_ids", "start", "block_ids", "is_context", "is_final_chunk", "lookahead_token", "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "draft_probs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    IS_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    IS_FINAL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    is_context: bool
+    is_final_chunk: bool
+    lookahead_token: int
+    num_draft_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    draft_probs: Tensor
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., is_context: _Optional[bool] = ..., is_final_chunk: _Optional[bool] = ..., lookahead_token: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "seqs", "num_draft_tokens", "finished_request_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    seqs: _containers.RepeatedCompositeFieldContainer[SeqPlan]
+    num_draft_tokens: int
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqPlan, _Mapping]]] = ..., num_draft_tokens: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SeqResult(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "num_drafted", "num_accepted")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_drafted: int
+    num_accepted: int
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
+
+class DraftInputs(_message.Message):
+    __slots__ = ("step_id", "request_ids", "token_ids", "positions", "seq_lens", "is_context", "lookahead_tokens", "sampled_tokens", "hidden_states", "block_ids", "propose", "temperature", "top_p", "top_k", "seed", "num_draft_tokens", "lookahead_source", "finished_request_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    IS_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: Tensor
+    positions: Tensor
+    seq_lens: _containers.RepeatedScalarFieldContainer[int]
+    is_context: _containers.RepeatedScalarFieldContainer[bool]
+    lookahead_tokens: Tensor
+    sampled_tokens: Tensor
+    hidden_states: Tensor
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockTable]
+    propose: _containers.RepeatedScalarFieldContainer[bool]
+    temperature: _containers.RepeatedScalarFieldContainer[float]
+    top_p: _containers.RepeatedScalarFieldContainer[float]
+    top_k: _containers.RepeatedScalarFieldContainer[int]
+    seed: _containers.RepeatedCompositeFieldContainer[OptionalSeed]
+    num_draft_tokens: int
+    lookahead_source: str
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., is_context: _Optional[_Iterable[bool]] = ..., lookahead_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., sampled_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., propose: _Optional[_Iterable[bool]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_p: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., seed: _Optional[_Iterable[_Union[OptionalSeed, _Mapping]]] = ..., num_draft_tokens: _Optional[int] = ..., lookahead_source: _Optional[str] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BlockTable(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OptionalSeed(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    def __init__(self, value: _Optional[int] = ...) -> None: ...
+
+class DraftOutputs(_message.Message):
+    __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    draft_token_ids: Tensor
+    draft_probs: Tensor
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class StepTiming(_message.Message):
+    __slots__ = ("target_s", "draft_hop_s", "draft_inputs_bytes", "draft_outputs_bytes")
+    TARGET_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HOP_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_INPUTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_OUTPUTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    target_s: float
+    draft_hop_s: float
+    draft_inputs_bytes: int
+    draft_outputs_bytes: int
+    def __init__(self, target_s: _Optional[float] = ..., draft_hop_s: _Optional[float] = ..., draft_inputs_bytes: _Optional[int] = ..., draft_outputs_bytes: _Optional[int] = ...) -> None: ...
+
+class TargetOutput(_message.Message):
+    __slots__ = ("step_id", "results", "draft_outputs", "timing")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    results: _containers.RepeatedCompositeFieldContainer[SeqResult]
+    draft_outputs: DraftOutputs
+    timing: StepTiming
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., draft_outputs: _Optional[_Union[DraftOutputs, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ("rank", "pid")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...

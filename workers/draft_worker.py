@@ -1,0 +1,80 @@
+"""DraftWorker: the MTP Eagle chain on its own device, serving DraftInputs over gRPC."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import replace
+
+import grpc
+import torch
+
+from cluster.config import MTPServeConfig
+from cluster.engine import build_draft, build_target, load_head, num_blocks_for
+from proto.convert import draft_inputs_from_proto, draft_outputs_to_proto
+from proto.mtpserve.v1 import worker_pb2 as wpb
+from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
+from speculative.methods import DraftMethod
+from workers.grpc_util import node_ip, start_server
+from workers.loader import resolve_model, to_dtype
+from workers.target_worker import worker_device
+
+
+class DraftWorker(wpb_grpc.DraftWorkerServicer):
+    """Holds the draft head, its KV cache and lookahead tensor, plus the target's embedding and head."""
+
+    def __init__(self, cfg_json: str) -> None:
+        self.cfg = MTPServeConfig.model_validate_json(cfg_json)
+        self.device = worker_device(self.cfg)
+        if self.device == "cpu":
+            torch.set_num_threads(1)
+        self.method: DraftMethod | None = None
+        self._lock = threading.Lock()
+        self._server, self.port = start_server(lambda s: wpb_grpc.add_DraftWorkerServicer_to_server(self, s))
+
+    def address(self) -> str:
+        """host:port of the gRPC server."""
+        return f"{node_ip()}:{self.port}"
+
+    def setup(self) -> int:
+        """Load the draft head and the target's shared embedding / final norm / lm_head."""
+        cfg = self.cfg
+        source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
+        args = source.args()
+        weights = source.weights(seed=cfg.model.seed)
+        dtype = to_dtype(cfg.model.dtype, self.device)
+        shared = build_target(replace(args, num_hidden_layers=0), weights, dtype, self.device)
+        max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        num_blocks = num_blocks_for(cfg, max_len)
+        self.method = build_draft(cfg, load_head(cfg, args), shared, num_blocks, self.device, dtype)
+        if self.method is None:
+            raise ValueError("speculative.draft resolves to no head; the draft worker has nothing to run")
+        return num_blocks
+
+    def ready(self) -> int:
+        """Liveness probe for Ray."""
+        return os.getpid()
+
+    def Ping(self, request: wpb.PingRequest, context: grpc.ServicerContext) -> wpb.PingResponse:
+        """gRPC liveness probe."""
+        return wpb.PingResponse(rank=-1, pid=os.getpid())
+
+    def Propose(self, request: wpb.DraftInputs, context: grpc.ServicerContext) -> wpb.DraftOutputs:
+        """Copy the step's rows into the draft's buffers, update draft KV, return K proposals per request."""
+        if self.method is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draft worker is not set up")
+        with self._lock:
+            out = self.method.propose(draft_inputs_from_proto(request, self.device))  # type: ignore[union-attr]
+        return draft_outputs_to_proto(out)
+
+    def draft_kv(self, block_ids: list[int], n: int) -> torch.Tensor:
+        """Draft K and V [2, n, H, D] of positions [0, n) under a block table (for invariance checks)."""
+        cache = self.method.cache  # type: ignore[union-attr]
+        pos = torch.arange(n)
+        slots = torch.tensor(block_ids)[pos // cache.block_size] * cache.block_size + pos % cache.block_size
+        k, v = cache.gather(0, slots.to(cache.keys[0].device))
+        return torch.stack([k, v]).float().cpu()
+
+    def stop(self) -> None:
+        """Stop serving."""
+        self._server.stop(0)
