@@ -118,8 +118,11 @@ class ModelSource:
         return out
 
     def tokenizer(self) -> Any:
-        """The HF fast tokenizer saved beside the weights (with its chat template)."""
+        """The HF fast tokenizer saved beside the weights (with its chat template); None if there is none."""
         from transformers import AutoTokenizer
+
+        if not any((self.directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None  # token-id-only model: requests must carry token ids
 
         try:
             return AutoTokenizer.from_pretrained(str(self.directory))

@@ -1,0 +1,164 @@
+"""End to end through Ray actors: scheduler + 2 TP target workers + 1 draft worker over gRPC."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from tiny import mimic_head, mimic_target, random_prompts, save_model_dir, tiny_engine
+
+from cluster.build import build_engine
+from cluster.client import MTPServeClient
+from cluster.config import MTPServeConfig
+from cluster.engine import LLMEngine
+from cluster.errors import WorkerUnavailableError
+from cluster.server import MTPServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    args, w = mimic_target()
+    d = tmp_path_factory.mktemp("mimic")
+    path = save_model_dir(d / "model", args, w)
+    head = str(d / "head.safetensors")
+    mimic_head(args, w).save(head)
+    return path, head
+
+
+def dist_config(model: tuple[str, str], placement: str = "separate", **sched: int) -> MTPServeConfig:
+    return MTPServeConfig.from_dict(
+        {
+            "model": {"path": model[0], "device": "cpu", "dtype": "float32"},
+            "scheduler": {"num_kv_blocks": 256, "block_size": 8, "max_num_requests": 8, **sched},
+            "speculative": {"draft": model[1], "num_draft_tokens": 3},
+            "parallel": {"tp_size": 2, "draft_placement": placement},
+        }
+    )
+
+
+def reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    args, w = mimic_target()
+    return [c.token_ids for c in tiny_engine(args, w).generate(prompts, {"max_tokens": max_tokens})]
+
+
+def test_actors_match_single_process_and_keep_draft_kv_invariant(ray_local, model) -> None:
+    prompts = random_prompts(4, 96, [23, 1, 37, 9], seed=13)
+    ref = reference(prompts, 20)
+    eng = build_engine(dist_config(model, chunk_size=4, max_num_batched_tokens=32))
+    try:
+        assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 20})] == ref
+        assert 0 < eng.totals.accepted < eng.totals.drafted
+        eng.scheduler.cfg.chunk_size = 512
+        assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 20})] == ref
+        kv = {chunk: prefill_kv(eng, prompts[2], chunk) for chunk in (3, 512)}
+        assert (kv[3] - kv[512]).abs().max().item() <= 1e-5
+        hops = eng.target.hops  # type: ignore[attr-defined]
+        assert hops["draft_inputs_bytes"] > 0 and hops["plan_bytes"] > 0
+    finally:
+        eng.shutdown()
+
+
+def prefill_kv(eng: LLMEngine, prompt: list[int], chunk: int) -> torch.Tensor:
+    import ray
+
+    eng.scheduler.cfg.chunk_size = chunk
+    rid = eng.add_request(prompt, {"max_tokens": 50})
+    req = eng.scheduler.requests[rid]
+    while req.in_context:
+        eng.step()
+    group = eng.target.group  # type: ignore[attr-defined]
+    kv = ray.get(group.draft.draft_kv.remote(req.block_ids, len(prompt)))
+    eng.abort(rid)
+    return kv
+
+
+def test_colocated_draft_matches(ray_local, model) -> None:
+    prompts = random_prompts(3, 96, [15, 4, 30], seed=14)
+    eng = build_engine(dist_config(model, "colocated", chunk_size=5))
+    try:
+        assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 16})] == reference(prompts, 16)
+        assert eng.totals.accepted > 0
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("victim", ["draft", "target-rank-1"])
+def test_killed_worker_fails_requests_fast_then_recovers(ray_local, model, victim: str) -> None:
+    cfg = dist_config(model, chunk_size=8)
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"host": "127.0.0.1", "port": 0})})
+    eng = build_engine(cfg)
+    server = MTPServer(eng, cfg, metrics=False)
+    server.start()
+    group = eng.target.group  # type: ignore[attr-defined]
+    try:
+        with MTPServeClient(server.address, timeout=60) as client:
+            assert client.health() == "SERVING"
+            first = threading.Event()
+            outcome: dict[str, object] = {}
+
+            def consume() -> None:
+                try:
+                    for _chunk in client.stream(token_ids=[5, 6, 7], max_tokens=400, ignore_eos=True):
+                        first.set()
+                    outcome["status"] = "finished"
+                except grpc.RpcError as exc:
+                    outcome["status"] = exc.code()
+                    outcome["details"] = exc.details()
+                outcome["t"] = time.monotonic()
+
+            t = threading.Thread(target=consume)
+            t.start()
+            assert first.wait(60)
+            actor = group.draft if victim == "draft" else group.targets[1]
+            killed_at = time.monotonic()
+            ray_local.kill(actor, no_restart=False)
+            t.join(30)
+            assert outcome["status"] == grpc.StatusCode.UNAVAILABLE
+            assert float(outcome["t"]) - killed_at < 10.0
+            assert "worker" in str(outcome["details"])
+            assert client.health() == "NOT_SERVING"
+            deadline = time.monotonic() + 180
+            while client.health() != "SERVING":
+                assert time.monotonic() < deadline, "workers were not restored"
+                time.sleep(1.0)
+            prompts = random_prompts(2, 96, [12, 20], seed=15)
+            got = [client.generate(token_ids=p, max_tokens=12)["token_ids"] for p in prompts]
+            assert got == reference(prompts, 12)
+            assert client.stats()["kv_blocks_used"] == 0
+    finally:
+        server.stop()
+        eng.shutdown()
+
+
+def test_worker_unavailable_is_raised_to_the_engine(ray_local, model) -> None:
+    eng = build_engine(dist_config(model, "colocated"))
+    try:
+        eng.add_request([1, 2, 3], {"max_tokens": 100, "ignore_eos": True})
+        eng.step()
+        ray_local.kill(eng.target.group.targets[0], no_restart=False)  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        with pytest.raises(WorkerUnavailableError):
+            for _ in range(200):
+                eng.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        eng.shutdown()
+
+
+def test_config_dir_exists(model) -> None:
+    assert Path(model[0], "config.json").is_file()
