@@ -9,7 +9,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from tiny import mimic_head, mimic_target, random_prompts, save_model_dir, tiny_engine
 
 from cluster.build import build_engine
 from cluster.client import MTPServeClient
@@ -17,6 +16,8 @@ from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
 from cluster.errors import WorkerUnavailableError
 from cluster.server import MTPServer
+
+from tiny import mimic_head, mimic_target, random_prompts, save_model_dir, tiny_engine
 
 pytestmark = pytest.mark.slow
 
