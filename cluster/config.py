@@ -25,6 +25,7 @@ class ModelConfig(_Strict):
     max_model_len: int | None = Field(None, gt=0, description="cap on prompt + output tokens")
     cache_dir: str | None = Field(None, description="where converted safetensors are cached")
     seed: int = 0
+    cuda_graphs: bool = Field(True, description="capture generation steps in CUDA graphs (CUDA only)")
 
 
 class SpeculativeConfig(_Strict):

@@ -22,9 +22,10 @@ from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
 from speculative.stats import SpecStats
+from workers.kv_cache import KVCache
 from workers.loader import resolve_device, resolve_model, to_dtype
 from workers.model import LlamaArgs, LlamaModel
-from workers.runner import TargetRunner
+from workers.runner import TargetRunner, UniformTargetStep
 
 log = logging.getLogger(__name__)
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"
@@ -126,11 +127,11 @@ class LLMEngine:
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
-        target = TargetRunner(model, cache, device, cfg.speculative.lookahead_source)
         if head is None:
             head = load_head(cfg, args)
         draft = build_draft(cfg, head, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
         k = cfg.speculative.num_draft_tokens if draft is not None else 0
+        target = build_runner(cfg, model, cache, device, k, max_len)
         sched = Scheduler(cfg.scheduler, num_blocks, k, args.eos_ids(), max_len)
         return cls(cfg, args, sched, target, draft, tokenizer)
 
@@ -263,6 +264,18 @@ def build_target(
     model = LlamaModel(args, tp)
     model.load_hf_state_dict(weights)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def build_runner(
+    cfg: MTPServeConfig, model: LlamaModel, cache: KVCache, device: str, k: int, max_len: int
+) -> TargetRunner:
+    """The target runner, with captured generation steps (Q = K+1 rows per request) on CUDA."""
+    uniform = None
+    if device.startswith("cuda") and cfg.model.cuda_graphs:
+        max_blocks = -(-(max_len + 2 * k) // cfg.scheduler.block_size)
+        uniform = UniformTargetStep(model, cache, k + 1, cfg.scheduler.max_num_requests, max_blocks, device)
+        uniform.steps.capture()
+    return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform)
 
 
 def load_head(cfg: MTPServeConfig, args: LlamaArgs) -> MTPEagleHead | None:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.attention import AttentionMetadata
+from workers.attention import Metadata
 from workers.kv_cache import KVCache
 from workers.model import DecoderLayer, LlamaArgs, RMSNorm, Rotary
 from workers.parallel import TPContext
@@ -43,7 +43,7 @@ class MTPEagleHead(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        meta: Metadata,
     ) -> torch.Tensor:
         """Draft hidden states [T, d] for rows reading (embedding of token i+1, hidden at i)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1))

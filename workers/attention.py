@@ -1,11 +1,23 @@
-"""Paged attention over a flattened batch that mixes context chunks and decode/verify rows."""
+"""Paged attention: a ragged path for batches mixing context chunks and decode rows, and a
+static-shape path for uniform generation steps (fixed buffers, safe to capture in a CUDA graph)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+class Metadata(Protocol):
+    """What a layer needs: where to write this step's K/V, and how to attend."""
+
+    slot_mapping: torch.Tensor
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of q [T, H, D] over the cache; returns [T, H*D]."""
+        ...
 
 
 @dataclass
@@ -66,6 +78,52 @@ class AttentionMetadata:
             mask=mask[:, None].to(device),
             out_index=torch.cat(out_rows).to(device),
         )
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Ragged paged attention (see `paged_attention`)."""
+        return paged_attention(q, k_cache, v_cache, self, scale)
+
+
+@dataclass
+class UniformMetadata:
+    """A generation step where each of B sequences has exactly Q new rows (decode Q=1, verify Q=K+1).
+
+    Every tensor has a fixed shape, so the step can be captured once per batch size and replayed.
+    """
+
+    slot_mapping: torch.Tensor  # [B*Q] int64 (padding rows write a scratch slot)
+    block_tables: torch.Tensor  # [B, M] int64, M = max blocks per sequence
+    seq_lens: torch.Tensor  # [B] int64, KV length after this step (padding: Q)
+    q_len: int  # Q
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of the last Q positions of each sequence over its blocks; returns [B*Q, H*D]."""
+        return uniform_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale)
+
+
+def uniform_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Reference static-shape kernel: gather every block of the table, mask by position. q [B*Q, H, D]."""
+    bsz, max_blocks = block_tables.shape
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    heads = q.shape[1]
+    keys = k_cache[block_tables].reshape(bsz, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    vals = v_cache[block_tables].reshape(bsz, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    qp = q.view(bsz, q_len, heads, head_dim).transpose(1, 2)
+    key_pos = torch.arange(max_blocks * block_size, device=q.device)
+    q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]  # [B, Q]
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    out = F.scaled_dot_product_attention(
+        qp, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).reshape(bsz * q_len, heads * head_dim)
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, value: torch.Tensor) -> None:

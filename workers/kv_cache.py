@@ -26,16 +26,21 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> KVCache:
-        """Allocate zeroed caches once; their addresses stay fixed for the worker's life."""
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        """Allocate zeroed caches once (plus one scratch block for padding rows); addresses never change."""
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(keys, values, block_size)
 
     @property
     def num_blocks(self) -> int:
-        """Blocks per layer."""
-        return self.keys[0].shape[0]
+        """Usable blocks per layer (the scratch block excluded)."""
+        return self.keys[0].shape[0] - 1
+
+    @property
+    def scratch_block(self) -> int:
+        """Block id that padding rows of captured steps write to; never handed to a request."""
+        return self.keys[0].shape[0] - 1
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (keys, values) [N, kv_heads, head_dim] stored at `slots` of one layer."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import AttentionMetadata, paged_attention, write_kv
+from workers.attention import Metadata, write_kv
 from workers.kv_cache import KVCache
 from workers.parallel import TPContext
 
@@ -119,7 +119,7 @@ class Attention(nn.Module):
         rotary: Rotary,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: Metadata,
     ) -> torch.Tensor:
         """Write this chunk's K/V into the cache, attend, and project back (partial sum under TP)."""
         t = x.shape[0]
@@ -128,7 +128,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, meta.slot_mapping, k)
         write_kv(v_cache, meta.slot_mapping, v)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = meta.attend(q, k_cache, v_cache, self.scale)
         return self.tp.all_reduce(self.o_proj(out))
 
 
@@ -166,7 +166,7 @@ class DecoderLayer(nn.Module):
         rotary: Rotary,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: Metadata,
     ) -> torch.Tensor:
         """Residual attention then residual MLP."""
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
@@ -220,9 +220,7 @@ class LlamaModel(nn.Module):
         """Token embeddings [T, d]."""
         return self.embed_tokens(ids)
 
-    def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: Metadata) -> torch.Tensor:
         """Run every layer over the flattened batch; returns hidden states [T, d] before the final norm."""
         x = self.embed(ids)
         for i, layer in enumerate(self.layers):

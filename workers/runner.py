@@ -9,16 +9,74 @@ import torch
 from proto.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from speculative.sampling import processed_probs, request_generator, sample_from_uniform
 from speculative.verify import verify, verify_greedy
-from workers.attention import AttentionMetadata
+from workers.attention import AttentionMetadata, UniformMetadata
+from workers.graph_runner import CAPTURE_SIZES, CapturedSteps, pick_bucket
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
+from workers.step_buffers import StepBuffers
+
+
+class UniformTargetStep:
+    """The target forward of a generation step (B sequences x Q rows) over fixed buffers, captured per
+    batch bucket on CUDA. Returns hidden states and logits of every row."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        q_len: int,
+        max_batch: int,
+        max_blocks: int,
+        device: torch.device | str,
+        use_graphs: bool = True,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.q_len = q_len
+        dev = torch.device(device)
+        sizes = sorted({s for s in CAPTURE_SIZES if s < max_batch} | {max_batch})
+        self.buffers = StepBuffers.allocate(max_batch, q_len, max_blocks, cache.block_size, cache.scratch_block, dev)
+        self.steps = CapturedSteps(self._forward, sizes, dev, use_graphs)
+
+    @torch.no_grad()
+    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n = self.buffers, bucket * self.q_len
+        meta = UniformMetadata(b.slot_mapping[:n], b.block_tables[:bucket], b.seq_lens[:bucket], self.q_len)
+        hidden = self.model(b.input_ids[:n], b.positions[:n], self.cache, meta)
+        return hidden, self.model.logits(hidden)
+
+    def bucket_for(self, plan: StepPlan) -> int | None:
+        """The batch bucket when every request is a generation row with Q tokens and fits; else None."""
+        q = self.q_len
+        if not plan.seqs or any(s.is_context or len(s.token_ids) != q for s in plan.seqs):
+            return None
+        if any(len(s.block_ids) > self.buffers.max_blocks for s in plan.seqs):
+            return None
+        return pick_bucket(len(plan.seqs), self.steps.sizes)
+
+    def run(self, plan: StepPlan, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the buffers and replay; returns (hidden, logits) of the real rows (valid until the next run)."""
+        self.buffers.fill(
+            [s.token_ids for s in plan.seqs], [s.start for s in plan.seqs], [s.block_ids for s in plan.seqs], bucket
+        )
+        hidden, logits = self.steps.run(bucket)
+        n = len(plan.seqs) * self.q_len
+        return hidden[:n], logits[:n]
 
 
 class TargetRunner:
     """Owns one rank's model and KV cache; every rank computes the same tokens (logits are gathered)."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, device: torch.device | str, lookahead_source: str = "prompt"):
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        device: torch.device | str,
+        lookahead_source: str = "prompt",
+        uniform: UniformTargetStep | None = None,
+    ):
         self.model = model
+        self.uniform = uniform
         self.cache = cache
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
@@ -52,7 +110,11 @@ class TargetRunner:
             self._generators.pop(rid, None)
         if not plan.seqs:
             return TargetOutput(plan.step_id, [])
-        hidden = self.forward(plan)
+        bucket = self.uniform.bucket_for(plan) if self.uniform is not None else None
+        if bucket is not None:
+            hidden, all_logits = self.uniform.run(plan, bucket)  # type: ignore[union-attr]
+        else:
+            hidden = self.forward(plan)
         starts: list[int] = []  # first hidden row of each sequence
         spans: list[tuple[int, int]] = []  # each sequence's rows in `logits`
         logit_rows: list[int] = []
@@ -64,7 +126,10 @@ class TargetRunner:
             spans.append((len(logit_rows), len(logit_rows) + len(picked)))
             logit_rows.extend(picked)
             off += n
-        logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        if bucket is not None:
+            logits = all_logits  # generation rows only: every row is a logit row
+        else:
+            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
         tokens: list[list[int]] = [[] for _ in plan.seqs]
         accepted = [0] * len(plan.seqs)
         last_token = [0] * len(plan.seqs)

@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from cluster.config import MTPServeConfig
-from cluster.engine import build_draft, build_target, load_head, num_blocks_for
+from cluster.engine import build_draft, build_runner, build_target, load_head, num_blocks_for
 from proto.convert import (
     draft_inputs_to_proto,
     draft_outputs_from_proto,
@@ -73,8 +73,10 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)
-        self.runner = TargetRunner(model, cache, self.device, cfg.speculative.lookahead_source)
-        if self.rank == 0 and cfg.speculative.enabled:
+        head = load_head(cfg, args) if cfg.speculative.enabled else None
+        k = cfg.speculative.num_draft_tokens if head is not None else 0
+        self.runner = build_runner(cfg, model, cache, self.device, k, max_len)
+        if self.rank == 0 and head is not None:
             if draft_address:
                 self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address, channel_options()))
             else:
@@ -83,7 +85,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
                     if self.world == 1
                     else build_target(replace(args, num_hidden_layers=0), weights, dtype, self.device)
                 )
-                self.draft = build_draft(cfg, load_head(cfg, args), shared, num_blocks, self.device, dtype)
+                self.draft = build_draft(cfg, head, shared, num_blocks, self.device, dtype)
         return num_blocks
 
     def ready(self) -> int:

@@ -1,0 +1,183 @@
+"""`mtpserve bench`: `throughput` (tok/s and step time per batch size) and `acceptance` (draft acceptance).
+
+The flags live here; the measurements live in `cluster/bench.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cluster import bench
+from cluster.cli_common import add_engine_flags, config_from_args
+from cluster.errors import MTPServeError
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    """Register `bench throughput` and `bench acceptance`."""
+    p = sub.add_parser(name, help="measure throughput or draft acceptance", description="Benchmarks.")
+    kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+
+    t = kinds.add_parser(
+        "throughput",
+        help="decode tok/s, step time, prefill time and TTFT at several batch sizes",
+        description="For each batch size, run that many random-token requests at once (greedy, ignore_eos) and "
+        "report decode tok/s, mean decode step time, prefill time and TTFT. Target-only with --no-speculation; "
+        "speculative when a draft head is configured. Works with --load-format dummy --model DIR for any Llama "
+        "shape (DIR needs only a config.json).",
+    )
+    t.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 64], help="comma-separated (default 1,8,64)")
+    t.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    t.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
+    t.add_argument("--warmup-steps", type=int, default=3, help="engine steps of one throw-away request first")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    t.add_argument("--json", metavar="OUT", help="write the results, command and environment as JSON")
+    t.add_argument("--plot", metavar="OUT.png", help="plot decode tok/s and step time against batch size")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_engine_flags(t)
+    t.set_defaults(func=run_throughput)
+
+    a = kinds.add_parser(
+        "acceptance",
+        help="draft acceptance on a JSONL prompt file (greedy)",
+        description="Greedy-decode each prompt (one at a time) with the draft head and report accepted/drafted, "
+        "acceptance rate, acceptance length and per-position rates. The prompt field is the first of 'prompt', "
+        "'turns' (first turn), 'question', 'text'. --compare runs TensorRT-LLM PR #18295's three settings on the "
+        "same prompts: sampled lookahead with chunk C (before), prompt lookahead with chunk C (after), and no "
+        "chunking.",
+    )
+    a.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="one JSON object per line")
+    a.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default all)")
+    a.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt (default 128)")
+    a.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    a.add_argument("--no-chat-template", action="store_true", help="send the prompt text as is")
+    a.add_argument("--compare", action="store_true", help="run sampled/prompt lookahead at --chunk-size, and unchunked")
+    a.add_argument("--json", metavar="OUT", help="write the results, command and environment as JSON")
+    a.add_argument("--quiet", action="store_true", help="no progress bar")
+    a.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_engine_flags(a)
+    a.set_defaults(func=run_acceptance)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError("batch sizes must be positive integers")
+    return values
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    """`mtpserve bench throughput`."""
+    from cluster.build import build_engine
+
+    _set_threads(args.threads)
+    cfg = bench.throughput_config(
+        config_from_args(args),
+        args.batch_sizes,
+        args.prompt_len,
+        args.output_len,
+        size_slots=args.max_num_requests is None,
+        size_cache=args.num_kv_blocks is None,
+    )
+    command = bench.command_line()
+    try:
+        engine = build_engine(cfg)
+        try:
+            rows = bench.run_throughput(
+                engine, args.batch_sizes, args.prompt_len, args.output_len, args.warmup_steps, args.seed, _err
+            )
+            report = bench.throughput_report(
+                cfg,
+                engine,
+                rows,
+                {
+                    "batch_sizes": args.batch_sizes,
+                    "prompt_len": args.prompt_len,
+                    "output_len": args.output_len,
+                    "warmup_steps": args.warmup_steps,
+                    "seed": args.seed,
+                },
+                command,
+            )
+        finally:
+            engine.shutdown()
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    spec = report["speculation"]
+    mode = f"speculative (K={spec['num_draft_tokens']}, draft {spec['draft']})" if spec["enabled"] else "target only"
+    print(f"{command}\n{report['device']} ({report['device_name']}), {report['dtype']}, {mode}")
+    print(bench.format_throughput_table(rows))
+    if args.json:
+        bench.write_json(args.json, report)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        bench.plot_throughput(rows, args.plot, f"{report['model']['path']} - {report['device']} - {mode}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def run_acceptance(args: argparse.Namespace) -> int:
+    """`mtpserve bench acceptance`."""
+    from cluster.build import build_engine
+    from workers.loader import resolve_model
+
+    if args.no_speculation:
+        print("mtpserve: bench acceptance measures the draft head; drop --no-speculation", file=sys.stderr)
+        return 2
+    _set_threads(args.threads)
+    cfg = config_from_args(args)
+    command = bench.command_line()
+    try:
+        texts = bench.load_prompts(args.prompts, args.num_prompts)
+        source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
+        if source.dummy:
+            raise bench.BenchError("acceptance needs real weights and a tokenizer, not --load-format dummy")
+        prompts = bench.encode_texts(source.tokenizer(), texts, chat=not args.no_chat_template)
+        if args.compare:
+            if args.lookahead_source:
+                print("mtpserve: --compare runs both lookahead sources; --lookahead-source is ignored", file=sys.stderr)
+            settings = bench.compare_settings(cfg.scheduler.chunk_size)
+        else:
+            settings = [
+                bench.AcceptanceSetting("run", cfg.speculative.lookahead_source, cfg.scheduler.chunk_size, "as flagged")
+            ]
+        results = bench.run_acceptance_settings(
+            build_engine, cfg, settings, prompts, args.max_tokens, args.ignore_eos, progress=not args.quiet
+        )
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    print(command)
+    print(
+        f"{len(prompts)} prompts from {args.prompts}, max_tokens {args.max_tokens}, greedy, "
+        f"draft {cfg.speculative.draft}"
+    )
+    print(bench.format_acceptance_table(results))
+    if args.json:
+        settings_json = {
+            "prompts": args.prompts,
+            "num_prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "ignore_eos": args.ignore_eos,
+            "chat_template": not args.no_chat_template,
+            "compare": args.compare,
+        }
+        report = bench.acceptance_report(cfg, source.args(), results, settings_json, command)
+        bench.write_json(args.json, report)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _set_threads(n: int | None) -> None:
+    if n is not None:
+        import torch
+
+        torch.set_num_threads(max(1, n))
+
+
+def _err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,366 @@
+"""`mtpserve train-draft`: build a self-distillation dataset and train an MTP Eagle draft head."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cluster.errors import MTPServeError
+from speculative.train.errors import TrainSetupError
+from speculative.train.seed_prompts import SEED_PROMPTS
+
+if TYPE_CHECKING:
+    from speculative.train.pipeline import TrainDraftOptions
+
+# Flag defaults (kept literal so `mtpserve --help` does not import torch); they mirror DataConfig/TrainConfig.
+DEFAULTS = {
+    "magpie_prompts": 256,
+    "max_new_tokens": 256,
+    "magpie_max_tokens": 96,
+    "sampled_fraction": 0.2,
+    "steps": 1000,
+    "batch_size": 16,
+    "lr": 3e-4,
+    "weight_decay": 0.0,
+    "min_lr_ratio": 0.1,
+    "grad_clip": 1.0,
+    "num_draft_tokens": 3,
+    "dev_fraction": 0.05,
+    "eval_every": 200,
+    "eval_batch_size": 16,
+    "ckpt_every": 200,
+}
+
+DESCRIPTION = """\
+Train an MTP Eagle draft head for a target model by self-distillation (no dataset downloads).
+
+1. data:  prompts = the built-in seed list (--num-prompts) plus prompts the target writes itself from
+          its bare chat-template user header (--magpie-prompts, Magpie-style); the target answers each
+          one, greedily or sampled (--sampled-fraction). Token ids go to --data-dir; hidden states are
+          recomputed at train time by a dense target forward.
+2. train: soft cross-entropy against the target's next-token distribution, unrolled over K draft
+          steps (--num-draft-tokens), AdamW with warmup + cosine, bf16 autocast on CUDA.
+3. eval:  teacher-forced K-chain acceptance on held-apart dev prompts, every --eval-every steps.
+4. out:   the head (--out, safetensors), MODEL_CARD.md beside it, and a results JSON.
+"""
+
+EPILOG = """\
+examples:
+  mtpserve train-draft --device cuda --magpie-prompts 6000 --generator hf --time-budget 560
+  mtpserve train-draft --target tiny/ --load-format dummy --dummy-std 0.5 --steps 200 --out /tmp/h.safetensors
+  mtpserve train-draft --stage eval --head speculative/heads/smollm2-135m-mtp.safetensors
+errors exit with status 2 and name the flag, e.g. `mtpserve: train-draft: --target: '/x' does not exist`.
+"""
+
+
+def _bounded(
+    kind: Callable[[str], float], lo: float, hi: float | None = None, lo_open: bool = False, hi_open: bool = False
+) -> Callable[[str], float]:
+    """An argparse type: `kind(text)` within [lo, hi] (ends open when asked); errors say the range."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_bad = value < lo or (lo_open and value == lo)
+        high_bad = hi is not None and (value > hi or (hi_open and value == hi))
+        if low_bad or high_bad:
+            rng = f"{'>' if lo_open else '>='} {lo}"
+            if hi is not None:
+                rng += f" and {'<' if hi_open else '<='} {hi}"
+            raise argparse.ArgumentTypeError(f"must be {rng}, got {text}")
+        return value
+
+    return parse
+
+
+def _weights(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative weights, got {text!r}")
+    return values
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    """Register the `train-draft` sub-command."""
+    p = sub.add_parser(
+        name,
+        help="train an MTP Eagle draft head by self-distillation",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pos_int = _bounded(int, 1)
+    nonneg_int = _bounded(int, 0)
+    d = t = argparse.Namespace(**DEFAULTS)
+
+    g = p.add_argument_group("target")
+    g.add_argument("--target", help="HF Llama directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--load-format",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        default="auto",
+        help="dummy = random weights for the config.json in --target (tests, smoke runs)",
+    )
+    g.add_argument(
+        "--dummy-std",
+        type=_bounded(float, 0.0, lo_open=True),
+        default=0.02,
+        help="weight std of a dummy target (default 0.02)",
+    )
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="auto: bf16 autocast on CUDA, fp32 on CPU",
+    )
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("stages and outputs")
+    g.add_argument(
+        "--stage",
+        choices=["all", "data", "train", "eval"],
+        default="all",
+        help="all: build data if --data-dir has none, then train (default); data/train/eval: one stage",
+    )
+    g.add_argument(
+        "--out",
+        help="exported head (default: speculative/heads/smollm2-135m-mtp.safetensors for "
+        "the default target, else ./mtp-head.safetensors)",
+    )
+    g.add_argument("--model-card", help="model card path (default: MODEL_CARD.md beside --out)")
+    g.add_argument("--results", help="results JSON (default: <out stem>.results.json beside --out)")
+    g.add_argument("--head", help="--stage eval: head to score (default: --out)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-dir", help="dataset folder (default: $MTPSERVE_CACHE/draft-data/<target>)")
+    g.add_argument("--rebuild-data", action="store_true", help="rebuild even if --data-dir has a dataset")
+    g.add_argument(
+        "--num-prompts",
+        type=nonneg_int,
+        default=len(SEED_PROMPTS),
+        help=f"built-in seed prompts to use (max {len(SEED_PROMPTS)}; random token prompts for "
+        "tokenizer-less dummy targets)",
+    )
+    g.add_argument(
+        "--magpie-prompts",
+        type=nonneg_int,
+        default=d.magpie_prompts,
+        help="prompts the target writes itself from its bare user header (default %(default)s)",
+    )
+    g.add_argument("--max-new-tokens", type=pos_int, default=d.max_new_tokens, help="response length cap")
+    g.add_argument(
+        "--magpie-max-tokens", type=pos_int, default=d.magpie_max_tokens, help="length cap of self-written prompts"
+    )
+    g.add_argument(
+        "--magpie-oversample",
+        type=_bounded(float, 1.0),
+        default=1.5,
+        help="self-written prompt candidates drawn per prompt kept (filters drop short/unfinished/duplicates)",
+    )
+    g.add_argument(
+        "--sampled-fraction",
+        type=_bounded(float, 0.0, 1.0),
+        default=d.sampled_fraction,
+        help="share of responses sampled (temperature 0.7, top-p 0.95) instead of greedy",
+    )
+    g.add_argument(
+        "--generator",
+        choices=["engine", "hf"],
+        default="engine",
+        help="engine: mtpserve's own engine (default); hf: transformers generate, for fast GPU "
+        "data builds only (training always uses our model code)",
+    )
+    g.add_argument("--gen-batch-size", type=pos_int, default=64, help="concurrent generations")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=nonneg_int, default=t.steps, help="optimizer steps (default %(default)s)")
+    g.add_argument("--batch-size", type=pos_int, default=t.batch_size, help="sequences per step")
+    g.add_argument("--lr", type=_bounded(float, 0.0, lo_open=True), default=t.lr)
+    g.add_argument("--weight-decay", type=_bounded(float, 0.0), default=t.weight_decay)
+    g.add_argument("--warmup-steps", type=nonneg_int, help="default: 5%% of --steps")
+    g.add_argument("--min-lr-ratio", type=_bounded(float, 0.0, 1.0), default=t.min_lr_ratio)
+    g.add_argument("--grad-clip", type=_bounded(float, 0.0, lo_open=True), default=t.grad_clip)
+    g.add_argument(
+        "--num-draft-tokens",
+        "-k",
+        type=pos_int,
+        default=t.num_draft_tokens,
+        help="K: unrolled draft steps in training and the evaluated chain length (>= 1)",
+    )
+    g.add_argument("--step-weights", type=_weights, help="loss weight per unrolled step, e.g. 1,0.7,0.5")
+    g.add_argument(
+        "--init-from-target",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="initialise the head's layer from the target's last decoder layer (default on)",
+    )
+    g.add_argument(
+        "--time-budget",
+        type=_bounded(float, 0.0, lo_open=True),
+        help="seconds for the whole command; steps are cut to fit, keeping time for eval/export",
+    )
+    g.add_argument(
+        "--pause-after",
+        type=pos_int,
+        help="stop this run after N steps (checkpoint + export); continue later with --resume",
+    )
+    g.add_argument(
+        "--no-keep-hidden",
+        action="store_true",
+        help="recompute target hidden states every step instead of keeping them on the device",
+    )
+
+    g = p.add_argument_group("evaluation and checkpoints")
+    g.add_argument(
+        "--dev-fraction",
+        type=_bounded(float, 0.0, 1.0, hi_open=True),
+        default=t.dev_fraction,
+        help="share of sequences held apart for dev acceptance (greedy ones)",
+    )
+    g.add_argument(
+        "--holdout-source",
+        action="append",
+        choices=["seed", "magpie", "random"],
+        default=[],
+        help="keep every prompt of this source for dev (repeatable); 'seed' measures acceptance on "
+        "hand-written prompts, a different distribution from the self-written ones",
+    )
+    g.add_argument("--eval-every", type=nonneg_int, default=t.eval_every, help="0: only at start and end")
+    g.add_argument("--eval-batch-size", type=pos_int, default=t.eval_batch_size)
+    g.add_argument("--ckpt-every", type=nonneg_int, default=t.ckpt_every, help="0: only at the end")
+    g.add_argument("--ckpt-dir", help="checkpoint folder (default: <data-dir>/checkpoints)")
+    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --ckpt-dir")
+    p.set_defaults(func=run, train_parser=p)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The effective command: every flag with its value, so the run can be repeated exactly."""
+    parser: argparse.ArgumentParser = args.train_parser
+    parts = ["mtpserve", "train-draft"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest in {"help"}:
+            continue
+        value = getattr(args, action.dest, None)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            parts.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, argparse._AppendAction):
+            for v in value or []:
+                parts += [flag, str(v)]
+        elif action.nargs == 0:
+            if value:
+                parts.append(flag)
+        elif value is not None:
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            parts += [flag, text]
+    return shlex.join(parts)
+
+
+def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
+    """Map parsed flags onto TrainDraftOptions (devices resolved, default paths filled in)."""
+    from speculative.train.data import DataConfig
+    from speculative.train.pipeline import TrainDraftOptions
+    from speculative.train.trainer import TrainConfig
+    from workers.loader import cache_root, resolve_device
+
+    device = resolve_device(args.device)
+    name = Path(args.target).stem if args.target else "smollm2-135m-instruct"
+    data_dir = args.data_dir or str(cache_root() / "draft-data" / name)
+    if args.out:
+        out = args.out
+    elif args.target is None:
+        from cluster.engine import DEFAULT_HEAD
+
+        out = str(DEFAULT_HEAD)
+    else:
+        out = "mtp-head.safetensors"
+    data = DataConfig(
+        num_prompts=args.num_prompts,
+        magpie_prompts=args.magpie_prompts,
+        max_new_tokens=args.max_new_tokens,
+        magpie_max_tokens=args.magpie_max_tokens,
+        magpie_oversample=args.magpie_oversample,
+        sampled_fraction=args.sampled_fraction,
+        seed=args.seed,
+    )
+    train = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        min_lr_ratio=args.min_lr_ratio,
+        grad_clip=args.grad_clip,
+        num_draft_tokens=args.num_draft_tokens,
+        step_weights=args.step_weights,
+        init_from_target=args.init_from_target,
+        device=device,
+        dtype=args.dtype,
+        dev_fraction=args.dev_fraction,
+        holdout_sources=tuple(args.holdout_source),
+        eval_every=args.eval_every,
+        eval_batch_size=args.eval_batch_size,
+        ckpt_every=args.ckpt_every,
+        ckpt_dir=args.ckpt_dir or str(Path(data_dir) / "checkpoints"),
+        resume=args.resume,
+        seed=args.seed,
+        time_budget_s=args.time_budget,
+        pause_after=args.pause_after,
+        keep_hidden=not args.no_keep_hidden,
+    )
+    return TrainDraftOptions(
+        target=args.target,
+        load_format=args.load_format,
+        dummy_std=args.dummy_std,
+        stage=args.stage,
+        data_dir=data_dir,
+        rebuild_data=args.rebuild_data,
+        generator=args.generator,
+        gen_batch_size=args.gen_batch_size,
+        out=out,
+        model_card=args.model_card,
+        results=args.results,
+        head=args.head,
+        command=command_line(args),
+        data=data,
+        train=train,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run train-draft; setup errors print `mtpserve: train-draft: FIELD: reason` and return 2."""
+    from speculative.train.pipeline import run_train_draft
+
+    if args.step_weights is not None and len(args.step_weights) != args.num_draft_tokens:
+        args.train_parser.error(
+            f"argument --step-weights: needs {args.num_draft_tokens} values (one per draft step), "
+            f"got {len(args.step_weights)}"
+        )
+    try:
+        opts = options_from_args(args)
+        res = run_train_draft(opts)
+    except TrainSetupError as exc:
+        print(f"mtpserve: train-draft: {exc}", file=sys.stderr)
+        return 2
+    except MTPServeError as exc:
+        print(f"mtpserve: train-draft: --target: {exc}", file=sys.stderr)
+        return 2
+    if "dev" in res:
+        dev = res["dev"]
+        rates = " / ".join(f"{r:.2f}" for r in dev["per_position"])
+        print(
+            f"dev acceptance length {dev['acceptance_length']:.3f} (K={dev['num_draft_tokens']}, per position {rates})"
+        )
+    if opts.stage in {"all", "train"}:
+        print(f"wrote {opts.out}")
+    return 0

@@ -1,0 +1,77 @@
+"""Logic behind CUDA-graph replay, run eagerly on CPU: fixed buffers, padding, buckets, equal outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.engine import LLMEngine
+from workers.graph_runner import CapturedSteps, pick_bucket
+from workers.runner import UniformTargetStep
+from workers.step_buffers import StepBuffers
+
+from tiny import mimic_head, mimic_target, random_prompts, tiny_engine
+
+
+def test_pick_bucket() -> None:
+    sizes = [1, 2, 4, 8, 16]
+    assert [pick_bucket(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert pick_bucket(17, sizes) is None
+
+
+def test_fill_pads_onto_scratch_block() -> None:
+    buf = StepBuffers.allocate(8, 3, 4, block_size=4, scratch_block=99, device=torch.device("cpu"))
+    buf.fill([[5, 6, 7], [8, 9, 10]], starts=[5, 0], tables=[[3, 1], [2]], bucket=4)
+    assert buf.input_ids[:12].tolist() == [5, 6, 7, 8, 9, 10] + [0] * 6
+    assert buf.positions[:6].tolist() == [5, 6, 7, 0, 1, 2]
+    assert buf.slot_mapping[:6].tolist() == [1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 8, 9, 10]
+    assert (buf.slot_mapping[6:12] // 4 == 99).all(), "padding rows write only the scratch block"
+    assert buf.seq_lens[:4].tolist() == [8, 3, 3, 3]
+    assert buf.block_tables[0].tolist() == [3, 1, 99, 99]
+    with pytest.raises(ValueError):
+        buf.fill([[1, 2]], [0], [[0]], bucket=1)
+    with pytest.raises(ValueError):
+        buf.fill([[1, 2, 3]] * 3, [0] * 3, [[0]] * 3, bucket=2)
+
+
+def test_captured_steps_fall_back_to_eager_off_cuda() -> None:
+    calls: list[int] = []
+    steps = CapturedSteps(lambda b: calls.append(b) or b, [1, 4], torch.device("cpu"))
+    steps.capture()
+    assert steps.graphs == {} and steps.run(4) == 4 and calls == [4]
+
+
+def with_uniform(eng: LLMEngine, k: int) -> UniformTargetStep:
+    runner = eng.target
+    max_blocks = 8
+    uniform = UniformTargetStep(runner.model, runner.cache, k + 1, 8, max_blocks, "cpu", use_graphs=False)  # type: ignore[attr-defined]
+    runner.uniform = uniform  # type: ignore[attr-defined]
+    return uniform
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_uniform_step_matches_eager_and_keeps_addresses(k: int) -> None:
+    args, w = mimic_target()
+    prompts = random_prompts(5, args.vocab_size, [21, 1, 9, 13, 30], seed=7)
+    head = mimic_head(args, w) if k else None
+    ref = tiny_engine(args, w, head, speculative={"num_draft_tokens": max(k, 1)})
+    want = [c.token_ids for c in ref.generate(prompts, {"max_tokens": 24})]
+    eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": max(k, 1)})
+    uniform = with_uniform(eng, k)
+    ptrs = uniform.buffers.addresses()
+    look = eng.draft.lookahead.tokens.data_ptr() if eng.draft is not None else None  # type: ignore[attr-defined]
+    used = []
+    orig = uniform.run
+
+    def spy(plan, bucket):  # type: ignore[no-untyped-def]
+        used.append((len(plan.seqs), bucket))
+        return orig(plan, bucket)
+
+    uniform.run = spy  # type: ignore[method-assign]
+    got = [c.token_ids for c in eng.generate(prompts, {"max_tokens": 24})]
+    assert got == want
+    assert used, "generation steps must take the fixed-buffer path"
+    assert any(n < b for n, b in used), "some steps must be padded up to a bucket"
+    assert uniform.buffers.addresses() == ptrs
+    if look is not None:
+        assert eng.draft.lookahead.tokens.data_ptr() == look  # type: ignore[attr-defined]
