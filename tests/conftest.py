@@ -13,4 +13,6 @@ for p in (str(ROOT), str(ROOT / "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # run Triton kernels on CPU (numpy interpreter)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -9,6 +9,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from workers import triton_attention
+
 
 class Metadata(Protocol):
     """What a layer needs: where to write this step's K/V, and how to attend."""
@@ -98,6 +100,10 @@ class UniformMetadata:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of the last Q positions of each sequence over its blocks; returns [B*Q, H*D]."""
+        if q.is_cuda and triton_attention.available():
+            return triton_attention.triton_uniform_attention(
+                q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale
+            )
         return uniform_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale)
 
 

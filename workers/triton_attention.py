@@ -1,0 +1,95 @@
+"""Triton paged attention for uniform generation steps (decode and verify) on CUDA.
+
+One program per (sequence, KV head) handles the Q query rows of every query head in that KV group,
+walking the sequence's block table with an online softmax. It reads only the blocks a sequence uses,
+and all its sizes are read on device, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _uniform_paged_attn(
+        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+        Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r = tl.arange(0, ROWS)
+        qi = r // GROUP
+        head = kvh * GROUP + r % GROUP
+        valid = r < Q_LEN * GROUP
+        d = tl.arange(0, DIM)
+        row = b * Q_LEN + qi
+        q = tl.load(
+            q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=valid[:, None], other=0.0
+        )
+        seq_len = tl.load(lens_ptr + b)
+        q_pos = seq_len - Q_LEN + qi
+        m = tl.full((ROWS,), -1.0e30, tl.float32)
+        den = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, DIM), tl.float32)
+        s = tl.arange(0, BLOCK)
+        for j in range(0, tl.cdiv(seq_len, BLOCK)):
+            blk = tl.load(tables_ptr + b * stride_bt + j).to(tl.int64)
+            base = blk * stride_kb + kvh * stride_kh
+            inside = (j * BLOCK + s < seq_len)[:, None]
+            k = tl.load(k_ptr + base + s[:, None] * stride_ks + d[None, :], mask=inside, other=0.0)
+            v = tl.load(v_ptr + base + s[:, None] * stride_ks + d[None, :], mask=inside, other=0.0)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            scores = tl.where((j * BLOCK + s)[None, :] <= q_pos[:, None], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            den = den * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m = m_new
+        out = acc / den[:, None]
+        tl.store(
+            o_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=valid[:, None],
+        )
+
+
+def available() -> bool:
+    """True when triton is importable."""
+    return triton is not None
+
+
+def triton_uniform_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as `attention.uniform_paged_attention`: q [B*Q, H, D] -> [B*Q, H*D]."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    bsz = block_tables.shape[0]
+    block, kv_heads, dim = k_cache.shape[1:]
+    heads = q.shape[1]
+    group = heads // kv_heads
+    rows = max(16, triton.next_power_of_2(q_len * group))
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _uniform_paged_attn[(bsz, kv_heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim,
+    )  # fmt: skip
+    return out.reshape(bsz * q_len, heads * dim)
