@@ -22,6 +22,7 @@ from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
 from speculative.stats import SpecStats
+from workers.fused_step import FusedGreedyStep
 from workers.kv_cache import KVCache
 from workers.loader import resolve_device, resolve_model, to_dtype
 from workers.model import LlamaArgs, LlamaModel
@@ -132,6 +133,8 @@ class LLMEngine:
         draft = build_draft(cfg, head, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
         k = cfg.speculative.num_draft_tokens if draft is not None else 0
         target = build_runner(cfg, model, cache, device, k, max_len)
+        if isinstance(draft, MTPEagleChain) and device.startswith("cuda") and cfg.model.cuda_graphs:
+            target.fused = build_fused(cfg, target, draft, k, max_len)
         sched = Scheduler(cfg.scheduler, num_blocks, k, args.eos_ids(), max_len)
         return cls(cfg, args, sched, target, draft, tokenizer)
 
@@ -276,6 +279,18 @@ def build_runner(
         uniform = UniformTargetStep(model, cache, k + 1, cfg.scheduler.max_num_requests, max_blocks, device)
         uniform.steps.capture()
     return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform)
+
+
+def build_fused(
+    cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int
+) -> FusedGreedyStep:
+    """Greedy generation steps with the colocated draft, captured per batch bucket."""
+    max_blocks = -(-(max_len + 2 * k) // cfg.scheduler.block_size)
+    fused = FusedGreedyStep(
+        target.model, target.cache, chain, k, cfg.scheduler.max_num_requests, max_blocks, target.device
+    )
+    fused.steps.capture()
+    return fused
 
 
 def load_head(cfg: MTPServeConfig, args: LlamaArgs) -> MTPEagleHead | None:

@@ -75,3 +75,34 @@ def test_uniform_step_matches_eager_and_keeps_addresses(k: int) -> None:
     assert uniform.buffers.addresses() == ptrs
     if look is not None:
         assert eng.draft.lookahead.tokens.data_ptr() == look  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_fused_greedy_step_matches_unfused(k: int) -> None:
+    from workers.fused_step import FusedGreedyStep
+
+    args, w = mimic_target()
+    prompts = random_prompts(6, args.vocab_size, [21, 1, 9, 13, 30, 4], seed=8)
+    head = mimic_head(args, w)
+    ref = tiny_engine(args, w, head, speculative={"num_draft_tokens": k}, scheduler={"chunk_size": 6})
+    want = [c.token_ids for c in ref.generate(prompts, {"max_tokens": 30})]
+    eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": k}, scheduler={"chunk_size": 6})
+    runner = eng.target
+    fused = FusedGreedyStep(runner.model, runner.cache, eng.draft, k, 8, 12, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
+    runner.fused = fused  # type: ignore[attr-defined]
+    ptrs = fused.buffers.addresses()
+    runs = []
+    orig = fused.run
+
+    def spy(plan, bucket):  # type: ignore[no-untyped-def]
+        runs.append((len(plan.seqs), bucket))
+        return orig(plan, bucket)
+
+    fused.run = spy  # type: ignore[method-assign]
+    out = eng.generate(prompts, {"max_tokens": 30})
+    assert [c.token_ids for c in out] == want
+    assert eng.totals.accepted == ref.totals.accepted and eng.totals.drafted == ref.totals.drafted
+    assert runs and any(n < b for n, b in runs)
+    assert fused.buffers.addresses() == ptrs
+    sampled = eng.generate(prompts[:2], {"max_tokens": 8, "temperature": 0.8, "seed": 1})
+    assert all(len(c.token_ids) == 8 for c in sampled), "sampling requests fall back to the unfused path"

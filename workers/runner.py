@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ class UniformTargetStep:
         dev = torch.device(device)
         sizes = sorted({s for s in CAPTURE_SIZES if s < max_batch} | {max_batch})
         self.buffers = StepBuffers.allocate(max_batch, q_len, max_blocks, cache.block_size, cache.scratch_block, dev)
+        self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.steps = CapturedSteps(self._forward, sizes, dev, use_graphs)
 
     @torch.no_grad()
@@ -77,6 +79,7 @@ class TargetRunner:
     ):
         self.model = model
         self.uniform = uniform
+        self.fused: Any = None  # FusedGreedyStep when the draft is colocated in this process
         self.cache = cache
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
@@ -110,6 +113,9 @@ class TargetRunner:
             self._generators.pop(rid, None)
         if not plan.seqs:
             return TargetOutput(plan.step_id, [])
+        fused_bucket = self.fused.bucket_for(plan) if self.fused is not None else None
+        if fused_bucket is not None:
+            return self.fused.run(plan, fused_bucket)
         bucket = self.uniform.bucket_for(plan) if self.uniform is not None else None
         if bucket is not None:
             hidden, all_logits = self.uniform.run(plan, bucket)  # type: ignore[union-attr]
