@@ -353,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtpserve: train-draft: {exc}", file=sys.stderr)
         return 2
     except MTPServeError as exc:
-        print(f"mtpserve: train-draft: --target: {exc}", file=sys.stderr)
+        print(f"mtpserve: train-draft: {exc}", file=sys.stderr)
         return 2
     if "dev" in res:
         dev = res["dev"]

@@ -1,0 +1,283 @@
+"""One-process GPU benchmark: target-only and speculative decoding at batch 1/8/64, HF peer, TTFT, checks.
+
+Usage (on the GPU machine, from the repo root):
+    python bench/h200.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+Prints a table last and writes h200_bench.json (+ h200_bench.png) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cluster.config import MTPServeConfig
+from cluster.engine import DEFAULT_HEAD, LLMEngine
+
+WEIGHT_FLOOR_MS = 0.063
+
+
+def sync() -> None:
+    """Wait for queued GPU work (no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+PROMPTS = [
+    "Explain how a hash map works and when it is a poor choice.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the main differences between TCP and UDP?",
+    "Give me a recipe for a simple vegetable soup.",
+    "Summarise the causes of the French Revolution in a paragraph.",
+    "How do I reverse a linked list in Python? Show code.",
+    "Describe the water cycle to a ten-year-old.",
+    "List five tips for improving sleep quality.",
+]
+
+
+def engine_for(args: argparse.Namespace, k: int, graphs: bool, max_batch: int) -> LLMEngine:
+    """A bf16 CUDA engine; k=0 is target-only."""
+    cfg = MTPServeConfig.from_dict(
+        {
+            "model": {
+                "path": args.model,
+                "device": args.device,
+                "dtype": args.dtype,
+                "cuda_graphs": graphs,
+                "max_model_len": args.max_model_len,
+            },
+            "scheduler": {"max_num_requests": max_batch, "max_num_batched_tokens": 4096, "chunk_size": 512},
+            "speculative": {"enabled": k > 0, "draft": args.head, "num_draft_tokens": max(k, 1)},
+        }
+    )
+    return LLMEngine.from_config(cfg)
+
+
+def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Prefill all prompts, then time the generation steps only."""
+    ids = [engine.add_request(p, {"max_tokens": max_tokens, "ignore_eos": True}) for p in prompts]
+    reqs = [engine.scheduler.requests[r] for r in ids]
+    while any(r.in_context for r in reqs):
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    steps = tokens = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        steps += 1
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    sync()
+    dt = time.perf_counter() - t0
+    drafted = sum(r.stats.drafted for r in reqs)
+    accepted = sum(r.stats.accepted for r in reqs)
+    verify = sum(r.stats.verify_steps for r in reqs)
+    return {
+        "batch": len(prompts),
+        "tok_s": tokens / dt,
+        "step_ms": 1e3 * dt / max(steps, 1),
+        "steps": steps,
+        "tokens": tokens,
+        "acceptance_length": 1 + accepted / verify if verify else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "fused_replays": replays(getattr(engine.target, "fused", None)),
+        "uniform_replays": replays(getattr(engine.target, "uniform", None)),
+    }
+
+
+def replays(step: Any) -> int | None:
+    """CUDA-graph replays of a captured step object, or None."""
+    return None if step is None else int(step.steps.replays)
+
+
+def ttft(engine: LLMEngine, prompt: list[int]) -> float:
+    """Seconds from add_request to the first generated token."""
+    sync()
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, {"max_tokens": 1, "ignore_eos": True})
+    while True:
+        if any(o.request_id == rid and o.new_token_ids for o in engine.step()):
+            break
+    sync()
+    return time.perf_counter() - t0
+
+
+def hf_peer(args: argparse.Namespace, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    """HF transformers generate() on the same GGUF, bf16, batch 1 and batch 8 (left padded)."""
+    from transformers import AutoModelForCausalLM
+
+    p = Path(args.model)
+    hf = (
+        AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.bfloat16)
+        .to(args.device)
+        .eval()
+    )
+    hf.generation_config.eos_token_id = None
+    out = []
+    for batch in (1, 8):
+        rows = prompts[:batch]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[2] * (width - len(r)) + r for r in rows], device=args.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=args.device)
+        with torch.no_grad():
+            hf.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=2)
+            sync()
+            t0 = time.perf_counter()
+            hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=2)
+            sync()
+        dt = time.perf_counter() - t0
+        out.append({"batch": batch, "tok_s": batch * max_tokens / dt, "step_ms": 1e3 * dt / max_tokens})
+    return out
+
+
+def kernel_check() -> dict[str, Any]:
+    """Triton paged attention in bf16 against a float64 reference."""
+    from workers.attention import uniform_paged_attention
+    from workers.triton_attention import triton_uniform_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    res = {}
+    for q_len in (1, 4):
+        kc = torch.randn(300, 16, 3, 64, device="cuda", generator=g).bfloat16()
+        vc = torch.randn(300, 16, 3, 64, device="cuda", generator=g).bfloat16()
+        tables = torch.randperm(300, device="cuda", generator=g)[: 8 * 30].view(8, 30)
+        lens = torch.randint(q_len, 30 * 16, (8,), device="cuda", generator=g)
+        q = torch.randn(8 * q_len, 9, 64, device="cuda", generator=g).bfloat16()
+        got = triton_uniform_attention(q, kc, vc, tables, lens, q_len, 0.125)
+        ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, lens, q_len, 0.125)
+        res[f"q{q_len}_max_abs_err"] = (got.double() - ref).abs().max().item()
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--head", default=str(DEFAULT_HEAD) if DEFAULT_HEAD.is_file() else "random")
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--device", default="cuda", help="cpu for a quick dry run")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--batches", default="1,8,64")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "head": args.head,
+        "max_tokens": args.max_tokens,
+        "weight_floor_ms": WEIGHT_FLOOR_MS,
+        "runs": [],
+        "errors": [],
+    }
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+
+    def guarded(name: str, fn: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+            print(f"[{time.perf_counter() - t0:6.1f}s] {name}: ok", flush=True)
+            return result
+        except Exception as exc:
+            traceback.print_exc()
+            report["errors"].append(f"{name}: {exc!r}")
+            return None
+
+    base = engine_for(args, 0, True, max(batches))
+    prompts_all = [base.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(max(batches))]
+    if torch.cuda.is_available():
+        report["kernel_check"] = guarded("kernel check", kernel_check)
+    for graphs in (True, False):
+        for k in [0, *ks]:
+            if not graphs and k not in (0, 3):
+                continue
+            eng = (
+                base
+                if (k == 0 and graphs)
+                else guarded(
+                    f"engine k={k} graphs={graphs}", lambda k=k, g=graphs: engine_for(args, k, g, max(batches))
+                )
+            )
+            if eng is None:
+                continue
+            guarded("warmup", lambda e=eng: decode_run(e, prompts_all[:2], 8))
+            for b in batches if graphs else [1]:
+                r = guarded(
+                    f"decode k={k} graphs={graphs} batch={b}",
+                    lambda e=eng, b=b: decode_run(e, prompts_all[:b], args.max_tokens),
+                )
+                if r:
+                    r.update(k=k, graphs=graphs)
+                    report["runs"].append(r)
+                    print(json.dumps(r), flush=True)
+            if graphs:
+                long_prompt = base.encode_prompt(" ".join(PROMPTS) * 6)[:520]
+                t = guarded(f"ttft k={k}", lambda e=eng, lp=long_prompt: [ttft(e, lp) for _ in range(3)])
+                if t:
+                    report.setdefault("ttft_ms", {})[f"k{k}"] = {
+                        "prompt_tokens": len(long_prompt),
+                        "ms": [1e3 * x for x in t],
+                    }
+            if eng is not base:
+                del eng
+                torch.cuda.empty_cache()
+    if not args.skip_hf:
+        report["hf_generate"] = guarded("hf generate", lambda: hf_peer(args, prompts_all, args.max_tokens))
+    (out_dir / "h200_bench.json").write_text(json.dumps(report, indent=2))
+    guarded("plot", lambda: plot(report, out_dir / "h200_bench.png"))
+    print_table(report)
+    return 0
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """Short summary table."""
+    print(f"\n{'k':>2} {'graphs':>6} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'AL':>5}")
+    for r in report["runs"]:
+        al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+        print(f"{r['k']:>2} {r['graphs']!s:>6} {r['batch']:>5} {r['tok_s']:>10.1f} {r['step_ms']:>8.3f} {al:>5}")
+    for r in report.get("hf_generate") or []:
+        print(f"HF generate batch {r['batch']}: {r['tok_s']:.1f} tok/s, {r['step_ms']:.2f} ms/step")
+    print("ttft", json.dumps(report.get("ttft_ms")), "kernel", json.dumps(report.get("kernel_check")))
+    print("errors", report["errors"])
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """tok/s against batch size for each configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in sorted({r["k"] for r in report["runs"] if r["graphs"]}):
+        rows = sorted((r["batch"], r["tok_s"]) for r in report["runs"] if r["graphs"] and r["k"] == k)
+        ax.plot(*zip(*rows, strict=True), marker="o", label="target only" if k == 0 else f"MTP K={k}")
+    hf = report.get("hf_generate") or []
+    if hf:
+        ax.plot([r["batch"] for r in hf], [r["tok_s"] for r in hf], "k--", marker="x", label="HF generate")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tok/s")
+    ax.set_title(f"SmolLM2-135M bf16 on {report['gpu']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Teacher-forced K-chain acceptance of a draft head on held-apart sequences (greedy verification).
+
+From every base position p of a response, the chain proposes d1..dK: step 1 reads (t[p+1], H[p]);
+step k reads (d_{k-1}, h_{k-1}) and attends to draft KV of positions <= p computed from target hidden
+states plus the chain's own earlier steps (see `dense.head_unrolled`). Draft d_k is accepted when
+d_1..d_{k-1} were and d_k equals the target's argmax after them. On greedy-generated sequences the
+target's argmax after an accepted prefix is the stored next token, so teacher forcing is exact there;
+a chain is also cut wherever the stored token differs from the target argmax (sampled data).
+
+acceptance length = 1 + mean accepted drafts per base; rate[k] = share of bases whose first k drafts
+were all accepted (so acceptance length = 1 + sum(rate)).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from speculative.mtp_head import MTPEagleHead
+from speculative.train.batches import Batch, HiddenStore, autocast_ctx
+from speculative.train.dense import head_unrolled
+from workers.model import LlamaModel
+
+
+def _argmax_rows(shared: LlamaModel, h: torch.Tensor, rows: torch.Tensor, fill: int) -> torch.Tensor:
+    """Argmax of the shared head's logits at `rows` (bool [B, L]) of h [B, L, d]; `fill` elsewhere."""
+    out = torch.full(rows.shape, fill, dtype=torch.long, device=h.device)
+    if rows.any():
+        out[rows] = shared.logits(h[rows]).argmax(-1)
+    return out
+
+
+@torch.no_grad()
+def batch_acceptance(head: MTPEagleHead, shared: LlamaModel, batch: Batch, k: int) -> dict[str, torch.Tensor]:
+    """Per-batch counts: `bases` [B] chains evaluated per sequence, `accepted` [B, K] chains reaching each depth."""
+    ids, hidden = batch.ids, batch.hidden
+    bsz, length = ids.shape
+    q = torch.arange(length, device=ids.device)[None, :]
+    r = batch.response_start[:, None]
+    n = batch.lengths[:, None]
+    target_rows = (q >= r - 1) & (q < n)
+    tgt = _argmax_rows(shared, hidden, target_rows, -1)  # target argmax at row q (token q+1)
+    outs = head_unrolled(head, shared, ids, hidden, k)
+    draft_rows = (q >= r - 1) & (q <= n - 2)
+    next_tgt = torch.nn.functional.pad(tgt[:, 1:], (0, 1), value=-2)
+    consistent = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-3) == tgt  # stored t[q+1] == argmax row q
+    nb = max(length - k, 0)
+    base = torch.arange(nb, device=ids.device)[None, :]
+    base_ok = (base >= r - 1) & (base <= n - 1 - k)
+    alive = base_ok.clone()
+    accepted = torch.zeros(bsz, k, dtype=torch.long, device=ids.device)
+    for j in range(1, k + 1):
+        d = _argmax_rows(shared, outs[j - 1], draft_rows, -4)
+        match = d == next_tgt  # draft at row q == target argmax at row q+1
+        if j > 1:
+            match &= consistent
+        alive &= match[:, j - 1 : j - 1 + nb]
+        accepted[:, j - 1] = alive.sum(1)
+    return {"bases": base_ok.sum(1), "accepted": accepted}
+
+
+def summarize(bases: int, accepted: list[int], sequences: int) -> dict[str, Any]:
+    """The acceptance dict: acceptance_length, per-position rates and the raw counts."""
+    rates = [a / bases if bases else 0.0 for a in accepted]
+    cond = [
+        (accepted[i] / accepted[i - 1] if i and accepted[i - 1] else (rates[0] if i == 0 else 0.0))
+        for i in range(len(accepted))
+    ]
+    return {
+        "acceptance_length": 1.0 + sum(rates),
+        "per_position": rates,
+        "conditional_per_position": cond,
+        "bases": bases,
+        "sequences": sequences,
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    head: MTPEagleHead,
+    shared: LlamaModel,
+    store: HiddenStore,
+    indices: list[int],
+    k: int,
+    batch_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """Acceptance over `indices` of the store's dataset, overall and per prompt source."""
+    was_training = head.training
+    head.eval()
+    totals: dict[str, list[int]] = {}
+    seqs: dict[str, int] = {}
+    order = sorted(indices, key=lambda i: store.data.ids[i].numel())
+    with autocast_ctx(store.device, dtype):
+        for lo in range(0, len(order), batch_size):
+            batch = store.batch(order[lo : lo + batch_size])
+            res = batch_acceptance(head, shared, batch, k)
+            for b, src in enumerate(batch.sources):
+                for key in ("all", src):
+                    t = totals.setdefault(key, [0] * (k + 1))
+                    t[0] += int(res["bases"][b])
+                    for j in range(k):
+                        t[j + 1] += int(res["accepted"][b, j])
+                    seqs[key] = seqs.get(key, 0) + 1
+    head.train(was_training)
+    t = totals.get("all", [0] * (k + 1))
+    out = summarize(t[0], t[1:], seqs.get("all", 0))
+    out["num_draft_tokens"] = k
+    out["by_source"] = {s: summarize(v[0], v[1:], seqs[s]) for s, v in sorted(totals.items()) if s != "all"}
+    return out

@@ -1,0 +1,204 @@
+"""Text generators used only while building the draft dataset: the project's engine, or HF `generate`.
+
+Both take token-id prompts and return each continuation's ids (including the stop token when one was
+produced) and why it ended. The `hf` backend exists for the GPU data build: our engine is not
+CUDA-graphed and its per-step Python cost makes thousands of long responses too slow there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from tqdm import tqdm
+
+from workers.model import LlamaArgs
+
+
+@dataclass
+class GenResult:
+    """One continuation: new token ids and 'stop' (hit a stop id) or 'length'."""
+
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
+class GenSettings:
+    """Decoding settings of one generate call (temperature 0 = greedy)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+
+class Generator(Protocol):
+    """Anything that continues a batch of token-id prompts."""
+
+    name: str
+
+    def generate(self, prompts: list[list[int]], settings: GenSettings, desc: str = "") -> list[GenResult]:
+        """Continue every prompt; results in input order."""
+        ...
+
+
+def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> GenResult:
+    """Truncate after the first stop id (kept, as the engine does); 'length' when none occurs."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return GenResult(tokens[: i + 1], "stop")
+    return GenResult(tokens, "length")
+
+
+class EngineGenerator:
+    """The in-process LLMEngine with speculation off, fed `batch_size` requests at a time."""
+
+    name = "engine"
+
+    def __init__(
+        self,
+        args: LlamaArgs,
+        weights: dict[str, torch.Tensor],
+        device: str,
+        dtype: str,
+        batch_size: int,
+        max_len: int,
+    ) -> None:
+        from cluster.config import MTPServeConfig
+        from cluster.engine import LLMEngine
+
+        max_len = min(max_len, args.max_position_embeddings)
+        block = 16
+        cfg = MTPServeConfig.from_dict(
+            {},
+            {
+                "model.device": device,
+                "model.dtype": dtype,
+                "model.max_model_len": max_len,
+                "speculative.enabled": False,
+                "scheduler.max_num_requests": batch_size,
+                "scheduler.max_num_batched_tokens": max(4096, 2 * max_len),
+                "scheduler.chunk_size": max_len,
+                "scheduler.block_size": block,
+                "scheduler.num_kv_blocks": batch_size * (-(-(max_len + 1) // block)) + 1,
+            },
+        )
+        self.engine = LLMEngine.from_weights(cfg, args, weights)
+        self.batch_size = batch_size
+        self.max_len = max_len
+
+    def generate(self, prompts: list[list[int]], settings: GenSettings, desc: str = "") -> list[GenResult]:
+        """Continuous batching over all prompts, one seed per request (seed + index)."""
+        eng = self.engine
+        stop = sorted(settings.stop_ids)
+        pending = list(enumerate(prompts))[::-1]
+        owner: dict[str, int] = {}
+        tokens: dict[int, list[int]] = {}
+        results: list[GenResult | None] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc=desc or "generate (engine)", unit="seq") as bar:
+            while pending or eng.has_unfinished():
+                while pending and eng.scheduler.num_waiting < self.batch_size:
+                    i, p = pending.pop()
+                    room = self.max_len - len(p)
+                    params = {
+                        "max_tokens": max(1, min(settings.max_new_tokens, room)),
+                        "temperature": settings.temperature,
+                        "top_p": settings.top_p,
+                        "seed": settings.seed + i,
+                        "stop_token_ids": stop,
+                    }
+                    owner[eng.add_request(p, params)] = i
+                    tokens[i] = []
+                for o in eng.step():
+                    i = owner[o.request_id]
+                    tokens[i].extend(o.new_token_ids)
+                    if o.finished:
+                        results[i] = GenResult(tokens.pop(i), o.finish_reason or "length")
+                        bar.update(1)
+        return [r if r is not None else GenResult([], "length") for r in results]
+
+
+class HFGenerator:
+    """HF transformers `LlamaForCausalLM.generate` (left padding, length-sorted batches)."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        args: LlamaArgs,
+        weights: dict[str, torch.Tensor],
+        device: str,
+        dtype: torch.dtype,
+        batch_size: int,
+    ) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(  # built from our LlamaArgs so both implementations share every hyper-parameter
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size,
+            num_hidden_layers=args.num_hidden_layers,
+            num_attention_heads=args.num_attention_heads,
+            num_key_value_heads=args.num_key_value_heads,
+            head_dim=args.dim_per_head,
+            rms_norm_eps=args.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+            max_position_embeddings=args.max_position_embeddings,
+            tie_word_embeddings=args.tie_word_embeddings,
+            attention_bias=False,
+            mlp_bias=False,
+        )
+        model = LlamaForCausalLM(config)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"HF generator: weights missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
+        self.model = model.eval()
+        self.device = device
+        self.batch_size = batch_size
+        self.pad_id = 0
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], settings: GenSettings, desc: str = "") -> list[GenResult]:
+        """Generate in batches; sampling uses a torch seed per batch (seed + batch index)."""
+        from transformers import GenerationConfig
+
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        stop = set(settings.stop_ids)
+        sample = settings.temperature > 0
+        gen_cfg = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens,
+            do_sample=sample,
+            temperature=settings.temperature if sample else None,
+            top_p=settings.top_p if sample else None,
+            top_k=0 if sample else None,
+            eos_token_id=sorted(stop) or None,
+            pad_token_id=self.pad_id,
+        )
+        results: list[GenResult | None] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc=desc or "generate (hf)", unit="seq") as bar:
+            for b, lo in enumerate(range(0, len(order), self.batch_size)):
+                idx = order[lo : lo + self.batch_size]
+                width = max(len(prompts[i]) for i in idx)
+                ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros((len(idx), width), dtype=torch.long)
+                for r, i in enumerate(idx):
+                    ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                    mask[r, width - len(prompts[i]) :] = 1
+                torch.manual_seed(settings.seed + b)
+                out = self.model.generate(
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    generation_config=gen_cfg,
+                )
+                new = out[:, width:].cpu().tolist()
+                for r, i in enumerate(idx):
+                    results[i] = cut_at_stop(new[r], stop) if stop else GenResult(new[r], "length")
+                bar.update(len(idx))
+        return [r if r is not None else GenResult([], "length") for r in results]

@@ -1,0 +1,98 @@
+"""The model card written next to an exported draft head (how it was made, and how well it drafts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _fmt_rates(rates: list[float]) -> str:
+    return " / ".join(f"{r:.2f}" for r in rates)
+
+
+def _acceptance_rows(name: str, res: dict[str, Any] | None) -> list[str]:
+    if not res:
+        return []
+    rows = [
+        f"| {name} | {res['acceptance_length']:.3f} | {_fmt_rates(res['per_position'])} | "
+        f"{_fmt_rates(res.get('conditional_per_position', []))} | {res['sequences']} | {res['bases']} |"
+    ]
+    for src, sub in res.get("by_source", {}).items():
+        rows.append(
+            f"| {name}, {src} prompts | {sub['acceptance_length']:.3f} | {_fmt_rates(sub['per_position'])} | "
+            f"{_fmt_rates(sub.get('conditional_per_position', []))} | {sub['sequences']} | {sub['bases']} |"
+        )
+    return rows
+
+
+def render_model_card(info: dict[str, Any]) -> str:
+    """Markdown for `info` (keys: head, target, data, train, dev, dev_initial, command, hardware, ...)."""
+    data = info.get("data", {})
+    counts = data.get("counts", {})
+    train = info.get("train", {})
+    k = (info.get("dev") or {}).get("num_draft_tokens", train.get("num_draft_tokens", "?"))
+    lines = [
+        f"# Draft head: {info.get('head', 'MTP Eagle head')}",
+        "",
+        "An MTP Eagle draft head (DeepSeek-V3 MTP layout: enorm/hnorm, eh_proj, one decoder layer; the target's",
+        "embedding, final norm and lm_head are shared and not stored), trained by `mtpserve train-draft` by",
+        "self-distillation on the target's own outputs. No dataset was downloaded.",
+        "",
+        "## Target",
+        f"- model: `{info.get('target', '?')}`",
+        f"- architecture: {info.get('target_shape', '?')}",
+        "",
+        "## Data",
+        f"- sequences: {counts.get('sequences', '?')} ({counts.get('tokens', '?')} tokens, "
+        f"{counts.get('response_tokens', '?')} response tokens)",
+        f"- prompts by source: {counts.get('by_source', {})} (seed = built-in list, magpie = written by the "
+        "target from its bare user header, random = random token ids for tokenizer-less targets)",
+        f"- responses: {counts.get('greedy', '?')} greedy, {counts.get('sampled', '?')} sampled; "
+        f"generator: {data.get('generator', '?')}",
+        f"- train / dev split: {train.get('train_sequences', '?')} / {train.get('dev_sequences', '?')} sequences "
+        "(dev prompts are held apart; dev responses are greedy)",
+        "- hidden states: recomputed at train time by a dense target forward (only token ids are stored)",
+        "",
+        "## Training",
+        f"- steps: {train.get('steps', '?')} at batch {train.get('batch_size', '?')} sequences, "
+        f"lr {train.get('lr', '?')} (AdamW, warmup {train.get('warmup_steps', '?')} + cosine), "
+        f"grad clip {train.get('grad_clip', '?')}",
+        f"- unrolled draft steps (training-time test): {train.get('num_draft_tokens', '?')}, "
+        f"loss weights {[round(w, 3) for w in train.get('step_weights', [])]}",
+        "- loss: soft cross-entropy against the target's next-token distribution; final loss "
+        + (f"{train['final_loss']:.4f}" if isinstance(train.get("final_loss"), float) else "?"),
+        f"- initialisation: {train.get('init', '?')}",
+        f"- wall time: {train.get('wall_time_s', '?')} s training, {info.get('total_wall_s', '?')} s in all",
+        f"- hardware: {info.get('hardware', '?')}; dtype {train.get('dtype', '?')}",
+        "",
+        f"## Dev-set acceptance (greedy, K={k} chain, teacher-forced from every response position)",
+        "",
+        "| head | acceptance length | per-position rate (cumulative) | conditional | sequences | chains |",
+        "|---|---|---|---|---|---|",
+        *_acceptance_rows("untrained (initial)", info.get("dev_initial")),
+        *_acceptance_rows("trained", info.get("dev")),
+        "",
+        "Acceptance length = 1 + mean accepted drafts per chain; the cumulative rate at position k is the share",
+        "of chains whose first k drafts were all accepted.",
+        "",
+        "## Command",
+        "",
+        "```",
+        str(info.get("command", "?")),
+        "```",
+        "",
+    ]
+    data_cmd = data.get("settings", {}).get("extra", {}).get("command")
+    if data_cmd and data_cmd != info.get("command"):
+        lines += ["The dataset was built earlier by:", "", "```", str(data_cmd), "```", ""]
+    if info.get("notes"):
+        lines += ["## Notes", "", str(info["notes"]), ""]
+    return "\n".join(lines)
+
+
+def write_model_card(path: str | Path, info: dict[str, Any]) -> Path:
+    """Write the markdown model card for `info` to `path`; returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(render_model_card(info))
+    return p

@@ -1,0 +1,375 @@
+"""Trains an MTP Eagle head by self-distillation, unrolled over K draft steps (training-time test).
+
+Loop: batch of sequences -> target hidden states (dense forward, kept on the device) -> K unrolled head
+steps -> weighted soft cross-entropy against the target's distribution -> AdamW step (grad clipping,
+linear warmup then cosine decay to `min_lr_ratio`). bf16 autocast on CUDA, plain fp32 on CPU.
+Periodic dev-set acceptance, checkpoints (head, optimizer, scheduler, step, RNG) and `resume`.
+With a time budget the number of steps is projected from measured step times so that the final
+evaluation and export still fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from speculative.mtp_head import MTPEagleHead
+from speculative.train.batches import HiddenStore, autocast_ctx, epoch_batches
+from speculative.train.data import TokenDataset
+from speculative.train.errors import TrainSetupError
+from speculative.train.eval import evaluate
+from speculative.train.loss import default_step_weights, unrolled_loss
+from workers.model import LlamaArgs, LlamaModel
+
+log = logging.getLogger(__name__)
+CKPT_NAME = "latest.pt"
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, unrolling, evaluation and checkpoint settings."""
+
+    steps: int = 1000
+    batch_size: int = 16
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int | None = None  # None: 5% of steps (at least 1)
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    num_draft_tokens: int = 3  # K, unroll depth and evaluation chain length
+    step_weights: list[float] | None = None  # None: 1, 0.7, 0.49, ...
+    init_from_target: bool = True
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    dev_fraction: float = 0.05
+    holdout_sources: tuple[str, ...] = ()  # prompt sources kept entirely for dev (e.g. ("seed",))
+    eval_every: int = 200  # 0: only at start and end
+    eval_batch_size: int = 16
+    ckpt_every: int = 200  # 0: only at the end
+    ckpt_dir: str | None = None
+    resume: bool = False
+    seed: int = 0
+    time_budget_s: float | None = None  # wall-clock budget from `start_time` (whole run)
+    pause_after: int | None = None  # stop this run after so many steps (checkpoint; continue with resume)
+    start_time: float = field(default_factory=time.time)
+    keep_hidden: bool = True
+    log_every: int = 10
+
+    def weights(self) -> list[float]:
+        """Per-step loss weights, K of them."""
+        w = self.step_weights or default_step_weights(self.num_draft_tokens)
+        if len(w) != self.num_draft_tokens:
+            raise TrainSetupError("--step-weights", f"needs {self.num_draft_tokens} values, got {len(w)}")
+        return list(w)
+
+    def compute_dtype(self) -> torch.dtype:
+        """Autocast dtype (fp32 on CPU whatever `dtype` says is 'auto')."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1 over `warmup` steps, then cosine decay to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_shared(args: LlamaArgs, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> LlamaModel:
+    """The frozen target (embedding, layers, final norm, lm_head) for hidden states and the shared head."""
+    model = LlamaModel(args)
+    model.load_hf_state_dict(weights)
+    model = model.to(device=device, dtype=dtype).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+class Trainer:
+    """Owns the frozen target, the head, the optimizer and the data order."""
+
+    def __init__(self, cfg: TrainConfig, args: LlamaArgs, weights: dict[str, torch.Tensor], data: TokenDataset) -> None:
+        if cfg.num_draft_tokens < 1:
+            raise TrainSetupError("--num-draft-tokens", f"must be >= 1, got {cfg.num_draft_tokens}")
+        self.cfg = cfg
+        self.args = args
+        self.data = data
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.compute_dtype()
+        self.step_weights = cfg.weights()
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        target_dtype = self.dtype if self.device.type == "cuda" else torch.float32
+        self.shared = build_shared(args, weights, cfg.device, target_dtype)
+        self.head = MTPEagleHead(args)
+        if cfg.init_from_target:
+            self.head.init_from_target(weights)
+        else:
+            self.head.init_random(seed=cfg.seed)
+        self.head.to(self.device).train()
+        self.train_idx, self.dev_idx = data.split(cfg.dev_fraction, cfg.seed, cfg.holdout_sources)
+        if not self.train_idx:
+            raise TrainSetupError("--data-dir", "no training sequences left after the dev split")
+        self.store = HiddenStore(self.shared, data, self.device, keep=cfg.keep_hidden)
+        self.opt = torch.optim.AdamW(
+            self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
+        self.total_steps = cfg.steps
+        self.warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 20)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_factor(s, self.warmup, self.total_steps, cfg.min_lr_ratio)
+        )
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.dev_initial: dict[str, Any] | None = None
+        self.train_wall_s = 0.0
+        self.tokens_seen = 0
+        self.last_metrics: dict[str, float] = {}
+        self.stopped_by = "steps"
+        self.resumed_from: int | None = None
+        self.lengths = data.lengths()
+        self._epoch: tuple[int, list[list[int]]] | None = None
+
+    # ---- data order ------------------------------------------------------------------------------
+    def batch_indices(self, step: int) -> list[int]:
+        """Sequences of global step `step` (a pure function of seed and step, so resume is exact)."""
+        per_epoch = self._batches_per_epoch()
+        epoch, i = divmod(step, per_epoch)
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (
+                epoch,
+                epoch_batches(self.train_idx, self.lengths, self.cfg.batch_size, self.cfg.seed, epoch),
+            )
+        return self._epoch[1][i]
+
+    def _batches_per_epoch(self) -> int:
+        pool = self.cfg.batch_size * 16
+        n = len(self.train_idx)
+        full, rest = divmod(n, pool)
+        return full * 16 + -(-rest // self.cfg.batch_size)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def ckpt_path(self) -> Path | None:
+        """Where the rolling checkpoint lives (None when checkpoints are off)."""
+        return Path(self.cfg.ckpt_dir) / CKPT_NAME if self.cfg.ckpt_dir else None
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {
+            "sequences": len(self.data),
+            "tokens": sum(self.lengths),
+            "hidden_size": self.args.hidden_size,
+            "num_draft_tokens": self.cfg.num_draft_tokens,
+            "dev": len(self.dev_idx),
+        }
+
+    def save_checkpoint(self) -> Path | None:
+        """Atomically write head, optimizer, scheduler, step, RNG, history."""
+        path = self.ckpt_path()
+        if path is None:
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "head": self.head.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "python": random.getstate(),
+            },
+            "history": self.history,
+            "dev_initial": self.dev_initial,
+            "train_wall_s": self.train_wall_s,
+            "tokens_seen": self.tokens_seen,
+            "fingerprint": self._fingerprint(),
+            "config": {k: v for k, v in asdict(self.cfg).items() if k != "start_time"},
+        }
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        return path
+
+    def load_checkpoint(self) -> int:
+        """Restore the rolling checkpoint; returns the step it was saved at."""
+        path = self.ckpt_path()
+        if path is None or not path.is_file():
+            raise TrainSetupError("--resume", f"no checkpoint at '{path}'; run once without --resume first")
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state["fingerprint"] != self._fingerprint():
+            raise TrainSetupError(
+                "--resume", f"checkpoint {path} was made for {state['fingerprint']}, not {self._fingerprint()}"
+            )
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        random.setstate(state["rng"]["python"])
+        self.step = int(state["step"])
+        self.history = list(state["history"])
+        self.dev_initial = state["dev_initial"]
+        self.train_wall_s = float(state["train_wall_s"])
+        self.tokens_seen = int(state["tokens_seen"])
+        return self.step
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, Any]:
+        """Dev-set acceptance of the current head (K-chain, teacher-forced)."""
+        return evaluate(
+            self.head,
+            self.shared,
+            self.store,
+            self.dev_idx,
+            self.cfg.num_draft_tokens,
+            self.cfg.eval_batch_size,
+            self.dtype,
+        )
+
+    # ---- training --------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """One optimisation step on the batch of the current global step."""
+        batch = self.store.batch(self.batch_indices(self.step))
+        with autocast_ctx(self.device, self.dtype):
+            loss, metrics = unrolled_loss(self.head, self.shared, batch, self.step_weights)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        self.tokens_seen += int(batch.lengths.sum())
+        metrics["grad_norm"] = float(norm)
+        metrics["lr"] = float(self.sched.get_last_lr()[0])
+        return metrics
+
+    def _remaining_s(self) -> float:
+        if self.cfg.time_budget_s is None:
+            return math.inf
+        return self.cfg.start_time + self.cfg.time_budget_s - time.time()
+
+    def _reserve_s(self, eval_s: float) -> float:
+        """Seconds kept for the final evaluation, checkpoint and export."""
+        return 1.5 * eval_s + 2.0 + 0.02 * (self.cfg.time_budget_s or 0.0)
+
+    def _plan_steps(self, step_s: float, eval_s: float) -> None:
+        """Shrink total_steps so training, periodic evals, the final eval and export fit the budget."""
+        remaining = self._remaining_s() - self._reserve_s(eval_s)
+        per_step = step_s + (eval_s / self.cfg.eval_every if self.cfg.eval_every else 0.0)
+        fit = self.step + max(0, int(remaining / per_step))
+        if fit < self.total_steps:
+            log.info("time budget: %d steps fit (%.3f s/step), not %d", fit, step_s, self.total_steps)
+            self.total_steps = fit
+            self.stopped_by = "time budget"
+            if self.cfg.warmup_steps is None:  # keep the default warmup at 5% of the steps that will run
+                self.warmup = max(self.step + 1, min(self.warmup, fit // 20))
+
+    def run(self) -> dict[str, Any]:
+        """Train (or resume) to `total_steps`; returns the results dict (history, dev acceptance, timings)."""
+        resumed = self.load_checkpoint() if self.cfg.resume else None
+        self.resumed_from = resumed
+        stop_at = self.total_steps if self.cfg.pause_after is None else self.step + self.cfg.pause_after
+        self.store.precompute(self.train_idx + self.dev_idx)
+        t_eval = time.perf_counter()
+        first = self.evaluate()
+        eval_s = time.perf_counter() - t_eval
+        if resumed is None:
+            self.dev_initial = first
+            self.history.append({"step": 0, "dev": first})
+        log.info("dev acceptance at step %d: %.3f", self.step, first["acceptance_length"])
+        t0 = time.perf_counter()
+        timing_from, timing_n = self.step + 3, 20
+        timing_start = None
+        with tqdm(total=self.total_steps, initial=self.step, desc="train-draft", unit="step") as bar:
+            while self.step < self.total_steps:
+                if self.step >= stop_at:
+                    self.stopped_by = f"paused after {self.cfg.pause_after} steps"
+                    break
+                if self._remaining_s() < self._reserve_s(eval_s):
+                    self.stopped_by = "time budget"
+                    break
+                m = self.train_step()
+                self.last_metrics = m
+                bar.update(1)
+                if self.step == timing_from:
+                    timing_start = time.perf_counter()
+                budgeted = self.cfg.time_budget_s is not None
+                if budgeted and timing_start is not None and self.step == timing_from + timing_n:
+                    self._plan_steps((time.perf_counter() - timing_start) / timing_n, eval_s)
+                    bar.total = self.total_steps
+                if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
+                    shown = {"loss": f"{m.get('loss', float('nan')):.3f}", "acc1": f"{m.get('acc1', 0):.2f}"}
+                    shown["lr"] = f"{m['lr']:.2e}"
+                    bar.set_postfix(shown)
+                if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.total_steps:
+                    t_eval = time.perf_counter()
+                    res = self.evaluate()
+                    eval_s = time.perf_counter() - t_eval
+                    self.history.append({"step": self.step, "loss": m.get("loss"), "dev": res})
+                    bar.write(
+                        f"step {self.step}: dev acceptance length {res['acceptance_length']:.3f} "
+                        f"per-position {[round(x, 3) for x in res['per_position']]}"
+                    )
+                if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+                    self.save_checkpoint()
+        self.train_wall_s += time.perf_counter() - t0
+        final = self.evaluate()
+        self.history.append({"step": self.step, "loss": self.last_metrics.get("loss"), "dev": final})
+        self.save_checkpoint()
+        return self.results(final)
+
+    def results(self, final: dict[str, Any]) -> dict[str, Any]:
+        """Everything worth recording about this run."""
+        cfg = self.cfg
+        return {
+            "dev": final,
+            "dev_initial": self.dev_initial,
+            "history": self.history,
+            "train": {
+                "steps": self.step,
+                "planned_steps": cfg.steps,
+                "stopped_by": self.stopped_by,
+                "resumed_from": self.resumed_from,
+                "schedule_steps": self.total_steps,
+                "batch_size": cfg.batch_size,
+                "lr": cfg.lr,
+                "weight_decay": cfg.weight_decay,
+                "warmup_steps": self.warmup,
+                "min_lr_ratio": cfg.min_lr_ratio,
+                "grad_clip": cfg.grad_clip,
+                "num_draft_tokens": cfg.num_draft_tokens,
+                "step_weights": self.step_weights,
+                "init": "target's last decoder layer" if cfg.init_from_target else f"random (seed {cfg.seed})",
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "device": str(self.device),
+                "holdout_sources": list(cfg.holdout_sources),
+                "train_sequences": len(self.train_idx),
+                "dev_sequences": len(self.dev_idx),
+                "tokens_seen": self.tokens_seen,
+                "final_loss": self.last_metrics.get("loss"),
+                "final_metrics": self.last_metrics,
+                "wall_time_s": round(self.train_wall_s, 2),
+                "seed": cfg.seed,
+            },
+        }
+
+    def export(self, path: str | Path, metadata: dict[str, Any]) -> Path:
+        """Save the head as safetensors (fp32, `mtp.` names) with string metadata."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self.head.save(p, {k: v if isinstance(v, str) else str(v) for k, v in metadata.items()})
+        return p
