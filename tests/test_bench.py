@@ -1,0 +1,248 @@
+"""`mtpserve bench`: throughput JSON, prompt-field detection, the PR #18295 comparison, and the dev prompt sets."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cluster import bench
+from cluster.cli import main
+from cluster.config import MTPServeConfig
+from cluster.engine import LLMEngine
+from speculative.train.seed_prompts import SEED_PROMPTS
+
+from tiny import engine_config, mimic_head, mimic_target, random_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_FILES = {name: ROOT / "bench" / "prompts" / f"{name}.jsonl" for name in ("long_dev", "chat_dev")}
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """These tests time nothing; one thread avoids OpenMP stalls on a busy 2-core host (28 s vs 0.6 s here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- throughput ------------------------------------------------------------------------------------
+def test_throughput_cli_on_dummy_model_writes_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "res" / "t.json"
+    argv = ["bench", "throughput", "--load-format", "dummy", "--model", str(model), "--device", "cpu"]
+    argv += ["--no-speculation", "--batch-sizes", "1,3", "--prompt-len", "9", "--output-len", "5"]
+    argv += ["--warmup-steps", "2", "--json", str(out), "--max-num-requests", "2"]
+    monkeypatch.setattr(sys, "argv", ["/somewhere/bin/mtpserve", *argv])
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    for key in ("command", "date", "torch", "device", "dtype", "model", "speculation", "scheduler", "results"):
+        assert key in doc, key
+    assert doc["command"].startswith("mtpserve bench throughput --load-format dummy")
+    assert doc["device"] == "cpu"
+    assert doc["model"]["shape"]["hidden_size"] == 32
+    assert doc["model"]["shape"]["num_hidden_layers"] == 2
+    assert doc["speculation"]["enabled"] is False
+    # --max-num-requests was given explicitly, so the batch of 3 is not given more slots
+    assert doc["scheduler"]["max_num_requests"] == 2
+    assert [r["batch_size"] for r in doc["results"]] == [1, 3]
+    for r in doc["results"]:
+        assert r["output_tokens"] == r["batch_size"] * 5
+        assert r["decode_steps"] > 0
+        for k in ("decode_tok_s", "decode_step_ms", "prefill_s", "ttft_mean_s", "ttft_max_s", "output_tok_s"):
+            assert r[k] > 0, k
+        assert r["ttft_max_s"] >= r["ttft_mean_s"]
+        assert r["acceptance_length"] is None
+
+
+def test_throughput_sizes_slots_and_cache_for_the_largest_batch() -> None:
+    cfg = MTPServeConfig.from_dict({"scheduler": {"max_num_requests": 4, "block_size": 16}})
+    sized = bench.throughput_config(cfg, [1, 8, 128], prompt_len=512, output_len=512)
+    assert sized.scheduler.max_num_requests == 128
+    k = sized.speculative.num_draft_tokens
+    assert sized.scheduler.num_kv_blocks is not None
+    assert sized.scheduler.num_kv_blocks * 16 >= 128 * (1024 + k)
+    untouched = bench.throughput_config(cfg, [1, 8, 128], 512, 512, size_slots=False, size_cache=False)
+    assert untouched == cfg
+
+
+def test_throughput_speculative_on_mimic_reports_acceptance() -> None:
+    args, w = mimic_target()
+    cfg = engine_config(speculative={"num_draft_tokens": 2})
+    engine = LLMEngine.from_weights(cfg, args, w, head=mimic_head(args, w))
+    rows = bench.run_throughput(engine, [1, 4], prompt_len=12, output_len=10, warmup_steps=1)
+    for r in rows:
+        assert r.output_tokens == r.batch_size * 10
+        assert r.preemptions == 0
+        assert r.acceptance_length is not None and r.acceptance_length > 1.0
+    table = bench.format_throughput_table(rows)
+    assert "acc len" in table and len(table.splitlines()) == 4
+
+
+# ---- acceptance: prompt files ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"prompt": "P", "text": "not this"},
+        {"turns": ["P", "second turn"], "question": "not this"},
+        {"turns": [{"role": "user", "content": "P"}]},
+        {"question": "P", "answer": "42"},
+        {"text": "P", "id": 3},
+    ],
+)
+def test_prompt_field_is_detected(tmp_path: Path, record: dict) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps(record) + "\n\n" + json.dumps({**record}) + "\n")
+    assert bench.load_prompts(f) == ["P", "P"]
+    assert bench.load_prompts(f, num_prompts=1) == ["P"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"answer": "x"}\n', "no prompt field"),
+        ('{"turns": []}\n', "no prompt field"),
+        ('{"prompt": "ok"}\n{not json\n', ":2: not valid JSON"),
+        ('["prompt"]\n', "expected a JSON object"),
+        ("\n", "holds no prompts"),
+    ],
+)
+def test_bad_prompt_files_are_refused(tmp_path: Path, content: str, message: str) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    with pytest.raises(bench.BenchError, match=re.escape(message)):
+        bench.load_prompts(f)
+
+
+def test_acceptance_cli_refuses_dummy_weights_and_no_speculation(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n')
+    base = ["bench", "acceptance", "--prompts", str(f), "--model", str(model), "--load-format", "dummy"]
+    assert main(base) == 2
+    assert main([*base, "--no-speculation"]) == 2
+
+
+# ---- acceptance: the PR #18295 comparison ----------------------------------------------------------
+def mimic_factory() -> bench.EngineFactory:
+    """Engines on the tiny mimic target, each with a fresh mimic head (high but imperfect acceptance)."""
+    args, w = mimic_target()
+    return lambda cfg: LLMEngine.from_weights(cfg, args, w, head=mimic_head(args, w))
+
+
+def test_compare_shows_the_bug_and_the_fix_on_mimic() -> None:
+    args, _ = mimic_target()
+    prompts = random_prompts(4, args.vocab_size, [40, 23, 31, 37], seed=3)
+    cfg = engine_config(speculative={"num_draft_tokens": 2, "draft": "random"})
+    results = bench.run_acceptance_settings(
+        mimic_factory(), cfg, bench.compare_settings(4), prompts, max_tokens=16, progress=False
+    )
+    sampled, prompt, whole = results
+    assert [r.setting.name for r in results] == ["sampled", "prompt", "unchunked"]
+    assert (sampled.chunk_size, prompt.chunk_size, whole.chunk_size) == (4, 4, 40)
+    assert all(r.max_num_batched_tokens >= r.chunk_size for r in results), "the budget must not split chunks"
+    assert [r.num_prompts for r in results] == [4, 4, 4]
+    # greedy: the outputs are the same whatever the draft does
+    assert sampled.output_tokens == prompt.output_tokens == whole.output_tokens == [16] * 4
+    # the fix: chunked prefill with the prompt lookahead gives exactly the unchunked counters
+    assert prompt.stats == whole.stats
+    assert prompt.stats.drafted > 0
+    # the bug: the sampled token at non-final chunk ends corrupts draft KV and costs acceptance
+    assert sampled.stats.acceptance_rate < prompt.stats.acceptance_rate
+    table = bench.format_acceptance_table(results)
+    assert all(name in table for name in ("sampled", "prompt", "unchunked", "none (40)"))
+    doc = bench.acceptance_report(cfg, args, results, {"compare": True}, "mtpserve bench acceptance --compare")
+    assert [r["setting"] for r in doc["results"]] == ["sampled", "prompt", "unchunked"]
+    assert doc["results"][1]["accepted_per_position"] == doc["results"][2]["accepted_per_position"]
+    json.dumps(doc)
+
+
+def test_acceptance_needs_a_draft_head() -> None:
+    args, w = mimic_target()
+    cfg = engine_config()
+    setting = bench.AcceptanceSetting("run", "prompt", 8)
+    with pytest.raises(bench.BenchError, match="no draft head"):
+        bench.run_acceptance(lambda c: LLMEngine.from_weights(c, args, w), cfg, setting, [[1, 2, 3]], 4, progress=False)
+
+
+# ---- dev prompt sets -------------------------------------------------------------------------------
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def shared_shingles(a: str, b: str, n: int = 8) -> set[tuple[str, ...]]:
+    """Runs of n consecutive words that both texts contain."""
+    wa, wb = _words(a), _words(b)
+    sa = {tuple(wa[i : i + n]) for i in range(len(wa) - n + 1)}
+    sb = {tuple(wb[i : i + n]) for i in range(len(wb) - n + 1)}
+    return sa & sb
+
+
+def overlaps(text: str, others: tuple[str, ...] | list[str]) -> bool:
+    """True when `text` equals, contains, is contained in, or shares 8 consecutive words with another text."""
+    norm = " ".join(_words(text))
+    for other in others:
+        o = " ".join(_words(other))
+        if norm == o or (o and o in norm) or (norm and norm in o) or shared_shingles(text, other):
+            return True
+    return False
+
+
+def test_overlap_check_catches_copies() -> None:
+    seed = SEED_PROMPTS[0]
+    assert overlaps(seed, SEED_PROMPTS)
+    assert overlaps(f"Context: a long document.\n\n{seed.upper()}", SEED_PROMPTS)
+    words = _words(SEED_PROMPTS[1])[:8]
+    assert overlaps("Please: " + " ".join(words) + " and more", SEED_PROMPTS)
+    assert not overlaps("Tell me about the migration of arctic terns.", SEED_PROMPTS)
+
+
+@pytest.mark.parametrize("name", sorted(PROMPT_FILES))
+def test_dev_prompts_never_overlap_the_training_seed_prompts(name: str) -> None:
+    texts = bench.load_prompts(PROMPT_FILES[name])
+    assert len(texts) >= (10 if name == "long_dev" else 30)
+    assert len(set(texts)) == len(texts), "duplicate prompts"
+    bad = [t[:60] for t in texts if overlaps(t, SEED_PROMPTS)]
+    assert not bad, f"{name} overlaps the trainer's seed prompts: {bad}"
+
+
+@pytest.mark.slow
+def test_long_dev_prompts_are_at_least_512_tokens_with_the_chat_template() -> None:
+    from smol import smollm2
+
+    tok = smollm2()[3]
+    texts = bench.load_prompts(PROMPT_FILES["long_dev"])
+    ids = bench.encode_texts(tok, texts)
+    assert min(len(x) for x in ids) >= 512
+    # encode_texts mirrors LLMEngine.encode_prompt, with and without the chat template
+    holder = SimpleNamespace(tokenizer=tok)
+    for chat in (True, False):
+        assert (
+            bench.encode_texts(tok, texts[:2], chat)
+            == [
+                LLMEngine.encode_prompt(holder, t, chat)  # type: ignore[arg-type]
+                for t in texts[:2]
+            ]
+        )
