@@ -47,7 +47,7 @@ class MTPEagleHead(nn.Module):
     ) -> torch.Tensor:
         """Draft hidden states [T, d] for rows reading (embedding of token i+1, hidden at i)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1))
-        return self.layer(x, positions, self.rotary, cache.keys[0], cache.values[0], meta)
+        return self.layer(x, self.rotary.table(positions), cache.keys[0], cache.values[0], meta)
 
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """The draft's own one-layer paged KV cache."""

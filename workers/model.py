@@ -64,9 +64,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dim."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim] fp32
 
 
 class Rotary(nn.Module):
@@ -83,14 +84,22 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
 
+    def table(self, positions: torch.Tensor) -> Rope:
+        """cos/sin rows for `positions` [T], gathered once per forward and shared by every layer."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to x [T, H, D] at `positions` [T]."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
+        return apply_rope(x, self.table(positions))
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate x [T, H, D] by a gathered (cos, sin) table."""
+    cos, sin = rope
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -115,16 +124,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rope: Rope,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: Metadata,
     ) -> torch.Tensor:
         """Write this chunk's K/V into the cache, attend, and project back (partial sum under TP)."""
         t = x.shape[0]
-        q = rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
-        k = rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
+        qk = torch.cat(
+            [self.q_proj(x).view(t, self.num_heads, self.head_dim), self.k_proj(x).view(t, -1, self.head_dim)], 1
+        )
+        q, k = apply_rope(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, meta.slot_mapping, k)
         write_kv(v_cache, meta.slot_mapping, v)
@@ -162,14 +172,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rope: Rope,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: Metadata,
     ) -> torch.Tensor:
         """Residual attention then residual MLP."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -223,8 +232,9 @@ class LlamaModel(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: Metadata) -> torch.Tensor:
         """Run every layer over the flattened batch; returns hidden states [T, d] before the final norm."""
         x = self.embed(ids)
+        rope = self.rotary.table(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, cache.keys[i], cache.values[i], meta)
+            x = layer(x, rope, cache.keys[i], cache.values[i], meta)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

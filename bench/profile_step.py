@@ -1,0 +1,94 @@
+"""Where does a decode step's time go? Phase timings and a torch.profiler table, any device.
+
+python bench/profile_step.py --device cuda --out $OUT        # SmolLM2-135M shape, random weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cluster.config import MTPServeConfig
+from cluster.engine import LLMEngine
+
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def sync() -> None:
+    """Wait for the GPU."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def phases(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Mean ms per step in schedule / execute / update."""
+    acc = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        plan = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        out = engine.target.execute(plan)
+        sync()
+        t2 = time.perf_counter()
+        engine.scheduler.update(plan, out, out.draft_outputs)
+        t3 = time.perf_counter()
+        acc["schedule"] += t1 - t0
+        acc["execute"] += t2 - t1
+        acc["update"] += t3 - t2
+    return {k: 1e3 * v / steps for k, v in acc.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "config.json").write_text(json.dumps(SMOLLM2))
+    report = {}
+    for name, k, graphs in (("target-eager", 0, False), ("target-graph", 0, True), ("mtp3-graph", 3, True)):
+        cfg = MTPServeConfig.from_dict({
+            "model": {"path": str(tmp), "load_format": "dummy", "device": args.device, "cuda_graphs": graphs,
+                      "max_model_len": 2048, "dtype": "bfloat16" if args.device == "cuda" else "float32"},
+            "scheduler": {"max_num_requests": 8},
+            "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1)},
+        })  # fmt: skip
+        eng = LLMEngine.from_config(cfg)
+        eng.add_request(list(range(100, 164)), {"max_tokens": 10_000, "ignore_eos": True})
+        for _ in range(5):
+            eng.step()
+        sync()
+        report[name] = phases(eng, args.steps)
+        print(name, json.dumps(report[name]), flush=True)
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if args.device == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(10):
+                eng.step()
+            sync()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        (out / f"profile_{name}.txt").write_text(table)
+        print(table[:6000], flush=True)
+        del eng
+    (out / "profile_phases.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Shipped draft heads (safetensors) and their model cards."""
