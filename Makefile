@@ -31,5 +31,9 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy cluster workers speculative proto deploy
 
+bench-cpu: install
+	$(VENV)/bin/mtpserve bench throughput --no-speculation --device cpu --batch-sizes 1,8,64 --prompt-len 128 \
+	    --output-len 64 --threads 1 --json bench/results/cpu_throughput_target_only.json
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,8 +7,10 @@ from cluster.engine import LLMEngine
 
 
 def build_engine(cfg: MTPServeConfig) -> LLMEngine:
-    """An LLMEngine whose target/draft executors match cfg.parallel."""
-    if cfg.parallel.tp_size > 1 or cfg.parallel.distributed:
+    """An LLMEngine whose target/draft executors match cfg.parallel: Ray actors when tp_size > 1,
+    `distributed` is set or a Ray address is given; otherwise everything runs in this process."""
+    par = cfg.parallel
+    if par.tp_size > 1 or par.distributed or par.ray_address:
         from cluster.actors import build_distributed_engine
 
         return build_distributed_engine(cfg)

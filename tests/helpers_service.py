@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
-from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -63,29 +61,19 @@ def write_tiny_model(directory: Path, seed: int = 0) -> tuple[Path, Path]:
     The head re-runs the target's layer on the next token (eh_proj passes only the token embedding),
     so some drafts are accepted. Returns (model directory, head path).
     """
-    from speculative.mtp_head import MTPEagleHead
-    from workers.model import LlamaArgs, random_llama_weights
+    from tiny import mimic_head, mimic_target, save_model_dir
 
-    directory.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config(49152, num_layers=1)
-    (directory / "config.json").write_text(json.dumps(cfg))
+    args, weights = mimic_target(
+        seed, vocab_size=cfg["vocab_size"], num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2
+    )
+    save_model_dir(directory, args, weights)
     src = default_tokenizer_dir()
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, directory / name)
-    args = LlamaArgs.from_hf_dict(cfg)
-    weights = random_llama_weights(args, seed=seed, std=0.15)
-    g = torch.Generator().manual_seed(seed + 7)
-    weights["model.embed_tokens.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g)
-    weights["lm_head.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g) * 0.3
-    save_file(weights, str(directory / "model.safetensors"))
-    head = MTPEagleHead(args)
-    head.init_from_target(weights, layer=0)
-    with torch.no_grad():
-        head.eh_proj.weight.zero_()
-        head.eh_proj.weight[:, : args.hidden_size] = torch.eye(args.hidden_size)
     head_path = directory / "draft.safetensors"
-    head.save(head_path)
+    mimic_head(args, weights).save(head_path)
     return directory, head_path
 
 

@@ -114,9 +114,9 @@ def mimic_head(args: LlamaArgs, weights: dict[str, torch.Tensor]) -> MTPEagleHea
     return head
 
 
-def mimic_target(seed: int = 0) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
+def mimic_target(seed: int = 0, **overrides: Any) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
     """A 1-layer tiny target whose embeddings have unit RMS (pairs with `mimic_head`)."""
-    args = tiny_args(num_hidden_layers=1)
+    args = tiny_args(num_hidden_layers=1, **overrides)
     w = tiny_weights(args, seed)
     g = torch.Generator().manual_seed(seed + 7)
     w["model.embed_tokens.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g)

@@ -1,0 +1,84 @@
+"""Model loading errors, HF-directory loading, and the `mtpserve generate --local` command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.config import MTPServeConfig
+from cluster.engine import LLMEngine
+from cluster.errors import ModelLoadError
+from workers.loader import resolve_model
+
+from helpers_service import write_tiny_model
+from tiny import save_model_dir, tiny_args, tiny_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_missing_model_says_how_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        resolve_model(str(tmp_path)).args()
+
+
+def test_corrupt_files_are_reported(tmp_path: Path) -> None:
+    args = tiny_args()
+    d = Path(save_model_dir(tmp_path / "m", args, tiny_weights(args)))
+    (d / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        resolve_model(str(d)).weights()
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="GGUF"):
+        resolve_model(str(bad), cache_dir=str(tmp_path / "cache"))
+
+
+def test_hf_directory_loads_and_generates(tmp_path: Path) -> None:
+    args = tiny_args()
+    w = tiny_weights(args)
+    d = save_model_dir(tmp_path / "m", args, w)
+    cfg = MTPServeConfig.from_dict({"model": {"path": d, "device": "cpu"}, "speculative": {"enabled": False}})
+    eng = LLMEngine.from_config(cfg)
+    assert eng.tokenizer is None
+    assert torch.equal(eng.target.model.embed_tokens.weight, w["model.embed_tokens.weight"])  # type: ignore[attr-defined]
+    (out,) = eng.generate([[1, 2, 3]], {"max_tokens": 5})
+    assert len(out.token_ids) == 5
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_local_json(tmp_path: Path) -> None:
+    model, head = write_tiny_model(tmp_path / "tiny")
+    base = ["generate", "--local", "--model", str(model), "--device", "cpu", "--prompt", "Hello there", "--json"]
+    spec = run_cli(*base, "--draft", str(head), "--num-draft-tokens", "3", "--max-tokens", "12", "--chunk-size", "4")
+    assert spec.returncode == 0, spec.stderr
+    got = json.loads(spec.stdout)
+    assert set(got) == {"token_ids", "text", "finish_reason", "stats"}
+    assert len(got["token_ids"]) <= 12 and got["finish_reason"] in {"stop", "length"}
+    stats = got["stats"]
+    assert stats["drafted"] > 0 and len(stats["accepted_per_position"]) == 3
+    plain = run_cli(*base, "--no-speculation", "--max-tokens", "12")
+    assert json.loads(plain.stdout)["token_ids"] == got["token_ids"], "speculation must be lossless"
+    raw = run_cli(*base, "--no-speculation", "--max-tokens", "4", "--raw")
+    assert raw.returncode == 0 and len(json.loads(raw.stdout)["token_ids"]) <= 4
+
+
+def test_cli_errors_name_the_field(tmp_path: Path) -> None:
+    bad = run_cli("generate", "--local", "--prompt", "x", "--chunk-size", "0")
+    assert bad.returncode == 2 and "scheduler.chunk_size" in bad.stderr
+    missing = run_cli("generate", "--local", "--prompt", "x", "--model", str(tmp_path / "none"), "--device", "cpu")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    for cmd in ("generate", "serve", "bench", "train-draft"):
+        h = run_cli(cmd, "--help")
+        assert h.returncode == 0 and "usage" in h.stdout.lower()
