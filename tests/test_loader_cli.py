@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_missing_model_says_how_to_fix(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         resolve_model(str(tmp_path / "nope"))
-    with pytest.raises(ModelLoadError, match="config.json"):
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
         resolve_model(str(tmp_path)).args()
 
 
