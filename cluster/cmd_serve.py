@@ -61,9 +61,16 @@ def install_stop_signals(stop: threading.Event) -> None:
 
 
 def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
-    """Build the engine, serve until `stop` is set (by SIGINT/SIGTERM by default), shut down cleanly."""
-    from cluster.build import build_engine
+    """Build the engine, serve until `stop` is set (by SIGINT/SIGTERM by default), shut down cleanly.
+
+    With Ray (tp_size > 1, --distributed or --address) the scheduler and the gRPC front end run in a
+    scheduler actor on this node, which starts the worker actors; this process only waits.
+    """
+    from cluster.build import build_engine, uses_ray
     from cluster.server import MTPServer
+
+    if uses_ray(cfg):
+        return serve_with_actor(cfg, stop)
 
     try:
         engine = build_engine(cfg)
@@ -87,6 +94,28 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
         server.stop()
         engine.shutdown()
         log.info("stopped")
+    print("mtpserve: stopped", flush=True)
+    return 0
+
+
+def serve_with_actor(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
+    """Serve from a scheduler actor until `stop` is set."""
+    from cluster.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
+
+    try:
+        actor, address, metrics_port = start_scheduler_actor(cfg)
+    except Exception as exc:  # actor construction errors arrive wrapped by Ray
+        print(f"mtpserve: could not start the scheduler actor: {exc}", file=sys.stderr)
+        return 2
+    if stop is None:
+        stop = threading.Event()
+        install_stop_signals(stop)
+    print(f"mtpserve: serving gRPC on {address}, metrics on :{metrics_port} (scheduler actor)", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        stop_scheduler_actor(actor)
     print("mtpserve: stopped", flush=True)
     return 0
 

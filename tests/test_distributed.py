@@ -163,3 +163,22 @@ def test_worker_unavailable_is_raised_to_the_engine(ray_local, model) -> None:
 
 def test_config_dir_exists(model) -> None:
     assert Path(model[0], "config.json").is_file()
+
+
+def test_scheduler_actor_serves_grpc(ray_local, model) -> None:
+    from cluster.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
+
+    cfg = dist_config(model, chunk_size=6)
+    cfg = cfg.model_copy(
+        update={"server": cfg.server.model_copy(update={"host": "127.0.0.1", "port": 0, "metrics_port": 0})}
+    )
+    actor, address, _ = start_scheduler_actor(cfg)
+    try:
+        assert ray_local.get(actor.ready.remote()) is True
+        prompts = random_prompts(2, 96, [11, 25], seed=16)
+        with MTPServeClient(address, timeout=60) as client:
+            assert client.health() == "SERVING"
+            got = [client.generate(token_ids=p, max_tokens=10)["token_ids"] for p in prompts]
+        assert got == reference(prompts, 10)
+    finally:
+        stop_scheduler_actor(actor)
