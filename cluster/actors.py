@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from cluster.config import MTPServeConfig
-from cluster.engine import LLMEngine, load_head, num_blocks_for
+from cluster.engine import LLMEngine, load_head, max_model_len, num_blocks_for
 from cluster.errors import WorkerUnavailableError
 from cluster.scheduler import Scheduler
 from proto.convert import plan_to_proto, target_output_from_proto
@@ -210,7 +210,7 @@ def build_distributed_engine(cfg: MTPServeConfig) -> LLMEngine:
         group.shutdown()
         raise
     target = RemoteTarget(group)
-    max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+    max_len = max_model_len(cfg, args)
     k = cfg.speculative.num_draft_tokens if load_head(cfg, args) is not None else 0
     sched = Scheduler(cfg.scheduler, num_blocks_for(cfg, max_len), k, args.eos_ids(), max_len)
     tok = source.tokenizer() if not source.dummy else None

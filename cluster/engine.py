@@ -69,6 +69,11 @@ class Completion:
         }
 
 
+def max_model_len(cfg: MTPServeConfig, args: LlamaArgs) -> int:
+    """Prompt + output cap: the configured value, never above the model's positions."""
+    return min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+
+
 def num_blocks_for(cfg: MTPServeConfig, max_model_len: int) -> int:
     """KV blocks to allocate: the configured count, or room for every slot plus one full-length request."""
     sc = cfg.scheduler
@@ -125,7 +130,7 @@ class LLMEngine:
         device = resolve_device(cfg.model.device)
         dtype = to_dtype(cfg.model.dtype, device)
         model = build_target(args, weights, dtype, device)
-        max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
         if head is None:

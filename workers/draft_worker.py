@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from cluster.config import MTPServeConfig
-from cluster.engine import build_draft, build_target, load_head, num_blocks_for
+from cluster.engine import build_draft, build_target, load_head, max_model_len, num_blocks_for
 from proto.convert import draft_inputs_from_proto, draft_outputs_to_proto
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
@@ -44,7 +44,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         weights = source.weights(seed=cfg.model.seed)
         dtype = to_dtype(cfg.model.dtype, self.device)
         shared = build_target(replace(args, num_hidden_layers=0), weights, dtype, self.device)
-        max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         self.method = build_draft(cfg, load_head(cfg, args), shared, num_blocks, self.device, dtype)
         if self.method is None:

@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from cluster.config import MTPServeConfig
-from cluster.engine import build_draft, build_runner, build_target, load_head, num_blocks_for
+from cluster.engine import build_draft, build_runner, build_target, load_head, max_model_len, num_blocks_for
 from proto.convert import (
     draft_inputs_to_proto,
     draft_outputs_from_proto,
@@ -70,7 +70,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         weights = source.weights(seed=cfg.model.seed)
         dtype = to_dtype(cfg.model.dtype, self.device)
         model = build_target(args, weights, dtype, self.device, tp)
-        max_len = min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)
         head = load_head(cfg, args) if cfg.speculative.enabled else None
