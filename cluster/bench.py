@@ -568,20 +568,7 @@ def _table(head: list[str], body: list[list[str]]) -> str:
 
 
 def encode_texts(tokenizer: Any, texts: Sequence[str], chat: bool = True) -> list[list[int]]:
-    """Token ids of each text, wrapped in the chat template unless chat is False.
+    """Token ids of each text (chat template unless chat is False), before any engine is built."""
+    from cluster.engine import encode_text
 
-    Mirrors `LLMEngine.encode_prompt` (tests check they agree) so that prompts can be tokenised before
-    any engine is built; the unchunked setting needs the longest prompt length to size its chunk.
-    """
-    out: list[list[int]] = []
-    for text in texts:
-        if chat and getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            out.append(list(ids))
-        else:
-            out.append(list(tokenizer.encode(text, add_special_tokens=False)))
-    return out
+    return [encode_text(tokenizer, t, chat) for t in texts]

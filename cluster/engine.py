@@ -249,20 +249,25 @@ class LLMEngine:
         """Token ids for `text`, wrapped in the chat template unless chat is False."""
         if self.tokenizer is None:
             raise ModelLoadError("this engine has no tokenizer; pass token ids")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(self.tokenizer, text, chat)
 
     def decode(self, token_ids: list[int]) -> str:
         """Text for token ids (special tokens dropped); empty without a tokenizer."""
         if self.tokenizer is None:
             return ""
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+def encode_text(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
+    """Token ids for `text` with `tokenizer`, as a user turn of its chat template when chat is True."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def build_target(
