@@ -342,4 +342,4 @@ def build_draft(
     head = head.to(device=device, dtype=dtype).eval()
     cache = head.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
     lookahead = LookaheadBuffer(cfg.scheduler.max_num_requests, device)
-    return MTPEagleChain(head, shared, cache, lookahead, device)
+    return MTPEagleChain(head, shared, cache, lookahead, device, cfg.scheduler.max_num_batched_tokens)

@@ -29,12 +29,18 @@ class MTPEagleChain(DraftMethod):
         cache: KVCache,
         lookahead: LookaheadBuffer,
         device: torch.device | str = "cpu",
+        max_rows: int = 512,
     ) -> None:
         self.head = head
         self.shared = shared
         self.cache = cache
         self.lookahead = lookahead
         self.device = torch.device(device)
+        dtype = head.eh_proj.weight.dtype
+        # Fixed-address step inputs: incoming rows are copied in, never reallocated.
+        self.token_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.position_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.hidden_buf = torch.zeros(max_rows, head.args.hidden_size, dtype=dtype, device=self.device)
 
     @torch.no_grad()
     def propose(self, inputs: DraftInputs) -> DraftOutputs:
@@ -46,18 +52,26 @@ class MTPEagleChain(DraftMethod):
         ctx_pos = [i for i, c in enumerate(inputs.is_context) if c]
         ctx_index[ctx_pos] = torch.arange(len(ctx_pos))
         self.lookahead.write(inputs.lookahead_tokens)
+        n_rows = inputs.token_ids.numel()
+        if n_rows > self.token_buf.shape[0]:
+            raise ValueError(f"{n_rows} draft rows exceed the fixed buffers ({self.token_buf.shape[0]} rows)")
+        tokens = self.token_buf[:n_rows]
+        tokens.copy_(inputs.token_ids, non_blocking=True)
+        positions = self.position_buf[:n_rows]
+        positions.copy_(inputs.positions, non_blocking=True)
+        hidden = self.hidden_buf[:n_rows]
+        hidden.copy_(inputs.hidden_states, non_blocking=True)
         ids = draft_input_tokens(
-            inputs.token_ids.to(dev),
+            tokens,
             seq_lens.to(dev),
             ctx_index.to(dev),
             self.lookahead.tokens,
             inputs.sampled_tokens.to(dev),
             inputs.lookahead_source,
         )
-        positions = inputs.positions.to(dev)
-        starts = [int(positions[int(e) - int(n) + 1]) for e, n in zip(last_rows(seq_lens), seq_lens, strict=True)]
+        host_pos = inputs.positions
+        starts = [int(host_pos[int(e) - int(n) + 1]) for e, n in zip(last_rows(seq_lens), seq_lens, strict=True)]
         meta = AttentionMetadata.build(starts, inputs.seq_lens, inputs.block_ids, self.cache.block_size, dev)
-        hidden = inputs.hidden_states.to(dev)
         out = self.head(self.shared.embed(ids), hidden, positions, self.cache, meta)
 
         rows = [i for i, p in enumerate(inputs.propose) if p]

@@ -75,6 +75,10 @@ def test_uniform_step_matches_eager_and_keeps_addresses(k: int) -> None:
     assert uniform.buffers.addresses() == ptrs
     if look is not None:
         assert eng.draft.lookahead.tokens.data_ptr() == look  # type: ignore[attr-defined]
+        chain = eng.draft
+        bufs = [chain.token_buf.data_ptr(), chain.position_buf.data_ptr(), chain.hidden_buf.data_ptr()]  # type: ignore[attr-defined]
+        eng.generate(prompts[:2], {"max_tokens": 6})
+        assert [chain.token_buf.data_ptr(), chain.position_buf.data_ptr(), chain.hidden_buf.data_ptr()] == bufs  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("k", [1, 3])
