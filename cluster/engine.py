@@ -24,7 +24,7 @@ from speculative.mtp_head import MTPEagleHead
 from speculative.stats import SpecStats
 from workers.fused_step import FusedGreedyStep
 from workers.kv_cache import KVCache
-from workers.loader import resolve_device, resolve_model, to_dtype
+from workers.loader import ModelSource, resolve_device, resolve_model, to_dtype
 from workers.model import LlamaArgs, LlamaModel
 from workers.runner import TargetRunner, UniformTargetStep
 
@@ -69,6 +69,12 @@ class Completion:
         }
 
 
+def load_target(cfg: MTPServeConfig) -> tuple[ModelSource, LlamaArgs, dict[str, torch.Tensor]]:
+    """Resolve the configured model and read its (full, unsharded) weights."""
+    source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
+    return source, source.args(), source.weights(seed=cfg.model.seed)
+
+
 def max_model_len(cfg: MTPServeConfig, args: LlamaArgs) -> int:
     """Prompt + output cap: the configured value, never above the model's positions."""
     return min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
@@ -111,9 +117,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, cfg: MTPServeConfig, load_tokenizer: bool = True) -> LLMEngine:
         """Load the target (and draft) in this process."""
-        source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
-        args = source.args()
-        weights = source.weights(seed=cfg.model.seed)
+        source, args, weights = load_target(cfg)
         tok = source.tokenizer() if load_tokenizer and not source.dummy else None
         return cls.from_weights(cfg, args, weights, tok)
 
@@ -279,13 +283,18 @@ def build_target(
     return model.to(device=device, dtype=dtype).eval()
 
 
+def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:
+    """Blocks per request the captured steps' block tables hold: a full-length request plus draft slots."""
+    return -(-(max_len + 2 * k) // cfg.scheduler.block_size)
+
+
 def build_runner(
     cfg: MTPServeConfig, model: LlamaModel, cache: KVCache, device: str, k: int, max_len: int
 ) -> TargetRunner:
     """The target runner, with captured generation steps (Q = K+1 rows per request) on CUDA."""
     uniform = None
     if device.startswith("cuda") and cfg.model.cuda_graphs:
-        max_blocks = -(-(max_len + 2 * k) // cfg.scheduler.block_size)
+        max_blocks = graph_max_blocks(cfg, k, max_len)
         uniform = UniformTargetStep(model, cache, k + 1, cfg.scheduler.max_num_requests, max_blocks, device)
         uniform.steps.capture()
     return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform)
@@ -295,7 +304,7 @@ def build_fused(
     cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int
 ) -> FusedGreedyStep:
     """Greedy generation steps with the colocated draft, captured per batch bucket."""
-    max_blocks = -(-(max_len + 2 * k) // cfg.scheduler.block_size)
+    max_blocks = graph_max_blocks(cfg, k, max_len)
     fused = FusedGreedyStep(
         target.model, target.cache, chain, k, cfg.scheduler.max_num_requests, max_blocks, target.device
     )

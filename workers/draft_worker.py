@@ -10,13 +10,13 @@ import grpc
 import torch
 
 from cluster.config import MTPServeConfig
-from cluster.engine import build_draft, build_target, load_head, max_model_len, num_blocks_for
+from cluster.engine import build_draft, build_target, load_head, load_target, max_model_len, num_blocks_for
 from proto.convert import draft_inputs_from_proto, draft_outputs_to_proto
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from speculative.methods import DraftMethod
 from workers.grpc_util import node_ip, start_server
-from workers.loader import resolve_model, to_dtype
+from workers.loader import to_dtype
 from workers.target_worker import worker_device
 
 
@@ -39,9 +39,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
     def setup(self) -> int:
         """Load the draft head and the target's shared embedding / final norm / lm_head."""
         cfg = self.cfg
-        source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
-        args = source.args()
-        weights = source.weights(seed=cfg.model.seed)
+        _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
         shared = build_target(replace(args, num_hidden_layers=0), weights, dtype, self.device)
         max_len = max_model_len(cfg, args)

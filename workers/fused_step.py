@@ -14,7 +14,7 @@ import torch
 from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain
 from workers.attention import UniformMetadata
-from workers.graph_runner import CAPTURE_SIZES, CapturedSteps, pick_bucket
+from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
 from workers.step_buffers import StepBuffers
@@ -38,7 +38,7 @@ class FusedGreedyStep:
             raise ValueError("the fused step needs at least one draft token")
         self.target, self.cache, self.chain, self.k = target, cache, chain, k
         dev = torch.device(device)
-        sizes = sorted({s for s in CAPTURE_SIZES if s < max_batch} | {max_batch})
+        sizes = capture_sizes(max_batch)
         self.buffers = StepBuffers.allocate(max_batch, k + 1, max_blocks, cache.block_size, cache.scratch_block, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.steps = CapturedSteps(self._forward, sizes, dev, use_graphs)

@@ -16,6 +16,11 @@ log = logging.getLogger(__name__)
 CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
+def capture_sizes(max_batch: int) -> list[int]:
+    """The batch buckets to capture: the standard sizes below `max_batch`, plus `max_batch` itself."""
+    return sorted({s for s in CAPTURE_SIZES if s < max_batch} | {max_batch})
+
+
 def pick_bucket(n: int, sizes: Sequence[int]) -> int | None:
     """The smallest captured batch size that holds n sequences, or None (fall back to eager)."""
     for s in sorted(sizes):

@@ -11,7 +11,7 @@ from proto.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutp
 from speculative.sampling import processed_probs, request_generator, sample_from_uniform
 from speculative.verify import verify, verify_greedy
 from workers.attention import AttentionMetadata, UniformMetadata
-from workers.graph_runner import CAPTURE_SIZES, CapturedSteps, pick_bucket
+from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
 from workers.step_buffers import StepBuffers
@@ -35,7 +35,7 @@ class UniformTargetStep:
         self.cache = cache
         self.q_len = q_len
         dev = torch.device(device)
-        sizes = sorted({s for s in CAPTURE_SIZES if s < max_batch} | {max_batch})
+        sizes = capture_sizes(max_batch)
         self.buffers = StepBuffers.allocate(max_batch, q_len, max_blocks, cache.block_size, cache.scratch_block, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.steps = CapturedSteps(self._forward, sizes, dev, use_graphs)

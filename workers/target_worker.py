@@ -15,7 +15,15 @@ import grpc
 import torch
 
 from cluster.config import MTPServeConfig
-from cluster.engine import build_draft, build_runner, build_target, load_head, max_model_len, num_blocks_for
+from cluster.engine import (
+    build_draft,
+    build_runner,
+    build_target,
+    load_head,
+    load_target,
+    max_model_len,
+    num_blocks_for,
+)
 from proto.convert import (
     draft_inputs_to_proto,
     draft_outputs_from_proto,
@@ -28,7 +36,7 @@ from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from speculative.methods import DraftMethod
 from workers.distributed import free_port, init_tp_group
 from workers.grpc_util import channel_options, node_ip, start_server
-from workers.loader import resolve_device, resolve_model, to_dtype
+from workers.loader import resolve_device, to_dtype
 from workers.runner import TargetRunner
 
 
@@ -65,9 +73,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         """Join the TP group, load this rank's shard and (rank 0) the draft; returns the KV block count."""
         cfg = self.cfg
         tp = init_tp_group(self.rank, self.world, master, self.device)
-        source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
-        args = source.args()
-        weights = source.weights(seed=cfg.model.seed)
+        _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
         model = build_target(args, weights, dtype, self.device, tp)
         max_len = max_model_len(cfg, args)
