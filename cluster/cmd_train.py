@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # Flag defaults (kept literal so `mtpserve --help` does not import torch); they mirror DataConfig/TrainConfig.
 DEFAULTS = {
     "magpie_prompts": 256,
+    "steered_prompts": 0,
     "max_new_tokens": 256,
     "magpie_max_tokens": 96,
     "sampled_fraction": 0.2,
@@ -39,7 +40,8 @@ DESCRIPTION = """\
 Train an MTP Eagle draft head for a target model by self-distillation (no dataset downloads).
 
 1. data:  prompts = the built-in seed list (--num-prompts) plus prompts the target writes itself from
-          its bare chat-template user header (--magpie-prompts, Magpie-style); the target answers each
+          its bare chat-template user header (--magpie-prompts, Magpie-style) or after a built-in
+          opener such as "Write a Python" (--steered-prompts); the target answers each
           one, greedily or sampled (--sampled-fraction). Token ids go to --data-dir; hidden states are
           recomputed at train time by a dense target forward.
 2. train: soft cross-entropy against the target's next-token distribution, unrolled over K draft
@@ -157,6 +159,13 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         default=d.magpie_prompts,
         help="prompts the target writes itself from its bare user header (default %(default)s)",
     )
+    g.add_argument(
+        "--steered-prompts",
+        type=nonneg_int,
+        default=d.steered_prompts,
+        help="prompts the target writes itself after a built-in opener such as 'Write a Python' or 'Why do' "
+        "(speculative/train/openers.py), which spreads them over kinds of request (default %(default)s)",
+    )
     g.add_argument("--max-new-tokens", type=pos_int, default=d.max_new_tokens, help="response length cap")
     g.add_argument(
         "--magpie-max-tokens", type=pos_int, default=d.magpie_max_tokens, help="length cap of self-written prompts"
@@ -230,7 +239,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     g.add_argument(
         "--holdout-source",
         action="append",
-        choices=["seed", "magpie", "random"],
+        choices=["seed", "magpie", "steered", "random"],
         default=[],
         help="keep every prompt of this source for dev (repeatable); 'seed' measures acceptance on "
         "hand-written prompts, a different distribution from the self-written ones",
@@ -287,6 +296,7 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
     data = DataConfig(
         num_prompts=args.num_prompts,
         magpie_prompts=args.magpie_prompts,
+        steered_prompts=args.steered_prompts,
         max_new_tokens=args.max_new_tokens,
         magpie_max_tokens=args.magpie_max_tokens,
         magpie_oversample=args.magpie_oversample,

@@ -23,6 +23,7 @@ import torch
 
 from speculative.train.errors import TrainSetupError
 from speculative.train.generators import Generator, GenResult, GenSettings
+from speculative.train.openers import OPENERS
 from speculative.train.seed_prompts import SEED_PROMPTS
 from workers.model import LlamaArgs
 
@@ -42,6 +43,7 @@ class DataConfig:
     magpie_temperature: float = 1.0
     magpie_top_p: float = 0.95
     magpie_oversample: float = 1.5  # candidates drawn per kept prompt (filtering drops about a quarter)
+    steered_prompts: int = 0  # self-written prompts whose user turn starts with a built-in opener
     min_prompt_chars: int = 12
     sampled_fraction: float = 0.2  # responses sampled instead of greedy
     response_temperature: float = 0.7
@@ -146,20 +148,49 @@ def magpie_prompts(
     generator: Generator, tokenizer: Any, args: LlamaArgs, cfg: DataConfig, stop_extra: list[int]
 ) -> tuple[list[Prompt], dict[str, Any]]:
     """Let the target write user messages from the bare user header; keep distinct, non-trivial ones."""
-    if cfg.magpie_prompts <= 0:
+    return self_written_prompts(generator, tokenizer, args, cfg, stop_extra, cfg.magpie_prompts, (), "magpie", 7919)
+
+
+def steered_prompts(
+    generator: Generator, tokenizer: Any, args: LlamaArgs, cfg: DataConfig, stop_extra: list[int]
+) -> tuple[list[Prompt], dict[str, Any]]:
+    """Like `magpie_prompts`, but each user turn starts with a built-in opener (cycled) for variety."""
+    if tokenizer is None:
+        return [], {"candidates": 0, "kept": 0, "note": "needs a tokenizer"}
+    return self_written_prompts(
+        generator, tokenizer, args, cfg, stop_extra, cfg.steered_prompts, OPENERS, "steered", 15485863
+    )
+
+
+def self_written_prompts(
+    generator: Generator,
+    tokenizer: Any,
+    args: LlamaArgs,
+    cfg: DataConfig,
+    stop_extra: list[int],
+    count: int,
+    openers: tuple[str, ...],
+    source: str,
+    seed_offset: int,
+) -> tuple[list[Prompt], dict[str, Any]]:
+    """Have the target write `count` distinct user messages, each begun by an opener when given."""
+    if count <= 0:
         return [], {"candidates": 0, "kept": 0}
     if tokenizer is not None:
         header, turn_end, header_text = magpie_prefix(tokenizer)
     else:
         header, turn_end, header_text = [args.bos_token_id if args.bos_token_id is not None else 1], [], ""
     stop = tuple(sorted(set(turn_end) | set(args.eos_ids()) | set(stop_extra)))
-    n_cand = max(cfg.magpie_prompts, int(cfg.magpie_prompts * cfg.magpie_oversample))
-    settings = GenSettings(cfg.magpie_max_tokens, cfg.magpie_temperature, cfg.magpie_top_p, cfg.seed + 7919, stop)
-    outs = generator.generate([list(header)] * n_cand, settings, desc="magpie prompts")
+    n_cand = max(count, int(count * cfg.magpie_oversample))
+    starts = [[int(t) for t in tokenizer.encode(o, add_special_tokens=False)] for o in openers] or [[]]
+    seed = cfg.seed + seed_offset
+    settings = GenSettings(cfg.magpie_max_tokens, cfg.magpie_temperature, cfg.magpie_top_p, seed, stop)
+    cands = [list(header) + starts[i % len(starts)] for i in range(n_cand)]
+    outs = generator.generate(cands, settings, desc=f"{source} prompts")
     kept: list[Prompt] = []
     seen: set[str] = set()
-    for res in outs:
-        body = [t for t in res.token_ids if t not in stop]
+    for cand, res in zip(cands, outs, strict=True):
+        body = cand[len(header) :] + [t for t in res.token_ids if t not in stop]
         if tokenizer is not None:
             if res.finish_reason != "stop":
                 continue  # ran past magpie_max_tokens: usually rambling, not a request
@@ -176,10 +207,13 @@ def magpie_prompts(
         if len(ids) > cfg.max_prompt_tokens:
             continue
         seen.add(key)
-        kept.append(Prompt(ids, "magpie", text))
-        if len(kept) == cfg.magpie_prompts:
+        kept.append(Prompt(ids, source, text))
+        if len(kept) == count:
             break
-    return kept, {"candidates": n_cand, "kept": len(kept), "header": header_text or header}
+    info: dict[str, Any] = {"candidates": n_cand, "kept": len(kept), "header": header_text or header}
+    if openers:
+        info["openers"] = len(openers)
+    return kept, info
 
 
 # ---- responses and storage -----------------------------------------------------------------------
@@ -221,9 +255,12 @@ def build_dataset(
     stop = tuple(sorted(set(args.eos_ids()) | set(stop_extra)))
     prompts = seed_prompts(tokenizer, args, cfg.num_prompts, cfg.seed)
     mag, mag_info = magpie_prompts(generator, tokenizer, args, cfg, stop_extra)
-    prompts += mag
+    steered, steered_info = steered_prompts(generator, tokenizer, args, cfg, stop_extra)
+    prompts += mag + steered
     if not prompts:
-        raise TrainSetupError("--num-prompts", "no prompts: give --num-prompts and/or --magpie-prompts > 0")
+        raise TrainSetupError(
+            "--num-prompts", "no prompts: give --num-prompts, --magpie-prompts and/or --steered-prompts > 0"
+        )
     answered = respond(generator, prompts, cfg, stop)
     records: dict[str, list[Any]] = {k: [] for k in ("ids", "response_start", "greedy", "source", "finish")}
     for p, r, greedy in answered:
@@ -260,6 +297,7 @@ def build_dataset(
             "sampled": n - sum(records["greedy"]),
             "finished_stop": sum(f == "stop" for f in records["finish"]),
             "magpie": mag_info,
+            "steered": steered_info,
         },
         "settings": asdict(cfg),
         "stop_ids": list(stop),

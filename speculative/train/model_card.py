@@ -46,7 +46,8 @@ def render_model_card(info: dict[str, Any]) -> str:
         f"- sequences: {counts.get('sequences', '?')} ({counts.get('tokens', '?')} tokens, "
         f"{counts.get('response_tokens', '?')} response tokens)",
         f"- prompts by source: {counts.get('by_source', {})} (seed = built-in list, magpie = written by the "
-        "target from its bare user header, random = random token ids for tokenizer-less targets)",
+        "target from its bare user header, steered = written by the target after a built-in "
+        "opener, random = random token ids for tokenizer-less targets)",
         f"- responses: {counts.get('greedy', '?')} greedy, {counts.get('sampled', '?')} sampled; "
         f"generator: {data.get('generator', '?')}",
         f"- train / dev split: {train.get('train_sequences', '?')} / {train.get('dev_sequences', '?')} sequences "
