@@ -44,8 +44,8 @@ PROMPTS = [
 ]
 
 
-def engine_for(args: argparse.Namespace, k: int, graphs: bool, max_batch: int) -> LLMEngine:
-    """A bf16 CUDA engine; k=0 is target-only."""
+def engine_for(args: argparse.Namespace, k: int, graphs: bool, max_batch: int, fused: bool = True) -> LLMEngine:
+    """A bf16 CUDA engine; k=0 is target-only; fused picks the Triton layer kernels."""
     cfg = MTPServeConfig.from_dict(
         {
             "model": {
@@ -53,6 +53,7 @@ def engine_for(args: argparse.Namespace, k: int, graphs: bool, max_batch: int) -
                 "device": args.device,
                 "dtype": args.dtype,
                 "cuda_graphs": graphs,
+                "fused_kernels": fused,
                 "max_model_len": args.max_model_len,
             },
             "scheduler": {"max_num_requests": max_batch, "max_num_batched_tokens": 4096, "chunk_size": 512},
@@ -201,40 +202,38 @@ def main() -> int:
     prompts_all = [base.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(max(batches))]
     if torch.cuda.is_available():
         report["kernel_check"] = guarded("kernel check", kernel_check)
-    for graphs in (True, False):
-        for k in [0, *ks]:
-            if not graphs and k not in (0, 3):
-                continue
-            eng = (
-                base
-                if (k == 0 and graphs)
-                else guarded(
-                    f"engine k={k} graphs={graphs}", lambda k=k, g=graphs: engine_for(args, k, g, max(batches))
-                )
-            )
-            if eng is None:
-                continue
-            guarded("warmup", lambda e=eng: decode_run(e, prompts_all[:2], 8))
-            for b in batches if graphs else [1]:
-                r = guarded(
-                    f"decode k={k} graphs={graphs} batch={b}",
-                    lambda e=eng, b=b: decode_run(e, prompts_all[:b], args.max_tokens),
-                )
-                if r:
-                    r.update(k=k, graphs=graphs)
-                    report["runs"].append(r)
-                    print(json.dumps(r), flush=True)
-            if graphs:
-                long_prompt = base.encode_prompt(" ".join(PROMPTS) * 6)[:520]
-                t = guarded(f"ttft k={k}", lambda e=eng, lp=long_prompt: [ttft(e, lp) for _ in range(3)])
-                if t:
-                    report.setdefault("ttft_ms", {})[f"k{k}"] = {
-                        "prompt_tokens": len(long_prompt),
-                        "ms": [1e3 * x for x in t],
-                    }
-            if eng is not base:
-                del eng
-                torch.cuda.empty_cache()
+    # (graphs, fused kernels, k, batches): the full sweep, then the same engine without the fused kernels
+    # and without graphs, to show what each buys.
+    plan = [(True, True, k, batches) for k in [0, *ks]]
+    plan += [(True, False, k, [batches[0], batches[-1]]) for k in (0, 3)]
+    plan += [(False, True, k, [batches[0]]) for k in (0, 3)]
+    for graphs, fused, k, bs in plan:
+        label = f"k={k} graphs={graphs} fused={fused}"
+        eng = (
+            base
+            if (k == 0 and graphs and fused)
+            else guarded(f"engine {label}", lambda k=k, g=graphs, f=fused: engine_for(args, k, g, max(batches), f))
+        )
+        if eng is None:
+            continue
+        guarded("warmup", lambda e=eng: decode_run(e, prompts_all[:2], 8))
+        for b in bs:
+            r = guarded(f"decode {label} batch={b}", lambda e=eng, b=b: decode_run(e, prompts_all[:b], args.max_tokens))
+            if r:
+                r.update(k=k, graphs=graphs, fused=fused, step_over_floor=r["step_ms"] / WEIGHT_FLOOR_MS)
+                report["runs"].append(r)
+                print(json.dumps(r), flush=True)
+        if graphs and fused:
+            long_prompt = base.encode_prompt(" ".join(PROMPTS) * 6)[:520]
+            t = guarded(f"ttft k={k}", lambda e=eng, lp=long_prompt: [ttft(e, lp) for _ in range(3)])
+            if t:
+                report.setdefault("ttft_ms", {})[f"k{k}"] = {
+                    "prompt_tokens": len(long_prompt),
+                    "ms": [1e3 * x for x in t],
+                }
+        if eng is not base:
+            del eng
+            torch.cuda.empty_cache()
     if not args.skip_hf:
         report["hf_generate"] = guarded("hf generate", lambda: hf_peer(args, prompts_all, args.max_tokens))
     (out_dir / "h200_bench.json").write_text(json.dumps(report, indent=2))
@@ -245,10 +244,13 @@ def main() -> int:
 
 def print_table(report: dict[str, Any]) -> None:
     """Short summary table."""
-    print(f"\n{'k':>2} {'graphs':>6} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'AL':>5}")
+    print(f"\n{'k':>2} {'graphs':>6} {'fused':>6} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'/floor':>7} {'AL':>5}")
     for r in report["runs"]:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
-        print(f"{r['k']:>2} {r['graphs']!s:>6} {r['batch']:>5} {r['tok_s']:>10.1f} {r['step_ms']:>8.3f} {al:>5}")
+        print(
+            f"{r['k']:>2} {r['graphs']!s:>6} {r.get('fused', True)!s:>6} {r['batch']:>5} {r['tok_s']:>10.1f} "
+            f"{r['step_ms']:>8.3f} {r['step_ms'] / WEIGHT_FLOOR_MS:>7.1f} {al:>5}"
+        )
     for r in report.get("hf_generate") or []:
         print(f"HF generate batch {r['batch']}: {r['tok_s']:.1f} tok/s, {r['step_ms']:.2f} ms/step")
     print("ttft", json.dumps(report.get("ttft_ms")), "kernel", json.dumps(report.get("kernel_check")))
@@ -263,8 +265,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for k in sorted({r["k"] for r in report["runs"] if r["graphs"]}):
-        rows = sorted((r["batch"], r["tok_s"]) for r in report["runs"] if r["graphs"] and r["k"] == k)
+    main_runs = [r for r in report["runs"] if r["graphs"] and r.get("fused", True)]
+    for k in sorted({r["k"] for r in main_runs}):
+        rows = sorted((r["batch"], r["tok_s"]) for r in main_runs if r["k"] == k)
         ax.plot(*zip(*rows, strict=True), marker="o", label="target only" if k == 0 else f"MTP K={k}")
     hf = report.get("hf_generate") or []
     if hf:

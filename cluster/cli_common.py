@@ -21,6 +21,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (CUDA only; for debugging)")
+    g.add_argument(
+        "--no-fused-kernels",
+        action="store_true",
+        help="plain torch ops instead of the fused Triton layer kernels (CUDA only; for debugging)",
+    )
     g.add_argument("--draft", help="draft head: 'default', 'random' (untrained, explicit), or a .safetensors path")
     g.add_argument("--num-draft-tokens", type=int, help="K, draft tokens per step (1-8)")
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
@@ -49,6 +54,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "model.dtype": a.get("dtype"),
         "model.max_model_len": a.get("max_model_len"),
         "model.cuda_graphs": False if a.get("enforce_eager") else None,
+        "model.fused_kernels": False if a.get("no_fused_kernels") else None,
         "speculative.draft": a.get("draft"),
         "speculative.num_draft_tokens": a.get("num_draft_tokens"),
         "speculative.enabled": False if a.get("no_speculation") else None,

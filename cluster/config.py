@@ -26,6 +26,9 @@ class ModelConfig(_Strict):
     cache_dir: str | None = Field(None, description="where converted safetensors are cached")
     seed: int = 0
     cuda_graphs: bool = Field(True, description="capture generation steps in CUDA graphs (CUDA only)")
+    fused_kernels: bool = Field(
+        True, description="fused Triton kernels for norm+residual, RoPE+KV write and SwiGLU (CUDA only)"
+    )
 
 
 class SpeculativeConfig(_Strict):

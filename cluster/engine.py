@@ -24,8 +24,9 @@ from speculative.mtp_head import MTPEagleHead
 from speculative.stats import SpecStats
 from workers.fused_step import FusedGreedyStep
 from workers.kv_cache import KVCache
+from workers.layer_ops import pick_ops
 from workers.loader import ModelSource, resolve_device, resolve_model, to_dtype
-from workers.model import LlamaArgs, LlamaModel
+from workers.model import LlamaArgs, LlamaModel, prepare_for_inference
 from workers.runner import TargetRunner, UniformTargetStep
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class LLMEngine:
         """Build from in-memory weights; `head` overrides the configured draft head."""
         device = resolve_device(cfg.model.device)
         dtype = to_dtype(cfg.model.dtype, device)
-        model = build_target(args, weights, dtype, device)
+        model = build_target(args, weights, dtype, device, fused_kernels=cfg.model.fused_kernels)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
@@ -275,12 +276,18 @@ def encode_text(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
 
 
 def build_target(
-    args: LlamaArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str, tp: Any = None
+    args: LlamaArgs,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: str,
+    tp: Any = None,
+    fused_kernels: bool = True,
 ) -> LlamaModel:
-    """Construct the (sharded) target model and load weights."""
+    """Construct the (sharded) target model, load weights and prepare it for inference."""
     model = LlamaModel(args, tp)
     model.load_hf_state_dict(weights)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    return model.prepare_for_inference(pick_ops(device, fused_kernels))
 
 
 def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:
@@ -349,6 +356,7 @@ def build_draft(
     if head is None:
         return None
     head = head.to(device=device, dtype=dtype).eval()
+    prepare_for_inference(head, pick_ops(device, cfg.model.fused_kernels))
     cache = head.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
     lookahead = LookaheadBuffer(cfg.scheduler.max_num_requests, device)
     return MTPEagleChain(head, shared, cache, lookahead, device, cfg.scheduler.max_num_batched_tokens)

@@ -41,7 +41,9 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         cfg = self.cfg
         _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
-        shared = build_target(replace(args, num_hidden_layers=0), weights, dtype, self.device)
+        shared = build_target(
+            replace(args, num_hidden_layers=0), weights, dtype, self.device, None, cfg.model.fused_kernels
+        )
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         self.method = build_draft(cfg, load_head(cfg, args), shared, num_blocks, self.device, dtype)

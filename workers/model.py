@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import Metadata, write_kv
+from workers import layer_ops
+from workers.attention import Metadata
 from workers.kv_cache import KVCache
+from workers.layer_ops import TORCH_OPS, TorchOps
 from workers.parallel import TPContext
 
 
@@ -57,6 +60,8 @@ class LlamaArgs:
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm computed in fp32."""
 
+    ops: TorchOps = TORCH_OPS
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -64,7 +69,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dim."""
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return self.ops.add_rms_norm(x, None, self.weight, self.eps)[0]
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim] fp32
@@ -95,15 +100,14 @@ class Rotary(nn.Module):
 
 def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Rotate x [T, H, D] by a gathered (cos, sin) table."""
-    cos, sin = rope
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return layer_ops.apply_rope(x, *rope)
 
 
 class Attention(nn.Module):
     """GQA self-attention holding this rank's KV-head groups and their query heads."""
+
+    ops: TorchOps = TORCH_OPS
+    qkv_weight: torch.Tensor | None
 
     def __init__(self, args: LlamaArgs, tp: TPContext) -> None:
         super().__init__()
@@ -120,6 +124,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.register_buffer("qkv_weight", None, persistent=False)
+
+    def fuse(self) -> None:
+        """Serve q/k/v from one [q; k; v] weight (one GEMM); the separate weights become views of it."""
+        fused = torch.cat([self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data])
+        self.qkv_weight = fused
+        sizes = [self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0]]
+        for lin, part in zip((self.q_proj, self.k_proj, self.v_proj), fused.split(sizes), strict=True):
+            lin.weight.data = part
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[q | k | v] projections of x [T, d]."""
+        if self.qkv_weight is not None:
+            return F.linear(x, self.qkv_weight)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def forward(
         self,
@@ -130,20 +149,18 @@ class Attention(nn.Module):
         meta: Metadata,
     ) -> torch.Tensor:
         """Write this chunk's K/V into the cache, attend, and project back (partial sum under TP)."""
-        t = x.shape[0]
-        qk = torch.cat(
-            [self.q_proj(x).view(t, self.num_heads, self.head_dim), self.k_proj(x).view(t, -1, self.head_dim)], 1
+        q = self.ops.rope_write_kv(
+            self.qkv(x), *rope, meta.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim
         )
-        q, k = apply_rope(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        write_kv(k_cache, meta.slot_mapping, k)
-        write_kv(v_cache, meta.slot_mapping, v)
         out = meta.attend(q, k_cache, v_cache, self.scale)
         return self.tp.all_reduce(self.o_proj(out))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with the intermediate dimension split over ranks."""
+
+    ops: TorchOps = TORCH_OPS
+    gate_up_weight: torch.Tensor | None
 
     def __init__(self, args: LlamaArgs, tp: TPContext) -> None:
         super().__init__()
@@ -153,10 +170,21 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, inter, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, args.hidden_size, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)
+
+    def fuse(self) -> None:
+        """Serve gate and up from one [gate; up] weight (one GEMM); the separate weights become views."""
+        fused = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        self.gate_up_weight = fused
+        self.gate_proj.weight.data, self.up_proj.weight.data = fused.chunk(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU, summed over ranks."""
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        if self.gate_up_weight is not None:
+            gate_up = F.linear(x, self.gate_up_weight)
+        else:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_mul(gate_up)))
 
 
 class DecoderLayer(nn.Module):
@@ -178,8 +206,27 @@ class DecoderLayer(nn.Module):
         meta: Metadata,
     ) -> torch.Tensor:
         """Residual attention then residual MLP."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out, residual = self.step(x, None, rope, k_cache, v_cache, meta)
+        return out + residual
+
+    def step(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Metadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its last residual add deferred: the hidden state is out + residual, where the
+        caller passes (previous out, previous residual), or (x, None) for the first layer. Deferring lets
+        the next layer fuse that add into its input norm."""
+        ops = self.input_layernorm.ops
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        a = self.self_attn(h, rope, k_cache, v_cache, meta)
+        post = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(a, residual, post.weight, post.eps)
+        return self.mlp(h), residual
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -233,9 +280,15 @@ class LlamaModel(nn.Module):
         """Run every layer over the flattened batch; returns hidden states [T, d] before the final norm."""
         x = self.embed(ids)
         rope = self.rotary.table(positions)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache.keys[i], cache.values[i], meta)
-        return x
+            x, residual = cast(DecoderLayer, layer).step(x, residual, rope, cache.keys[i], cache.values[i], meta)
+        return x if residual is None else x + residual
+
+    def prepare_for_inference(self, ops: TorchOps = TORCH_OPS) -> LlamaModel:
+        """Fuse q/k/v and gate/up weights and pick the layer ops; call once, after loading and `.to()`."""
+        prepare_for_inference(self, ops)
+        return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and (vocab-gathered) lm_head, fp32 logits [N, vocab]."""
@@ -259,6 +312,16 @@ class LlamaModel(nn.Module):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy full (unsharded) HF-named Llama weights into this rank's shard."""
         load_sharded(self, weights)
+
+
+def prepare_for_inference(module: nn.Module, ops: TorchOps = TORCH_OPS) -> None:
+    """Fuse the projections of every layer under `module` and set their layer ops (not for training:
+    the fused weights do not carry gradients to the separate ones)."""
+    for m in module.modules():
+        if isinstance(m, Attention | MLP):
+            m.fuse()
+        if isinstance(m, RMSNorm | Attention | MLP):
+            m.ops = ops
 
 
 def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

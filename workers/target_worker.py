@@ -75,7 +75,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         tp = init_tp_group(self.rank, self.world, master, self.device)
         _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
-        model = build_target(args, weights, dtype, self.device, tp)
+        model = build_target(args, weights, dtype, self.device, tp, cfg.model.fused_kernels)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)
@@ -89,7 +89,9 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
                 shared = (
                     model
                     if self.world == 1
-                    else build_target(replace(args, num_hidden_layers=0), weights, dtype, self.device)
+                    else build_target(
+                        replace(args, num_hidden_layers=0), weights, dtype, self.device, None, cfg.model.fused_kernels
+                    )
                 )
                 self.draft = build_draft(cfg, head, shared, num_blocks, self.device, dtype)
         return num_blocks

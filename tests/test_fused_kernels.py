@@ -1,0 +1,113 @@
+"""Fused Triton layer kernels against the torch reference ops (CPU: Triton's interpreter), and a whole
+model run with them against the same model on torch ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers import fused_kernels
+from workers.attention import AttentionMetadata, UniformMetadata
+from workers.layer_ops import TORCH_OPS, TritonOps, pick_ops
+from workers.model import LlamaModel, Rotary
+
+from tiny import tiny_args, tiny_weights
+
+pytestmark = pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
+TRITON = TritonOps()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_reference(dtype: torch.dtype, with_residual: bool) -> None:
+    """Normed rows and the new residual agree with torch, including a width that is not a power of 2."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 576, generator=g).to(dtype)
+    res = torch.randn(7, 576, generator=g).to(dtype) if with_residual else None
+    w = (1.0 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    got, got_res = TRITON.add_rms_norm(x, res, w, 1e-5)
+    ref, ref_res = TORCH_OPS.add_rms_norm(x, res, w, 1e-5)
+    assert got.dtype == dtype and got.shape == ref.shape
+    # Triton's CPU interpreter truncates when casting to bf16 where CUDA rounds to nearest: allow one ulp.
+    ulp = 0.0 if dtype == torch.float32 else 2.0**-7
+    assert ((got_res.float() - ref_res.float()).abs() <= ulp * ref_res.float().abs()).all()
+    rel = 1e-5 if dtype == torch.float32 else 2.0**-6
+    assert ((got.float() - ref.float()).abs() <= rel * ref.float().abs() + 1e-5).all()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (9, 3), (2, 2)])
+def test_rope_write_kv_matches_reference(heads: int, kv_heads: int) -> None:
+    """Rotated q, and every cache slot (written or not), agree with the torch path."""
+    g = torch.Generator().manual_seed(heads)
+    t, dim, blocks, bs = 6, 32, 5, 4
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g)
+    positions = torch.tensor([0, 1, 2, 9, 30, 31])
+    cos, sin = Rotary(dim, 10000.0, 64).table(positions)
+    slots = torch.tensor([3, 4, 5, 17, 8, 19])
+    caches = [torch.randn(blocks, bs, kv_heads, dim, generator=g) for _ in range(2)]
+    k1, v1 = (c.clone() for c in caches)
+    k2, v2 = (c.clone() for c in caches)
+    got = TRITON.rope_write_kv(qkv, cos, sin, slots, k1, v1, heads, kv_heads, dim)
+    ref = TORCH_OPS.rope_write_kv(qkv, cos, sin, slots, k2, v2, heads, kv_heads, dim)
+    assert got.shape == ref.shape == (t, heads, dim)
+    assert (got - ref).abs().max().item() < 1e-5
+    assert (k1 - k2).abs().max().item() < 1e-5 and torch.equal(v1, v2)
+    untouched = caches[0].view(-1, kv_heads, dim)[0]
+    assert not torch.equal(k1, caches[0]) and torch.equal(k1.view(-1, kv_heads, dim)[0], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
+    """silu(gate) * up agrees with torch, across several column blocks."""
+    g = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(5, 2 * 1536, generator=g)).to(dtype)
+    got, ref = TRITON.silu_mul(x), TORCH_OPS.silu_mul(x)
+    assert got.shape == ref.shape == (5, 1536)
+    rel = 1e-5 if dtype == torch.float32 else 2.0**-6
+    assert ((got.float() - ref.float()).abs() <= rel * ref.float().abs() + 1e-5).all()
+
+
+def _model(ops: object) -> LlamaModel:
+    args = tiny_args()
+    model = LlamaModel(args)
+    model.load_hf_state_dict(tiny_weights(args))
+    return model.eval().prepare_for_inference(ops)  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def test_model_with_fused_kernels_matches_torch_ops() -> None:
+    """A mixed prefill/decode batch and a uniform verify step give the same hidden states and caches."""
+    ref_model, fused_model = _model(TORCH_OPS), _model(TRITON)
+    assert ref_model.layers[0].self_attn.qkv_weight is not None  # type: ignore[union-attr]
+    bs = 8
+    starts, counts, tables = [0, 5], [5, 3], [[0, 1], [2]]
+    ids = torch.tensor([5, 9, 17, 3, 40, 11, 12, 60])
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    meta = AttentionMetadata.build(starts, counts, tables, bs)
+    outs, caches = [], []
+    for m in (ref_model, fused_model):
+        cache = m.allocate_cache(4, bs, "cpu")
+        h = m(ids, positions, cache, meta)
+        uni = UniformMetadata(
+            slot_mapping=torch.tensor([8, 9, 16, 17]),
+            block_tables=torch.tensor([[0, 1], [2, 3]]),
+            seq_lens=torch.tensor([10, 2]),
+            q_len=2,
+        )
+        h2 = m(torch.tensor([7, 8, 1, 2]), torch.tensor([8, 9, 0, 1]), cache, uni)
+        outs.append((h, h2, m.logits(h2)))
+        caches.append(cache)
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert (a - b).abs().max().item() < 1e-4
+    for ka, kb in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values, strict=True):
+        assert (ka - kb).abs().max().item() < 1e-5
+
+
+def test_fused_weights_are_views_and_ops_follow_the_device() -> None:
+    """After fusing, q/k/v and gate/up weights share the fused storage; CPU always gets torch ops."""
+    model = _model(TORCH_OPS)
+    att, mlp = model.layers[0].self_attn, model.layers[0].mlp  # type: ignore[union-attr]
+    assert att.q_proj.weight.data_ptr() == att.qkv_weight.data_ptr()  # type: ignore[union-attr]
+    assert mlp.up_proj.weight.data_ptr() > mlp.gate_up_weight.data_ptr()  # type: ignore[union-attr]
+    assert torch.equal(mlp.gate_up_weight[: mlp.gate_proj.weight.shape[0]], mlp.gate_proj.weight)  # type: ignore
+    assert pick_ops("cpu") is TORCH_OPS and pick_ops("cuda", fused_kernels_enabled=False) is TORCH_OPS

@@ -1,0 +1,160 @@
+"""Triton kernels that fuse a decoder layer's small element-wise steps (CUDA; CPU via TRITON_INTERPRET).
+
+- `add_rms_norm`: residual add and RMSNorm in one pass (returns the normed rows and the new residual).
+- `rope_write_kv`: RoPE on the q and k heads of a fused qkv projection, with k and v stored straight into
+  the paged cache; returns the rotated q.
+- `silu_mul`: SwiGLU's silu(gate) * up from a fused gate_up projection.
+
+Each matches the torch reference in `layer_ops.TorchOps` up to float rounding: the same fp32 math, and
+the same rounding points to the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm(
+        x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, n, eps,
+        stride_x, stride_r, stride_o, stride_res,
+        HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n
+        x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+            s = (x + r).to(res_ptr.dtype.element_ty)
+            tl.store(res_ptr + row * stride_res + cols, s, mask=inside)
+            x = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _rope_write_kv(
+        qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        stride_t, stride_cos, stride_q,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        i = tl.arange(0, HALF)
+        src = qkv_ptr + t * stride_t + h * DIM
+        if h < HEADS + KV_HEADS:
+            x1 = tl.load(src + i).to(tl.float32)
+            x2 = tl.load(src + HALF + i).to(tl.float32)
+            c = tl.load(cos_ptr + t * stride_cos + i)
+            s = tl.load(sin_ptr + t * stride_cos + i)
+            o1 = x1 * c - x2 * s
+            o2 = x2 * c + x1 * s
+            if h < HEADS:
+                dst = q_ptr + t * stride_q + h * DIM
+                tl.store(dst + i, o1.to(q_ptr.dtype.element_ty))
+                tl.store(dst + HALF + i, o2.to(q_ptr.dtype.element_ty))
+            else:
+                slot = tl.load(slot_ptr + t).to(tl.int64)
+                dst = k_cache_ptr + slot * (KV_HEADS * DIM) + (h - HEADS) * DIM
+                tl.store(dst + i, o1.to(k_cache_ptr.dtype.element_ty))
+                tl.store(dst + HALF + i, o2.to(k_cache_ptr.dtype.element_ty))
+        else:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            d = tl.arange(0, DIM)
+            v = tl.load(src + d)
+            dst = v_cache_ptr + slot * (KV_HEADS * DIM) + (h - HEADS - KV_HEADS) * DIM
+            tl.store(dst + d, v.to(v_cache_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < n
+        g = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + n + cols, mask=inside, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def available() -> bool:
+    """True when triton is importable."""
+    return triton is not None
+
+
+def _need_triton() -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual) for rows x [T, d]; without a residual, (norm(x), x)."""
+    _need_triton()
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty_like(x2)
+    if residual is None:
+        res, r2 = x, x2
+    else:
+        r2 = residual.reshape(-1, n)
+        res = torch.empty_like(x2)
+    if x2.shape[0]:
+        _add_rms_norm[(x2.shape[0],)](
+            x2, r2, weight, out, res, n, eps,
+            x2.stride(0), r2.stride(0), out.stride(0), res.stride(0) if residual is not None else 0,
+            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n),
+        )  # fmt: skip
+    return out.view(x.shape), res.view(x.shape)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Rotate q and k of qkv [T, (heads + 2 kv_heads) * head_dim] by cos/sin [T, head_dim]; store k and v
+    at `slot_mapping` in the paged caches [blocks, block_size, kv_heads, head_dim]; return q [T, heads, D]."""
+    _need_triton()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_write_kv needs contiguous caches")
+    t = qkv.shape[0]
+    qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    cos = cos.reshape(t, -1)
+    sin = sin.reshape(t, -1)
+    q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if t:
+        _rope_write_kv[(t, heads + 2 * kv_heads)](
+            qkv, cos, sin, slot_mapping, q, k_cache, v_cache,
+            qkv.stride(0), cos.stride(0), q.stride(0),
+            HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=head_dim // 2,
+        )  # fmt: skip
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] laid out as [gate | up]; returns [T, I]."""
+    _need_triton()
+    t, two_n = gate_up.shape
+    n = two_n // 2
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(n))
+    if t:
+        _silu_mul[(t, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out
