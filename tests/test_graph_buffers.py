@@ -28,6 +28,13 @@ def test_fill_pads_onto_scratch_block() -> None:
     assert (buf.slot_mapping[6:12] // 4 == 99).all(), "padding rows write only the scratch block"
     assert buf.seq_lens[:4].tolist() == [8, 3, 3, 3]
     assert buf.block_tables[0].tolist() == [3, 1, 99, 99]
+    ptrs = buf.addresses()
+    buf.fill([[1, 2, 3]], starts=[4], tables=[[7, 6]], bucket=1)  # a smaller step after a larger one
+    assert buf.input_ids[:3].tolist() == [1, 2, 3] and buf.slot_mapping[:3].tolist() == [6 * 4, 6 * 4 + 1, 6 * 4 + 2]
+    assert buf.seq_lens[:1].tolist() == [7] and buf.block_tables[0].tolist() == [7, 6, 99, 99]
+    assert buf.addresses() == ptrs
+    base, size = buf.packed.data_ptr(), buf.packed.numel() * 8
+    assert all(base <= a < base + size for a in ptrs), "every field is a view of the packed buffer"
     with pytest.raises(ValueError):
         buf.fill([[1, 2]], [0], [[0]], bucket=1)
     with pytest.raises(ValueError):

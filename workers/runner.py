@@ -155,10 +155,11 @@ class TargetRunner:
                 n_acc, out = verify_greedy(lg.argmax(-1), drafts)
             else:
                 n_acc, out = self._verify_sampling(plan, members, lg, drafts)
+            host = torch.cat([n_acc[:, None].to(out.dtype), out], dim=1).tolist()  # one device-to-host copy
             for j, i in enumerate(members):
-                a = int(n_acc[j])
+                a = host[j][0]
                 accepted[i] = a
-                tokens[i] = out[j, : a + 1].tolist()
+                tokens[i] = host[j][1 : a + 2]
                 last_token[i] = tokens[i][-1]
         results = [
             SeqResult(s.request_id, tokens[i], s.num_draft_tokens if not s.is_context else 0, accepted[i])

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @dataclass
 class StepBuffers:
-    """Device tensors allocated once; each step copies its inputs in (shapes for B_max sequences)."""
+    """Device tensors allocated once; each step fills a host staging copy and sends it in one transfer.
 
+    Every field is a view of one packed device tensor (and its pinned host twin), laid out as
+    [input_ids | positions | slot_mapping | seq_lens | block_tables], so a step is one host-to-device copy
+    of the prefix that the step uses.
+    """
+
+    packed: torch.Tensor  # device int64, every field below is a view of it
+    staging: torch.Tensor  # host int64 twin of `packed` (pinned on CUDA)
     input_ids: torch.Tensor  # [B_max*Q] int64
     positions: torch.Tensor  # [B_max*Q] int64
     slot_mapping: torch.Tensor  # [B_max*Q] int64
-    block_tables: torch.Tensor  # [B_max, M] int64
     seq_lens: torch.Tensor  # [B_max] int64, KV length after the step
+    block_tables: torch.Tensor  # [B_max, M] int64
     q_len: int
     block_size: int
     scratch_block: int
@@ -26,11 +34,13 @@ class StepBuffers:
     ) -> StepBuffers:
         """Allocate for up to `max_batch` sequences of `max_blocks` blocks."""
         rows = max_batch * q_len
-
-        def z(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device=device)
-
-        return cls(z(rows), z(rows), z(rows), z(max_batch, max_blocks), z(max_batch), q_len, block_size, scratch_block)
+        sizes = [rows, rows, rows, max_batch, max_batch * max_blocks]
+        packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
+        staging = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+        ids, pos, slots, lens, tables = packed.split(sizes)
+        return cls(
+            packed, staging, ids, pos, slots, lens, tables.view(max_batch, max_blocks), q_len, block_size, scratch_block
+        )
 
     @property
     def max_batch(self) -> int:
@@ -53,26 +63,33 @@ class StepBuffers:
         q, bs, n = self.q_len, self.block_size, len(token_ids)
         if n > bucket or bucket > self.max_batch:
             raise ValueError(f"{n} sequences do not fit bucket {bucket} (max {self.max_batch})")
-        ids = torch.zeros(bucket * q, dtype=torch.long)
-        pos = torch.arange(q).repeat(bucket)
-        slots = self.scratch_block * bs + torch.arange(q).repeat(bucket) % bs
-        table = torch.full((bucket, self.max_blocks), self.scratch_block, dtype=torch.long)
-        lens = torch.full((bucket,), q, dtype=torch.long)
-        for b, (toks, start, blocks) in enumerate(zip(token_ids, starts, tables, strict=True)):
+        for b, (toks, blocks) in enumerate(zip(token_ids, tables, strict=True)):
             if len(toks) != q:
                 raise ValueError(f"sequence {b} has {len(toks)} rows, the step needs {q}")
             if len(blocks) > self.max_blocks:
                 raise ValueError(f"sequence {b} has {len(blocks)} blocks, buffers hold {self.max_blocks}")
-            p = torch.arange(start, start + q)
-            bt = torch.tensor(blocks, dtype=torch.long)
-            ids[b * q : (b + 1) * q] = torch.tensor(toks)
-            pos[b * q : (b + 1) * q] = p
-            slots[b * q : (b + 1) * q] = bt[p // bs] * bs + p % bs
-            table[b, : len(blocks)] = bt
-            lens[b] = start + q
-        rows = bucket * q
-        self.input_ids[:rows].copy_(ids, non_blocking=True)
-        self.positions[:rows].copy_(pos, non_blocking=True)
-        self.slot_mapping[:rows].copy_(slots, non_blocking=True)
-        self.block_tables[:bucket].copy_(table, non_blocking=True)
-        self.seq_lens[:bucket].copy_(lens, non_blocking=True)
+        rows_max, m = self.max_batch * q, self.max_blocks
+        host = self.staging.numpy()
+        ids = host[:rows_max]
+        pos = host[rows_max : 2 * rows_max]
+        slots = host[2 * rows_max : 3 * rows_max]
+        lens = host[3 * rows_max : 3 * rows_max + self.max_batch]
+        table = host[3 * rows_max + self.max_batch :].reshape(self.max_batch, m)
+        rows, real = bucket * q, n * q
+        offsets = np.tile(np.arange(q), bucket)
+        ids[:rows] = 0
+        pos[:rows] = offsets
+        slots[:rows] = self.scratch_block * bs + offsets % bs
+        lens[:bucket] = q
+        table[:bucket] = self.scratch_block
+        if n:
+            start = np.asarray(starts, dtype=np.int64)
+            p = start[:, None] + np.arange(q)[None, :]  # [n, Q]
+            for b, blocks in enumerate(tables):
+                table[b, : len(blocks)] = blocks
+            ids[:real] = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+            pos[:real] = p.reshape(-1)
+            slots[:real] = (table[np.arange(n)[:, None], p // bs] * bs + p % bs).reshape(-1)
+            lens[:n] = start + q
+        used = 3 * rows_max + self.max_batch + bucket * m
+        self.packed[:used].copy_(self.staging[:used], non_blocking=True)
