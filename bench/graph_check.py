@@ -50,13 +50,13 @@ def main() -> int:
             ref_model(ids, torch.arange(n, device=dev), ref_cache, meta)
         for q in (1, 4):
             uniform = UniformTargetStep(model, cache, q, 8, 20, dev)
-            uniform.steps.capture()
+            uniform.capture()
             toks = [torch.randint(0, ARGS.vocab_size, (q,), generator=g).tolist() for _ in lens]
             plan = StepPlan(1, [SeqPlan(f"r{i}", toks[i], lens[i], tables[i], False, True, -1, q - 1)
                                 for i in range(len(lens))], q - 1)  # fmt: skip
             bucket = uniform.bucket_for(plan)
-            _, graph_logits = uniform.run(plan, bucket)  # type: ignore[arg-type]
-            graph_logits = graph_logits.float().clone()
+            graph_hidden, _, _ = uniform.run(plan, bucket, None)  # type: ignore[arg-type]
+            graph_logits = model.logits(graph_hidden.clone()).float()
             eager = TargetRunner(model, cache, dev)
             hidden = eager.forward(plan)
             eager_logits = model.logits(hidden).float()
@@ -64,7 +64,7 @@ def main() -> int:
             ref_logits = ref_model.logits(TargetRunner(ref_model, ref_cache, dev).forward(plan)).float()
             report[f"q{q}"] = {
                 "bucket": bucket,
-                "replays": uniform.steps.replays,
+                "replays": uniform.replays,
                 "max_abs_logit_diff": diff,
                 "logit_scale": eager_logits.abs().max().item(),
                 "argmax_equal_rows": int((graph_logits.argmax(-1) == eager_logits.argmax(-1)).sum()),

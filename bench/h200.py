@@ -96,7 +96,7 @@ def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
 
 def replays(step: Any) -> int | None:
     """CUDA-graph replays of a captured step object, or None."""
-    return None if step is None else int(step.steps.replays)
+    return None if step is None else int(step.replays)
 
 
 def ttft(engine: LLMEngine, prompt: list[int]) -> float:

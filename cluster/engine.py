@@ -22,7 +22,7 @@ from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
 from speculative.stats import SpecStats
-from workers.fused_step import FusedGreedyStep
+from workers.fused_step import FusedSpecStep
 from workers.kv_cache import KVCache
 from workers.layer_ops import pick_ops
 from workers.loader import ModelSource, resolve_device, resolve_model, to_dtype
@@ -303,19 +303,17 @@ def build_runner(
     if device.startswith("cuda") and cfg.model.cuda_graphs:
         max_blocks = graph_max_blocks(cfg, k, max_len)
         uniform = UniformTargetStep(model, cache, k + 1, cfg.scheduler.max_num_requests, max_blocks, device)
-        uniform.steps.capture()
+        uniform.capture()
     return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform)
 
 
-def build_fused(
-    cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int
-) -> FusedGreedyStep:
+def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int) -> FusedSpecStep:
     """Greedy generation steps with the colocated draft, captured per batch bucket."""
     max_blocks = graph_max_blocks(cfg, k, max_len)
-    fused = FusedGreedyStep(
+    fused = FusedSpecStep(
         target.model, target.cache, chain, k, cfg.scheduler.max_num_requests, max_blocks, target.device
     )
-    fused.steps.capture()
+    fused.capture()
     return fused
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from speculative.sampling import sample_from_uniform
+from speculative.sampling import processed_probs, sample_from_uniform
 
 
 def verify(
@@ -66,3 +66,29 @@ def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     """
     match = (draft_tokens == target_argmax[:, :-1]).to(torch.int64)
     return torch.cumprod(match, dim=1).sum(dim=1), target_argmax
+
+
+def verify_step(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    q_len: int,
+    sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify a uniform step of B sequences x Q rows in fixed shapes (safe to capture in a CUDA graph).
+
+    logits [B*Q, V]; input_ids [B*Q], each sequence's last accepted token then its Q-1 drafts. sampling
+    is None for an all-greedy step, else (temperature [B], top_k [B] (float), top_p [B], uniforms [B, Q]);
+    greedy rows within it (temperature 0) verify exactly as greedy. Returns (num_accepted [B], tokens [B, Q]).
+    """
+    bsz = input_ids.shape[0] // q_len
+    drafts = input_ids.view(bsz, q_len)[:, 1:]
+    if sampling is None:
+        return verify_greedy(logits.argmax(-1).view(bsz, q_len), drafts)
+    temperature, top_k, top_p, uniforms = sampling
+    probs = processed_probs(
+        logits,
+        temperature.repeat_interleave(q_len),
+        top_k.long().repeat_interleave(q_len),
+        top_p.repeat_interleave(q_len),
+    )
+    return verify(probs.view(bsz, q_len, -1), drafts, uniforms)

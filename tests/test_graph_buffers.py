@@ -34,7 +34,9 @@ def test_fill_pads_onto_scratch_block() -> None:
     assert buf.seq_lens[:1].tolist() == [7] and buf.block_tables[0].tolist() == [7, 6, 99, 99]
     assert buf.addresses() == ptrs
     base, size = buf.packed.data_ptr(), buf.packed.numel() * 8
-    assert all(base <= a < base + size for a in ptrs), "every field is a view of the packed buffer"
+    assert all(base <= a < base + size for a in ptrs[:5]), "every index field is a view of the packed buffer"
+    fbase, fsize = buf.fpacked.data_ptr(), buf.fpacked.numel() * 4
+    assert all(fbase <= a < fbase + fsize for a in ptrs[5:]), "sampling fields are views of the float buffer"
     with pytest.raises(ValueError):
         buf.fill([[1, 2]], [0], [[0]], bucket=1)
     with pytest.raises(ValueError):
@@ -70,9 +72,9 @@ def test_uniform_step_matches_eager_and_keeps_addresses(k: int) -> None:
     used = []
     orig = uniform.run
 
-    def spy(plan, bucket):  # type: ignore[no-untyped-def]
+    def spy(plan, bucket, uniforms):  # type: ignore[no-untyped-def]
         used.append((len(plan.seqs), bucket))
-        return orig(plan, bucket)
+        return orig(plan, bucket, uniforms)
 
     uniform.run = spy  # type: ignore[method-assign]
     got = [c.token_ids for c in eng.generate(prompts, {"max_tokens": 24})]
@@ -90,7 +92,7 @@ def test_uniform_step_matches_eager_and_keeps_addresses(k: int) -> None:
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_fused_greedy_step_matches_unfused(k: int) -> None:
-    from workers.fused_step import FusedGreedyStep
+    from workers.fused_step import FusedSpecStep
 
     args, w = mimic_target()
     prompts = random_prompts(6, args.vocab_size, [21, 1, 9, 13, 30, 4], seed=8)
@@ -99,15 +101,15 @@ def test_fused_greedy_step_matches_unfused(k: int) -> None:
     want = [c.token_ids for c in ref.generate(prompts, {"max_tokens": 30})]
     eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": k}, scheduler={"chunk_size": 6})
     runner = eng.target
-    fused = FusedGreedyStep(runner.model, runner.cache, eng.draft, k, 8, 12, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
+    fused = FusedSpecStep(runner.model, runner.cache, eng.draft, k, 8, 12, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
     runner.fused = fused  # type: ignore[attr-defined]
     ptrs = fused.buffers.addresses()
     runs = []
     orig = fused.run
 
-    def spy(plan, bucket):  # type: ignore[no-untyped-def]
+    def spy(plan, bucket, uniforms=None):  # type: ignore[no-untyped-def]
         runs.append((len(plan.seqs), bucket))
-        return orig(plan, bucket)
+        return orig(plan, bucket, uniforms)
 
     fused.run = spy  # type: ignore[method-assign]
     out = eng.generate(prompts, {"max_tokens": 30})
@@ -115,5 +117,62 @@ def test_fused_greedy_step_matches_unfused(k: int) -> None:
     assert eng.totals.accepted == ref.totals.accepted and eng.totals.drafted == ref.totals.drafted
     assert runs and any(n < b for n, b in runs)
     assert fused.buffers.addresses() == ptrs
-    sampled = eng.generate(prompts[:2], {"max_tokens": 8, "temperature": 0.8, "seed": 1})
-    assert all(len(c.token_ids) == 8 for c in sampled), "sampling requests fall back to the unfused path"
+
+
+MIXED = [
+    {"max_tokens": 20, "temperature": 0.9, "seed": 11},
+    {"max_tokens": 20},
+    {"max_tokens": 20, "temperature": 1.2, "top_k": 5, "seed": 12},
+    {"max_tokens": 20, "temperature": 0.7, "top_p": 0.8, "seed": 13},
+    {"max_tokens": 20, "temperature": 1.0, "top_k": 3, "top_p": 0.9, "seed": 14},
+]
+
+
+def run_mixed(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Requests with their own sampling parameters, batched together; tokens per request."""
+    ids = [eng.add_request(p, params) for p, params in zip(prompts, MIXED, strict=True)]
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[r] for r in ids]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool) -> None:
+    """Sampling and greedy requests batched together take the fixed-buffer step (sampling parameters and
+    uniforms copied into fixed buffers) and emit exactly the eager path's tokens for the same seeds."""
+    from workers.fused_step import FusedSpecStep
+
+    args, w = mimic_target()
+    prompts = random_prompts(5, args.vocab_size, [21, 1, 9, 13, 30], seed=9)
+    head = mimic_head(args, w)
+    ref = tiny_engine(args, w, head, speculative={"num_draft_tokens": 3})
+    want = run_mixed(ref, prompts)
+    eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": 3})
+    runner = eng.target
+    step: FusedSpecStep | UniformTargetStep
+    if fused:
+        step = FusedSpecStep(runner.model, runner.cache, eng.draft, 3, 8, 12, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
+        runner.fused = step  # type: ignore[attr-defined]
+    else:
+        step = with_uniform(eng, 3)
+    ptrs = step.buffers.addresses()
+    sampled_calls = []
+    orig = step.sampled_steps.run
+
+    def spy(bucket):  # type: ignore[no-untyped-def]
+        sampled_calls.append(bucket)
+        return orig(bucket)
+
+    step.sampled_steps.run = spy  # type: ignore[method-assign]
+    got = run_mixed(eng, prompts)
+    assert got == want
+    assert sampled_calls, "steps with sampling requests must take the fixed-buffer path"
+    assert step.buffers.addresses() == ptrs
+    greedy = tiny_engine(args, w, head).generate(prompts[:1], {"max_tokens": 20})[0].token_ids
+    assert (
+        got[0] != greedy
+        and got[1] == tiny_engine(args, w, head).generate(prompts[1:2], {"max_tokens": 20})[0].token_ids
+    )
+    assert eng.totals.accepted == ref.totals.accepted and eng.totals.drafted == ref.totals.drafted

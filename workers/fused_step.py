@@ -1,10 +1,12 @@
-"""Greedy speculative step as one fixed-shape function: target verify, draft re-run, K-step chain.
+"""Speculative step as one fixed-shape function: target verify, draft re-run, K-step chain.
 
-For a batch of generation requests that all decode greedily with K drafts, everything stays on the
-device: the draft re-runs over all K+1 rows (row i reads the target's argmax at i, which equals the
-accepted token i+1 up to the first mismatch and the bonus token there; rows past it write draft KV
-that the chain overwrites before anything reads it), then the chain proposes K tokens from each
-request's last accepted row. One CUDA graph per batch bucket; one host copy of the results per step.
+For a batch of generation requests with K drafts, everything stays on the device: the target verifies
+(greedy, or by rejection sampling with the requests' temperature/top-k/top-p and uniforms read from
+fixed buffers), the draft re-runs over all K+1 rows (row i reads emitted token i: the accepted draft
+i+1 up to the first rejection and the correction or bonus token there; rows past it write draft KV
+that the chain overwrites before anything reads it), then the chain proposes K greedy tokens from each
+request's last accepted row. Two CUDA graphs per batch bucket (all-greedy, sampling); one host copy of
+the results per step.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import torch
 
 from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain
+from speculative.verify import verify_step
 from workers.attention import UniformMetadata
 from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
+from workers.runner import fill_step
 from workers.step_buffers import StepBuffers
 
 
-class FusedGreedyStep:
-    """Target + colocated MTP chain for uniform greedy generation steps (TP=1, draft in process)."""
+class FusedSpecStep:
+    """Target + colocated MTP chain for uniform generation steps (TP=1, draft in process)."""
 
     def __init__(
         self,
@@ -41,21 +45,31 @@ class FusedGreedyStep:
         sizes = capture_sizes(max_batch)
         self.buffers = StepBuffers.allocate(max_batch, k + 1, max_blocks, cache.block_size, cache.scratch_block, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
-        self.steps = CapturedSteps(self._forward, sizes, dev, use_graphs)
+        self.steps = CapturedSteps(lambda b: self._forward(b, False), sizes, dev, use_graphs)
+        self.sampled_steps = CapturedSteps(lambda b: self._forward(b, True), sizes, dev, use_graphs)
+
+    @property
+    def replays(self) -> int:
+        """CUDA-graph replays so far (both variants)."""
+        return self.steps.replays + self.sampled_steps.replays
+
+    def capture(self) -> None:
+        """Capture both variants for every bucket (CUDA only)."""
+        self.steps.capture()
+        self.sampled_steps.capture()
 
     @torch.no_grad()
-    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(self, bucket: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, q, k = self.buffers, self.k + 1, self.k
         n = bucket * q
         tables = b.block_tables[:bucket]
         meta = UniformMetadata(b.slot_mapping[:n], tables, b.seq_lens[:bucket], q)
         ids, pos = b.input_ids[:n], b.positions[:n]
         hidden = self.target(ids, pos, self.cache, meta)
-        argmax = self.target.logits(hidden).argmax(-1).view(bucket, q)  # [B, K+1]
-        match = (ids.view(bucket, q)[:, 1:] == argmax[:, :-1]).to(torch.int64)
-        n_acc = torch.cumprod(match, dim=1).sum(dim=1)  # [B]
+        logits = self.target.logits(hidden)
+        n_acc, emitted = verify_step(logits, ids, q, b.sampling(bucket) if sampled else None)  # [B], [B, K+1]
         head, shared, dcache = self.chain.head, self.chain.shared, self.chain.cache
-        dh = head(shared.embed(argmax.reshape(-1)), hidden, pos, dcache, meta)
+        dh = head(shared.embed(emitted.reshape(-1)), hidden, pos, dcache, meta)
         last = torch.arange(bucket, device=ids.device) * q + n_acc
         h = dh[last]
         tok = shared.logits(h).argmax(-1)
@@ -68,25 +82,27 @@ class FusedGreedyStep:
             h = head(shared.embed(tok), h, p, dcache, UniformMetadata(slots, tables, p + 1, 1))
             tok = shared.logits(h).argmax(-1)
             drafts.append(tok)
-        return argmax, n_acc, torch.stack(drafts, dim=1)
+        return emitted, n_acc, torch.stack(drafts, dim=1)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
-        """A bucket when every request is greedy generation with exactly K drafts and fits; else None."""
+        """A bucket when every request is generation with exactly K one-hot drafts and fits; else None."""
         q = self.k + 1
         for s in plan.seqs:
-            if s.is_context or s.temperature > 0 or len(s.token_ids) != q:
+            if s.is_context or len(s.token_ids) != q or s.draft_probs is not None:
                 return None
             if len(s.block_ids) > self.buffers.max_blocks:
                 return None
         return pick_bucket(len(plan.seqs), self.steps.sizes) if plan.seqs else None
 
-    def run(self, plan: StepPlan, bucket: int) -> TargetOutput:
-        """Fill the buffers, replay, and read back tokens, accept counts and next drafts in one copy."""
+    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
+        """Fill the buffers, replay, and read back tokens, accept counts and next drafts in one copy.
+        `uniforms` [m, K+1] holds the verify step's random numbers; None for an all-greedy step."""
         seqs = plan.seqs
-        self.buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
-        argmax, n_acc, drafts = self.steps.run(bucket)
+        fill_step(self.buffers, plan, bucket, uniforms)
+        steps = self.steps if uniforms is None else self.sampled_steps
+        emitted, n_acc, drafts = steps.run(bucket)
         m = len(seqs)
-        host = torch.cat([argmax[:m], n_acc[:m, None], drafts[:m]], dim=1).cpu()
+        host = torch.cat([emitted[:m], n_acc[:m, None], drafts[:m]], dim=1).cpu()
         results = []
         for i, s in enumerate(seqs):
             a = int(host[i, self.k + 1])

@@ -9,7 +9,7 @@ import torch
 
 from proto.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from speculative.sampling import processed_probs, request_generator, sample_from_uniform
-from speculative.verify import verify, verify_greedy
+from speculative.verify import verify, verify_greedy, verify_step
 from workers.attention import AttentionMetadata, UniformMetadata
 from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
 from workers.kv_cache import KVCache
@@ -18,8 +18,10 @@ from workers.step_buffers import StepBuffers
 
 
 class UniformTargetStep:
-    """The target forward of a generation step (B sequences x Q rows) over fixed buffers, captured per
-    batch bucket on CUDA. Returns hidden states and logits of every row."""
+    """The target forward and verify of a generation step (B sequences x Q rows) over fixed buffers,
+    captured per batch bucket on CUDA, once for all-greedy steps and once for steps that sample (their
+    temperature, top-k, top-p and uniforms are fixed buffers too). Returns hidden states, accept counts
+    and emitted tokens."""
 
     def __init__(
         self,
@@ -38,32 +40,58 @@ class UniformTargetStep:
         sizes = capture_sizes(max_batch)
         self.buffers = StepBuffers.allocate(max_batch, q_len, max_blocks, cache.block_size, cache.scratch_block, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
-        self.steps = CapturedSteps(self._forward, sizes, dev, use_graphs)
+        self.steps = CapturedSteps(lambda b: self._forward(b, False), sizes, dev, use_graphs)
+        self.sampled_steps = CapturedSteps(lambda b: self._forward(b, True), sizes, dev, use_graphs)
+
+    @property
+    def replays(self) -> int:
+        """CUDA-graph replays so far (both variants)."""
+        return self.steps.replays + self.sampled_steps.replays
+
+    def capture(self) -> None:
+        """Capture both variants for every bucket (CUDA only)."""
+        self.steps.capture()
+        self.sampled_steps.capture()
 
     @torch.no_grad()
-    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bucket: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, n = self.buffers, bucket * self.q_len
         meta = UniformMetadata(b.slot_mapping[:n], b.block_tables[:bucket], b.seq_lens[:bucket], self.q_len)
         hidden = self.model(b.input_ids[:n], b.positions[:n], self.cache, meta)
-        return hidden, self.model.logits(hidden)
+        logits = self.model.logits(hidden)
+        n_acc, tokens = verify_step(logits, b.input_ids[:n], self.q_len, b.sampling(bucket) if sampled else None)
+        return hidden, n_acc, tokens
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """The batch bucket when every request is a generation row with Q tokens and fits; else None."""
         q = self.q_len
         if not plan.seqs or any(s.is_context or len(s.token_ids) != q for s in plan.seqs):
             return None
-        if any(len(s.block_ids) > self.buffers.max_blocks for s in plan.seqs):
+        if any(len(s.block_ids) > self.buffers.max_blocks or s.draft_probs is not None for s in plan.seqs):
             return None
         return pick_bucket(len(plan.seqs), self.steps.sizes)
 
-    def run(self, plan: StepPlan, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the buffers and replay; returns (hidden, logits) of the real rows (valid until the next run)."""
-        self.buffers.fill(
-            [s.token_ids for s in plan.seqs], [s.start for s in plan.seqs], [s.block_ids for s in plan.seqs], bucket
+    def run(
+        self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fill the buffers and replay; returns (hidden [m*Q, d], accepted [m], tokens [m, Q]) of the real
+        rows (valid until the next run). `uniforms` [m, Q] is None for an all-greedy step."""
+        seqs = plan.seqs
+        fill_step(self.buffers, plan, bucket, uniforms)
+        steps = self.steps if uniforms is None else self.sampled_steps
+        hidden, n_acc, tokens = steps.run(bucket)
+        m = len(seqs)
+        return hidden[: m * self.q_len], n_acc[:m], tokens[:m]
+
+
+def fill_step(buffers: StepBuffers, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None) -> None:
+    """Copy a uniform step's inputs (and, when it samples, its sampling parameters) into `buffers`."""
+    seqs = plan.seqs
+    buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
+    if uniforms is not None:
+        buffers.fill_sampling(
+            [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], uniforms, bucket
         )
-        hidden, logits = self.steps.run(bucket)
-        n = len(plan.seqs) * self.q_len
-        return hidden[:n], logits[:n]
 
 
 class TargetRunner:
@@ -79,7 +107,7 @@ class TargetRunner:
     ):
         self.model = model
         self.uniform = uniform
-        self.fused: Any = None  # FusedGreedyStep when the draft is colocated in this process
+        self.fused: Any = None  # FusedSpecStep when the draft is colocated in this process
         self.cache = cache
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
@@ -113,14 +141,44 @@ class TargetRunner:
             self._generators.pop(rid, None)
         if not plan.seqs:
             return TargetOutput(plan.step_id, [])
+        q_len = len(plan.seqs[0].token_ids)
         fused_bucket = self.fused.bucket_for(plan) if self.fused is not None else None
         if fused_bucket is not None:
-            return self.fused.run(plan, fused_bucket)
+            return self.fused.run(plan, fused_bucket, self.uniforms(plan, q_len))
         bucket = self.uniform.bucket_for(plan) if self.uniform is not None else None
+        tokens: list[list[int]] = [[] for _ in plan.seqs]
+        accepted = [0] * len(plan.seqs)
+        last_token = [0] * len(plan.seqs)
         if bucket is not None:
-            hidden, all_logits = self.uniform.run(plan, bucket)  # type: ignore[union-attr]
+            hidden, n_acc, out = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
+            starts = [i * q_len for i in range(len(plan.seqs))]
+            host = torch.cat([n_acc[:, None], out], dim=1).tolist()  # one device-to-host copy
+            for i, row in enumerate(host):
+                accepted[i] = row[0]
+                tokens[i] = row[1 : row[0] + 2]
+                last_token[i] = tokens[i][-1]
         else:
             hidden = self.forward(plan)
+            starts = self._eager_verify(plan, hidden, tokens, accepted, last_token)
+        results = [
+            SeqResult(s.request_id, tokens[i], s.num_draft_tokens if not s.is_context else 0, accepted[i])
+            for i, s in enumerate(plan.seqs)
+        ]
+        draft_inputs = None
+        if plan.num_draft_tokens > 0:
+            draft_inputs = self._draft_inputs(plan, hidden, starts, accepted, last_token)
+        return TargetOutput(plan.step_id, results, draft_inputs)
+
+    def _eager_verify(
+        self,
+        plan: StepPlan,
+        hidden: torch.Tensor,
+        tokens: list[list[int]],
+        accepted: list[int],
+        last_token: list[int],
+    ) -> list[int]:
+        """Sample final context rows and verify generation rows of a ragged step (fills the lists in
+        place); returns each sequence's first hidden row."""
         starts: list[int] = []  # first hidden row of each sequence
         spans: list[tuple[int, int]] = []  # each sequence's rows in `logits`
         logit_rows: list[int] = []
@@ -132,13 +190,7 @@ class TargetRunner:
             spans.append((len(logit_rows), len(logit_rows) + len(picked)))
             logit_rows.extend(picked)
             off += n
-        if bucket is not None:
-            logits = all_logits  # generation rows only: every row is a logit row
-        else:
-            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        tokens: list[list[int]] = [[] for _ in plan.seqs]
-        accepted = [0] * len(plan.seqs)
-        last_token = [0] * len(plan.seqs)
+        logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
         groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
         for i, s in enumerate(plan.seqs):
             groups[(s.temperature <= 0, -1 if s.is_context else s.num_draft_tokens)].append(i)
@@ -161,14 +213,16 @@ class TargetRunner:
                 accepted[i] = a
                 tokens[i] = host[j][1 : a + 2]
                 last_token[i] = tokens[i][-1]
-        results = [
-            SeqResult(s.request_id, tokens[i], s.num_draft_tokens if not s.is_context else 0, accepted[i])
-            for i, s in enumerate(plan.seqs)
-        ]
-        draft_inputs = None
-        if plan.num_draft_tokens > 0:
-            draft_inputs = self._draft_inputs(plan, hidden, starts, accepted, last_token)
-        return TargetOutput(plan.step_id, results, draft_inputs)
+        return starts
+
+    def uniforms(self, plan: StepPlan, q_len: int) -> torch.Tensor | None:
+        """Verify uniforms [m, Q] for a uniform step from each sampling request's generator (the same
+        draws the eager path makes), or None when every request is greedy."""
+        if all(s.temperature <= 0 for s in plan.seqs):
+            return None
+        zeros = torch.zeros(q_len)
+        rows = [torch.rand(q_len, generator=self._gen(s)) if s.temperature > 0 else zeros for s in plan.seqs]
+        return torch.stack(rows)
 
     def _sample_context(self, plan: StepPlan, members: list[int], logits: torch.Tensor, greedy: bool) -> list[int]:
         """Final chunks sample their first token; non-final chunks report the argmax guess (ablation only)."""

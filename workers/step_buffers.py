@@ -24,6 +24,12 @@ class StepBuffers:
     slot_mapping: torch.Tensor  # [B_max*Q] int64
     seq_lens: torch.Tensor  # [B_max] int64, KV length after the step
     block_tables: torch.Tensor  # [B_max, M] int64
+    fpacked: torch.Tensor  # device float32: the sampling fields below are views of it
+    fstaging: torch.Tensor  # host float32 twin of `fpacked`
+    temperature: torch.Tensor  # [B_max] float32 (0 = greedy)
+    top_k: torch.Tensor  # [B_max] float32 holding integers (0 = off)
+    top_p: torch.Tensor  # [B_max] float32
+    uniforms: torch.Tensor  # [B_max, Q] float32, the verify step's random numbers
     q_len: int
     block_size: int
     scratch_block: int
@@ -38,8 +44,27 @@ class StepBuffers:
         packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         staging = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
         ids, pos, slots, lens, tables = packed.split(sizes)
+        fsizes = [max_batch, max_batch, max_batch, rows]
+        fpacked = torch.zeros(sum(fsizes), dtype=torch.float32, device=device)
+        fstaging = torch.zeros(sum(fsizes), dtype=torch.float32, pin_memory=device.type == "cuda")
+        temp, top_k, top_p, uniforms = fpacked.split(fsizes)
         return cls(
-            packed, staging, ids, pos, slots, lens, tables.view(max_batch, max_blocks), q_len, block_size, scratch_block
+            packed,
+            staging,
+            ids,
+            pos,
+            slots,
+            lens,
+            tables.view(max_batch, max_blocks),
+            fpacked,
+            fstaging,
+            temp,
+            top_k,
+            top_p,
+            uniforms.view(max_batch, q_len),
+            q_len,
+            block_size,
+            scratch_block,
         )
 
     @property
@@ -54,9 +79,37 @@ class StepBuffers:
 
     def addresses(self) -> list[int]:
         """data_ptr of every buffer (must never change)."""
-        return [
-            t.data_ptr() for t in (self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.seq_lens)
-        ]
+        ints = (self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.seq_lens)
+        return [t.data_ptr() for t in (*ints, self.temperature, self.top_k, self.top_p, self.uniforms)]
+
+    def sampling(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature, top_k, top_p, uniforms) views of the first `bucket` sequences."""
+        return self.temperature[:bucket], self.top_k[:bucket], self.top_p[:bucket], self.uniforms[:bucket]
+
+    def fill_sampling(
+        self,
+        temperature: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        uniforms: torch.Tensor,
+        bucket: int,
+    ) -> None:
+        """Copy n rows of sampling parameters and verify uniforms [n, Q]; padding rows are greedy."""
+        n, b_max, q = len(temperature), self.max_batch, self.q_len
+        if n > bucket or bucket > b_max or tuple(uniforms.shape) != (n, q):
+            raise ValueError(f"sampling rows: {n} rows, uniforms {tuple(uniforms.shape)}, bucket {bucket}, Q {q}")
+        host = self.fstaging.numpy()
+        host[:bucket] = 0.0
+        host[b_max : b_max + bucket] = 0.0
+        host[2 * b_max : 2 * b_max + bucket] = 1.0
+        u = host[3 * b_max :].reshape(b_max, q)
+        u[:bucket] = 0.0
+        if n:
+            host[:n] = temperature
+            host[b_max : b_max + n] = top_k
+            host[2 * b_max : 2 * b_max + n] = top_p
+            u[:n] = uniforms.numpy()
+        self.fpacked.copy_(self.fstaging, non_blocking=True)
 
     def fill(self, token_ids: list[list[int]], starts: list[int], tables: list[list[int]], bucket: int) -> None:
         """Copy n real sequences into rows [0, bucket*Q) and pad the rest onto the scratch block."""
