@@ -141,7 +141,7 @@ def hf_peer(args: argparse.Namespace, prompts: list[list[int]], max_tokens: int)
 
 def kernel_check() -> dict[str, Any]:
     """Triton paged attention in bf16 against a float64 reference."""
-    from workers.attention import uniform_paged_attention
+    from workers.attention import AttentionMetadata, RaggedMetadata, uniform_paged_attention
     from workers.triton_attention import triton_uniform_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -155,6 +155,16 @@ def kernel_check() -> dict[str, Any]:
         got = triton_uniform_attention(q, kc, vc, tables, lens, q_len, 0.125)
         ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, lens, q_len, 0.125)
         res[f"q{q_len}_max_abs_err"] = (got.double() - ref).abs().max().item()
+    # ragged: a 512-row prefill chunk after 100 cached positions, a whole 300-token prompt, 3 decode rows
+    starts, counts = [100, 0, 50, 7, 200], [512, 300, 1, 1, 1]
+    tables = [list(range(i * 40, i * 40 + 40)) for i in range(len(starts))]
+    kc = torch.randn(200, 16, 3, 64, device="cuda", generator=g).bfloat16()
+    vc = torch.randn(200, 16, 3, 64, device="cuda", generator=g).bfloat16()
+    q = torch.randn(sum(counts), 9, 64, device="cuda", generator=g).bfloat16()
+    got = RaggedMetadata.build(starts, counts, tables, 16, "cuda").attend(q, kc, vc, 0.125)
+    dense = AttentionMetadata.build(starts, counts, tables, 16, "cuda")
+    ref = dense.attend(q.double(), kc.double(), vc.double(), 0.125)
+    res["ragged_max_abs_err"] = (got.double() - ref).abs().max().item()
     return res
 
 

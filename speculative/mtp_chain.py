@@ -9,7 +9,7 @@ from speculative.draft_inputs import draft_input_tokens, last_rows
 from speculative.lookahead import LookaheadBuffer
 from speculative.methods import DraftMethod
 from speculative.mtp_head import MTPEagleHead
-from workers.attention import AttentionMetadata
+from workers.attention import ragged_metadata
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
 
@@ -71,7 +71,7 @@ class MTPEagleChain(DraftMethod):
         )
         host_pos = inputs.positions
         starts = [int(host_pos[int(e) - int(n) + 1]) for e, n in zip(last_rows(seq_lens), seq_lens, strict=True)]
-        meta = AttentionMetadata.build(starts, inputs.seq_lens, inputs.block_ids, self.cache.block_size, dev)
+        meta = ragged_metadata(starts, inputs.seq_lens, inputs.block_ids, self.cache.block_size, dev)
         out = self.head(self.shared.embed(ids), hidden, positions, self.cache, meta)
 
         rows = [i for i, p in enumerate(inputs.propose) if p]
@@ -85,7 +85,7 @@ class MTPEagleChain(DraftMethod):
         drafts = [tok]
         for _ in range(k - 1):
             pos = pos + 1
-            meta = AttentionMetadata.build(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, dev)
+            meta = ragged_metadata(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, dev)
             h = self.head(self.shared.embed(tok), h, pos, self.cache, meta)
             tok = self.shared.logits(h).argmax(-1)
             drafts.append(tok)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from workers import fused_kernels
-from workers.attention import AttentionMetadata, UniformMetadata
+from workers.attention import AttentionMetadata, RaggedMetadata, UniformMetadata
 from workers.layer_ops import TORCH_OPS, TritonOps, pick_ops
 from workers.model import LlamaModel, Rotary
 
@@ -76,16 +76,17 @@ def _model(ops: object) -> LlamaModel:
 
 @torch.no_grad()
 def test_model_with_fused_kernels_matches_torch_ops() -> None:
-    """A mixed prefill/decode batch and a uniform verify step give the same hidden states and caches."""
+    """A mixed prefill/decode batch (masked SDPA vs the ragged Triton kernel) and a uniform verify step give
+    the same hidden states and caches."""
     ref_model, fused_model = _model(TORCH_OPS), _model(TRITON)
     assert ref_model.layers[0].self_attn.qkv_weight is not None  # type: ignore[union-attr]
     bs = 8
     starts, counts, tables = [0, 5], [5, 3], [[0, 1], [2]]
     ids = torch.tensor([5, 9, 17, 3, 40, 11, 12, 60])
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
-    meta = AttentionMetadata.build(starts, counts, tables, bs)
     outs, caches = [], []
-    for m in (ref_model, fused_model):
+    metas = [AttentionMetadata.build(starts, counts, tables, bs), RaggedMetadata.build(starts, counts, tables, bs)]
+    for m, meta in zip((ref_model, fused_model), metas, strict=True):
         cache = m.allocate_cache(4, bs, "cpu")
         h = m(ids, positions, cache, meta)
         uni = UniformMetadata(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from workers import triton_attention
-from workers.attention import uniform_paged_attention
+from workers.attention import AttentionMetadata, RaggedMetadata, ragged_metadata, uniform_paged_attention
 
 pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
 
@@ -40,3 +40,43 @@ def test_kernel_ignores_blocks_past_the_sequence() -> None:
     vc[5, 8:] = float("nan")  # slots past the sequence's length
     b = triton_attention.triton_uniform_attention(q, kc, vc, tables, torch.tensor([20]), 1, 0.2)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "starts", "counts"),
+    [
+        (9, 3, [0, 40, 7, 0], [37, 1, 4, 1]),  # a prefill chunk, a decode row, a verify row, a 1-token prompt
+        (4, 4, [16, 0], [20, 33]),  # a later chunk and a whole prompt, tiles of 16 with a ragged tail
+        (8, 2, [5], [1]),
+    ],
+)
+def test_ragged_kernel_matches_float64_reference(
+    heads: int, kv_heads: int, starts: list[int], counts: list[int]
+) -> None:
+    """Ragged batches (chunks, decode and verify rows together) against the masked-SDPA path in float64."""
+    g = torch.Generator().manual_seed(heads + len(starts))
+    bs, dim, nb = 8, 32, 40
+    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for s, n in zip(starts, counts, strict=True):
+        need = -(-(s + n) // bs)
+        tables.append(perm[used : used + need])
+        used += need
+    q = torch.randn(sum(counts), heads, dim, generator=g)
+    ragged = RaggedMetadata.build(starts, counts, tables, bs)
+    dense = AttentionMetadata.build(starts, counts, tables, bs)
+    assert torch.equal(ragged.slot_mapping, dense.slot_mapping)
+    got = ragged.attend(q, kc, vc, dim**-0.5)
+    ref = dense.attend(q.double(), kc.double(), vc.double(), dim**-0.5)
+    assert got.shape == ref.shape == (sum(counts), heads * dim)
+    assert (got.double() - ref).abs().max().item() < 1e-4
+
+
+def test_ragged_metadata_is_used_on_cuda_only() -> None:
+    """CPU keeps the masked-SDPA path; the Triton metadata is built only for CUDA devices."""
+    meta = ragged_metadata([0], [3], [[0]], 4, "cpu")
+    assert isinstance(meta, AttentionMetadata)
+    with pytest.raises(ValueError, match="needs 9 slots"):
+        RaggedMetadata.build([5], [4], [[0, 1]], 4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -85,6 +86,66 @@ class AttentionMetadata:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Ragged paged attention (see `paged_attention`)."""
         return paged_attention(q, k_cache, v_cache, self, scale)
+
+
+@dataclass
+class RaggedMetadata:
+    """A ragged step for the Triton kernel: per-sequence row offsets and lengths instead of a dense mask
+    (no padding of short rows up to the longest chunk)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, M] int64 (padded with 0; never read past a sequence's length)
+    q_starts: torch.Tensor  # [B] int64, first row of each sequence in the flat batch
+    q_lens: torch.Tensor  # [B] int64, rows (new positions) of each sequence
+    seq_lens: torch.Tensor  # [B] int64, KV length after the step
+    max_q_len: int
+
+    @classmethod
+    def build(
+        cls,
+        seq_starts: list[int],
+        seq_num_tokens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> RaggedMetadata:
+        """Metadata for sequences whose new tokens occupy positions [start, start + n)."""
+        starts = np.asarray(seq_starts, dtype=np.int64)
+        counts = np.asarray(seq_num_tokens, dtype=np.int64)
+        ends = starts + counts
+        width = max(len(t) for t in block_tables)
+        table = np.zeros((len(block_tables), width), dtype=np.int64)
+        for b, (t, end) in enumerate(zip(block_tables, ends, strict=True)):
+            if (end + block_size - 1) // block_size > len(t):
+                raise ValueError(f"sequence {b} needs {end} slots but has {len(t)} blocks")
+            table[b, : len(t)] = t
+        owner = np.repeat(np.arange(len(counts)), counts)
+        pos = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+        slots = table[owner, pos // block_size] * block_size + pos % block_size
+        q_starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        packed = torch.from_numpy(np.concatenate([slots, q_starts, counts, ends, table.reshape(-1)])).to(device)
+        n, b = len(slots), len(counts)
+        s, qs, ql, sl, tb = packed.split([n, b, b, b, table.size])
+        return cls(s, tb.view(b, width), qs, ql, sl, int(counts.max()))
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Ragged paged attention (Triton; CUDA, or CPU under TRITON_INTERPRET)."""
+        return triton_attention.triton_ragged_attention(
+            q, k_cache, v_cache, self.block_tables, self.q_starts, self.q_lens, self.seq_lens, self.max_q_len, scale
+        )
+
+
+def ragged_metadata(
+    seq_starts: list[int],
+    seq_num_tokens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> Metadata:
+    """Metadata for a ragged step: the Triton kernel's on CUDA, the masked-SDPA path elsewhere."""
+    if torch.device(device).type == "cuda" and triton_attention.available():
+        return RaggedMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device)
+    return AttentionMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device)
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 from proto.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from speculative.sampling import processed_probs, request_generator, sample_from_uniform
 from speculative.verify import verify, verify_greedy, verify_step
-from workers.attention import AttentionMetadata, UniformMetadata
+from workers.attention import UniformMetadata, ragged_metadata
 from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
@@ -125,7 +125,7 @@ class TargetRunner:
         dev = self.device
         ids = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(s.start, s.end) for s in plan.seqs]).to(dev)
-        meta = AttentionMetadata.build(
+        meta = ragged_metadata(
             [s.start for s in plan.seqs],
             [len(s.token_ids) for s in plan.seqs],
             [s.block_ids for s in plan.seqs],

@@ -1,8 +1,11 @@
-"""Triton paged attention for uniform generation steps (decode and verify) on CUDA.
+"""Triton paged attention on CUDA: uniform generation steps (decode, verify) and ragged batches
+(prefill chunks mixed with generation rows).
 
-One program per (sequence, KV head) handles the Q query rows of every query head in that KV group,
-walking the sequence's block table with an online softmax. It reads only the blocks a sequence uses,
-and all its sizes are read on device, so it can be captured in a CUDA graph.
+Uniform: one program per (sequence, KV head) handles the Q query rows of every query head in that KV
+group, walking the sequence's block table with an online softmax. It reads only the blocks a sequence
+uses, and all its sizes are read on device, so it can be captured in a CUDA graph.
+Ragged: the same walk, with a third program axis over tiles of QB query positions, each sequence's
+query count and row offset read on device, and each tile stopping at its last position's causal limit.
 """
 
 from __future__ import annotations
@@ -63,6 +66,60 @@ if triton is not None:
         )
 
 
+if triton is not None:
+
+    @triton.jit
+    def _ragged_paged_attn(
+        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, qlen_ptr, lens_ptr, scale,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+        GROUP: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        tile = tl.program_id(2)
+        q_len = tl.load(qlen_ptr + b)
+        if tile * QB < q_len:
+            q_start = tl.load(qstart_ptr + b)
+            seq_len = tl.load(lens_ptr + b)
+            r = tl.arange(0, ROWS)
+            qi = tile * QB + r // GROUP
+            head = kvh * GROUP + r % GROUP
+            valid = (r < QB * GROUP) & (qi < q_len)
+            d = tl.arange(0, DIM)
+            row = (q_start + qi).to(tl.int64)
+            q = tl.load(
+                q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            q_pos = seq_len - q_len + qi
+            kv_end = seq_len - q_len + tl.minimum((tile + 1) * QB, q_len)  # past the tile's last position
+            m = tl.full((ROWS,), -1.0e30, tl.float32)
+            den = tl.zeros((ROWS,), tl.float32)
+            acc = tl.zeros((ROWS, DIM), tl.float32)
+            s = tl.arange(0, BLOCK)
+            for j in range(0, tl.cdiv(kv_end, BLOCK)):
+                blk = tl.load(tables_ptr + b * stride_bt + j).to(tl.int64)
+                base = blk * stride_kb + kvh * stride_kh
+                inside = (j * BLOCK + s < seq_len)[:, None]
+                k = tl.load(k_ptr + base + s[:, None] * stride_ks + d[None, :], mask=inside, other=0.0)
+                v = tl.load(v_ptr + base + s[:, None] * stride_ks + d[None, :], mask=inside, other=0.0)
+                scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                scores = tl.where((j * BLOCK + s)[None, :] <= q_pos[:, None], scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, 1))
+                p = tl.exp(scores - m_new[:, None])
+                alpha = tl.exp(m - m_new)
+                den = den * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                m = m_new
+            out = acc / den[:, None]
+            tl.store(
+                o_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                out.to(o_ptr.dtype.element_ty),
+                mask=valid[:, None],
+            )
+
+
 def available() -> bool:
     """True when triton is importable."""
     return triton is not None
@@ -93,3 +150,35 @@ def triton_uniform_attention(
         Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim,
     )  # fmt: skip
     return out.reshape(bsz * q_len, heads * dim)
+
+
+def triton_ragged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    q_block: int = 16,
+) -> torch.Tensor:
+    """Causal attention of ragged rows q [T, H, D]: sequence b owns rows [q_starts[b], + q_lens[b]), which
+    are its last q_lens[b] positions of seq_lens[b]. Returns [T, H*D]."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    bsz = block_tables.shape[0]
+    block, kv_heads, dim = k_cache.shape[1:]
+    t, heads = q.shape[0], q.shape[1]
+    group = heads // kv_heads
+    rows = max(16, triton.next_power_of_2(q_block * group))
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if t and bsz:
+        _ragged_paged_attn[(bsz, kv_heads, triton.cdiv(max_q_len, q_block))](
+            q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            GROUP=group, QB=q_block, ROWS=rows, BLOCK=block, DIM=dim,
+        )  # fmt: skip
+    return out.reshape(t, heads * dim)
