@@ -63,9 +63,12 @@ def engine_for(args: argparse.Namespace, k: int, graphs: bool, max_batch: int, f
     return LLMEngine.from_config(cfg)
 
 
-def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Prefill all prompts, then time the generation steps only."""
-    ids = [engine.add_request(p, {"max_tokens": max_tokens, "ignore_eos": True}) for p in prompts]
+def decode_run(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0
+) -> dict[str, Any]:
+    """Prefill all prompts, then time the generation steps only (seeded sampling when temperature > 0)."""
+    params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature, "top_p": 0.95}
+    ids = [engine.add_request(p, {**params, "seed": i}) for i, p in enumerate(prompts)]
     reqs = [engine.scheduler.requests[r] for r in ids]
     while any(r.in_context for r in reqs):
         engine.step()
@@ -92,6 +95,12 @@ def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
         "fused_replays": replays(getattr(engine.target, "fused", None)),
         "uniform_replays": replays(getattr(engine.target, "uniform", None)),
     }
+
+
+def sampled_graphs(engine: LLMEngine) -> bool | None:
+    """Whether the sampling variant of the captured step was captured (None without captured steps)."""
+    step = getattr(engine.target, "fused", None) or getattr(engine.target, "uniform", None)
+    return None if step is None else bool(step.sampled_steps.graphs)
 
 
 def replays(step: Any) -> int | None:
@@ -214,26 +223,32 @@ def main() -> int:
         report["kernel_check"] = guarded("kernel check", kernel_check)
     # (graphs, fused kernels, k, batches): the full sweep, then the same engine without the fused kernels
     # and without graphs, to show what each buys.
-    plan = [(True, True, k, batches) for k in [0, *ks]]
-    plan += [(True, False, k, [batches[0], batches[-1]]) for k in (0, 3)]
-    plan += [(False, True, k, [batches[0]]) for k in (0, 3)]
-    for graphs, fused, k, bs in plan:
+    plan = [(True, True, k, batches, 0.0) for k in [0, *ks]]
+    plan += [(True, True, k, [batches[0], batches[-1]], 0.7) for k in (0, 3)]  # sampling requests
+    plan += [(True, False, k, [batches[0], batches[-1]], 0.0) for k in (0, 3)]
+    plan += [(False, True, k, [batches[0]], 0.0) for k in (0, 3)]
+    for graphs, fused, k, bs, temp in plan:
         label = f"k={k} graphs={graphs} fused={fused}"
         eng = (
             base
-            if (k == 0 and graphs and fused)
+            if (k == 0 and graphs and fused and temp == 0.0)
             else guarded(f"engine {label}", lambda k=k, g=graphs, f=fused: engine_for(args, k, g, max(batches), f))
         )
         if eng is None:
             continue
         guarded("warmup", lambda e=eng: decode_run(e, prompts_all[:2], 8))
         for b in bs:
-            r = guarded(f"decode {label} batch={b}", lambda e=eng, b=b: decode_run(e, prompts_all[:b], args.max_tokens))
+            r = guarded(
+                f"decode {label} temperature={temp} batch={b}",
+                lambda e=eng, b=b, t=temp: decode_run(e, prompts_all[:b], args.max_tokens, t),
+            )
             if r:
-                r.update(k=k, graphs=graphs, fused=fused, step_over_floor=r["step_ms"] / WEIGHT_FLOOR_MS)
+                r.update(k=k, graphs=graphs, fused=fused, temperature=temp)
+                r["step_over_floor"] = r["step_ms"] / WEIGHT_FLOOR_MS
+                r["sampled_graphs"] = sampled_graphs(eng)
                 report["runs"].append(r)
                 print(json.dumps(r), flush=True)
-        if graphs and fused:
+        if graphs and fused and temp == 0.0:
             long_prompt = base.encode_prompt(" ".join(PROMPTS) * 6)[:520]
             t = guarded(f"ttft k={k}", lambda e=eng, lp=long_prompt: [ttft(e, lp) for _ in range(3)])
             if t:
@@ -254,11 +269,13 @@ def main() -> int:
 
 def print_table(report: dict[str, Any]) -> None:
     """Short summary table."""
-    print(f"\n{'k':>2} {'graphs':>6} {'fused':>6} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'/floor':>7} {'AL':>5}")
+    head = f"{'k':>2} {'graphs':>6} {'fused':>6} {'temp':>4} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'/floor':>7}"
+    print(f"\n{head} {'AL':>5}")
     for r in report["runs"]:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         print(
-            f"{r['k']:>2} {r['graphs']!s:>6} {r.get('fused', True)!s:>6} {r['batch']:>5} {r['tok_s']:>10.1f} "
+            f"{r['k']:>2} {r['graphs']!s:>6} {r.get('fused', True)!s:>6} {r.get('temperature', 0):>4} "
+            f"{r['batch']:>5} {r['tok_s']:>10.1f} "
             f"{r['step_ms']:>8.3f} {r['step_ms'] / WEIGHT_FLOOR_MS:>7.1f} {al:>5}"
         )
     for r in report.get("hf_generate") or []:
@@ -275,7 +292,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    main_runs = [r for r in report["runs"] if r["graphs"] and r.get("fused", True)]
+    main_runs = [r for r in report["runs"] if r["graphs"] and r.get("fused", True) and not r.get("temperature")]
     for k in sorted({r["k"] for r in main_runs}):
         rows = sorted((r["batch"], r["tok_s"]) for r in main_runs if r["k"] == k)
         ax.plot(*zip(*rows, strict=True), marker="o", label="target only" if k == 0 else f"MTP K={k}")

@@ -24,7 +24,7 @@ def processed_probs(
     drop |= before >= top_p[:, None]
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), v).to(probs.dtype)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
 
 

@@ -50,6 +50,18 @@ def test_captured_steps_fall_back_to_eager_off_cuda() -> None:
     assert steps.graphs == {} and steps.run(4) == 4 and calls == [4]
 
 
+def test_failed_capture_falls_back_to_eager() -> None:
+    """A variant that cannot be captured (here: no CUDA at all) keeps working eagerly on its buffers."""
+    calls: list[int] = []
+    steps = CapturedSteps(lambda b: calls.append(b) or b * 10, [1, 2], torch.device("cuda"))
+    assert steps.enabled
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA to make capture fail")
+    assert steps.try_capture() is False
+    assert not steps.enabled and steps.graphs == {}
+    assert steps.run(2) == 20 and calls[-1] == 2
+
+
 def with_uniform(eng: LLMEngine, k: int) -> UniformTargetStep:
     runner = eng.target
     max_blocks = 8

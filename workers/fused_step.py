@@ -54,9 +54,10 @@ class FusedSpecStep:
         return self.steps.replays + self.sampled_steps.replays
 
     def capture(self) -> None:
-        """Capture both variants for every bucket (CUDA only)."""
+        """Capture both variants for every bucket (CUDA only); if the sampling variant cannot be captured,
+        it runs eagerly over the same buffers."""
         self.steps.capture()
-        self.sampled_steps.capture()
+        self.sampled_steps.try_capture()
 
     @torch.no_grad()
     def _forward(self, bucket: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -64,6 +64,20 @@ class CapturedSteps:
         torch.cuda.synchronize(self.device)
         log.info("captured CUDA graphs for batch sizes %s", self.sizes)
 
+    def try_capture(self) -> bool:
+        """Capture, or on failure drop to eager replay of the same function (logged); returns success."""
+        try:
+            self.capture()
+            return True
+        except Exception:
+            log.exception("CUDA-graph capture failed; these steps run eagerly")
+            self.graphs.clear()
+            self.outputs.clear()
+            self.enabled = False
+            if torch.cuda.is_available():
+                torch.cuda.synchronize(self.device)
+            return False
+
     def run(self, size: int) -> Any:
         """Replay (or run eagerly) the bucket `size`."""
         graph = self.graphs.get(size)
