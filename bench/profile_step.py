@@ -50,6 +50,13 @@ def phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     return {k: 1e3 * v / steps for k, v in acc.items()}
 
 
+def device_summary(prof: torch.profiler.profile, steps: int) -> dict[str, float]:
+    """GPU kernels and GPU busy time per step, from the profiler's device-side events."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(getattr(e, "self_device_time_total", 0.0) for e in kernels)
+    return {"gpu_kernels_per_step": len(kernels) / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda")
@@ -61,10 +68,18 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(SMOLLM2))
     report = {}
-    for name, k, graphs in (("target-eager", 0, False), ("target-graph", 0, True), ("mtp3-graph", 3, True)):
+    variants = (
+        ("target-eager", 0, False, True),
+        ("target-graph", 0, True, True),
+        ("target-graph-unfused", 0, True, False),
+        ("mtp3-graph", 3, True, True),
+        ("mtp3-graph-unfused", 3, True, False),
+    )
+    for name, k, graphs, fused in variants:
         cfg = MTPServeConfig.from_dict({
             "model": {"path": str(tmp), "load_format": "dummy", "device": args.device, "cuda_graphs": graphs,
-                      "max_model_len": 2048, "dtype": "bfloat16" if args.device == "cuda" else "float32"},
+                      "fused_kernels": fused, "max_model_len": 2048,
+                      "dtype": "bfloat16" if args.device == "cuda" else "float32"},
             "scheduler": {"max_num_requests": 8},
             "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1)},
         })  # fmt: skip
@@ -82,6 +97,8 @@ def main() -> int:
             for _ in range(10):
                 eng.step()
             sync()
+        report[name].update(device_summary(prof, 10))
+        print(name, json.dumps(report[name]), flush=True)
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         (out / f"profile_{name}.txt").write_text(table)
         print(table[:6000], flush=True)
