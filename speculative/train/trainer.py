@@ -266,16 +266,17 @@ class Trainer:
         """Seconds kept for the final evaluation, checkpoint and export."""
         return 1.5 * eval_s + 2.0 + 0.02 * (self.cfg.time_budget_s or 0.0)
 
-    def _plan_steps(self, step_s: float, eval_s: float) -> None:
-        """Shrink total_steps so training, periodic evals, the final eval and export fit the budget."""
+    def _plan_steps(self, step_s: float, eval_s: float, requested: int) -> None:
+        """Size total_steps (at most `requested`) so training, periodic evals, the final eval and export fit
+        the budget. Called again as the measured step time settles; the first steps are often slow."""
         remaining = self._remaining_s() - self._reserve_s(eval_s)
         per_step = step_s + (eval_s / self.cfg.eval_every if self.cfg.eval_every else 0.0)
-        fit = self.step + max(0, int(remaining / per_step))
-        if fit < self.total_steps:
-            log.info("time budget: %d steps fit (%.3f s/step), not %d", fit, step_s, self.total_steps)
+        fit = min(requested, self.step + max(1, int(remaining / per_step)))
+        if fit != self.total_steps:
+            log.info("time budget: %d steps fit (%.4f s/step; %d requested)", fit, step_s, requested)
             self.total_steps = fit
-            self.stopped_by = "time budget"
-            if self.cfg.warmup_steps is None:  # keep the default warmup at 5% of the steps that will run
+            self.stopped_by = "time budget" if fit < requested else "steps"
+            if self.cfg.warmup_steps is None and self.step < self.warmup:  # default warmup: 5% of the steps run
                 self.warmup = max(self.step + 1, min(self.warmup, fit // 20))
 
     def run(self) -> dict[str, Any]:
@@ -292,8 +293,9 @@ class Trainer:
             self.history.append({"step": 0, "dev": first})
         log.info("dev acceptance at step %d: %.3f", self.step, first["acceptance_length"])
         t0 = time.perf_counter()
-        timing_from, timing_n = self.step + 3, 20
-        timing_start = None
+        requested = self.total_steps
+        window_step, next_plan = self.step + 3, self.step + 23  # re-planned at steps 23, 92, 368, ... from the start
+        window_t = None
         with tqdm(total=self.total_steps, initial=self.step, desc="train-draft", unit="step") as bar:
             while self.step < self.total_steps:
                 if self.step >= stop_at:
@@ -305,12 +307,14 @@ class Trainer:
                 m = self.train_step()
                 self.last_metrics = m
                 bar.update(1)
-                if self.step == timing_from:
-                    timing_start = time.perf_counter()
+                if self.step == window_step:
+                    window_t = time.perf_counter()
                 budgeted = self.cfg.time_budget_s is not None
-                if budgeted and timing_start is not None and self.step == timing_from + timing_n:
-                    self._plan_steps((time.perf_counter() - timing_start) / timing_n, eval_s)
+                if budgeted and window_t is not None and self.step == next_plan:
+                    now = time.perf_counter()
+                    self._plan_steps((now - window_t) / (self.step - window_step), eval_s, requested)
                     bar.total = self.total_steps
+                    window_step, window_t, next_plan = self.step, now, 4 * self.step
                 if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
                     shown = {"loss": f"{m.get('loss', float('nan')):.3f}", "acc1": f"{m.get('acc1', 0):.2f}"}
                     shown["lr"] = f"{m['lr']:.2e}"
