@@ -62,6 +62,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="out")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=1, help="concurrent requests (each a 64-token prompt)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,11 +81,12 @@ def main() -> int:
             "model": {"path": str(tmp), "load_format": "dummy", "device": args.device, "cuda_graphs": graphs,
                       "fused_kernels": fused, "max_model_len": 2048,
                       "dtype": "bfloat16" if args.device == "cuda" else "float32"},
-            "scheduler": {"max_num_requests": 8},
+            "scheduler": {"max_num_requests": max(8, args.batch)},
             "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1)},
         })  # fmt: skip
         eng = LLMEngine.from_config(cfg)
-        eng.add_request(list(range(100, 164)), {"max_tokens": 10_000, "ignore_eos": True})
+        for i in range(args.batch):
+            eng.add_request(list(range(100 + i, 164 + i)), {"max_tokens": 10_000, "ignore_eos": True})
         for _ in range(5):
             eng.step()
         sync()
@@ -100,10 +102,12 @@ def main() -> int:
         report[name].update(device_summary(prof, 10))
         print(name, json.dumps(report[name]), flush=True)
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        (out / f"profile_{name}.txt").write_text(table)
+        if args.device == "cuda":
+            table += "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+        (out / f"profile_{name}_b{args.batch}.txt").write_text(table)
         print(table[:6000], flush=True)
         del eng
-    (out / "profile_phases.json").write_text(json.dumps(report, indent=2))
+    (out / f"profile_phases_b{args.batch}.json").write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -214,11 +214,12 @@ class Scheduler:
             req.draft_token_ids, req.draft_probs = [], None
             outputs.append(self._append(req, res.new_token_ids))
         if drafts is not None:
+            proposed = drafts.draft_token_ids.tolist()
             for i, rid in enumerate(drafts.request_ids):
                 req = self.requests.get(rid)
                 if req is None or req.status is not RequestStatus.RUNNING or req.in_context:
                     continue
-                req.draft_token_ids = drafts.draft_token_ids[i].tolist()
+                req.draft_token_ids = proposed[i]
                 req.draft_probs = None if drafts.draft_probs is None else drafts.draft_probs[i]
         return outputs
 

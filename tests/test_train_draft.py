@@ -323,3 +323,23 @@ def test_hf_generator_matches_engine_greedy() -> None:
     hf = HFGenerator(ARGS, w, "cpu", torch.float32, batch_size=4).generate(prompts, settings)
     assert [r.token_ids for r in eng] == [r.token_ids for r in hf]
     assert len({t for r in eng for t in r.token_ids}) > 10  # varied continuations, not one repeated token
+
+
+def test_padding_to_a_width_multiple_leaves_the_loss_unchanged(data_dir: Path) -> None:
+    """CUDA rounds batch widths up to a multiple of 64; the extra right padding must not change the loss."""
+    from speculative.train.loss import unrolled_loss
+
+    shared = build_shared(ARGS, tiny_weights(), "cpu", torch.float32)
+    ds = load_dataset(data_dir)
+    head = MTPEagleHead(ARGS)
+    head.init_random(seed=3, std=0.1)
+    losses = []
+    for multiple in (1, 64):
+        store = HiddenStore(shared, ds, torch.device("cpu"))
+        store.pad_multiple = multiple
+        batch = store.batch(list(range(6)))
+        assert batch.ids.shape[1] % multiple == 0
+        with torch.no_grad():
+            loss, metrics = unrolled_loss(head, shared, batch, [1.0, 0.7, 0.5])
+        losses.append((float(loss), metrics["acc1"]))
+    assert abs(losses[0][0] - losses[1][0]) < 1e-5 and losses[0][1] == losses[1][1]

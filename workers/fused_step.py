@@ -104,9 +104,10 @@ class FusedSpecStep:
         emitted, n_acc, drafts = steps.run(bucket)
         m = len(seqs)
         host = torch.cat([emitted[:m], n_acc[:m, None], drafts[:m]], dim=1).cpu()
-        results = []
-        for i, s in enumerate(seqs):
-            a = int(host[i, self.k + 1])
-            results.append(SeqResult(s.request_id, host[i, : a + 1].tolist(), self.k, a))
-        proposals = DraftOutputs(plan.step_id, [s.request_id for s in seqs], host[:, self.k + 2 :].clone())
+        k = self.k
+        rows = host.tolist()
+        results = [
+            SeqResult(s.request_id, row[: row[k + 1] + 1], k, row[k + 1]) for s, row in zip(seqs, rows, strict=True)
+        ]
+        proposals = DraftOutputs(plan.step_id, [s.request_id for s in seqs], host[:, k + 2 :])
         return TargetOutput(plan.step_id, results, None, proposals)

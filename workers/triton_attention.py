@@ -2,7 +2,8 @@
 (prefill chunks mixed with generation rows).
 
 Uniform: one program per (sequence, KV head) handles the Q query rows of every query head in that KV
-group, walking the sequence's block table with an online softmax. It reads only the blocks a sequence
+group, walking the sequence's block table with an online softmax, 64 keys (several cache blocks,
+gathered through the table) per iteration. It reads only the blocks a sequence
 uses, and all its sizes are read on device, so it can be captured in a CUDA graph.
 Ragged: the same walk, with a third program axis over tiles of QB query positions, each sequence's
 query count and row offset read on device, and each tile stopping at its last position's causal limit.
@@ -26,6 +27,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+        TILE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -43,15 +45,16 @@ if triton is not None:
         m = tl.full((ROWS,), -1.0e30, tl.float32)
         den = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, DIM), tl.float32)
-        s = tl.arange(0, BLOCK)
-        for j in range(0, tl.cdiv(seq_len, BLOCK)):
-            blk = tl.load(tables_ptr + b * stride_bt + j).to(tl.int64)
-            base = blk * stride_kb + kvh * stride_kh
-            inside = (j * BLOCK + s < seq_len)[:, None]
-            k = tl.load(k_ptr + base + s[:, None] * stride_ks + d[None, :], mask=inside, other=0.0)
-            v = tl.load(v_ptr + base + s[:, None] * stride_ks + d[None, :], mask=inside, other=0.0)
+        s = tl.arange(0, TILE)
+        for j in range(0, tl.cdiv(seq_len, TILE)):
+            kpos = j * TILE + s
+            inside = kpos < seq_len
+            blk = tl.load(tables_ptr + b * stride_bt + kpos // BLOCK, mask=inside, other=0).to(tl.int64)
+            addr = blk * stride_kb + (kpos % BLOCK) * stride_ks + kvh * stride_kh
+            k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            scores = tl.where((j * BLOCK + s)[None, :] <= q_pos[:, None], scores, float("-inf"))
+            scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
@@ -73,6 +76,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, qlen_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+        TILE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -97,15 +101,16 @@ if triton is not None:
             m = tl.full((ROWS,), -1.0e30, tl.float32)
             den = tl.zeros((ROWS,), tl.float32)
             acc = tl.zeros((ROWS, DIM), tl.float32)
-            s = tl.arange(0, BLOCK)
-            for j in range(0, tl.cdiv(kv_end, BLOCK)):
-                blk = tl.load(tables_ptr + b * stride_bt + j).to(tl.int64)
-                base = blk * stride_kb + kvh * stride_kh
-                inside = (j * BLOCK + s < seq_len)[:, None]
-                k = tl.load(k_ptr + base + s[:, None] * stride_ks + d[None, :], mask=inside, other=0.0)
-                v = tl.load(v_ptr + base + s[:, None] * stride_ks + d[None, :], mask=inside, other=0.0)
+            s = tl.arange(0, TILE)
+            for j in range(0, tl.cdiv(kv_end, TILE)):
+                kpos = j * TILE + s
+                inside = kpos < kv_end
+                blk = tl.load(tables_ptr + b * stride_bt + kpos // BLOCK, mask=inside, other=0).to(tl.int64)
+                addr = blk * stride_kb + (kpos % BLOCK) * stride_ks + kvh * stride_kh
+                k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
+                v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
                 scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-                scores = tl.where((j * BLOCK + s)[None, :] <= q_pos[:, None], scores, float("-inf"))
+                scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
                 m_new = tl.maximum(m, tl.max(scores, 1))
                 p = tl.exp(scores - m_new[:, None])
                 alpha = tl.exp(m - m_new)
@@ -118,6 +123,14 @@ if triton is not None:
                 out.to(o_ptr.dtype.element_ty),
                 mask=valid[:, None],
             )
+
+
+KV_TILE = 64  # keys per loop iteration: several cache blocks, so short loops hide less load latency
+
+
+def kv_tile(block_size: int) -> int:
+    """Keys handled per loop iteration: KV_TILE, or one cache block when blocks are larger."""
+    return max(KV_TILE, triton.next_power_of_2(block_size))
 
 
 def available() -> bool:
@@ -147,7 +160,7 @@ def triton_uniform_attention(
     _uniform_paged_attn[(bsz, kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim,
+        Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim, TILE=kv_tile(block),
     )  # fmt: skip
     return out.reshape(bsz * q_len, heads * dim)
 
@@ -179,6 +192,6 @@ def triton_ragged_attention(
         _ragged_paged_attn[(bsz, kv_heads, triton.cdiv(max_q_len, q_block))](
             q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens, scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            GROUP=group, QB=q_block, ROWS=rows, BLOCK=block, DIM=dim,
+            GROUP=group, QB=q_block, ROWS=rows, BLOCK=block, DIM=dim, TILE=kv_tile(block),
         )  # fmt: skip
     return out.reshape(t, heads * dim)
