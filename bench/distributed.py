@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster.build import build_engine
 from cluster.config import MTPServeConfig
@@ -61,10 +63,22 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default="bench/results/cpu_distributed.json")
+    ap.add_argument(
+        "--dummy",
+        action="store_true",
+        help="random weights of SmolLM2's shape and a random head (no model files; timing only)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
-    base = {"model": {"device": args.device}, "scheduler": {"max_num_requests": 16},
-            "speculative": {"num_draft_tokens": 3}}  # fmt: skip
+    base: dict[str, Any] = {"model": {"device": args.device}, "scheduler": {"max_num_requests": 16},
+                            "speculative": {"num_draft_tokens": 3}}  # fmt: skip
+    if args.dummy:
+        from profile_step import SMOLLM2
+
+        tmp = Path(tempfile.mkdtemp())
+        (tmp / "config.json").write_text(json.dumps(SMOLLM2))
+        base["model"].update(path=str(tmp), load_format="dummy", max_model_len=2048)
+        base["speculative"]["draft"] = "random"
     setups = {
         "in-process": {},
         "ray tp=2, draft separate": {"parallel.tp_size": 2, "parallel.draft_placement": "separate"},
@@ -81,7 +95,13 @@ def main() -> int:
                 print(json.dumps(r), flush=True)
         finally:
             engine.shutdown()
-    report = {"command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device, "rows": rows}
+    report = {
+        "command": " ".join(sys.argv),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
+        "dummy_weights": args.dummy,
+        "rows": rows,
+    }
     Path(args.json).write_text(json.dumps(report, indent=2))
     keys = ("plan_bytes", "output_bytes", "draft_inputs_bytes", "draft_outputs_bytes")
     print("\nsetup | batch | step ms | " + " | ".join(keys))
