@@ -68,6 +68,12 @@ def main() -> int:
         action="store_true",
         help="random weights of SmolLM2's shape and a random head (no model files; timing only)",
     )
+    ap.add_argument(
+        "--setups",
+        default="in-process,separate,colocated",
+        help="comma list of in-process, separate (TP=2 + a draft worker: 3 devices), colocated (TP=2)",
+    )
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     args = ap.parse_args()
     torch.set_num_threads(1)
     base: dict[str, Any] = {"model": {"device": args.device}, "scheduler": {"max_num_requests": 16},
@@ -79,13 +85,16 @@ def main() -> int:
         (tmp / "config.json").write_text(json.dumps(SMOLLM2))
         base["model"].update(path=str(tmp), load_format="dummy", max_model_len=2048)
         base["speculative"]["draft"] = "random"
+    if args.enforce_eager:
+        base["model"]["cuda_graphs"] = False
     setups = {
-        "in-process": {},
-        "ray tp=2, draft separate": {"parallel.tp_size": 2, "parallel.draft_placement": "separate"},
-        "ray tp=2, draft colocated": {"parallel.tp_size": 2, "parallel.draft_placement": "colocated"},
+        "in-process": ("in-process", {}),
+        "separate": ("ray tp=2, draft separate", {"parallel.tp_size": 2, "parallel.draft_placement": "separate"}),
+        "colocated": ("ray tp=2, draft colocated", {"parallel.tp_size": 2, "parallel.draft_placement": "colocated"}),
     }
+    chosen = [setups[k.strip()] for k in args.setups.split(",")]
     rows = []
-    for name, over in setups.items():
+    for name, over in chosen:
         engine = build_engine(MTPServeConfig.from_dict(base, over))
         try:
             for batch in (1, 16):

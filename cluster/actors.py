@@ -13,7 +13,7 @@ import grpc
 
 from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine, load_head, max_model_len, num_blocks_for
-from cluster.errors import WorkerUnavailableError
+from cluster.errors import PlacementError, WorkerUnavailableError
 from cluster.scheduler import Scheduler
 from proto.convert import plan_to_proto, target_output_from_proto
 from proto.messages import StepPlan, TargetOutput
@@ -35,6 +35,23 @@ def connect_ray(address: str | None) -> None:
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
 
 
+def node_gpus(nodes: list[dict[str, Any]]) -> list[int]:
+    """GPUs of each alive node, from `ray.nodes()`."""
+    return [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes if n.get("Alive", True)]
+
+
+def check_gpus(needed: int, per_node: list[int], tp: int, separate: bool) -> None:
+    """Raise PlacementError unless one node has `needed` GPUs (the workers are packed on one node)."""
+    most = max(per_node, default=0)
+    if most >= needed:
+        return
+    parts = f"parallel.tp_size={tp} target ranks" + (" + 1 separate draft worker" if separate else "")
+    hint = " or parallel.draft_placement=colocated (the draft runs on rank 0's GPU)" if separate else ""
+    raise PlacementError(
+        f"{parts} need {needed} GPUs on one node, but the largest node has {most}; lower parallel.tp_size{hint}"
+    )
+
+
 class WorkerGroup:
     """The target ranks (and a separate draft worker) as Ray actors, with their gRPC addresses."""
 
@@ -53,8 +70,18 @@ class WorkerGroup:
         separate = cfg.speculative.enabled and cfg.parallel.draft_placement == "separate"
         unit = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 0.5}
         bundles = [dict(unit) for _ in range(tp + (1 if separate else 0))]
+        if use_gpu:
+            check_gpus(len(bundles), node_gpus(ray.nodes()), tp, separate)
         self.pg = placement_group(bundles, strategy="STRICT_PACK" if use_gpu else "PACK")
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.pg)
+            raise PlacementError(
+                f"Ray could not place {len(bundles)} worker bundles of {unit} on one node within 120 s "
+                f"(cluster: {ray.cluster_resources()}); lower parallel.tp_size or use "
+                "parallel.draft_placement=colocated"
+            ) from None
         opts: dict[str, Any] = {"num_cpus": unit["CPU"], "num_gpus": unit.get("GPU", 0), "max_restarts": -1}
         cfg_json = cfg.model_dump_json()
 

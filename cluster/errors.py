@@ -26,3 +26,7 @@ class WorkerUnavailableError(MTPServeError):
 
 class ModelLoadError(MTPServeError):
     """A model could not be found or read; the message says how to fix it."""
+
+
+class PlacementError(MTPServeError):
+    """The Ray cluster cannot host the workers the config asks for; the message names the settings."""

@@ -182,3 +182,38 @@ def test_scheduler_actor_serves_grpc(ray_local, model) -> None:
         assert got == reference(prompts, 10)
     finally:
         stop_scheduler_actor(actor)
+
+
+def test_too_few_gpus_is_a_clear_error_not_a_hang(ray_local, model) -> None:
+    """Asking for GPU workers the cluster lacks fails at once, naming the settings to change."""
+    from cluster.actors import WorkerGroup
+    from cluster.errors import PlacementError
+
+    cfg = dist_config(model, "separate")
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": "cuda"})})
+
+    def live_groups() -> int:
+        return sum(g["state"] != "REMOVED" for g in ray_local.util.placement_group_table().values())
+
+    before = live_groups()
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"need 3 GPUs on one node.*draft_placement=colocated"):
+        WorkerGroup(cfg)
+    assert time.monotonic() - t0 < 5
+    assert live_groups() == before, "no placement group may be left behind"
+
+
+def test_gpu_check_counts_per_node() -> None:
+    """Workers are packed on one node: GPUs spread over nodes do not add up."""
+    from cluster.actors import check_gpus, node_gpus
+    from cluster.errors import PlacementError
+
+    nodes = [{"Alive": True, "Resources": {"GPU": 2.0}}, {"Alive": True, "Resources": {"GPU": 2.0}},
+             {"Alive": False, "Resources": {"GPU": 8.0}}, {"Alive": True, "Resources": {"CPU": 4.0}}]  # fmt: skip
+    assert node_gpus(nodes) == [2, 2, 0]
+    check_gpus(2, node_gpus(nodes), 2, False)
+    with pytest.raises(PlacementError, match="largest node has 2"):
+        check_gpus(3, node_gpus(nodes), 2, True)
+    with pytest.raises(PlacementError) as err:
+        check_gpus(4, node_gpus(nodes), 4, False)
+    assert "colocated" not in str(err.value) and "parallel.tp_size=4" in str(err.value)
