@@ -17,6 +17,7 @@ from cluster.errors import InvalidRequestError, ModelLoadError, QueueFullError
 from cluster.request import Request, SamplingParams
 from cluster.scheduler import RequestOutput, Scheduler
 from proto.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
+from speculative.chain_step import UniformChainStep
 from speculative.lookahead import LookaheadBuffer
 from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
@@ -315,6 +316,16 @@ def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain,
     )
     fused.capture()
     return fused
+
+
+def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: int) -> None:
+    """Capture the chain's generation-only steps on CUDA, for a draft that runs apart from the target's
+    fused step (a separate draft worker, or rank 0 of a Ray target group)."""
+    k = cfg.speculative.num_draft_tokens
+    if isinstance(draft, MTPEagleChain) and draft.device.type == "cuda" and cfg.model.cuda_graphs:
+        max_blocks = graph_max_blocks(cfg, k, max_len)
+        draft.uniform = UniformChainStep(draft, k, cfg.scheduler.max_num_requests, max_blocks)
+        draft.uniform.capture()
 
 
 def load_head(cfg: MTPServeConfig, args: LlamaArgs) -> MTPEagleHead | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from proto.messages import DraftInputs, DraftOutputs
@@ -9,9 +11,44 @@ from speculative.draft_inputs import draft_input_tokens, last_rows
 from speculative.lookahead import LookaheadBuffer
 from speculative.methods import DraftMethod
 from speculative.mtp_head import MTPEagleHead
-from workers.attention import ragged_metadata
+from workers.attention import UniformMetadata, ragged_metadata
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
+
+
+def propose_from_rows(
+    head: MTPEagleHead,
+    shared: LlamaModel,
+    cache: KVCache,
+    row_tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    meta: UniformMetadata,
+    num_accepted: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """Draft re-run and K greedy proposals for a uniform step of B sequences x Q rows, in fixed shapes.
+
+    Row i of a sequence reads (row_tokens[i], hidden[i]) at positions[i]; rows past a sequence's
+    accepted ones write draft KV that the chain overwrites before anything reads it (or, with padded
+    rows, the scratch block). The chain starts from row num_accepted[b]. Returns drafts [B, K].
+    """
+    bsz, q = num_accepted.shape[0], meta.q_len
+    tables = meta.block_tables
+    dh = head(shared.embed(row_tokens), hidden, positions, cache, meta)
+    last = torch.arange(bsz, device=row_tokens.device) * q + num_accepted
+    h = dh[last]
+    tok = shared.logits(h).argmax(-1)
+    p = positions[last]
+    drafts = [tok]
+    bs = cache.block_size
+    for _ in range(k - 1):
+        p = p + 1
+        slots = tables.gather(1, (p // bs)[:, None]).squeeze(1) * bs + p % bs
+        h = head(shared.embed(tok), h, p, cache, UniformMetadata(slots, tables, p + 1, 1))
+        tok = shared.logits(h).argmax(-1)
+        drafts.append(tok)
+    return torch.stack(drafts, dim=1)
 
 
 class MTPEagleChain(DraftMethod):
@@ -41,12 +78,17 @@ class MTPEagleChain(DraftMethod):
         self.token_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.position_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.hidden_buf = torch.zeros(max_rows, head.args.hidden_size, dtype=dtype, device=self.device)
+        self.uniform: Any = None  # a captured step for generation-only steps (UniformChainStep), on CUDA
 
     @torch.no_grad()
     def propose(self, inputs: DraftInputs) -> DraftOutputs:
         """Write draft KV for this step's rows and propose `num_draft_tokens` per proposing request."""
         dev = self.device
         k = inputs.num_draft_tokens
+        bucket = self.uniform.bucket_for(inputs) if self.uniform is not None else None
+        if bucket is not None:
+            self.lookahead.write(inputs.lookahead_tokens)
+            return DraftOutputs(inputs.step_id, list(inputs.request_ids), self.uniform.run(inputs, bucket))
         seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long)
         ctx_index = torch.full((len(inputs.seq_lens),), -1, dtype=torch.long)
         ctx_pos = [i for i, c in enumerate(inputs.is_context) if c]

@@ -188,3 +188,35 @@ def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool) -> None:
         and got[1] == tiny_engine(args, w, head).generate(prompts[1:2], {"max_tokens": 20})[0].token_ids
     )
     assert eng.totals.accepted == ref.totals.accepted and eng.totals.drafted == ref.totals.drafted
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_uniform_chain_step_matches_eager_chain(k: int) -> None:
+    """The captured chain (separate draft worker / TP rank 0) proposes exactly what the eager chain does:
+    same tokens, same acceptance, greedy and sampling requests, with fixed buffer addresses."""
+    from speculative.chain_step import UniformChainStep
+
+    args, w = mimic_target()
+    prompts = random_prompts(5, args.vocab_size, [21, 1, 9, 13, 30], seed=10)
+    head = mimic_head(args, w)
+    ref = tiny_engine(args, w, head, speculative={"num_draft_tokens": k})
+    want = run_mixed(ref, prompts)
+    eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": k})
+    chain = eng.draft
+    step = UniformChainStep(chain, k, 8, 12, use_graphs=False)  # type: ignore[arg-type]
+    chain.uniform = step  # type: ignore[attr-defined]
+    ptrs = [*step.buffers.addresses(), step.hidden.data_ptr(), step.num_accepted.data_ptr()]
+    runs = []
+    orig = step.run
+
+    def spy(inputs, bucket):  # type: ignore[no-untyped-def]
+        runs.append((len(inputs.request_ids), bucket, max(inputs.seq_lens)))
+        return orig(inputs, bucket)
+
+    step.run = spy  # type: ignore[method-assign]
+    got = run_mixed(eng, prompts)
+    assert got == want
+    assert eng.totals.accepted == ref.totals.accepted and eng.totals.drafted == ref.totals.drafted
+    assert runs and any(n < b for n, b, _ in runs), "some steps are padded up to a bucket"
+    assert any(rows < k + 1 for _, _, rows in runs), "some requests bring fewer rows than K + 1"
+    assert [*step.buffers.addresses(), step.hidden.data_ptr(), step.num_accepted.data_ptr()] == ptrs

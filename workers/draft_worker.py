@@ -10,7 +10,15 @@ import grpc
 import torch
 
 from cluster.config import MTPServeConfig
-from cluster.engine import build_draft, build_target, load_head, load_target, max_model_len, num_blocks_for
+from cluster.engine import (
+    build_chain_graphs,
+    build_draft,
+    build_target,
+    load_head,
+    load_target,
+    max_model_len,
+    num_blocks_for,
+)
 from proto.convert import draft_inputs_from_proto, draft_outputs_to_proto
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
@@ -49,6 +57,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         self.method = build_draft(cfg, load_head(cfg, args), shared, num_blocks, self.device, dtype)
         if self.method is None:
             raise ValueError("speculative.draft resolves to no head; the draft worker has nothing to run")
+        build_chain_graphs(cfg, self.method, max_len)
         return num_blocks
 
     def ready(self) -> int:

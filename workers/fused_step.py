@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
-from speculative.mtp_chain import MTPEagleChain
+from speculative.mtp_chain import MTPEagleChain, propose_from_rows
 from speculative.verify import verify_step
 from workers.attention import UniformMetadata
 from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
@@ -69,21 +69,9 @@ class FusedSpecStep:
         hidden = self.target(ids, pos, self.cache, meta)
         logits = self.target.logits(hidden)
         n_acc, emitted = verify_step(logits, ids, q, b.sampling(bucket) if sampled else None)  # [B], [B, K+1]
-        head, shared, dcache = self.chain.head, self.chain.shared, self.chain.cache
-        dh = head(shared.embed(emitted.reshape(-1)), hidden, pos, dcache, meta)
-        last = torch.arange(bucket, device=ids.device) * q + n_acc
-        h = dh[last]
-        tok = shared.logits(h).argmax(-1)
-        p = pos[last]
-        drafts = [tok]
-        bs = self.cache.block_size
-        for _ in range(k - 1):
-            p = p + 1
-            slots = tables.gather(1, (p // bs)[:, None]).squeeze(1) * bs + p % bs
-            h = head(shared.embed(tok), h, p, dcache, UniformMetadata(slots, tables, p + 1, 1))
-            tok = shared.logits(h).argmax(-1)
-            drafts.append(tok)
-        return emitted, n_acc, torch.stack(drafts, dim=1)
+        c = self.chain
+        drafts = propose_from_rows(c.head, c.shared, c.cache, emitted.reshape(-1), hidden, pos, meta, n_acc, k)
+        return emitted, n_acc, drafts
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """A bucket when every request is generation with exactly K one-hot drafts and fits; else None."""

@@ -111,8 +111,17 @@ class StepBuffers:
             u[:n] = uniforms.numpy()
         self.fpacked.copy_(self.fstaging, non_blocking=True)
 
-    def fill(self, token_ids: list[list[int]], starts: list[int], tables: list[list[int]], bucket: int) -> None:
-        """Copy n real sequences into rows [0, bucket*Q) and pad the rest onto the scratch block."""
+    def fill(
+        self,
+        token_ids: list[list[int]],
+        starts: list[int],
+        tables: list[list[int]],
+        bucket: int,
+        valid_rows: list[int] | None = None,
+    ) -> None:
+        """Copy n real sequences into rows [0, bucket*Q) and pad the rest onto the scratch block.
+        With `valid_rows`, only a sequence's first valid_rows[b] rows write its own KV slots; the others
+        (padding inside a sequence) write the scratch block."""
         q, bs, n = self.q_len, self.block_size, len(token_ids)
         if n > bucket or bucket > self.max_batch:
             raise ValueError(f"{n} sequences do not fit bucket {bucket} (max {self.max_batch})")
@@ -142,7 +151,11 @@ class StepBuffers:
                 table[b, : len(blocks)] = blocks
             ids[:real] = np.asarray(token_ids, dtype=np.int64).reshape(-1)
             pos[:real] = p.reshape(-1)
-            slots[:real] = (table[np.arange(n)[:, None], p // bs] * bs + p % bs).reshape(-1)
+            real_slots = table[np.arange(n)[:, None], p // bs] * bs + p % bs
+            if valid_rows is not None:
+                pad = np.arange(q)[None, :] >= np.asarray(valid_rows)[:, None]
+                real_slots = np.where(pad, self.scratch_block * bs + np.arange(q)[None, :] % bs, real_slots)
+            slots[:real] = real_slots.reshape(-1)
             lens[:n] = start + q
         used = 3 * rows_max + self.max_batch + bucket * m
         self.packed[:used].copy_(self.staging[:used], non_blocking=True)

@@ -16,6 +16,7 @@ import torch
 
 from cluster.config import MTPServeConfig
 from cluster.engine import (
+    build_chain_graphs,
     build_draft,
     build_runner,
     build_target,
@@ -94,6 +95,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
                     )
                 )
                 self.draft = build_draft(cfg, head, shared, num_blocks, self.device, dtype)
+                build_chain_graphs(cfg, self.draft, max_len)
         return num_blocks
 
     def ready(self) -> int:
