@@ -82,5 +82,5 @@ class UniformChainStep:
         return self.steps.run(bucket)[:m].cpu()
 
     def capture(self) -> None:
-        """Capture every bucket (CUDA only)."""
-        self.steps.capture()
+        """Capture every bucket (CUDA only); on failure the same buffers run eagerly (logged)."""
+        self.steps.try_capture()
