@@ -23,32 +23,23 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 if triton is not None:
 
     @triton.jit
-    def _uniform_paged_attn(
-        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-        Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
-        TILE: tl.constexpr,
+    def _attend_rows(
+        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_bt, b, kvh, row, head, valid, q_pos, kv_end,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        r = tl.arange(0, ROWS)
-        qi = r // GROUP
-        head = kvh * GROUP + r % GROUP
-        valid = r < Q_LEN * GROUP
+        # online-softmax attention of query rows (flat row, head) of sequence b over its first kv_end keys
         d = tl.arange(0, DIM)
-        row = b * Q_LEN + qi
         q = tl.load(
             q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=valid[:, None], other=0.0
         )
-        seq_len = tl.load(lens_ptr + b)
-        q_pos = seq_len - Q_LEN + qi
         m = tl.full((ROWS,), -1.0e30, tl.float32)
         den = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, DIM), tl.float32)
         s = tl.arange(0, TILE)
-        for j in range(0, tl.cdiv(seq_len, TILE)):
+        for j in range(0, tl.cdiv(kv_end, TILE)):
             kpos = j * TILE + s
-            inside = kpos < seq_len
+            inside = kpos < kv_end
             blk = tl.load(tables_ptr + b * stride_bt + kpos // BLOCK, mask=inside, other=0).to(tl.int64)
             addr = blk * stride_kb + (kpos % BLOCK) * stride_ks + kvh * stride_kh
             k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
@@ -68,8 +59,23 @@ if triton is not None:
             mask=valid[:, None],
         )
 
-
-if triton is not None:
+    @triton.jit
+    def _uniform_paged_attn(
+        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+        Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+        TILE: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r = tl.arange(0, ROWS)
+        qi = r // GROUP
+        seq_len = tl.load(lens_ptr + b)
+        _attend_rows(
+            q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+            stride_bt, b, kvh, b * Q_LEN + qi, kvh * GROUP + r % GROUP, r < Q_LEN * GROUP, seq_len - Q_LEN + qi,
+            seq_len, ROWS, BLOCK, DIM, TILE,
+        )  # fmt: skip
 
     @triton.jit
     def _ragged_paged_attn(
@@ -83,46 +89,16 @@ if triton is not None:
         tile = tl.program_id(2)
         q_len = tl.load(qlen_ptr + b)
         if tile * QB < q_len:
-            q_start = tl.load(qstart_ptr + b)
             seq_len = tl.load(lens_ptr + b)
             r = tl.arange(0, ROWS)
             qi = tile * QB + r // GROUP
-            head = kvh * GROUP + r % GROUP
-            valid = (r < QB * GROUP) & (qi < q_len)
-            d = tl.arange(0, DIM)
-            row = (q_start + qi).to(tl.int64)
-            q = tl.load(
-                q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=valid[:, None],
-                other=0.0,
-            )
-            q_pos = seq_len - q_len + qi
+            row = (tl.load(qstart_ptr + b) + qi).to(tl.int64)
             kv_end = seq_len - q_len + tl.minimum((tile + 1) * QB, q_len)  # past the tile's last position
-            m = tl.full((ROWS,), -1.0e30, tl.float32)
-            den = tl.zeros((ROWS,), tl.float32)
-            acc = tl.zeros((ROWS, DIM), tl.float32)
-            s = tl.arange(0, TILE)
-            for j in range(0, tl.cdiv(kv_end, TILE)):
-                kpos = j * TILE + s
-                inside = kpos < kv_end
-                blk = tl.load(tables_ptr + b * stride_bt + kpos // BLOCK, mask=inside, other=0).to(tl.int64)
-                addr = blk * stride_kb + (kpos % BLOCK) * stride_ks + kvh * stride_kh
-                k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
-                v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
-                scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-                scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, 1))
-                p = tl.exp(scores - m_new[:, None])
-                alpha = tl.exp(m - m_new)
-                den = den * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-                m = m_new
-            out = acc / den[:, None]
-            tl.store(
-                o_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                out.to(o_ptr.dtype.element_ty),
-                mask=valid[:, None],
-            )
+            _attend_rows(
+                q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks,
+                stride_kh, stride_bt, b, kvh, row, kvh * GROUP + r % GROUP, (r < QB * GROUP) & (qi < q_len),
+                seq_len - q_len + qi, kv_end, ROWS, BLOCK, DIM, TILE,
+            )  # fmt: skip
 
 
 KV_TILE = 64  # keys per loop iteration: several cache blocks, so short loops hide less load latency
