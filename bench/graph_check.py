@@ -66,7 +66,7 @@ def main() -> int:
             forward_plan(m, c, prefill, dense)  # prefill three sequences eagerly, as one ragged batch
         for q in (1, 4):
             uniform = UniformTargetStep(model, cache, q, 8, 20, dev)
-            uniform.capture()
+            uniform.steps.capture()
             toks = [torch.randint(0, ARGS.vocab_size, (q,), generator=g).tolist() for _ in lens]
             plan = StepPlan(1, [SeqPlan(f"r{i}", toks[i], lens[i], tables[i], False, True, -1, q - 1)
                                 for i in range(len(lens))], q - 1)  # fmt: skip
@@ -85,7 +85,7 @@ def main() -> int:
 
             report[f"q{q}"] = {
                 "bucket": bucket,
-                "replays": uniform.replays,
+                "replays": uniform.steps.replays,
                 "max_abs_logit_diff": diff(graph_logits, eager_logits),
                 "logit_scale": eager_logits.abs().max().item(),
                 "argmax_equal_rows": same(graph_logits, eager_logits),

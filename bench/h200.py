@@ -100,12 +100,12 @@ def decode_run(
 def sampled_graphs(engine: LLMEngine) -> bool | None:
     """Whether the sampling variant of the captured step was captured (None without captured steps)."""
     step = getattr(engine.target, "fused", None) or getattr(engine.target, "uniform", None)
-    return None if step is None else bool(step.sampled_steps.graphs)
+    return None if step is None else bool(step.steps.sampled.graphs)
 
 
 def replays(step: Any) -> int | None:
     """CUDA-graph replays of a captured step object, or None."""
-    return None if step is None else int(step.replays)
+    return None if step is None else int(step.steps.replays)
 
 
 def ttft(engine: LLMEngine, prompt: list[int]) -> float:

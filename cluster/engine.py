@@ -304,17 +304,17 @@ def build_runner(
     if device.startswith("cuda") and cfg.model.cuda_graphs:
         max_blocks = graph_max_blocks(cfg, k, max_len)
         uniform = UniformTargetStep(model, cache, k + 1, cfg.scheduler.max_num_requests, max_blocks, device)
-        uniform.capture()
+        uniform.steps.capture()
     return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform)
 
 
 def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int) -> FusedSpecStep:
-    """Greedy generation steps with the colocated draft, captured per batch bucket."""
+    """Generation steps with the colocated draft (greedy and sampling), captured per batch bucket."""
     max_blocks = graph_max_blocks(cfg, k, max_len)
     fused = FusedSpecStep(
         target.model, target.cache, chain, k, cfg.scheduler.max_num_requests, max_blocks, target.device
     )
-    fused.capture()
+    fused.steps.capture()
     return fused
 
 

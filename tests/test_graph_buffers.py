@@ -171,13 +171,13 @@ def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool) -> None:
         step = with_uniform(eng, 3)
     ptrs = step.buffers.addresses()
     sampled_calls = []
-    orig = step.sampled_steps.run
+    orig = step.steps.sampled.run
 
     def spy(bucket):  # type: ignore[no-untyped-def]
         sampled_calls.append(bucket)
         return orig(bucket)
 
-    step.sampled_steps.run = spy  # type: ignore[method-assign]
+    step.steps.sampled.run = spy  # type: ignore[method-assign]
     got = run_mixed(eng, prompts)
     assert got == want
     assert sampled_calls, "steps with sampling requests must take the fixed-buffer path"

@@ -17,7 +17,7 @@ from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain, propose_from_rows
 from speculative.verify import verify_step
 from workers.attention import UniformMetadata
-from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
+from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
 from workers.runner import fill_step
@@ -45,19 +45,7 @@ class FusedSpecStep:
         sizes = capture_sizes(max_batch)
         self.buffers = StepBuffers.allocate(max_batch, k + 1, max_blocks, cache.block_size, cache.scratch_block, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
-        self.steps = CapturedSteps(lambda b: self._forward(b, False), sizes, dev, use_graphs)
-        self.sampled_steps = CapturedSteps(lambda b: self._forward(b, True), sizes, dev, use_graphs)
-
-    @property
-    def replays(self) -> int:
-        """CUDA-graph replays so far (both variants)."""
-        return self.steps.replays + self.sampled_steps.replays
-
-    def capture(self) -> None:
-        """Capture both variants for every bucket (CUDA only); if the sampling variant cannot be captured,
-        it runs eagerly over the same buffers."""
-        self.steps.capture()
-        self.sampled_steps.try_capture()
+        self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
 
     @torch.no_grad()
     def _forward(self, bucket: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,8 +76,7 @@ class FusedSpecStep:
         `uniforms` [m, K+1] holds the verify step's random numbers; None for an all-greedy step."""
         seqs = plan.seqs
         fill_step(self.buffers, plan, bucket, uniforms)
-        steps = self.steps if uniforms is None else self.sampled_steps
-        emitted, n_acc, drafts = steps.run(bucket)
+        emitted, n_acc, drafts = self.steps.run(bucket, uniforms is not None)
         m = len(seqs)
         host = torch.cat([emitted[:m], n_acc[:m, None], drafts[:m]], dim=1).cpu()
         k = self.k

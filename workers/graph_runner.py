@@ -86,3 +86,34 @@ class CapturedSteps:
         graph.replay()
         self.replays += 1
         return self.outputs[size]
+
+
+class GreedyAndSampledSteps:
+    """The two captured variants of a uniform generation step: all-greedy, and sampling (its temperature,
+    top-k, top-p and uniforms read from fixed buffers). A sampling variant that cannot be captured runs
+    eagerly over the same buffers."""
+
+    def __init__(
+        self, fn: Callable[[int, bool], Any], sizes: Sequence[int], device: torch.device, enabled: bool = True
+    ):
+        self.greedy = CapturedSteps(lambda b: fn(b, False), sizes, device, enabled)
+        self.sampled = CapturedSteps(lambda b: fn(b, True), sizes, device, enabled)
+
+    @property
+    def sizes(self) -> list[int]:
+        """The batch buckets."""
+        return self.greedy.sizes
+
+    @property
+    def replays(self) -> int:
+        """CUDA-graph replays so far (both variants)."""
+        return self.greedy.replays + self.sampled.replays
+
+    def capture(self) -> None:
+        """Capture both variants for every bucket (CUDA only)."""
+        self.greedy.capture()
+        self.sampled.try_capture()
+
+    def run(self, size: int, sampled: bool) -> Any:
+        """Replay (or run eagerly) one variant of bucket `size`."""
+        return (self.sampled if sampled else self.greedy).run(size)

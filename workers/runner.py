@@ -11,7 +11,7 @@ from proto.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutp
 from speculative.sampling import processed_probs, request_generator, sample_from_uniform
 from speculative.verify import verify, verify_greedy, verify_step
 from workers.attention import UniformMetadata, ragged_metadata
-from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
+from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
 from workers.step_buffers import StepBuffers
@@ -40,19 +40,7 @@ class UniformTargetStep:
         sizes = capture_sizes(max_batch)
         self.buffers = StepBuffers.allocate(max_batch, q_len, max_blocks, cache.block_size, cache.scratch_block, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
-        self.steps = CapturedSteps(lambda b: self._forward(b, False), sizes, dev, use_graphs)
-        self.sampled_steps = CapturedSteps(lambda b: self._forward(b, True), sizes, dev, use_graphs)
-
-    @property
-    def replays(self) -> int:
-        """CUDA-graph replays so far (both variants)."""
-        return self.steps.replays + self.sampled_steps.replays
-
-    def capture(self) -> None:
-        """Capture both variants for every bucket (CUDA only); if the sampling variant cannot be captured,
-        it runs eagerly over the same buffers."""
-        self.steps.capture()
-        self.sampled_steps.try_capture()
+        self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
 
     @torch.no_grad()
     def _forward(self, bucket: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,8 +67,7 @@ class UniformTargetStep:
         rows (valid until the next run). `uniforms` [m, Q] is None for an all-greedy step."""
         seqs = plan.seqs
         fill_step(self.buffers, plan, bucket, uniforms)
-        steps = self.steps if uniforms is None else self.sampled_steps
-        hidden, n_acc, tokens = steps.run(bucket)
+        hidden, n_acc, tokens = self.steps.run(bucket, uniforms is not None)
         m = len(seqs)
         return hidden[: m * self.q_len], n_acc[:m], tokens[:m]
 
