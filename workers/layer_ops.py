@@ -70,31 +70,9 @@ class TritonOps(TorchOps):
     """The same steps as fused Triton kernels (one launch each)."""
 
     name = "triton"
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See `TorchOps.add_rms_norm`."""
-        return fused_kernels.add_rms_norm(x, residual, weight, eps)
-
-    def rope_write_kv(
-        self,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-    ) -> torch.Tensor:
-        """See `TorchOps.rope_write_kv`."""
-        return fused_kernels.rope_write_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads, head_dim)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """See `TorchOps.silu_mul`."""
-        return fused_kernels.silu_mul(gate_up)
+    add_rms_norm = staticmethod(fused_kernels.add_rms_norm)
+    rope_write_kv = staticmethod(fused_kernels.rope_write_kv)
+    silu_mul = staticmethod(fused_kernels.silu_mul)
 
 
 TORCH_OPS = TorchOps()
