@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers import layer_ops
 from workers.attention import Metadata
 from workers.kv_cache import KVCache
 from workers.layer_ops import TORCH_OPS, TorchOps
@@ -92,15 +91,6 @@ class Rotary(nn.Module):
     def table(self, positions: torch.Tensor) -> Rope:
         """cos/sin rows for `positions` [T], gathered once per forward and shared by every layer."""
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply RoPE to x [T, H, D] at `positions` [T]."""
-        return apply_rope(x, self.table(positions))
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate x [T, H, D] by a gathered (cos, sin) table."""
-    return layer_ops.apply_rope(x, *rope)
 
 
 class Attention(nn.Module):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from speculative.mtp_head import MTPEagleHead
+from workers import layer_ops
 from workers.model import Attention, DecoderLayer, LlamaModel, Rotary
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -25,12 +26,7 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 def apply_rope(rotary: Rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """RoPE for x [B, L, H, D] at positions [L] (or [B, L]), computed in fp32 like `Rotary`."""
-    cos = rotary.cos[positions].unsqueeze(-2)
-    sin = rotary.sin[positions].unsqueeze(-2)
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return layer_ops.apply_rope(x, rotary.cos[positions].unsqueeze(-2), rotary.sin[positions].unsqueeze(-2))
 
 
 def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
