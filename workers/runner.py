@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -82,6 +83,23 @@ def fill_step(buffers: StepBuffers, plan: StepPlan, bucket: int, uniforms: torch
         )
 
 
+def read_verified(
+    n_acc: torch.Tensor,
+    out: torch.Tensor,
+    members: Iterable[int],
+    tokens: list[list[int]],
+    accepted: list[int],
+    last_token: list[int],
+) -> None:
+    """Copy verify results (accepted [m], tokens [m, K+1]) to the host in one transfer and record each
+    member request's emitted tokens, accept count and last token in the given lists."""
+    host = torch.cat([n_acc[:, None].to(out.dtype), out], dim=1).tolist()
+    for row, i in zip(host, members, strict=True):
+        accepted[i] = row[0]
+        tokens[i] = row[1 : row[0] + 2]
+        last_token[i] = tokens[i][-1]
+
+
 class TargetRunner:
     """Owns one rank's model and KV cache; every rank computes the same tokens (logits are gathered)."""
 
@@ -140,11 +158,7 @@ class TargetRunner:
         if bucket is not None:
             hidden, n_acc, out = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
             starts = [i * q_len for i in range(len(plan.seqs))]
-            host = torch.cat([n_acc[:, None], out], dim=1).tolist()  # one device-to-host copy
-            for i, row in enumerate(host):
-                accepted[i] = row[0]
-                tokens[i] = row[1 : row[0] + 2]
-                last_token[i] = tokens[i][-1]
+            read_verified(n_acc, out, range(len(plan.seqs)), tokens, accepted, last_token)
         else:
             hidden = self.forward(plan)
             starts = self._eager_verify(plan, hidden, tokens, accepted, last_token)
@@ -195,12 +209,7 @@ class TargetRunner:
                 n_acc, out = verify_greedy(lg.argmax(-1), drafts)
             else:
                 n_acc, out = self._verify_sampling(plan, members, lg, drafts)
-            host = torch.cat([n_acc[:, None].to(out.dtype), out], dim=1).tolist()  # one device-to-host copy
-            for j, i in enumerate(members):
-                a = host[j][0]
-                accepted[i] = a
-                tokens[i] = host[j][1 : a + 2]
-                last_token[i] = tokens[i][-1]
+            read_verified(n_acc, out, members, tokens, accepted, last_token)
         return starts
 
     def uniforms(self, plan: StepPlan, q_len: int) -> torch.Tensor | None:
