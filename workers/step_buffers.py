@@ -125,11 +125,6 @@ class StepBuffers:
         q, bs, n = self.q_len, self.block_size, len(token_ids)
         if n > bucket or bucket > self.max_batch:
             raise ValueError(f"{n} sequences do not fit bucket {bucket} (max {self.max_batch})")
-        for b, (toks, blocks) in enumerate(zip(token_ids, tables, strict=True)):
-            if len(toks) != q:
-                raise ValueError(f"sequence {b} has {len(toks)} rows, the step needs {q}")
-            if len(blocks) > self.max_blocks:
-                raise ValueError(f"sequence {b} has {len(blocks)} blocks, buffers hold {self.max_blocks}")
         rows_max, m = self.max_batch * q, self.max_blocks
         host = self.staging.numpy()
         ids = host[:rows_max]
@@ -144,11 +139,15 @@ class StepBuffers:
         slots[:rows] = self.scratch_block * bs + offsets % bs
         lens[:bucket] = q
         table[:bucket] = self.scratch_block
+        for b, (toks, blocks) in enumerate(zip(token_ids, tables, strict=True)):
+            if len(toks) != q:
+                raise ValueError(f"sequence {b} has {len(toks)} rows, the step needs {q}")
+            if len(blocks) > m:
+                raise ValueError(f"sequence {b} has {len(blocks)} blocks, buffers hold {m}")
+            table[b, : len(blocks)] = blocks
         if n:
             start = np.asarray(starts, dtype=np.int64)
             p = start[:, None] + np.arange(q)[None, :]  # [n, Q]
-            for b, blocks in enumerate(tables):
-                table[b, : len(blocks)] = blocks
             ids[:real] = np.asarray(token_ids, dtype=np.int64).reshape(-1)
             pos[:real] = p.reshape(-1)
             real_slots = table[np.arange(n)[:, None], p // bs] * bs + p % bs
