@@ -71,7 +71,7 @@ def main() -> int:
             plan = StepPlan(1, [SeqPlan(f"r{i}", toks[i], lens[i], tables[i], False, True, -1, q - 1)
                                 for i in range(len(lens))], q - 1)  # fmt: skip
             bucket = uniform.bucket_for(plan)
-            graph_hidden, _, _ = uniform.run(plan, bucket, None)  # type: ignore[arg-type]
+            graph_hidden, _ = uniform.run(plan, bucket, None)  # type: ignore[arg-type]
             graph_logits = model.logits(graph_hidden.clone()).float()
             eager_logits = model.logits(TargetRunner(model, cache, dev).forward(plan)).float()
             plain_logits = plain.logits(forward_plan(plain, plain_cache, plan, True)).float()

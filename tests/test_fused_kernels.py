@@ -67,6 +67,76 @@ def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
     assert ((got.float() - ref.float()).abs() <= rel * ref.float().abs() + 1e-5).all()
 
 
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Within float rounding of the reference: accumulation order differs, and bf16 rounds its inputs."""
+    scale = ref.float().abs().max().item()
+    tol = 1e-5 * scale + 1e-5 if dtype == torch.float32 else 2.0**-6 * scale
+    return (got.float() - ref.float()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_norm_linear_matches_reference(dtype: torch.dtype, with_residual: bool, rows: int) -> None:
+    """Add + RMSNorm + projection in one kernel equals add_rms_norm then F.linear, for an output width that
+    is not a multiple of the column block and an input width that is not a power of 2."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    res = torch.randn(rows, 576, generator=g).to(dtype) if with_residual else None
+    nw = (1.0 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    w = (0.05 * torch.randn(100, 576, generator=g)).to(dtype)
+    got, got_res = fused_kernels.norm_linear(x, res, nw, 1e-5, w)
+    ref, ref_res = TORCH_OPS.norm_linear(x, res, nw, 1e-5, w)
+    assert got.shape == ref.shape == (rows, 100) and got.dtype == dtype
+    assert _close(got, ref, dtype)
+    if with_residual:
+        assert _close(got_res, ref_res, dtype) and got_res.data_ptr() != x.data_ptr()
+    else:
+        assert got_res is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_linear_matches_reference(dtype: torch.dtype) -> None:
+    """silu(gate) * up and the down projection in one kernel equal silu_mul then F.linear."""
+    g = torch.Generator().manual_seed(3)
+    gate_up = (2 * torch.randn(3, 2 * 1536, generator=g)).to(dtype)
+    w = (0.05 * torch.randn(76, 1536, generator=g)).to(dtype)
+    got, ref = fused_kernels.swiglu_linear(gate_up, w), TORCH_OPS.swiglu_linear(gate_up, w)
+    assert got.shape == ref.shape == (3, 76)
+    assert _close(got, ref, dtype)
+
+
+def test_matrix_vector_kernels_walk_wide_rows_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows wider than one chunk (large models) are normed and multiplied over several chunks."""
+    monkeypatch.setattr(fused_kernels, "GEMV_MAX_BLOCK_K", 128)
+    g = torch.Generator().manual_seed(4)
+    x, res = torch.randn(2, 300, generator=g), torch.randn(2, 300, generator=g)
+    nw, w = 1.0 + 0.1 * torch.randn(300, generator=g), 0.05 * torch.randn(20, 300, generator=g)
+    got, got_res = fused_kernels.norm_linear(x, res, nw, 1e-5, w)
+    ref, ref_res = TORCH_OPS.norm_linear(x, res, nw, 1e-5, w)
+    assert _close(got, ref, torch.float32) and torch.equal(got_res, ref_res)
+    gate_up = torch.randn(2, 600, generator=g)
+    assert _close(fused_kernels.swiglu_linear(gate_up, w), TORCH_OPS.swiglu_linear(gate_up, w), torch.float32)
+
+
+def test_small_steps_take_the_matrix_vector_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonOps folds the norm and SwiGLU into the projections up to `small_rows` rows, and keeps the
+    separate kernels (cuBLAS projections) above it."""
+    calls: list[str] = []
+    for name in ("norm_linear", "swiglu_linear", "add_rms_norm", "silu_mul"):
+        real = getattr(fused_kernels, name)
+        monkeypatch.setattr(fused_kernels, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    ops = TritonOps()
+    monkeypatch.setattr(TritonOps, "add_rms_norm", staticmethod(fused_kernels.add_rms_norm))
+    monkeypatch.setattr(TritonOps, "silu_mul", staticmethod(fused_kernels.silu_mul))
+    w, nw = torch.randn(16, 32), torch.ones(32)
+    for rows in (ops.small_rows, ops.small_rows + 1):
+        x = torch.randn(rows, 32)
+        ops.norm_linear(x, None, nw, 1e-5, w)
+        ops.swiglu_linear(x, w[:, :16])
+    assert calls == ["norm_linear", "swiglu_linear", "add_rms_norm", "silu_mul"]
+
+
 def _model(ops: object) -> LlamaModel:
     args = tiny_args()
     model = LlamaModel(args)
@@ -75,10 +145,13 @@ def _model(ops: object) -> LlamaModel:
 
 
 @torch.no_grad()
-def test_model_with_fused_kernels_matches_torch_ops() -> None:
+@pytest.mark.parametrize("small_rows", [0, 8])
+def test_model_with_fused_kernels_matches_torch_ops(small_rows: int) -> None:
     """A mixed prefill/decode batch (masked SDPA vs the ragged Triton kernel) and a uniform verify step give
-    the same hidden states and caches."""
-    ref_model, fused_model = _model(TORCH_OPS), _model(TRITON)
+    the same hidden states and caches, with the matrix-vector kernels (8 rows) and without them (0)."""
+    ops = TritonOps()
+    ops.small_rows = small_rows
+    ref_model, fused_model = _model(TORCH_OPS), _model(ops)
     assert ref_model.layers[0].self_attn.qkv_weight is not None  # type: ignore[union-attr]
     bs = 8
     starts, counts, tables = [0, 5], [5, 3], [[0, 1], [2]]

@@ -48,7 +48,7 @@ class FusedSpecStep:
         self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
 
     @torch.no_grad()
-    def _forward(self, bucket: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(self, bucket: int, sampled: bool) -> torch.Tensor:
         b, q, k = self.buffers, self.k + 1, self.k
         n = bucket * q
         tables = b.block_tables[:bucket]
@@ -59,7 +59,7 @@ class FusedSpecStep:
         n_acc, emitted = verify_step(logits, ids, q, b.sampling(bucket) if sampled else None)  # [B], [B, K+1]
         c = self.chain
         drafts = propose_from_rows(c.head, c.shared, c.cache, emitted.reshape(-1), hidden, pos, meta, n_acc, k)
-        return emitted, n_acc, drafts
+        return torch.cat([emitted, n_acc[:, None].to(emitted.dtype), drafts.to(emitted.dtype)], dim=1)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """A bucket when every request is generation with exactly K one-hot drafts and fits; else None."""
@@ -72,13 +72,12 @@ class FusedSpecStep:
         return pick_bucket(len(plan.seqs), self.steps.sizes) if plan.seqs else None
 
     def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
-        """Fill the buffers, replay, and read back tokens, accept counts and next drafts in one copy.
-        `uniforms` [m, K+1] holds the verify step's random numbers; None for an all-greedy step."""
+        """Fill the buffers, replay, and read back tokens, accept counts and next drafts in one copy (the
+        graph packs them as [emitted K+1 | accepted | drafts K] per row). `uniforms` [m, K+1] holds the
+        verify step's random numbers; None for an all-greedy step."""
         seqs = plan.seqs
         fill_step(self.buffers, plan, bucket, uniforms)
-        emitted, n_acc, drafts = self.steps.run(bucket, uniforms is not None)
-        m = len(seqs)
-        host = torch.cat([emitted[:m], n_acc[:m, None], drafts[:m]], dim=1).cpu()
+        host = self.steps.run(bucket, uniforms is not None)[: len(seqs)].cpu()
         k = self.k
         rows = host.tolist()
         results = [

@@ -124,23 +124,24 @@ class Attention(nn.Module):
         for lin, part in zip((self.q_proj, self.k_proj, self.v_proj), fused.split(sizes), strict=True):
             lin.weight.data = part
 
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """[q | k | v] projections of x [T, d]."""
+    def qkv_proj_weight(self) -> torch.Tensor:
+        """The [q; k; v] projection weight: the fused one, or the three joined (unprepared modules)."""
         if self.qkv_weight is not None:
-            return F.linear(x, self.qkv_weight)
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            return self.qkv_weight
+        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
 
     def forward(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         rope: Rope,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: Metadata,
     ) -> torch.Tensor:
-        """Write this chunk's K/V into the cache, attend, and project back (partial sum under TP)."""
+        """From the [q | k | v] projections [T, (H + 2 Hkv) D]: write this chunk's K/V into the cache,
+        attend, and project back (partial sum under TP)."""
         q = self.ops.rope_write_kv(
-            self.qkv(x), *rope, meta.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim
+            qkv, *rope, meta.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim
         )
         out = meta.attend(q, k_cache, v_cache, self.scale)
         return self.tp.all_reduce(self.o_proj(out))
@@ -168,13 +169,19 @@ class MLP(nn.Module):
         self.gate_up_weight = fused
         self.gate_proj.weight.data, self.up_proj.weight.data = fused.chunk(2)
 
+    def gate_up_proj_weight(self) -> torch.Tensor:
+        """The [gate; up] projection weight: the fused one, or the two joined (unprepared modules)."""
+        if self.gate_up_weight is not None:
+            return self.gate_up_weight
+        return torch.cat([self.gate_proj.weight, self.up_proj.weight])
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's second half from the [gate | up] projections, summed over ranks."""
+        return self.tp.all_reduce(self.ops.swiglu_linear(gate_up, self.down_proj.weight))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU, summed over ranks."""
-        if self.gate_up_weight is not None:
-            gate_up = F.linear(x, self.gate_up_weight)
-        else:
-            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_mul(gate_up)))
+        return self.down(F.linear(x, self.gate_up_proj_weight()))
 
 
 class DecoderLayer(nn.Module):
@@ -212,11 +219,11 @@ class DecoderLayer(nn.Module):
         caller passes (previous out, previous residual), or (x, None) for the first layer. Deferring lets
         the next layer fuse that add into its input norm."""
         ops = self.input_layernorm.ops
-        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        a = self.self_attn(h, rope, k_cache, v_cache, meta)
-        post = self.post_attention_layernorm
-        h, residual = ops.add_rms_norm(a, residual, post.weight, post.eps)
-        return self.mlp(h), residual
+        pre, post = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = ops.norm_linear(x, residual, pre.weight, pre.eps, self.self_attn.qkv_proj_weight())
+        a = self.self_attn(qkv, rope, k_cache, v_cache, meta)
+        gate_up, residual = ops.norm_linear(a, residual, post.weight, post.eps, self.mlp.gate_up_proj_weight())
+        return self.mlp.down(gate_up), residual
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -44,13 +44,13 @@ class UniformTargetStep:
         self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
 
     @torch.no_grad()
-    def _forward(self, bucket: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(self, bucket: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         b, n = self.buffers, bucket * self.q_len
         meta = UniformMetadata(b.slot_mapping[:n], b.block_tables[:bucket], b.seq_lens[:bucket], self.q_len)
         hidden = self.model(b.input_ids[:n], b.positions[:n], self.cache, meta)
         logits = self.model.logits(hidden)
         n_acc, tokens = verify_step(logits, b.input_ids[:n], self.q_len, b.sampling(bucket) if sampled else None)
-        return hidden, n_acc, tokens
+        return hidden, pack_verified(n_acc, tokens)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """The batch bucket when every request is a generation row with Q tokens and fits; else None."""
@@ -61,16 +61,15 @@ class UniformTargetStep:
             return None
         return pick_bucket(len(plan.seqs), self.steps.sizes)
 
-    def run(
-        self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fill the buffers and replay; returns (hidden [m*Q, d], accepted [m], tokens [m, Q]) of the real
-        rows (valid until the next run). `uniforms` [m, Q] is None for an all-greedy step."""
+    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the buffers and replay; returns (hidden [m*Q, d], packed verify results [m, 1+Q], see
+        `pack_verified`) of the real rows, valid until the next run. `uniforms` [m, Q] is None for an
+        all-greedy step."""
         seqs = plan.seqs
         fill_step(self.buffers, plan, bucket, uniforms)
-        hidden, n_acc, tokens = self.steps.run(bucket, uniforms is not None)
+        hidden, packed = self.steps.run(bucket, uniforms is not None)
         m = len(seqs)
-        return hidden[: m * self.q_len], n_acc[:m], tokens[:m]
+        return hidden[: m * self.q_len], packed[:m]
 
 
 def fill_step(buffers: StepBuffers, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None) -> None:
@@ -83,17 +82,21 @@ def fill_step(buffers: StepBuffers, plan: StepPlan, bucket: int, uniforms: torch
         )
 
 
+def pack_verified(n_acc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Verify results (accepted [m], tokens [m, K+1]) as one tensor [m, 1 + K+1]: accepted, then tokens."""
+    return torch.cat([n_acc[:, None].to(out.dtype), out], dim=1)
+
+
 def read_verified(
-    n_acc: torch.Tensor,
-    out: torch.Tensor,
+    packed: torch.Tensor,
     members: Iterable[int],
     tokens: list[list[int]],
     accepted: list[int],
     last_token: list[int],
 ) -> None:
-    """Copy verify results (accepted [m], tokens [m, K+1]) to the host in one transfer and record each
-    member request's emitted tokens, accept count and last token in the given lists."""
-    host = torch.cat([n_acc[:, None].to(out.dtype), out], dim=1).tolist()
+    """Copy packed verify results (`pack_verified`) to the host in one transfer and record each member
+    request's emitted tokens, accept count and last token in the given lists."""
+    host = packed.tolist()
     for row, i in zip(host, members, strict=True):
         accepted[i] = row[0]
         tokens[i] = row[1 : row[0] + 2]
@@ -156,9 +159,9 @@ class TargetRunner:
         accepted = [0] * len(plan.seqs)
         last_token = [0] * len(plan.seqs)
         if bucket is not None:
-            hidden, n_acc, out = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
+            hidden, packed = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
             starts = [i * q_len for i in range(len(plan.seqs))]
-            read_verified(n_acc, out, range(len(plan.seqs)), tokens, accepted, last_token)
+            read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token)
         else:
             hidden = self.forward(plan)
             starts = self._eager_verify(plan, hidden, tokens, accepted, last_token)
@@ -209,7 +212,7 @@ class TargetRunner:
                 n_acc, out = verify_greedy(lg.argmax(-1), drafts)
             else:
                 n_acc, out = self._verify_sampling(plan, members, lg, drafts)
-            read_verified(n_acc, out, members, tokens, accepted, last_token)
+            read_verified(pack_verified(n_acc, out), members, tokens, accepted, last_token)
         return starts
 
     def uniforms(self, plan: StepPlan, q_len: int) -> torch.Tensor | None:
