@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.config import MTPServeConfig
-from cluster.engine import DEFAULT_HEAD, LLMEngine
+from cluster.engine import DEFAULT_HEAD, LLMEngine, build_chain_graphs
+from workers.layer_ops import TritonOps
 
 WEIGHT_FLOOR_MS = 0.063
 
@@ -44,8 +45,33 @@ PROMPTS = [
 ]
 
 
-def engine_for(args: argparse.Namespace, k: int, graphs: bool, max_batch: int, fused: bool = True) -> LLMEngine:
-    """A bf16 CUDA engine; k=0 is target-only; fused picks the Triton layer kernels."""
+VARIANTS = {
+    "": "the serving configuration",
+    "no-gemv": "Triton layer kernels, but never the matrix-vector kernels (norm/SwiGLU folded into projections)",
+    "chain-graphs": "draft chain captured on its own (UniformChainStep, as on a separate draft worker or Ray "
+    "rank 0) instead of inside the fused speculative step",
+}
+
+
+def engine_for(
+    args: argparse.Namespace, k: int, graphs: bool, max_batch: int, fused: bool = True, variant: str = ""
+) -> LLMEngine:
+    """A bf16 CUDA engine; k=0 is target-only; fused picks the Triton layer kernels; `variant` is one of
+    VARIANTS."""
+    small_rows = TritonOps.small_rows
+    if variant == "no-gemv":
+        TritonOps.small_rows = 0
+    try:
+        eng = _engine(args, k, graphs, max_batch, fused)
+    finally:
+        TritonOps.small_rows = small_rows
+    if variant == "chain-graphs":
+        eng.target.fused = None  # type: ignore[attr-defined]
+        build_chain_graphs(eng.cfg, eng.draft, eng.max_model_len)
+    return eng
+
+
+def _engine(args: argparse.Namespace, k: int, graphs: bool, max_batch: int, fused: bool) -> LLMEngine:
     cfg = MTPServeConfig.from_dict(
         {
             "model": {
@@ -75,10 +101,13 @@ def decode_run(
     sync()
     t0 = time.perf_counter()
     steps = tokens = 0
+    emitted: dict[str, list[int]] = {r: [] for r in ids}
     while engine.has_unfinished():
         outs = engine.step()
         steps += 1
-        tokens += sum(len(o.new_token_ids) for o in outs)
+        for o in outs:
+            tokens += len(o.new_token_ids)
+            emitted[o.request_id].extend(o.new_token_ids)
     sync()
     dt = time.perf_counter() - t0
     drafted = sum(r.stats.drafted for r in reqs)
@@ -94,6 +123,8 @@ def decode_run(
         "acceptance_rate": accepted / drafted if drafted else None,
         "fused_replays": replays(getattr(engine.target, "fused", None)),
         "uniform_replays": replays(getattr(engine.target, "uniform", None)),
+        "chain_replays": replays(getattr(engine.draft, "uniform", None)),
+        "outputs": [emitted[r] for r in ids],
     }
 
 
@@ -106,6 +137,21 @@ def sampled_graphs(engine: LLMEngine) -> bool | None:
 def replays(step: Any) -> int | None:
     """CUDA-graph replays of a captured step object, or None."""
     return None if step is None else int(step.steps.replays)
+
+
+def agreement(runs: list[dict[str, Any]]) -> None:
+    """Mark each greedy run with the share of its requests whose tokens equal the target-only serving run
+    at the same batch (greedy speculation is lossless up to bf16 rounding differences between shapes)."""
+    base = {
+        r["batch"]: r["outputs"]
+        for r in runs
+        if r["k"] == 0 and not r["variant"] and r["graphs"] and r["fused"] and r["temperature"] == 0.0
+    }
+    for r in runs:
+        ref = base.get(r["batch"])
+        if r["temperature"] == 0.0 and ref is not None:
+            same = sum(a == b for a, b in zip(r["outputs"], ref, strict=True))
+            r["outputs_equal_target_only"] = same / len(ref)
 
 
 def ttft(engine: LLMEngine, prompt: list[int]) -> float:
@@ -223,16 +269,22 @@ def main() -> int:
         report["kernel_check"] = guarded("kernel check", kernel_check)
     # (graphs, fused kernels, k, batches): the full sweep, then the same engine without the fused kernels
     # and without graphs, to show what each buys.
-    plan = [(True, True, k, batches, 0.0) for k in [0, *ks]]
-    plan += [(True, True, k, [batches[0], batches[-1]], 0.7) for k in (0, 3)]  # sampling requests
-    plan += [(True, False, k, [batches[0], batches[-1]], 0.0) for k in (0, 3)]
-    plan += [(False, True, k, [batches[0]], 0.0) for k in (0, 3)]
-    for graphs, fused, k, bs, temp in plan:
-        label = f"k={k} graphs={graphs} fused={fused}"
+    ends = [batches[0], batches[-1]]
+    plan = [(True, True, k, batches, 0.0, "") for k in [0, *ks]]
+    plan += [(True, True, k, ends, 0.7, "") for k in (0, 3)]  # sampling requests
+    plan += [(True, True, k, ends, 0.0, "no-gemv") for k in (0, 3)]
+    plan += [(True, True, 3, ends, t, "chain-graphs") for t in (0.0, 0.7)]
+    plan += [(True, False, k, ends, 0.0, "") for k in (0, 3)]
+    plan += [(False, True, k, [batches[0]], 0.0, "") for k in (0, 3)]
+    for graphs, fused, k, bs, temp, variant in plan:
+        label = f"k={k} graphs={graphs} fused={fused} {variant}".rstrip()
         eng = (
             base
-            if (k == 0 and graphs and fused and temp == 0.0)
-            else guarded(f"engine {label}", lambda k=k, g=graphs, f=fused: engine_for(args, k, g, max(batches), f))
+            if (k == 0 and graphs and fused and temp == 0.0 and not variant)
+            else guarded(
+                f"engine {label}",
+                lambda k=k, g=graphs, f=fused, v=variant: engine_for(args, k, g, max(batches), f, v),
+            )
         )
         if eng is None:
             continue
@@ -243,12 +295,12 @@ def main() -> int:
                 lambda e=eng, b=b, t=temp: decode_run(e, prompts_all[:b], args.max_tokens, t),
             )
             if r:
-                r.update(k=k, graphs=graphs, fused=fused, temperature=temp)
+                r.update(k=k, graphs=graphs, fused=fused, temperature=temp, variant=variant)
                 r["step_over_floor"] = r["step_ms"] / WEIGHT_FLOOR_MS
                 r["sampled_graphs"] = sampled_graphs(eng)
                 report["runs"].append(r)
-                print(json.dumps(r), flush=True)
-        if graphs and fused and temp == 0.0:
+                print(json.dumps({k: v for k, v in r.items() if k != "outputs"}), flush=True)
+        if graphs and fused and temp == 0.0 and not variant:
             long_prompt = base.encode_prompt(" ".join(PROMPTS) * 6)[:520]
             t = guarded(f"ttft k={k}", lambda e=eng, lp=long_prompt: [ttft(e, lp) for _ in range(3)])
             if t:
@@ -259,6 +311,8 @@ def main() -> int:
         if eng is not base:
             del eng
             torch.cuda.empty_cache()
+    agreement(report["runs"])
+    report["variants"] = VARIANTS
     if not args.skip_hf:
         report["hf_generate"] = guarded("hf generate", lambda: hf_peer(args, prompts_all, args.max_tokens))
     (out_dir / "h200_bench.json").write_text(json.dumps(report, indent=2))
@@ -270,13 +324,15 @@ def main() -> int:
 def print_table(report: dict[str, Any]) -> None:
     """Short summary table."""
     head = f"{'k':>2} {'graphs':>6} {'fused':>6} {'temp':>4} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'/floor':>7}"
-    print(f"\n{head} {'AL':>5}")
+    print(f"\n{head} {'AL':>5} {'same':>5} variant")
     for r in report["runs"]:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+        same = r.get("outputs_equal_target_only")
         print(
             f"{r['k']:>2} {r['graphs']!s:>6} {r.get('fused', True)!s:>6} {r.get('temperature', 0):>4} "
             f"{r['batch']:>5} {r['tok_s']:>10.1f} "
-            f"{r['step_ms']:>8.3f} {r['step_ms'] / WEIGHT_FLOOR_MS:>7.1f} {al:>5}"
+            f"{r['step_ms']:>8.3f} {r['step_ms'] / WEIGHT_FLOOR_MS:>7.1f} {al:>5} "
+            f"{'-' if same is None else f'{same:.2f}':>5} {r.get('variant', '')}"
         )
     for r in report.get("hf_generate") or []:
         print(f"HF generate batch {r['batch']}: {r['tok_s']:.1f} tok/s, {r['step_ms']:.2f} ms/step")
@@ -292,7 +348,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    main_runs = [r for r in report["runs"] if r["graphs"] and r.get("fused", True) and not r.get("temperature")]
+    main_runs = [
+        r
+        for r in report["runs"]
+        if r["graphs"] and r.get("fused", True) and not r.get("temperature") and not r.get("variant")
+    ]
     for k in sorted({r["k"] for r in main_runs}):
         rows = sorted((r["batch"], r["tok_s"]) for r in main_runs if r["k"] == k)
         ax.plot(*zip(*rows, strict=True), marker="o", label="target only" if k == 0 else f"MTP K={k}")
