@@ -6,6 +6,7 @@ python bench/profile_step.py --device cuda --out $OUT        # SmolLM2-135M shap
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
+from workers.layer_ops import TritonOps
 
 SMOLLM2 = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
@@ -50,11 +52,29 @@ def phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     return {k: 1e3 * v / steps for k, v in acc.items()}
 
 
+SHORT_GAP_US = 20.0  # idle time between two kernels below this counts as launch gaps, above as host stalls
+
+
 def device_summary(prof: torch.profiler.profile, steps: int) -> dict[str, float]:
-    """GPU kernels and GPU busy time per step, from the profiler's device-side events."""
+    """GPU kernels, busy time and idle time per step, from the profiler's device-side events. Idle time is
+    split into short gaps between back-to-back kernels (launch latency inside graphs) and longer stalls
+    (the GPU waiting for the host)."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(getattr(e, "self_device_time_total", 0.0) for e in kernels)
-    return {"gpu_kernels_per_step": len(kernels) / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    short = long = 0.0
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        gap = max(0.0, start - end)
+        if gap < SHORT_GAP_US:
+            short += gap
+        else:
+            long += gap
+    return {
+        "gpu_kernels_per_step": len(kernels) / steps,
+        "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+        "gpu_short_gaps_ms_per_step": short / 1e3 / steps,
+        "gpu_host_stalls_ms_per_step": long / 1e3 / steps,
+    }
 
 
 def main() -> int:
@@ -69,14 +89,18 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(SMOLLM2))
     report = {}
-    variants = (
-        ("target-eager", 0, False, True),
-        ("target-graph", 0, True, True),
-        ("target-graph-unfused", 0, True, False),
-        ("mtp3-graph", 3, True, True),
-        ("mtp3-graph-unfused", 3, True, False),
+    variants = (  # name, K, CUDA graphs, Triton layer kernels, matrix-vector kernels for small steps
+        ("target-eager", 0, False, True, True),
+        ("target-graph", 0, True, True, True),
+        ("target-graph-no-gemv", 0, True, True, False),
+        ("target-graph-unfused", 0, True, False, False),
+        ("mtp3-graph", 3, True, True, True),
+        ("mtp3-graph-no-gemv", 3, True, True, False),
+        ("mtp3-graph-unfused", 3, True, False, False),
     )
-    for name, k, graphs, fused in variants:
+    small_rows = TritonOps.small_rows
+    for name, k, graphs, fused, gemv in variants:
+        TritonOps.small_rows = small_rows if gemv else 0
         cfg = MTPServeConfig.from_dict({
             "model": {"path": str(tmp), "load_format": "dummy", "device": args.device, "cuda_graphs": graphs,
                       "fused_kernels": fused, "max_model_len": 2048,
