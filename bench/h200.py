@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.config import MTPServeConfig
 from cluster.engine import DEFAULT_HEAD, LLMEngine, build_chain_graphs
+from workers import fused_kernels
 from workers.layer_ops import TritonOps
 
 WEIGHT_FLOOR_MS = 0.063
@@ -235,7 +236,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--gemv-rows", type=int, default=TritonOps.small_rows, help="TritonOps.small_rows")
+    ap.add_argument("--gemv-tile", type=int, default=fused_kernels.GEMV_TILE, help="fused_kernels.GEMV_TILE")
     args = ap.parse_args()
+    TritonOps.small_rows, fused_kernels.GEMV_TILE = args.gemv_rows, args.gemv_tile
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -244,6 +248,8 @@ def main() -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "head": args.head,
+        "gemv_rows": args.gemv_rows,
+        "gemv_tile": args.gemv_tile,
         "max_tokens": args.max_tokens,
         "weight_floor_ms": WEIGHT_FLOOR_MS,
         "runs": [],

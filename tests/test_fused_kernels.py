@@ -106,17 +106,18 @@ def test_swiglu_linear_matches_reference(dtype: torch.dtype) -> None:
     assert _close(got, ref, dtype)
 
 
-def test_matrix_vector_kernels_walk_wide_rows_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows wider than one chunk (large models) are normed and multiplied over several chunks."""
-    monkeypatch.setattr(fused_kernels, "GEMV_MAX_BLOCK_K", 128)
+def test_matrix_vector_kernels_refuse_what_they_cannot_hold() -> None:
+    """More rows than a tile, or rows wider than GEMV_MAX_K, raise naming the limits; TritonOps then keeps
+    the separate kernels and still matches the reference."""
     g = torch.Generator().manual_seed(4)
-    x, res = torch.randn(2, 300, generator=g), torch.randn(2, 300, generator=g)
-    nw, w = 1.0 + 0.1 * torch.randn(300, generator=g), 0.05 * torch.randn(20, 300, generator=g)
-    got, got_res = fused_kernels.norm_linear(x, res, nw, 1e-5, w)
-    ref, ref_res = TORCH_OPS.norm_linear(x, res, nw, 1e-5, w)
-    assert _close(got, ref, torch.float32) and torch.equal(got_res, ref_res)
-    gate_up = torch.randn(2, 600, generator=g)
-    assert _close(fused_kernels.swiglu_linear(gate_up, w), TORCH_OPS.swiglu_linear(gate_up, w), torch.float32)
+    wide = fused_kernels.GEMV_MAX_K + 64
+    x, nw, w = torch.randn(2, wide, generator=g), torch.ones(wide), 0.05 * torch.randn(20, wide, generator=g)
+    with pytest.raises(ValueError, match="rows of width"):
+        fused_kernels.norm_linear(x, None, nw, 1e-5, w)
+    with pytest.raises(ValueError, match="rows of width"):
+        fused_kernels.swiglu_linear(torch.randn(fused_kernels.GEMV_TILE + 1, 64), torch.randn(8, 32))
+    got, _ = TRITON.norm_linear(x, None, nw, 1e-5, w)
+    assert _close(got, TORCH_OPS.norm_linear(x, None, nw, 1e-5, w)[0], torch.float32)
 
 
 def test_small_steps_take_the_matrix_vector_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

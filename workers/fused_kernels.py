@@ -8,9 +8,10 @@
   for the few rows of a decode or verify step.
 - `swiglu_linear`: silu(gate) * up and the down projection in one launch, for the same few rows.
 
-The two projection kernels are matrix-vector products: each program owns a slice of output columns,
-holds its weight slice and walks the rows. That suits the 1-8 rows of a small-batch step, where a
-launch costs more than the arithmetic; larger steps keep cuBLAS.
+The two projection kernels are matrix-vector products: each program loads its slice of weight rows, the
+input rows and the norm weight at once (one memory round trip) and reduces the products in registers.
+That suits the 1-8 rows of a small-batch step, where latency costs more than arithmetic; larger steps
+keep cuBLAS.
 
 Each matches the torch reference in `layer_ops.TorchOps` up to float rounding: the same fp32 math, and
 the same rounding points to the model dtype.
@@ -95,64 +96,52 @@ if triton is not None:
     def _norm_linear(
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, res_ptr, M, N, K, eps,
         stride_x, stride_r, stride_w, stride_y, stride_res,
-        HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        # every load is issued up front (one memory round trip); the product is reduced in registers
         pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        res_end = tl.where(pid == 0, K, 0)  # only the first program stores the new residual
-        for m in range(0, M):
-            row = m
-            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                h = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    r = tl.load(r_ptr + row * stride_r + ks, mask=ks < K, other=0.0).to(tl.float32)
-                    h = (h + r).to(res_ptr.dtype.element_ty).to(tl.float32)
-                sq += h * h
-            inv = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                h = tl.load(x_ptr + row * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    r = tl.load(r_ptr + row * stride_r + ks, mask=k_ok, other=0.0).to(tl.float32)
-                    s = (h + r).to(res_ptr.dtype.element_ty)
-                    tl.store(res_ptr + row * stride_res + ks, s, mask=ks < res_end)
-                    h = s.to(tl.float32)
-                nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                xn = (h * inv * nw).to(w_ptr.dtype.element_ty).to(tl.float32)
-                w = tl.load(
-                    w_ptr + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-                )
-                acc += tl.sum(w.to(tl.float32) * xn[None, :], 1)
-            tl.store(y_ptr + row * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
+        inside = (rows[:, None] < M) & (ks[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0
+        )
+        nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + rows[:, None] * stride_r + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+            s = (x + r).to(res_ptr.dtype.element_ty)
+            first = tl.where(pid == 0, M, 0)  # only the first program stores the new residual
+            tl.store(res_ptr + rows[:, None] * stride_res + ks[None, :], s, mask=inside & (rows[:, None] < first))
+            x = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
+        xn = (x * inv[:, None] * nw[None, :]).to(w_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.sum(xn[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
 
     @triton.jit
     def _swiglu_linear(
         x_ptr, w_ptr, y_ptr, M, N, K,
         stride_x, stride_w, stride_y,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        for m in range(0, M):
-            row = m
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                g = tl.load(x_ptr + row * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
-                u = tl.load(x_ptr + row * stride_x + K + ks, mask=k_ok, other=0.0).to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)
-                a = (act * u).to(w_ptr.dtype.element_ty).to(tl.float32)
-                w = tl.load(
-                    w_ptr + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-                )
-                acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
-            tl.store(y_ptr + row * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = (rows[:, None] < M) & (ks[None, :] < K)
+        g = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + rows[:, None] * stride_x + K + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0
+        )
+        act = (g / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)
+        a = (act * u).to(w_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
 
 
 def available() -> bool:
@@ -230,52 +219,59 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-GEMV_BLOCK_N = 8  # output columns per program: several hundred programs for the usual widths
-GEMV_MAX_BLOCK_K = 2048  # widest input chunk held at once (a whole row for models up to d = 2048)
+GEMV_MAX_K = 2048  # widest input row the matrix-vector kernels hold in one tile
+GEMV_TILE = 8  # rows x output columns per program: fewer columns when there are more rows
 
 
-def _gemv_blocks(k: int) -> tuple[int, int]:
-    return GEMV_BLOCK_N, min(GEMV_MAX_BLOCK_K, triton.next_power_of_2(k))
+def gemv_fits(rows: int, k: int) -> bool:
+    """Whether the matrix-vector kernels take `rows` input rows of width k."""
+    return 0 < rows <= GEMV_TILE and k <= GEMV_MAX_K
+
+
+def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
+    if not gemv_fits(m, k):
+        raise ValueError(f"matrix-vector kernels take 1-{GEMV_TILE} rows of width <= {GEMV_MAX_K}, got {m} x {k}")
+    block_m = triton.next_power_of_2(m)
+    block_n = GEMV_TILE // block_m
+    block_k = triton.next_power_of_2(k)
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4 if block_k <= 1024 else 8}
+    return (triton.cdiv(n, block_n),), meta
 
 
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight.T, x + residual) for rows x [M, K] and weight [N, K]; without a
-    residual, (rms_norm(x) @ weight.T, x). Meant for small M: each program walks every row."""
+    residual, (rms_norm(x) @ weight.T, x). For the few rows `gemv_fits` accepts."""
     _need_triton()
     m, k = x.shape
     n = weight.shape[0]
     if weight.stride(-1) != 1:
         raise ValueError("norm_linear needs a weight with contiguous rows")
+    grid, meta = _gemv_launch(m, n, k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = x if residual is None else torch.empty_like(x)
     r = x if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
-    block_n, block_k = _gemv_blocks(k)
-    if m:
-        _norm_linear[(triton.cdiv(n, block_n),)](
-            x, r, norm_weight, weight, y, res, m, n, k, eps,
-            x.stride(0), r.stride(0), weight.stride(0), y.stride(0), res.stride(0),
-            HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        )  # fmt: skip
+    _norm_linear[grid](
+        x, r, norm_weight, weight, y, res, m, n, k, eps,
+        x.stride(0), r.stride(0), weight.stride(0), y.stride(0), res.stride(0),
+        HAS_RES=residual is not None, **meta,
+    )  # fmt: skip
     return y, res
 
 
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(silu(gate) * up) @ weight.T for gate_up [M, 2K] laid out as [gate | up] and weight [N, K]."""
+    """(silu(gate) * up) @ weight.T for gate_up [M, 2K] laid out as [gate | up] and weight [N, K]; for the
+    few rows `gemv_fits` accepts."""
     _need_triton()
     m, two_k = gate_up.shape
     k = two_k // 2
     n = weight.shape[0]
     if weight.stride(-1) != 1:
         raise ValueError("swiglu_linear needs a weight with contiguous rows")
+    grid, meta = _gemv_launch(m, n, k)
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     y = torch.empty(m, n, dtype=gate_up.dtype, device=gate_up.device)
-    block_n, block_k = _gemv_blocks(k)
-    if m:
-        _swiglu_linear[(triton.cdiv(n, block_n),)](
-            gate_up, weight, y, m, n, k, gate_up.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_N=block_n, BLOCK_K=block_k,
-        )  # fmt: skip
+    _swiglu_linear[grid](gate_up, weight, y, m, n, k, gate_up.stride(0), weight.stride(0), y.stride(0), **meta)
     return y

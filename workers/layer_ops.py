@@ -88,7 +88,7 @@ class TritonOps(TorchOps):
     fold the norm or SwiGLU into the projection after it."""
 
     name = "triton"
-    small_rows = 8
+    small_rows = 4
     add_rms_norm = staticmethod(fused_kernels.add_rms_norm)
     rope_write_kv = staticmethod(fused_kernels.rope_write_kv)
     silu_mul = staticmethod(fused_kernels.silu_mul)
@@ -102,13 +102,13 @@ class TritonOps(TorchOps):
         weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One matrix-vector kernel for small steps; add_rms_norm plus cuBLAS otherwise."""
-        if x.shape[0] > self.small_rows:
+        if x.shape[0] > self.small_rows or not fused_kernels.gemv_fits(x.shape[0], x.shape[1]):
             return super().norm_linear(x, residual, norm_weight, eps, weight)
         return fused_kernels.norm_linear(x, residual, norm_weight, eps, weight)
 
     def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One matrix-vector kernel for small steps; silu_mul plus cuBLAS otherwise."""
-        if gate_up.shape[0] > self.small_rows:
+        if gate_up.shape[0] > self.small_rows or not fused_kernels.gemv_fits(gate_up.shape[0], weight.shape[1]):
             return super().swiglu_linear(gate_up, weight)
         return fused_kernels.swiglu_linear(gate_up, weight)
 
