@@ -237,9 +237,9 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--gemv-rows", type=int, default=TritonOps.small_rows, help="TritonOps.small_rows")
-    ap.add_argument("--gemv-tile", type=int, default=fused_kernels.GEMV_TILE, help="fused_kernels.GEMV_TILE")
+    ap.add_argument("--gemv-block-n", type=int, default=fused_kernels.GEMV_BLOCK_N, help="fused_kernels.GEMV_BLOCK_N")
     args = ap.parse_args()
-    TritonOps.small_rows, fused_kernels.GEMV_TILE = args.gemv_rows, args.gemv_tile
+    TritonOps.small_rows, fused_kernels.GEMV_BLOCK_N = args.gemv_rows, args.gemv_block_n
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -249,7 +249,7 @@ def main() -> int:
         "python": platform.python_version(),
         "head": args.head,
         "gemv_rows": args.gemv_rows,
-        "gemv_tile": args.gemv_tile,
+        "gemv_block_n": args.gemv_block_n,
         "max_tokens": args.max_tokens,
         "weight_floor_ms": WEIGHT_FLOOR_MS,
         "runs": [],

@@ -7,10 +7,11 @@
 - `norm_linear`: residual add, RMSNorm and the following projection (q/k/v or gate/up) in one launch,
   for the few rows of a decode or verify step.
 - `swiglu_linear`: silu(gate) * up and the down projection in one launch, for the same few rows.
+- `linear`: a plain projection (the attention output's) for the same few rows.
 
 The two projection kernels are matrix-vector products: each program loads its slice of weight rows, the
 input rows and the norm weight at once (one memory round trip) and reduces the products in registers.
-That suits the 1-8 rows of a small-batch step, where latency costs more than arithmetic; larger steps
+That suits the 1-4 rows of a small-batch step, where latency costs more than arithmetic; larger steps
 keep cuBLAS.
 
 Each matches the torch reference in `layer_ops.TorchOps` up to float rounding: the same fp32 math, and
@@ -96,7 +97,8 @@ if triton is not None:
     def _norm_linear(
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, res_ptr, M, N, K, eps,
         stride_x, stride_r, stride_w, stride_y, stride_res,
-        HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # every load is issued up front (one memory round trip); the product is reduced in registers
         pid = tl.program_id(0)
@@ -108,16 +110,17 @@ if triton is not None:
         w = tl.load(
             w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0
         )
-        nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
         if HAS_RES:
             r = tl.load(r_ptr + rows[:, None] * stride_r + ks[None, :], mask=inside, other=0.0).to(tl.float32)
             s = (x + r).to(res_ptr.dtype.element_ty)
             first = tl.where(pid == 0, M, 0)  # only the first program stores the new residual
             tl.store(res_ptr + rows[:, None] * stride_res + ks[None, :], s, mask=inside & (rows[:, None] < first))
             x = s.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
-        xn = (x * inv[:, None] * nw[None, :]).to(w_ptr.dtype.element_ty).to(tl.float32)
-        y = tl.sum(xn[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
+            x = (x * inv[:, None] * nw[None, :]).to(w_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
         tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
 
@@ -220,22 +223,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 GEMV_MAX_K = 2048  # widest input row the matrix-vector kernels hold in one tile
-GEMV_TILE = 8  # rows x output columns per program: fewer columns when there are more rows
+GEMV_MAX_ROWS = 4  # beyond this, cuBLAS wins (bench/gemv_check.py on an H200)
+GEMV_BLOCK_N = 8  # output columns per program
 
 
 def gemv_fits(rows: int, k: int) -> bool:
     """Whether the matrix-vector kernels take `rows` input rows of width k."""
-    return 0 < rows <= GEMV_TILE and k <= GEMV_MAX_K
+    return 0 < rows <= GEMV_MAX_ROWS and k <= GEMV_MAX_K
 
 
 def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
     if not gemv_fits(m, k):
-        raise ValueError(f"matrix-vector kernels take 1-{GEMV_TILE} rows of width <= {GEMV_MAX_K}, got {m} x {k}")
-    block_m = triton.next_power_of_2(m)
-    block_n = GEMV_TILE // block_m
+        raise ValueError(f"matrix-vector kernels take 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K}, got {m} x {k}")
     block_k = triton.next_power_of_2(k)
-    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4 if block_k <= 1024 else 8}
-    return (triton.cdiv(n, block_n),), meta
+    meta = {
+        "BLOCK_M": triton.next_power_of_2(m),
+        "BLOCK_N": GEMV_BLOCK_N,
+        "BLOCK_K": block_k,
+        "num_warps": 4 if block_k <= 1024 else 8,
+    }
+    return (triton.cdiv(n, GEMV_BLOCK_N),), meta
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for rows x [M, K] and weight [N, K]; for the few rows `gemv_fits` accepts."""
+    return _norm_linear_call(x, None, None, 0.0, weight)[0]
 
 
 def norm_linear(
@@ -243,20 +255,26 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight.T, x + residual) for rows x [M, K] and weight [N, K]; without a
     residual, (rms_norm(x) @ weight.T, x). For the few rows `gemv_fits` accepts."""
+    return _norm_linear_call(x, residual, norm_weight, eps, weight)
+
+
+def _norm_linear_call(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     _need_triton()
     m, k = x.shape
     n = weight.shape[0]
     if weight.stride(-1) != 1:
-        raise ValueError("norm_linear needs a weight with contiguous rows")
+        raise ValueError("the matrix-vector kernels need a weight with contiguous rows")
     grid, meta = _gemv_launch(m, n, k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = x if residual is None else torch.empty_like(x)
     r = x if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
     _norm_linear[grid](
-        x, r, norm_weight, weight, y, res, m, n, k, eps,
+        x, r, weight if norm_weight is None else norm_weight, weight, y, res, m, n, k, eps,
         x.stride(0), r.stride(0), weight.stride(0), y.stride(0), res.stride(0),
-        HAS_RES=residual is not None, **meta,
+        HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, **meta,
     )  # fmt: skip
     return y, res
 
@@ -269,7 +287,7 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     k = two_k // 2
     n = weight.shape[0]
     if weight.stride(-1) != 1:
-        raise ValueError("swiglu_linear needs a weight with contiguous rows")
+        raise ValueError("the matrix-vector kernels need a weight with contiguous rows")
     grid, meta = _gemv_launch(m, n, k)
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     y = torch.empty(m, n, dtype=gate_up.dtype, device=gate_up.device)

@@ -3,7 +3,8 @@
 `TorchOps` is the reference (any device). `TritonOps` runs each step as one fused kernel on CUDA. With
 fused q/k/v and gate/up weights a layer takes 9 launches on large steps and 6 on small ones (up to
 `TritonOps.small_rows` rows), where the norms and SwiGLU also fold into the projections that follow
-them. That matters because a small model's decode step is bound by kernel count, not by arithmetic.
+them and every projection is a Triton matrix-vector kernel. That matters because a small model's decode
+step is bound by kernel count and memory latency, not by arithmetic.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class TorchOps:
         """silu(gate) * up @ weight.T: `silu_mul` followed by the down projection."""
         return F.linear(self.silu_mul(gate_up), weight)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T."""
+        return F.linear(x, weight)
+
 
 class TritonOps(TorchOps):
     """The same steps as fused Triton kernels (one launch each); steps of at most `small_rows` rows also
@@ -111,6 +116,12 @@ class TritonOps(TorchOps):
         if gate_up.shape[0] > self.small_rows or not fused_kernels.gemv_fits(gate_up.shape[0], weight.shape[1]):
             return super().swiglu_linear(gate_up, weight)
         return fused_kernels.swiglu_linear(gate_up, weight)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The matrix-vector kernel for small steps; cuBLAS otherwise."""
+        if x.shape[0] > self.small_rows or not fused_kernels.gemv_fits(x.shape[0], x.shape[1]):
+            return F.linear(x, weight)
+        return fused_kernels.linear(x, weight)
 
 
 TORCH_OPS = TorchOps()

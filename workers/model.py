@@ -144,7 +144,7 @@ class Attention(nn.Module):
             qkv, *rope, meta.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim
         )
         out = meta.attend(q, k_cache, v_cache, self.scale)
-        return self.tp.all_reduce(self.o_proj(out))
+        return self.tp.all_reduce(self.ops.linear(out, self.o_proj.weight))
 
 
 class MLP(nn.Module):
