@@ -49,6 +49,7 @@ PROMPTS = [
 VARIANTS = {
     "": "the serving configuration",
     "no-gemv": "Triton layer kernels, but never the matrix-vector kernels (norm/SwiGLU folded into projections)",
+    "no-overlap": "target-only steps read their tokens before the next step is queued (model.overlap_steps off)",
     "chain-graphs": "draft chain captured on its own (UniformChainStep, as on a separate draft worker or Ray "
     "rank 0) instead of inside the fused speculative step",
 }
@@ -63,7 +64,7 @@ def engine_for(
     if variant == "no-gemv":
         TritonOps.small_rows = 0
     try:
-        eng = _engine(args, k, graphs, max_batch, fused)
+        eng = _engine(args, k, graphs, max_batch, fused, variant != "no-overlap")
     finally:
         TritonOps.small_rows = small_rows
     if variant == "chain-graphs":
@@ -72,7 +73,7 @@ def engine_for(
     return eng
 
 
-def _engine(args: argparse.Namespace, k: int, graphs: bool, max_batch: int, fused: bool) -> LLMEngine:
+def _engine(args: argparse.Namespace, k: int, graphs: bool, max_batch: int, fused: bool, overlap: bool) -> LLMEngine:
     cfg = MTPServeConfig.from_dict(
         {
             "model": {
@@ -80,6 +81,7 @@ def _engine(args: argparse.Namespace, k: int, graphs: bool, max_batch: int, fuse
                 "device": args.device,
                 "dtype": args.dtype,
                 "cuda_graphs": graphs,
+                "overlap_steps": overlap,
                 "fused_kernels": fused,
                 "max_model_len": args.max_model_len,
             },
@@ -278,6 +280,7 @@ def main() -> int:
     ends = [batches[0], batches[-1]]
     plan = [(True, True, k, batches, 0.0, "") for k in [0, *ks]]
     plan += [(True, True, k, ends, 0.7, "") for k in (0, 3)]  # sampling requests
+    plan += [(True, True, 0, batches, 0.0, "no-overlap")]
     plan += [(True, True, k, ends, 0.0, "no-gemv") for k in (0, 3)]
     plan += [(True, True, 3, ends, t, "chain-graphs") for t in (0.0, 0.7)]
     plan += [(True, False, k, ends, 0.0, "") for k in (0, 3)]

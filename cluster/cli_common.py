@@ -22,6 +22,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (CUDA only; for debugging)")
     g.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="read each decode step's tokens before queueing the next (target-only, CUDA graphs; for debugging)",
+    )
+    g.add_argument(
         "--no-fused-kernels",
         action="store_true",
         help="plain torch ops instead of the fused Triton layer kernels (CUDA only; for debugging)",
@@ -55,6 +60,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "model.max_model_len": a.get("max_model_len"),
         "model.cuda_graphs": False if a.get("enforce_eager") else None,
         "model.fused_kernels": False if a.get("no_fused_kernels") else None,
+        "model.overlap_steps": False if a.get("no_overlap") else None,
         "speculative.draft": a.get("draft"),
         "speculative.num_draft_tokens": a.get("num_draft_tokens"),
         "speculative.enabled": False if a.get("no_speculation") else None,

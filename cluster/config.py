@@ -26,6 +26,11 @@ class ModelConfig(_Strict):
     cache_dir: str | None = Field(None, description="where converted safetensors are cached")
     seed: int = 0
     cuda_graphs: bool = Field(True, description="capture generation steps in CUDA graphs (CUDA only)")
+    overlap_steps: bool = Field(
+        True,
+        description="target-only decoding on captured steps: queue the next step before reading this one's "
+        "tokens, so host work overlaps GPU work",
+    )
     fused_kernels: bool = Field(
         True, description="fused Triton kernels for norm+residual, RoPE+KV write and SwiGLU (CUDA only)"
     )

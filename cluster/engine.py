@@ -28,7 +28,7 @@ from workers.kv_cache import KVCache
 from workers.layer_ops import pick_ops
 from workers.loader import ModelSource, resolve_device, resolve_model, to_dtype
 from workers.model import LlamaArgs, LlamaModel, prepare_for_inference
-from workers.runner import TargetRunner, UniformTargetStep
+from workers.runner import LaunchedStep, TargetRunner, UniformTargetStep
 
 log = logging.getLogger(__name__)
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"
@@ -114,6 +114,10 @@ class LLMEngine:
         self.totals = SpecStats()
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
+        self._overlap_runner: TargetRunner | None = None
+        if cfg.model.overlap_steps and isinstance(target, TargetRunner):
+            self._overlap_runner = target
+        self._launched: LaunchedStep | None = None  # a queued step whose tokens are not read yet (see `step`)
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -208,12 +212,40 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling step over every running request."""
-        plan = self.scheduler.schedule()
+        """One scheduling step over every running request.
+
+        In steady target-only decoding on captured steps (`model.overlap_steps`), the next step is queued
+        on the device before this one's tokens are read, its input tokens taken from this step's output
+        on the device, so host work overlaps GPU work. A request that stops at this step then computes one
+        extra token, which is dropped."""
+        runner = self._overlap_runner
+        if self._launched is None:
+            plan = self.scheduler.schedule()
+            if runner is None or not runner.can_launch(plan):
+                return self._execute(plan)
+            self._launched = runner.launch(plan)
+        assert runner is not None
+        current = self._launched
+        ahead = self.scheduler.plan_ahead(current.plan)
+        self._launched = runner.launch(ahead, current) if ahead is not None else None
+        return self._apply(current.plan, runner.collect(current), None)
+
+    def drain(self) -> list[RequestOutput]:
+        """Read and apply a step queued ahead by `step`, if any, so that the scheduler's state is current
+        (for callers that drive the scheduler and target directly)."""
+        launched, self._launched = self._launched, None
+        if launched is None or self._overlap_runner is None:
+            return []
+        return self._apply(launched.plan, self._overlap_runner.collect(launched), None)
+
+    def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         out = self.target.execute(plan)
         drafts = out.draft_outputs or (
             self.draft.propose(out.draft_inputs) if self.draft and out.draft_inputs else None
         )
+        return self._apply(plan, out, drafts)
+
+    def _apply(self, plan: StepPlan, out: TargetOutput, drafts: DraftOutputs | None) -> list[RequestOutput]:
         outputs = self.scheduler.update(plan, out, drafts)
         for o in outputs:
             if o.finished:

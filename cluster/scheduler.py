@@ -124,6 +124,49 @@ class Scheduler:
         finished, self._finished_since_plan = self._finished_since_plan, []
         return StepPlan(self._step, ctx + gen, self.k, finished)
 
+    def plan_ahead(self, pending: StepPlan) -> StepPlan | None:
+        """The decode step after `pending`, a target-only decode step whose tokens are not applied yet.
+
+        Each sequence's token_ids hold its row in `pending` (its input token is that row's output). Requests
+        that `pending` finishes by length are left out; those it may finish by a stop token stay in, and
+        their extra token is dropped by `update`. None when the step should go through `schedule` instead:
+        requests are waiting or running outside `pending`, blocks would need a preemption, or nothing is
+        left to run."""
+        planned = {sp.request_id for sp in pending.seqs}
+        if self.waiting or pending.num_draft_tokens or any(r.request_id not in planned for r in self.running):
+            return None
+        seqs: list[SeqPlan] = []
+        for row, sp in enumerate(pending.seqs):
+            req = self.requests.get(sp.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING or sp.is_context or len(sp.token_ids) != 1:
+                continue
+            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.max_model_len:
+                continue
+            start = sp.start + 1
+            if not self.blocks.grow(req.block_ids, self.slots_needed(start + 1)):
+                return None
+            p = req.params
+            seqs.append(
+                SeqPlan(
+                    request_id=req.request_id,
+                    token_ids=[row],
+                    start=start,
+                    block_ids=list(req.block_ids),
+                    is_context=False,
+                    is_final_chunk=True,
+                    lookahead_token=-1,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    seed=p.seed,
+                )
+            )
+        if not seqs:
+            return None
+        self._step += 1
+        finished, self._finished_since_plan = self._finished_since_plan, []
+        return StepPlan(self._step, seqs, 0, finished)
+
     def _chunk_plan(self, req: Request, budget: int, scheduled: set[str], allow_preempt: bool) -> SeqPlan | None:
         start = req.num_computed_tokens
         seq = req.all_token_ids

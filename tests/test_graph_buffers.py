@@ -10,7 +10,7 @@ from workers.graph_runner import CapturedSteps, pick_bucket
 from workers.runner import UniformTargetStep
 from workers.step_buffers import StepBuffers
 
-from tiny import mimic_head, mimic_target, random_prompts, tiny_engine
+from tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_uniform
 
 
 def test_pick_bucket() -> None:
@@ -62,14 +62,6 @@ def test_failed_capture_falls_back_to_eager() -> None:
     assert steps.run(2) == 20 and calls[-1] == 2
 
 
-def with_uniform(eng: LLMEngine, k: int) -> UniformTargetStep:
-    runner = eng.target
-    max_blocks = 8
-    uniform = UniformTargetStep(runner.model, runner.cache, k + 1, 8, max_blocks, "cpu", use_graphs=False)  # type: ignore[attr-defined]
-    runner.uniform = uniform  # type: ignore[attr-defined]
-    return uniform
-
-
 @pytest.mark.parametrize("k", [0, 3])
 def test_uniform_step_matches_eager_and_keeps_addresses(k: int) -> None:
     args, w = mimic_target()
@@ -84,9 +76,9 @@ def test_uniform_step_matches_eager_and_keeps_addresses(k: int) -> None:
     used = []
     orig = uniform.run
 
-    def spy(plan, bucket, uniforms):  # type: ignore[no-untyped-def]
+    def spy(plan, bucket, uniforms, tokens_from=None):  # type: ignore[no-untyped-def]
         used.append((len(plan.seqs), bucket))
-        return orig(plan, bucket, uniforms)
+        return orig(plan, bucket, uniforms, tokens_from)
 
     uniform.run = spy  # type: ignore[method-assign]
     got = [c.token_ids for c in eng.generate(prompts, {"max_tokens": 24})]

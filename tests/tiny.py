@@ -10,6 +10,7 @@ from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
 from speculative.mtp_head import MTPEagleHead
 from workers.model import LlamaArgs, random_llama_weights
+from workers.runner import UniformTargetStep
 
 
 def tiny_args(**overrides: Any) -> LlamaArgs:
@@ -139,3 +140,12 @@ def save_model_dir(path: Any, args: LlamaArgs, weights: dict[str, torch.Tensor])
     (out / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
     return str(out)
+
+
+def with_uniform(eng: LLMEngine, k: int, max_blocks: int = 8) -> UniformTargetStep:
+    """Give an in-process engine the fixed-buffer generation step (Q = k + 1 rows, buckets up to 8) that
+    CUDA builds, run eagerly on CPU over the same buffers."""
+    runner = eng.target
+    uniform = UniformTargetStep(runner.model, runner.cache, k + 1, 8, max_blocks, "cpu", use_graphs=False)  # type: ignore[attr-defined]
+    runner.uniform = uniform  # type: ignore[attr-defined]
+    return uniform

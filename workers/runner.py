@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,12 +62,22 @@ class UniformTargetStep:
             return None
         return pick_bucket(len(plan.seqs), self.steps.sizes)
 
-    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        plan: StepPlan,
+        bucket: int,
+        uniforms: torch.Tensor | None,
+        tokens_from: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the buffers and replay; returns (hidden [m*Q, d], packed verify results [m, 1+Q], see
         `pack_verified`) of the real rows, valid until the next run. `uniforms` [m, Q] is None for an
-        all-greedy step."""
+        all-greedy step. With `tokens_from` (a device tensor of the previous step's tokens, Q = 1), each
+        sequence's token_ids hold a row of it instead of a token, and the token is gathered on the device."""
         seqs = plan.seqs
         fill_step(self.buffers, plan, bucket, uniforms)
+        if tokens_from is not None:
+            ids = self.buffers.input_ids[: len(seqs)]
+            ids.copy_(tokens_from.index_select(0, ids))
         hidden, packed = self.steps.run(bucket, uniforms is not None)
         m = len(seqs)
         return hidden[: m * self.q_len], packed[:m]
@@ -103,6 +114,16 @@ def read_verified(
         last_token[i] = tokens[i][-1]
 
 
+@dataclass
+class LaunchedStep:
+    """A target-only decode step queued on the device whose tokens are not read yet."""
+
+    plan: StepPlan
+    tokens: torch.Tensor  # device [m]: this step's tokens, which the next launch may read
+    host: torch.Tensor  # [m, 2] (accepted, token) per request; valid once `ready` has completed
+    ready: torch.cuda.Event | None  # recorded after the copy to `host` (None off CUDA)
+
+
 class TargetRunner:
     """Owns one rank's model and KV cache; every rank computes the same tokens (logits are gathered)."""
 
@@ -121,6 +142,7 @@ class TargetRunner:
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
         self._generators: dict[str, torch.Generator] = {}
+        self._results: list[torch.Tensor] = []  # two host buffers for launched steps' results, alternating
 
     def _gen(self, sp: SeqPlan) -> torch.Generator:
         g = self._generators.get(sp.request_id)
@@ -142,6 +164,50 @@ class TargetRunner:
             dev,
         )
         return self.model(ids, positions, self.cache, meta)
+
+    def can_launch(self, plan: StepPlan) -> bool:
+        """Whether `launch` takes this plan: a target-only decode step of captured shape."""
+        return (
+            self.uniform is not None
+            and self.fused is None
+            and plan.num_draft_tokens == 0
+            and self.uniform.q_len == 1
+            and self.uniform.bucket_for(plan) is not None
+        )
+
+    @torch.no_grad()
+    def launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue a target-only decode step (see `can_launch`) without waiting for it. With `after`, each
+        sequence's token_ids hold its row in `after`'s plan, and its input token is that step's output,
+        read on the device; `after` need not have finished. Read the tokens with `collect`."""
+        assert self.uniform is not None
+        for rid in plan.finished_request_ids:
+            self._generators.pop(rid, None)
+        bucket = self.uniform.bucket_for(plan)
+        if bucket is None:
+            raise ValueError("launch needs a target-only decode step of captured shape")
+        m = len(plan.seqs)
+        _, packed = self.uniform.run(plan, bucket, self.uniforms(plan, 1), None if after is None else after.tokens)
+        if not self._results:
+            shape, pin = (self.uniform.buffers.max_batch, 2), self.device.type == "cuda"
+            self._results = [torch.zeros(shape, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._results.reverse()
+        host = self._results[0][:m]
+        host.copy_(packed, non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return LaunchedStep(plan, packed[:, 1], host, ready)
+
+    def collect(self, step: LaunchedStep) -> TargetOutput:
+        """Wait for a launched step and return its tokens."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        results = [
+            SeqResult(s.request_id, [row[1]], 0, 0) for s, row in zip(step.plan.seqs, step.host.tolist(), strict=True)
+        ]
+        return TargetOutput(step.plan.step_id, results)
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> TargetOutput:

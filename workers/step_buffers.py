@@ -12,20 +12,21 @@ import torch
 class StepBuffers:
     """Device tensors allocated once; each step fills a host staging copy and sends it in one transfer.
 
-    Every field is a view of one packed device tensor (and its pinned host twin), laid out as
+    Every field is a view of one packed device tensor (and its pinned host twins), laid out as
     [input_ids | positions | slot_mapping | seq_lens | block_tables], so a step is one host-to-device copy
-    of the prefix that the step uses.
+    of the prefix that the step uses. Steps alternate between two host twins, so a step can be filled
+    while the previous step's copy may still be queued behind the GPU.
     """
 
     packed: torch.Tensor  # device int64, every field below is a view of it
-    staging: torch.Tensor  # host int64 twin of `packed` (pinned on CUDA)
+    stagings: tuple[torch.Tensor, torch.Tensor]  # host int64 twins of `packed` (pinned on CUDA)
     input_ids: torch.Tensor  # [B_max*Q] int64
     positions: torch.Tensor  # [B_max*Q] int64
     slot_mapping: torch.Tensor  # [B_max*Q] int64
     seq_lens: torch.Tensor  # [B_max] int64, KV length after the step
     block_tables: torch.Tensor  # [B_max, M] int64
     fpacked: torch.Tensor  # device float32: the sampling fields below are views of it
-    fstaging: torch.Tensor  # host float32 twin of `fpacked`
+    fstagings: tuple[torch.Tensor, torch.Tensor]  # host float32 twins of `fpacked`
     temperature: torch.Tensor  # [B_max] float32 (0 = greedy)
     top_k: torch.Tensor  # [B_max] float32 holding integers (0 = off)
     top_p: torch.Tensor  # [B_max] float32
@@ -33,6 +34,7 @@ class StepBuffers:
     q_len: int
     block_size: int
     scratch_block: int
+    turn: int = 0  # which host twin the current step uses
 
     @classmethod
     def allocate(
@@ -42,22 +44,23 @@ class StepBuffers:
         rows = max_batch * q_len
         sizes = [rows, rows, rows, max_batch, max_batch * max_blocks]
         packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
-        staging = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+        pin = device.type == "cuda"
+        stagings = (torch.zeros(sum(sizes), dtype=torch.long, pin_memory=pin) for _ in range(2))
         ids, pos, slots, lens, tables = packed.split(sizes)
         fsizes = [max_batch, max_batch, max_batch, rows]
         fpacked = torch.zeros(sum(fsizes), dtype=torch.float32, device=device)
-        fstaging = torch.zeros(sum(fsizes), dtype=torch.float32, pin_memory=device.type == "cuda")
+        fstagings = (torch.zeros(sum(fsizes), dtype=torch.float32, pin_memory=pin) for _ in range(2))
         temp, top_k, top_p, uniforms = fpacked.split(fsizes)
         return cls(
             packed,
-            staging,
+            tuple(stagings),  # type: ignore[arg-type]
             ids,
             pos,
             slots,
             lens,
             tables.view(max_batch, max_blocks),
             fpacked,
-            fstaging,
+            tuple(fstagings),  # type: ignore[arg-type]
             temp,
             top_k,
             top_p,
@@ -94,11 +97,13 @@ class StepBuffers:
         uniforms: torch.Tensor,
         bucket: int,
     ) -> None:
-        """Copy n rows of sampling parameters and verify uniforms [n, Q]; padding rows are greedy."""
+        """Copy n rows of sampling parameters and verify uniforms [n, Q]; padding rows are greedy. Call
+        after `fill` for the same step (it uses that step's host twin)."""
         n, b_max, q = len(temperature), self.max_batch, self.q_len
         if n > bucket or bucket > b_max or tuple(uniforms.shape) != (n, q):
             raise ValueError(f"sampling rows: {n} rows, uniforms {tuple(uniforms.shape)}, bucket {bucket}, Q {q}")
-        host = self.fstaging.numpy()
+        staging = self.fstagings[self.turn]
+        host = staging.numpy()
         host[:bucket] = 0.0
         host[b_max : b_max + bucket] = 0.0
         host[2 * b_max : 2 * b_max + bucket] = 1.0
@@ -109,7 +114,7 @@ class StepBuffers:
             host[b_max : b_max + n] = top_k
             host[2 * b_max : 2 * b_max + n] = top_p
             u[:n] = uniforms.numpy()
-        self.fpacked.copy_(self.fstaging, non_blocking=True)
+        self.fpacked.copy_(staging, non_blocking=True)
 
     def fill(
         self,
@@ -126,7 +131,9 @@ class StepBuffers:
         if n > bucket or bucket > self.max_batch:
             raise ValueError(f"{n} sequences do not fit bucket {bucket} (max {self.max_batch})")
         rows_max, m = self.max_batch * q, self.max_blocks
-        host = self.staging.numpy()
+        self.turn ^= 1
+        staging = self.stagings[self.turn]
+        host = staging.numpy()
         ids = host[:rows_max]
         pos = host[rows_max : 2 * rows_max]
         slots = host[2 * rows_max : 3 * rows_max]
@@ -157,4 +164,4 @@ class StepBuffers:
             slots[:real] = real_slots.reshape(-1)
             lens[:n] = start + q
         used = 3 * rows_max + self.max_batch + bucket * m
-        self.packed[:used].copy_(self.staging[:used], non_blocking=True)
+        self.packed[:used].copy_(staging[:used], non_blocking=True)
