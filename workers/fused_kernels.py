@@ -8,6 +8,7 @@
   for the few rows of a decode or verify step.
 - `swiglu_linear`: silu(gate) * up and the down projection in one launch, for the same few rows.
 - `linear`: a plain projection (the attention output's) for the same few rows.
+- `norm_qkv_rope`: `norm_linear` into q/k/v with `rope_write_kv` folded in, for the same few rows.
 
 The two projection kernels are matrix-vector products: each program loads its slice of weight rows, the
 input rows and the norm weight at once (one memory round trip) and reduces the products in registers.
@@ -94,6 +95,29 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
+    def _rows_in(
+        x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
+        HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # input rows [BLOCK_M, BLOCK_K] in fp32: x (+ residual, stored once by program 0), RMS-normed and
+        # rounded to the weight's dtype as the separate kernels round them
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        inside = (rows[:, None] < M) & (ks[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + rows[:, None] * stride_r + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+            s = (x + r).to(res_ptr.dtype.element_ty)
+            first = tl.where(pid == 0, M, 0)
+            tl.store(res_ptr + rows[:, None] * stride_res + ks[None, :], s, mask=inside & (rows[:, None] < first))
+            x = s.to(tl.float32)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
+            x = (x * inv[:, None] * nw[None, :]).to(w_ptr.dtype.element_ty).to(tl.float32)
+        return x
+
+    @triton.jit
     def _norm_linear(
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, res_ptr, M, N, K, eps,
         stride_x, stride_r, stride_w, stride_y, stride_res,
@@ -105,24 +129,56 @@ if triton is not None:
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        inside = (rows[:, None] < M) & (ks[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=inside, other=0.0).to(tl.float32)
         w = tl.load(
             w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0
         )
-        if HAS_RES:
-            r = tl.load(r_ptr + rows[:, None] * stride_r + ks[None, :], mask=inside, other=0.0).to(tl.float32)
-            s = (x + r).to(res_ptr.dtype.element_ty)
-            first = tl.where(pid == 0, M, 0)  # only the first program stores the new residual
-            tl.store(res_ptr + rows[:, None] * stride_res + ks[None, :], s, mask=inside & (rows[:, None] < first))
-            x = s.to(tl.float32)
-        if HAS_NORM:
-            nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
-            x = (x * inv[:, None] * nw[None, :]).to(w_ptr.dtype.element_ty).to(tl.float32)
+        x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
+                     HAS_NORM, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
         y = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
         tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
+
+    @triton.jit
+    def _norm_qkv_rope(
+        x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        M, K, eps, stride_x, stride_r, stride_w, stride_res, stride_cos, stride_q,
+        HAS_RES: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
+        HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # each program owns PAIRS rotation pairs (columns j and j + HALF) of one q, k or v head, so it can
+        # rotate its own outputs and store them: q to q_ptr, k and v straight into the paged caches
+        pid = tl.program_id(0)
+        h = pid // (HALF // PAIRS)
+        j = (pid % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        c1 = h * DIM + j
+        w1 = tl.load(w_ptr + c1[:, None] * stride_w + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        w2 = tl.load(w_ptr + (c1 + HALF)[:, None] * stride_w + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
+                     True, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
+        dt = q_ptr.dtype.element_ty
+        y1 = tl.sum(x[:, None, :] * w1.to(tl.float32)[None, :, :], 2).to(dt).to(tl.float32)  # [BLOCK_M, PAIRS]
+        y2 = tl.sum(x[:, None, :] * w2.to(tl.float32)[None, :, :], 2).to(dt).to(tl.float32)
+        ok = (rows < M)[:, None] & (j < HALF)[None, :]
+        if h < HEADS + KV_HEADS:
+            c = tl.load(cos_ptr + rows[:, None] * stride_cos + j[None, :], mask=ok, other=0.0)
+            s = tl.load(sin_ptr + rows[:, None] * stride_cos + j[None, :], mask=ok, other=0.0)
+            y1, y2 = y1 * c - y2 * s, y2 * c + y1 * s
+        if h < HEADS:
+            dst = q_ptr + rows[:, None] * stride_q + h * DIM + j[None, :]
+            tl.store(dst, y1.to(dt), mask=ok)
+            tl.store(dst + HALF, y2.to(dt), mask=ok)
+        else:
+            slot = tl.load(slot_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+            if h < HEADS + KV_HEADS:
+                dst = k_cache_ptr + slot[:, None] * (KV_HEADS * DIM) + (h - HEADS) * DIM + j[None, :]
+                tl.store(dst, y1.to(k_cache_ptr.dtype.element_ty), mask=ok)
+                tl.store(dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            else:
+                dst = v_cache_ptr + slot[:, None] * (KV_HEADS * DIM) + (h - HEADS - KV_HEADS) * DIM + j[None, :]
+                tl.store(dst, y1.to(v_cache_ptr.dtype.element_ty), mask=ok)
+                tl.store(dst + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _swiglu_linear(
@@ -293,3 +349,53 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(m, n, dtype=gate_up.dtype, device=gate_up.device)
     _swiglu_linear[grid](gate_up, weight, y, m, n, k, gate_up.stride(0), weight.stride(0), y.stride(0), **meta)
     return y
+
+
+ROPE_PAIRS = GEMV_BLOCK_N // 2  # rotation pairs per program of norm_qkv_rope (8 output columns)
+
+
+def rope_fits(rows: int, k: int, head_dim: int) -> bool:
+    """Whether `norm_qkv_rope` takes `rows` input rows of width k with this head size."""
+    return gemv_fits(rows, k) and head_dim % (2 * ROPE_PAIRS) == 0
+
+
+def norm_qkv_rope(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear` into the [q; k; v] weight, then `rope_write_kv`, in one launch: returns (rotated q
+    [M, heads, head_dim], x + residual); k and v go straight into the paged caches. For `rope_fits`."""
+    _need_triton()
+    m, k = x.shape
+    if not rope_fits(m, k, head_dim):
+        raise ValueError(f"norm_qkv_rope takes 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K} and head_dim "
+                         f"divisible by {2 * ROPE_PAIRS}, got {m} x {k}, head_dim {head_dim}")  # fmt: skip
+    if weight.shape[0] != (heads + 2 * kv_heads) * head_dim or weight.stride(-1) != 1:
+        raise ValueError("norm_qkv_rope needs the fused [q; k; v] weight with contiguous rows")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("norm_qkv_rope needs contiguous caches")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    res = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
+    cos, sin = cos.reshape(m, -1), sin.reshape(m, -1)
+    q = torch.empty(m, heads, head_dim, dtype=x.dtype, device=x.device)
+    half = head_dim // 2
+    block_k = triton.next_power_of_2(k)
+    _norm_qkv_rope[((heads + 2 * kv_heads) * (half // ROPE_PAIRS),)](
+        x, r, norm_weight, weight, res, cos, sin, slot_mapping, q, k_cache, v_cache,
+        m, k, eps, x.stride(0), r.stride(0), weight.stride(0), res.stride(0), cos.stride(0), q.stride(0),
+        HAS_RES=residual is not None, HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=half, PAIRS=ROPE_PAIRS,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8,
+    )  # fmt: skip
+    return q, res

@@ -1,9 +1,10 @@
 """The element-wise steps of a decoder layer, as one object per implementation.
 
 `TorchOps` is the reference (any device). `TritonOps` runs each step as one fused kernel on CUDA. With
-fused q/k/v and gate/up weights a layer takes 9 launches on large steps and 6 on small ones (up to
+fused q/k/v and gate/up weights a layer takes 9 launches on large steps and 5 on small ones (up to
 `TritonOps.small_rows` rows), where the norms and SwiGLU also fold into the projections that follow
-them and every projection is a Triton matrix-vector kernel. That matters because a small model's decode
+them, RoPE and the KV write into the q/k/v projection, and every projection is a Triton matrix-vector
+kernel. That matters because a small model's decode
 step is bound by kernel count and memory latency, not by arithmetic.
 """
 
@@ -87,6 +88,26 @@ class TorchOps:
         """x @ weight.T."""
         return F.linear(x, weight)
 
+    def norm_qkv_rope(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        qkv_weight: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotated q [T, H, D], x + residual): `norm_linear` into [q; k; v], then `rope_write_kv`."""
+        qkv, s = self.norm_linear(x, residual, norm_weight, eps, qkv_weight)
+        return self.rope_write_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads, head_dim), s
+
 
 class TritonOps(TorchOps):
     """The same steps as fused Triton kernels (one launch each); steps of at most `small_rows` rows also
@@ -116,6 +137,28 @@ class TritonOps(TorchOps):
         if gate_up.shape[0] > self.small_rows or not fused_kernels.gemv_fits(gate_up.shape[0], weight.shape[1]):
             return super().swiglu_linear(gate_up, weight)
         return fused_kernels.swiglu_linear(gate_up, weight)
+
+    def norm_qkv_rope(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        qkv_weight: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel for small steps (norm, q/k/v projection, RoPE, KV write); two otherwise."""
+        args = (x, residual, norm_weight, eps, qkv_weight, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads)
+        if x.shape[0] > self.small_rows or not fused_kernels.rope_fits(x.shape[0], x.shape[1], head_dim):
+            return super().norm_qkv_rope(*args, head_dim)
+        return fused_kernels.norm_qkv_rope(*args, head_dim)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The matrix-vector kernel for small steps; cuBLAS otherwise."""

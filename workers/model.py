@@ -130,19 +130,24 @@ class Attention(nn.Module):
             return self.qkv_weight
         return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
 
-    def forward(
+    def project(
         self,
-        qkv: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
         rope: Rope,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: Metadata,
-    ) -> torch.Tensor:
-        """From the [q | k | v] projections [T, (H + 2 Hkv) D]: write this chunk's K/V into the cache,
-        attend, and project back (partial sum under TP)."""
-        q = self.ops.rope_write_kv(
-            qkv, *rope, meta.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim
-        )
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotated q [T, H, D], x + residual) of the normed input; writes this chunk's K/V into the cache."""
+        return self.ops.norm_qkv_rope(
+            x, residual, norm.weight, norm.eps, self.qkv_proj_weight(), *rope, meta.slot_mapping, k_cache, v_cache,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Metadata) -> torch.Tensor:
+        """Attend with rotated q [T, H, D] over the cache and project back (partial sum under TP)."""
         out = meta.attend(q, k_cache, v_cache, self.scale)
         return self.tp.all_reduce(self.ops.linear(out, self.o_proj.weight))
 
@@ -220,8 +225,8 @@ class DecoderLayer(nn.Module):
         the next layer fuse that add into its input norm."""
         ops = self.input_layernorm.ops
         pre, post = self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = ops.norm_linear(x, residual, pre.weight, pre.eps, self.self_attn.qkv_proj_weight())
-        a = self.self_attn(qkv, rope, k_cache, v_cache, meta)
+        q, residual = self.self_attn.project(x, residual, pre, rope, k_cache, v_cache, meta)
+        a = self.self_attn(q, k_cache, v_cache, meta)
         gate_up, residual = ops.norm_linear(a, residual, post.weight, post.eps, self.mlp.gate_up_proj_weight())
         return self.mlp.down(gate_up), residual
 
