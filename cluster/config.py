@@ -31,6 +31,11 @@ class ModelConfig(_Strict):
         description="target-only decoding on captured steps: queue the next step before reading this one's "
         "tokens, so host work overlaps GPU work",
     )
+    overlap_speculative: bool = Field(
+        False,
+        description="the same for speculative steps with the draft in process (tested on CPU, not yet "
+        "measured on a GPU; needs overlap_steps)",
+    )
     fused_kernels: bool = Field(
         True, description="fused Triton kernels for norm+residual, RoPE+KV write and SwiGLU (CUDA only)"
     )

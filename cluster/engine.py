@@ -214,21 +214,24 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step over every running request.
 
-        In steady target-only decoding on captured steps (`model.overlap_steps`), the next step is queued
-        on the device before this one's tokens are read, its input tokens taken from this step's output
-        on the device, so host work overlaps GPU work. A request that stops at this step then computes one
-        extra token, which is dropped."""
+        In steady decoding on captured steps (`model.overlap_steps`: target-only, and with
+        `model.overlap_speculative` speculative steps with the draft in process), the next step is queued
+        on the device before this one's tokens are read, its
+        inputs taken from this step's results on the device, so host work overlaps GPU work. A request
+        that stops at this step then computes one extra step, which is dropped."""
         runner = self._overlap_runner
         if self._launched is None:
             plan = self.scheduler.schedule()
-            if runner is None or not runner.can_launch(plan):
+            speculative_ok = self.cfg.model.overlap_speculative or not plan.num_draft_tokens
+            if runner is None or not speculative_ok or not runner.can_launch(plan):
                 return self._execute(plan)
             self._launched = runner.launch(plan)
         assert runner is not None
         current = self._launched
         ahead = self.scheduler.plan_ahead(current.plan)
         self._launched = runner.launch(ahead, current) if ahead is not None else None
-        return self._apply(current.plan, runner.collect(current), None)
+        out = runner.collect(current)
+        return self._apply(current.plan, out, out.draft_outputs)
 
     def drain(self) -> list[RequestOutput]:
         """Read and apply a step queued ahead by `step`, if any, so that the scheduler's state is current
@@ -236,7 +239,8 @@ class LLMEngine:
         launched, self._launched = self._launched, None
         if launched is None or self._overlap_runner is None:
             return []
-        return self._apply(launched.plan, self._overlap_runner.collect(launched), None)
+        out = self._overlap_runner.collect(launched)
+        return self._apply(launched.plan, out, out.draft_outputs)
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         out = self.target.execute(plan)

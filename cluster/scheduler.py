@@ -125,36 +125,40 @@ class Scheduler:
         return StepPlan(self._step, ctx + gen, self.k, finished)
 
     def plan_ahead(self, pending: StepPlan) -> StepPlan | None:
-        """The decode step after `pending`, a target-only decode step whose tokens are not applied yet.
+        """The generation step after `pending`, a generation step whose results are not applied yet.
 
-        Each sequence's token_ids hold its row in `pending` (its input token is that row's output). Requests
-        that `pending` finishes by length are left out; those it may finish by a stop token stay in, and
-        their extra token is dropped by `update`. None when the step should go through `schedule` instead:
-        requests are waiting or running outside `pending`, blocks would need a preemption, or nothing is
-        left to run."""
+        Each sequence's token_ids[0] holds its row in `pending`: its inputs (last token, and the drafts
+        and position when speculating) come from that row's results on the device. Requests that
+        `pending` may finish by length are left out; those it may finish by a stop token stay in, and
+        `update` drops their extra step. Blocks are grown for the most tokens `pending` can accept. None
+        when the step should go through `schedule` instead: requests are waiting or running outside
+        `pending`, blocks would need a preemption, or nothing is left to run."""
+        k = pending.num_draft_tokens
         planned = {sp.request_id for sp in pending.seqs}
-        if self.waiting or pending.num_draft_tokens or any(r.request_id not in planned for r in self.running):
+        if self.waiting or any(r.request_id not in planned for r in self.running):
             return None
         seqs: list[SeqPlan] = []
         for row, sp in enumerate(pending.seqs):
             req = self.requests.get(sp.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING or sp.is_context or len(sp.token_ids) != 1:
+            if req is None or req.status is not RequestStatus.RUNNING or sp.is_context or len(sp.token_ids) != k + 1:
                 continue
-            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.max_model_len:
+            most = k + 1  # tokens `pending` can emit
+            if len(req.output_token_ids) + most >= req.params.max_tokens or req.num_tokens + most >= self.max_model_len:
                 continue
-            start = sp.start + 1
-            if not self.blocks.grow(req.block_ids, self.slots_needed(start + 1)):
+            start = sp.start + most  # an upper bound: the device knows the real one
+            if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):
                 return None
             p = req.params
             seqs.append(
                 SeqPlan(
                     request_id=req.request_id,
-                    token_ids=[row],
+                    token_ids=[row] + [0] * k,
                     start=start,
                     block_ids=list(req.block_ids),
                     is_context=False,
                     is_final_chunk=True,
                     lookahead_token=-1,
+                    num_draft_tokens=k,
                     temperature=p.temperature,
                     top_p=p.top_p,
                     top_k=p.top_k,
@@ -165,7 +169,7 @@ class Scheduler:
             return None
         self._step += 1
         finished, self._finished_since_plan = self._finished_since_plan, []
-        return StepPlan(self._step, seqs, 0, finished)
+        return StepPlan(self._step, seqs, k, finished)
 
     def _chunk_plan(self, req: Request, budget: int, scheduled: set[str], allow_preempt: bool) -> SeqPlan | None:
         start = req.num_computed_tokens

@@ -109,13 +109,13 @@ def test_fused_greedy_step_matches_unfused(k: int) -> None:
     runner.fused = fused  # type: ignore[attr-defined]
     ptrs = fused.buffers.addresses()
     runs = []
-    orig = fused.run
+    orig = fused.launch
 
-    def spy(plan, bucket, uniforms=None):  # type: ignore[no-untyped-def]
+    def spy(plan, bucket, uniforms=None, after=None):  # type: ignore[no-untyped-def]
         runs.append((len(plan.seqs), bucket))
-        return orig(plan, bucket, uniforms)
+        return orig(plan, bucket, uniforms, after)
 
-    fused.run = spy  # type: ignore[method-assign]
+    fused.launch = spy  # type: ignore[method-assign]
     out = eng.generate(prompts, {"max_tokens": 30})
     assert [c.token_ids for c in out] == want
     assert eng.totals.accepted == ref.totals.accepted and eng.totals.drafted == ref.totals.drafted

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from cluster.engine import LLMEngine
+from speculative.mtp_chain import MTPEagleChain
+from workers.fused_step import FusedSpecStep
 from workers.runner import TargetRunner
 
-from tiny import mimic_target, random_prompts, tiny_engine, with_uniform
+from tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_uniform
 
 PARAMS: list[dict[str, Any]] = [
     {"max_tokens": 24},
@@ -38,14 +41,28 @@ def drive(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, Any]]
         if steps == 12:
             eng.abort(ids[2])
     blocks = eng.scheduler.blocks
-    return {"tokens": tokens, "reasons": reasons, "blocks_held": blocks.num_blocks - blocks.num_free}
+    acceptance = eng.totals.accepted / max(eng.totals.drafted, 1)
+    return {
+        "tokens": tokens,
+        "reasons": reasons,
+        "blocks_held": blocks.num_blocks - blocks.num_free,
+        "acceptance": acceptance,
+    }
 
 
-def overlap_engine(overlap: bool) -> tuple[LLMEngine, list[int]]:
-    """A target-only tiny engine with the fixed-buffer step; records which launches read device tokens."""
+def overlap_engine(overlap: bool, k: int = 0) -> tuple[LLMEngine, list[int]]:
+    """A tiny engine with the fixed-buffer step: target-only (k = 0) or speculative with the fused step and
+    a head that mimics the target; records which launches read their inputs from the previous step."""
     args, w = mimic_target()
-    eng = tiny_engine(args, w, model={"overlap_steps": overlap})
-    with_uniform(eng, 0)
+    if k:
+        model = {"overlap_steps": overlap, "overlap_speculative": overlap}
+        eng = tiny_engine(args, w, mimic_head(args, w), model=model, speculative={"num_draft_tokens": k})
+        runner = eng.target
+        assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
+        runner.fused = FusedSpecStep(runner.model, runner.cache, eng.draft, k, 8, 12, "cpu", use_graphs=False)
+    else:
+        eng = tiny_engine(args, w, model={"overlap_steps": overlap})
+        with_uniform(eng, 0)
     runner = eng.target
     assert isinstance(runner, TargetRunner)
     chained: list[int] = []
@@ -59,28 +76,47 @@ def overlap_engine(overlap: bool) -> tuple[LLMEngine, list[int]]:
     return eng, chained
 
 
-def test_overlapped_decoding_emits_the_same_tokens() -> None:
-    """Greedy and sampling requests, a stop token, a late arrival and an abort: the same tokens and finish
-    reasons with and without overlap, most steps queued ahead, and every KV block returned."""
+@pytest.mark.parametrize("k", [0, 3])
+def test_overlapped_decoding_emits_the_same_tokens(k: int) -> None:
+    """Greedy and sampling requests, a stop token, a late arrival and an abort: the same tokens, finish
+    reasons and acceptance with and without overlap, target-only (k = 0) and speculative, most steps queued
+    ahead, and every KV block returned."""
     args, _ = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [21, 5, 13, 9], seed=11)
     params = [dict(p) for p in PARAMS]
-    probe, _ = overlap_engine(False)
+    probe, _ = overlap_engine(False, k)
     first = probe.generate(prompts[:1], params[0])[0].token_ids
     params[0]["stop_token_ids"] = [first[6]]  # request 0 stops on a token it emits part-way
-    ref_engine, ref_chained = overlap_engine(False)
+    ref_engine, ref_chained = overlap_engine(False, k)
     want = drive(ref_engine, prompts, params)
-    eng, chained = overlap_engine(True)
+    eng, chained = overlap_engine(True, k)
     got = drive(eng, prompts, params)
     assert got == want
+    assert (eng.totals.drafted, eng.totals.accepted) == (ref_engine.totals.drafted, ref_engine.totals.accepted)
+    if k:
+        assert want["acceptance"] > 0, "the mimic head gets drafts accepted"
     assert want["reasons"] == {"r0": "stop", "r1": "length", "r2": None, "r3": "length"}  # r2 was aborted
     assert 0 < len(want["tokens"]["r2"]) < 30
     assert len(want["tokens"]["r0"]) <= 7 and want["tokens"]["r0"][-1] == first[6]
     assert want["blocks_held"] == 0 and got["blocks_held"] == 0
     assert ref_chained == [], "without overlap nothing is launched ahead"
-    assert sum(chained) >= 15 and sum(chained) > len(chained) // 2, (
-        f"most decode steps must be queued ahead of their predecessor: {chained}"
-    )
+    least = 15 if k == 0 else 5  # speculative requests finish in fewer, longer steps
+    assert sum(chained) >= least and sum(chained) > len(chained) // 2, f"most steps must be queued ahead: {chained}"
+
+
+def test_speculative_overlap_is_opt_in() -> None:
+    """By default (model.overlap_speculative off) speculative steps are read before the next is queued."""
+    args, w = mimic_target()
+    eng = tiny_engine(args, w, mimic_head(args, w), speculative={"num_draft_tokens": 2})
+    runner = eng.target
+    assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
+    assert eng.cfg.model.overlap_steps and not eng.cfg.model.overlap_speculative
+    runner.fused = FusedSpecStep(runner.model, runner.cache, eng.draft, 2, 8, 12, "cpu", use_graphs=False)
+    launches: list[object] = []
+    launch = runner.launch
+    runner.launch = lambda plan, after=None: launches.append(plan) or launch(plan, after)  # type: ignore[method-assign]
+    eng.generate(random_prompts(2, args.vocab_size, [9, 4], seed=3), {"max_tokens": 12})
+    assert launches == [] and runner.fused.steps.greedy.replays == 0 and eng.totals.drafted > 0
 
 
 def test_plan_ahead_keeps_rows_and_leaves_out_requests_that_end_by_length() -> None:

@@ -7,6 +7,10 @@ i+1 up to the first rejection and the correction or bonus token there; rows past
 that the chain overwrites before anything reads it), then the chain proposes K greedy tokens from each
 request's last accepted row. Two CUDA graphs per batch bucket (all-greedy, sampling); one host copy of
 the results per step.
+
+A step can also take its inputs from the previous step's results on the device (`run(..., after=...)`):
+each request's next tokens are its last emitted token and its new drafts, and its next position follows
+its accepted count, so the host can queue the step before it has read the previous one.
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ class FusedSpecStep:
         n_acc, emitted = verify_step(logits, ids, q, b.sampling(bucket) if sampled else None)  # [B], [B, K+1]
         c = self.chain
         drafts = propose_from_rows(c.head, c.shared, c.cache, emitted.reshape(-1), hidden, pos, meta, n_acc, k)
-        return torch.cat([emitted, n_acc[:, None].to(emitted.dtype), drafts.to(emitted.dtype)], dim=1)
+        next_start = pos.view(bucket, q)[:, 0] + n_acc + 1
+        columns = [emitted, n_acc[:, None], drafts, next_start[:, None]]
+        return torch.cat([t.to(emitted.dtype) for t in columns], dim=1)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """A bucket when every request is generation with exactly K one-hot drafts and fits; else None."""
@@ -71,17 +77,45 @@ class FusedSpecStep:
                 return None
         return pick_bucket(len(plan.seqs), self.steps.sizes) if plan.seqs else None
 
-    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
-        """Fill the buffers, replay, and read back tokens, accept counts and next drafts in one copy (the
-        graph packs them as [emitted K+1 | accepted | drafts K] per row). `uniforms` [m, K+1] holds the
-        verify step's random numbers; None for an all-greedy step."""
-        seqs = plan.seqs
+    def launch(
+        self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None, after: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Fill the buffers and replay without waiting; returns the device results [m, 2K+3] of the real
+        rows, per row [emitted K+1 | accepted | drafts K | next start] (valid until the next run).
+        `uniforms` [m, K+1] holds the verify step's random numbers; None for an all-greedy step. With
+        `after` (a previous launch's results), each sequence's token_ids[0] is its row there, and its
+        tokens and positions are taken from that row on the device."""
         fill_step(self.buffers, plan, bucket, uniforms)
-        host = self.steps.run(bucket, uniforms is not None)[: len(seqs)].cpu()
+        m = len(plan.seqs)
+        if after is not None:
+            self._advance(m, after)
+        return self.steps.run(bucket, uniforms is not None)[:m]
+
+    def _advance(self, m: int, previous: torch.Tensor) -> None:
+        b, q, k = self.buffers, self.k + 1, self.k
+        src = previous.index_select(0, b.input_ids.view(-1, q)[:m, 0])
+        n_acc = src[:, q : q + 1]
+        ids = torch.cat([src.gather(1, n_acc), src[:, q + 1 : q + 1 + k]], dim=1)
+        start = src[:, -1:]
+        pos = start + torch.arange(q, device=src.device)
+        bs = b.block_size
+        slots = b.block_tables[:m].gather(1, pos // bs) * bs + pos % bs
+        b.input_ids[: m * q].copy_(ids.reshape(-1))
+        b.positions[: m * q].copy_(pos.reshape(-1))
+        b.slot_mapping[: m * q].copy_(slots.reshape(-1))
+        b.seq_lens[:m].copy_(start[:, 0] + q)
+
+    def read(self, plan: StepPlan, host: torch.Tensor) -> TargetOutput:
+        """Tokens, accept counts and next drafts from a launch's results, copied to the host."""
         k = self.k
         rows = host.tolist()
         results = [
-            SeqResult(s.request_id, row[: row[k + 1] + 1], k, row[k + 1]) for s, row in zip(seqs, rows, strict=True)
+            SeqResult(s.request_id, row[: row[k + 1] + 1], k, row[k + 1])
+            for s, row in zip(plan.seqs, rows, strict=True)
         ]
-        proposals = DraftOutputs(plan.step_id, [s.request_id for s in seqs], host[:, k + 2 :])
+        proposals = DraftOutputs(plan.step_id, [s.request_id for s in plan.seqs], host[:, k + 2 : 2 * k + 2])
         return TargetOutput(plan.step_id, results, None, proposals)
+
+    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
+        """Launch, then read back tokens, accept counts and next drafts in one copy."""
+        return self.read(plan, self.launch(plan, bucket, uniforms).cpu())

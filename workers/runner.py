@@ -116,11 +116,11 @@ def read_verified(
 
 @dataclass
 class LaunchedStep:
-    """A target-only decode step queued on the device whose tokens are not read yet."""
+    """A generation step queued on the device whose tokens are not read yet."""
 
     plan: StepPlan
-    tokens: torch.Tensor  # device [m]: this step's tokens, which the next launch may read
-    host: torch.Tensor  # [m, 2] (accepted, token) per request; valid once `ready` has completed
+    results: torch.Tensor  # device [m, W]: this step's packed results, which the next launch may read
+    host: torch.Tensor  # [m, W] the same on the host; valid once `ready` has completed
     ready: torch.cuda.Event | None  # recorded after the copy to `host` (None off CUDA)
 
 
@@ -166,10 +166,12 @@ class TargetRunner:
         return self.model(ids, positions, self.cache, meta)
 
     def can_launch(self, plan: StepPlan) -> bool:
-        """Whether `launch` takes this plan: a target-only decode step of captured shape."""
+        """Whether `launch` takes this plan: a generation step of captured shape, through the fused
+        speculative step when the draft is colocated, else (target-only) through the uniform step."""
+        if self.fused is not None:
+            return plan.num_draft_tokens > 0 and self.fused.bucket_for(plan) is not None
         return (
             self.uniform is not None
-            and self.fused is None
             and plan.num_draft_tokens == 0
             and self.uniform.q_len == 1
             and self.uniform.bucket_for(plan) is not None
@@ -177,33 +179,44 @@ class TargetRunner:
 
     @torch.no_grad()
     def launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue a target-only decode step (see `can_launch`) without waiting for it. With `after`, each
-        sequence's token_ids hold its row in `after`'s plan, and its input token is that step's output,
-        read on the device; `after` need not have finished. Read the tokens with `collect`."""
-        assert self.uniform is not None
+        """Queue a generation step (see `can_launch`) without waiting for it. With `after`, each sequence's
+        token_ids[0] holds its row in `after`'s plan, and its inputs (tokens, and positions when drafting)
+        come from that step's results on the device; `after` need not have finished. Read with `collect`."""
         for rid in plan.finished_request_ids:
             self._generators.pop(rid, None)
-        bucket = self.uniform.bucket_for(plan)
-        if bucket is None:
-            raise ValueError("launch needs a target-only decode step of captured shape")
-        m = len(plan.seqs)
-        _, packed = self.uniform.run(plan, bucket, self.uniforms(plan, 1), None if after is None else after.tokens)
-        if not self._results:
-            shape, pin = (self.uniform.buffers.max_batch, 2), self.device.type == "cuda"
+        q_len = len(plan.seqs[0].token_ids)
+        uniforms = self.uniforms(plan, q_len)
+        previous = None if after is None else after.results
+        if self.fused is not None:
+            results = self.fused.launch(plan, self.fused.bucket_for(plan), uniforms, previous)
+        else:
+            assert self.uniform is not None
+            tokens = None if previous is None else previous[:, 1]
+            _, results = self.uniform.run(plan, self.uniform.bucket_for(plan), uniforms, tokens)  # type: ignore[arg-type]
+        m, width = results.shape
+        if len(self._results) != 2 or self._results[0].shape[1] != width:
+            shape, pin = (self._max_batch(), width), self.device.type == "cuda"
             self._results = [torch.zeros(shape, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._results.reverse()
         host = self._results[0][:m]
-        host.copy_(packed, non_blocking=True)
+        host.copy_(results, non_blocking=True)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return LaunchedStep(plan, packed[:, 1], host, ready)
+        return LaunchedStep(plan, results, host, ready)
+
+    def _max_batch(self) -> int:
+        step = self.fused if self.fused is not None else self.uniform
+        assert step is not None
+        return int(step.buffers.max_batch)
 
     def collect(self, step: LaunchedStep) -> TargetOutput:
-        """Wait for a launched step and return its tokens."""
+        """Wait for a launched step and return its tokens (and, with the fused step, the next drafts)."""
         if step.ready is not None:
             step.ready.synchronize()
+        if self.fused is not None:
+            return self.fused.read(step.plan, step.host)  # type: ignore[no-any-return]
         results = [
             SeqResult(s.request_id, [row[1]], 0, 0) for s, row in zip(step.plan.seqs, step.host.tolist(), strict=True)
         ]
