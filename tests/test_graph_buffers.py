@@ -29,7 +29,11 @@ def test_fill_pads_onto_scratch_block() -> None:
     assert buf.seq_lens[:4].tolist() == [8, 3, 3, 3]
     assert buf.block_tables[0].tolist() == [3, 1, 99, 99]
     ptrs = buf.addresses()
+    first = buf.turn
     buf.fill([[1, 2, 3]], starts=[4], tables=[[7, 6]], bucket=1)  # a smaller step after a larger one
+    assert buf.turn != first and buf.stagings[first][:6].tolist() == [5, 6, 7, 8, 9, 10], (
+        "a step leaves the previous step's host twin alone: its copy may still be queued"
+    )
     assert buf.input_ids[:3].tolist() == [1, 2, 3] and buf.slot_mapping[:3].tolist() == [6 * 4, 6 * 4 + 1, 6 * 4 + 2]
     assert buf.seq_lens[:1].tolist() == [7] and buf.block_tables[0].tolist() == [7, 6, 99, 99]
     assert buf.addresses() == ptrs
