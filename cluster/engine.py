@@ -229,9 +229,15 @@ class LLMEngine:
         assert runner is not None
         current = self._launched
         ahead = self.scheduler.plan_ahead(current.plan)
+        if ahead is not None and not runner.can_launch(ahead):
+            self.scheduler.cancel_ahead(ahead)
+            ahead = None
         self._launched = runner.launch(ahead, current) if ahead is not None else None
         out = runner.collect(current)
-        return self._apply(current.plan, out, out.draft_outputs)
+        outputs = self._apply(current.plan, out, out.draft_outputs)
+        if self._launched is not None and not self.has_unfinished():
+            self.drain()  # every request in the step queued ahead has finished: wait for it now, not later
+        return outputs
 
     def drain(self) -> list[RequestOutput]:
         """Read and apply a step queued ahead by `step`, if any, so that the scheduler's state is current

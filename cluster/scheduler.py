@@ -145,7 +145,7 @@ class Scheduler:
             most = k + 1  # tokens `pending` can emit
             if len(req.output_token_ids) + most >= req.params.max_tokens or req.num_tokens + most >= self.max_model_len:
                 continue
-            start = sp.start + most  # an upper bound: the device knows the real one
+            start = req.num_computed_tokens + most  # an upper bound (pending's own start is exact here)
             if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):
                 return None
             p = req.params
@@ -170,6 +170,11 @@ class Scheduler:
         self._step += 1
         finished, self._finished_since_plan = self._finished_since_plan, []
         return StepPlan(self._step, seqs, k, finished)
+
+    def cancel_ahead(self, plan: StepPlan) -> None:
+        """Give back a `plan_ahead` plan that will not run: its finished request ids go to the next plan
+        (the blocks it grew stay with their requests, which use them later)."""
+        self._finished_since_plan[:0] = plan.finished_request_ids
 
     def _chunk_plan(self, req: Request, budget: int, scheduled: set[str], allow_preempt: bool) -> SeqPlan | None:
         start = req.num_computed_tokens

@@ -107,31 +107,34 @@ def test_swiglu_linear_matches_reference(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "rows", "with_residual"), [(9, 3, 64, 1, True), (4, 2, 16, 3, False)]
+    ("heads", "kv_heads", "dim", "rows", "with_residual", "dtype"),
+    [(9, 3, 64, 1, True, torch.float32), (4, 2, 16, 3, False, torch.float32), (9, 3, 64, 4, True, torch.bfloat16)],
 )
-def test_norm_qkv_rope_matches_reference(heads: int, kv_heads: int, dim: int, rows: int, with_residual: bool) -> None:
+def test_norm_qkv_rope_matches_reference(
+    heads: int, kv_heads: int, dim: int, rows: int, with_residual: bool, dtype: torch.dtype
+) -> None:
     """Norm, q/k/v projection, RoPE and the paged KV write in one kernel give the torch path's rotated q,
-    residual and caches (slots written and untouched)."""
+    residual and caches (slots written and untouched), grouped-query heads included."""
     g = torch.Generator().manual_seed(heads + rows)
     d, blocks, bs = 96, 5, 4
-    x = torch.randn(rows, d, generator=g)
-    res = torch.randn(rows, d, generator=g) if with_residual else None
-    nw, w = 1.0 + 0.1 * torch.randn(d, generator=g), 0.1 * torch.randn((heads + 2 * kv_heads) * dim, d, generator=g)
-    positions = torch.tensor([3, 17, 30][:rows])
+    x = torch.randn(rows, d, generator=g).to(dtype)
+    res = torch.randn(rows, d, generator=g).to(dtype) if with_residual else None
+    nw = (1.0 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    w = (0.1 * torch.randn((heads + 2 * kv_heads) * dim, d, generator=g)).to(dtype)
+    positions = torch.tensor([3, 17, 30, 31][:rows])
     cos, sin = Rotary(dim, 10000.0, 64).table(positions)
-    slots = torch.tensor([5, 9, 18][:rows])
-    caches = [torch.randn(blocks, bs, kv_heads, dim, generator=g) for _ in range(2)]
+    slots = torch.tensor([5, 9, 18, 19][:rows])
+    caches = [torch.randn(blocks, bs, kv_heads, dim, generator=g).to(dtype) for _ in range(2)]
     k1, v1 = (c.clone() for c in caches)
     k2, v2 = (c.clone() for c in caches)
     args = (heads, kv_heads, dim)
     got, got_res = fused_kernels.norm_qkv_rope(x, res, nw, 1e-5, w, cos, sin, slots, k1, v1, *args)
     ref, ref_res = TORCH_OPS.norm_qkv_rope(x, res, nw, 1e-5, w, cos, sin, slots, k2, v2, *args)
-    assert got.shape == ref.shape == (rows, heads, dim)
-    assert (got - ref).abs().max().item() < 1e-4 and torch.equal(got_res, ref_res)
-    assert (k1 - k2).abs().max().item() < 1e-4 and (v1 - v2).abs().max().item() < 1e-4
-    assert not torch.equal(k1, caches[0]) and torch.equal(
-        k1.view(-1, kv_heads, dim)[0], caches[0].view(-1, kv_heads, dim)[0]
-    )
+    assert got.shape == ref.shape == (rows, heads, dim) and got.dtype == dtype
+    assert _close(got, ref, dtype) and _close(got_res, ref_res, dtype)
+    assert _close(k1, k2, dtype) and _close(v1, v2, dtype)
+    assert not torch.equal(k1, caches[0])
+    assert torch.equal(k1.view(-1, kv_heads, dim)[0], caches[0].view(-1, kv_heads, dim)[0])
 
 
 @pytest.mark.parametrize("rows", [1, 4])

@@ -11,6 +11,7 @@ import torch
 
 from cluster.engine import LLMEngine
 from speculative.mtp_chain import MTPEagleChain
+from speculative.mtp_head import MTPEagleHead
 from workers.fused_step import FusedSpecStep
 from workers.runner import TargetRunner
 
@@ -102,6 +103,45 @@ def test_overlapped_decoding_emits_the_same_tokens(k: int) -> None:
     assert ref_chained == [], "without overlap nothing is launched ahead"
     least = 15 if k == 0 else 5  # speculative requests finish in fewer, longer steps
     assert sum(chained) >= least and sum(chained) > len(chained) // 2, f"most steps must be queued ahead: {chained}"
+
+
+def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact() -> None:
+    """An untrained head (nearly nothing accepted) over long generations near max_model_len: each step
+    queued ahead is planned from the request's real position (the device then adds what was accepted),
+    so blocks grow at the real rate, the captured tables always fit, and the tokens match the sequential
+    path."""
+    args, w = mimic_target()
+    head = MTPEagleHead(args)
+    head.init_random(seed=1)
+    k, max_len = 3, 96
+    prompts = random_prompts(3, args.vocab_size, [20, 9, 14], seed=6)
+
+    def run(overlap: bool) -> tuple[list[list[int]], list[int], LLMEngine]:
+        model = {"overlap_steps": overlap, "overlap_speculative": overlap, "max_model_len": max_len}
+        eng = tiny_engine(args, w, head, model=model, speculative={"num_draft_tokens": k})
+        runner = eng.target
+        assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
+        blocks = -(-(max_len + 2 * k) // eng.cfg.scheduler.block_size)  # as the engine sizes captured tables
+        runner.fused = FusedSpecStep(runner.model, runner.cache, eng.draft, k, 8, blocks, "cpu", use_graphs=False)
+        leads: list[int] = []
+        plan_ahead = eng.scheduler.plan_ahead
+
+        def spy(pending):  # type: ignore[no-untyped-def]
+            ahead = plan_ahead(pending)
+            for sp in ahead.seqs if ahead is not None else []:
+                leads.append(sp.start - eng.scheduler.requests[sp.request_id].num_computed_tokens)
+            return ahead
+
+        eng.scheduler.plan_ahead = spy  # type: ignore[method-assign]
+        out = [c.token_ids for c in eng.generate(prompts, {"max_tokens": 70})]
+        return out, leads, eng
+
+    want, _, _ = run(False)
+    got, leads, eng = run(True)
+    assert got == want and all(len(t) > 40 for t in got)
+    assert leads and set(leads) == {k + 1}, "planned from the real position plus the most one step can accept"
+    assert eng.totals.accepted < eng.totals.drafted // 4, "the untrained head gets little accepted"
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
 
 
 def test_speculative_overlap_is_opt_in() -> None:

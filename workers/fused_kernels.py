@@ -146,7 +146,8 @@ if triton is not None:
         HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # each program owns PAIRS rotation pairs (columns j and j + HALF) of one q, k or v head, so it can
-        # rotate its own outputs and store them: q to q_ptr, k and v straight into the paged caches
+        # rotate its own outputs and store them: q to q_ptr, k and v straight into the paged caches. It
+        # reads only the first half of each cos/sin row: the tables repeat their halves (cat(freqs, freqs)).
         pid = tl.program_id(0)
         h = pid // (HALF // PAIRS)
         j = (pid % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
@@ -288,6 +289,12 @@ def gemv_fits(rows: int, k: int) -> bool:
     return 0 < rows <= GEMV_MAX_ROWS and k <= GEMV_MAX_K
 
 
+def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the matrix-vector kernels take rows x [M, K] against weight [N, K]: few, narrow enough rows,
+    a weight with contiguous rows, and one dtype for both (the kernels round to the weight's dtype)."""
+    return gemv_fits(x.shape[0], x.shape[1]) and weight.stride(-1) == 1 and weight.dtype == x.dtype
+
+
 def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
     if not gemv_fits(m, k):
         raise ValueError(f"matrix-vector kernels take 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K}, got {m} x {k}")
@@ -320,8 +327,8 @@ def _norm_linear_call(
     _need_triton()
     m, k = x.shape
     n = weight.shape[0]
-    if weight.stride(-1) != 1:
-        raise ValueError("the matrix-vector kernels need a weight with contiguous rows")
+    if weight.stride(-1) != 1 or weight.dtype != x.dtype:
+        raise ValueError("the matrix-vector kernels need a weight with contiguous rows, in the input's dtype")
     grid, meta = _gemv_launch(m, n, k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -342,8 +349,8 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, two_k = gate_up.shape
     k = two_k // 2
     n = weight.shape[0]
-    if weight.stride(-1) != 1:
-        raise ValueError("the matrix-vector kernels need a weight with contiguous rows")
+    if weight.stride(-1) != 1 or weight.dtype != gate_up.dtype:
+        raise ValueError("the matrix-vector kernels need a weight with contiguous rows, in the input's dtype")
     grid, meta = _gemv_launch(m, n, k)
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     y = torch.empty(m, n, dtype=gate_up.dtype, device=gate_up.device)
@@ -381,8 +388,8 @@ def norm_qkv_rope(
     if not rope_fits(m, k, head_dim):
         raise ValueError(f"norm_qkv_rope takes 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K} and head_dim "
                          f"divisible by {2 * ROPE_PAIRS}, got {m} x {k}, head_dim {head_dim}")  # fmt: skip
-    if weight.shape[0] != (heads + 2 * kv_heads) * head_dim or weight.stride(-1) != 1:
-        raise ValueError("norm_qkv_rope needs the fused [q; k; v] weight with contiguous rows")
+    if weight.shape[0] != (heads + 2 * kv_heads) * head_dim or not gemv_takes(x, weight):
+        raise ValueError("norm_qkv_rope needs the fused [q; k; v] weight with contiguous rows, in x's dtype")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("norm_qkv_rope needs contiguous caches")
     x = x if x.stride(-1) == 1 else x.contiguous()

@@ -113,7 +113,8 @@ class FusedSpecStep:
             SeqResult(s.request_id, row[: row[k + 1] + 1], k, row[k + 1])
             for s, row in zip(plan.seqs, rows, strict=True)
         ]
-        proposals = DraftOutputs(plan.step_id, [s.request_id for s in plan.seqs], host[:, k + 2 : 2 * k + 2])
+        drafts = host[:, k + 2 : 2 * k + 2].clone()  # `host` may be a buffer that a later launch reuses
+        proposals = DraftOutputs(plan.step_id, [s.request_id for s in plan.seqs], drafts)
         return TargetOutput(plan.step_id, results, None, proposals)
 
     def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:

@@ -128,13 +128,13 @@ class TritonOps(TorchOps):
         weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One matrix-vector kernel for small steps; add_rms_norm plus cuBLAS otherwise."""
-        if x.shape[0] > self.small_rows or not fused_kernels.gemv_fits(x.shape[0], x.shape[1]):
+        if x.shape[0] > self.small_rows or not fused_kernels.gemv_takes(x, weight):
             return super().norm_linear(x, residual, norm_weight, eps, weight)
         return fused_kernels.norm_linear(x, residual, norm_weight, eps, weight)
 
     def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One matrix-vector kernel for small steps; silu_mul plus cuBLAS otherwise."""
-        if gate_up.shape[0] > self.small_rows or not fused_kernels.gemv_fits(gate_up.shape[0], weight.shape[1]):
+        if gate_up.shape[0] > self.small_rows or not fused_kernels.gemv_takes(gate_up[:, : weight.shape[1]], weight):
             return super().swiglu_linear(gate_up, weight)
         return fused_kernels.swiglu_linear(gate_up, weight)
 
@@ -156,13 +156,14 @@ class TritonOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel for small steps (norm, q/k/v projection, RoPE, KV write); two otherwise."""
         args = (x, residual, norm_weight, eps, qkv_weight, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads)
-        if x.shape[0] > self.small_rows or not fused_kernels.rope_fits(x.shape[0], x.shape[1], head_dim):
+        small = x.shape[0] <= self.small_rows and fused_kernels.gemv_takes(x, qkv_weight)
+        if not (small and fused_kernels.rope_fits(x.shape[0], x.shape[1], head_dim)):
             return super().norm_qkv_rope(*args, head_dim)
         return fused_kernels.norm_qkv_rope(*args, head_dim)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The matrix-vector kernel for small steps; cuBLAS otherwise."""
-        if x.shape[0] > self.small_rows or not fused_kernels.gemv_fits(x.shape[0], x.shape[1]):
+        if x.shape[0] > self.small_rows or not fused_kernels.gemv_takes(x, weight):
             return F.linear(x, weight)
         return fused_kernels.linear(x, weight)
 
