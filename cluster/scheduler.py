@@ -129,8 +129,9 @@ class Scheduler:
 
         Each sequence's token_ids[0] holds its row in `pending`: its inputs (last token, and the drafts
         and position when speculating) come from that row's results on the device. Requests that
-        `pending` may finish by length are left out; those it may finish by a stop token stay in, and
-        `update` drops their extra step. Blocks are grown for the most tokens `pending` can accept. None
+        `pending` surely finishes (by max_tokens), or whose next positions could pass max_model_len, are
+        left out; those it may finish (a stop token, or enough accepted drafts) stay in, and `update`
+        drops their extra step. Blocks are grown for the most tokens `pending` can accept. None
         when the step should go through `schedule` instead: requests are waiting or running outside
         `pending`, blocks would need a preemption, or nothing is left to run."""
         k = pending.num_draft_tokens
@@ -142,8 +143,8 @@ class Scheduler:
             req = self.requests.get(sp.request_id)
             if req is None or req.status is not RequestStatus.RUNNING or sp.is_context or len(sp.token_ids) != k + 1:
                 continue
-            most = k + 1  # tokens `pending` can emit
-            if len(req.output_token_ids) + most >= req.params.max_tokens or req.num_tokens + most >= self.max_model_len:
+            most = k + 1  # tokens `pending` can emit (at least one)
+            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + most >= self.max_model_len:
                 continue
             start = req.num_computed_tokens + most  # an upper bound (pending's own start is exact here)
             if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):

@@ -179,6 +179,26 @@ def test_plan_ahead_keeps_rows_and_leaves_out_requests_that_end_by_length() -> N
     assert eng.scheduler.plan_ahead(pending) is None, "a waiting request goes through schedule()"
 
 
+def test_plan_ahead_keeps_speculative_requests_that_may_go_on() -> None:
+    """With drafts, a request that the pending step only may finish (enough accepted drafts) stays in the
+    next step, one that it surely finishes (its last token) is left out, and blocks cover K+1 tokens more."""
+    args, w = mimic_target()
+    k = 3
+    eng = tiny_engine(args, w, mimic_head(args, w), speculative={"num_draft_tokens": k})
+    prompts = random_prompts(2, args.vocab_size, [6, 4], seed=2)
+    eng.add_request(prompts[0], {"max_tokens": 3}, request_id="may")
+    eng.add_request(prompts[1], {"max_tokens": 2}, request_id="ends")
+    eng.step()  # prefill: one token each, drafts proposed
+    pending = eng.scheduler.schedule()
+    assert [len(s.token_ids) for s in pending.seqs] == [k + 1, k + 1]
+    ahead = eng.scheduler.plan_ahead(pending)
+    assert ahead is not None and [s.request_id for s in ahead.seqs] == ["may"]
+    sp = ahead.seqs[0]
+    req = eng.scheduler.requests["may"]
+    assert sp.start == req.num_computed_tokens + k + 1 and len(sp.token_ids) == k + 1
+    assert len(req.block_ids) * eng.cfg.scheduler.block_size >= eng.scheduler.slots_needed(sp.start + k + 1)
+
+
 def test_device_token_gather_reads_the_previous_step() -> None:
     """With tokens_from, each row's input is the previous step's token at the row given in token_ids."""
     args, w = mimic_target()
