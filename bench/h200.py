@@ -150,7 +150,8 @@ def replays(step: Any) -> int | None:
 
 def agreement(runs: list[dict[str, Any]]) -> None:
     """Mark each greedy run with the share of its requests whose tokens equal the target-only serving run
-    at the same batch (greedy speculation is lossless up to bf16 rounding differences between shapes)."""
+    at the same batch (greedy speculation is lossless up to bf16 rounding differences between shapes), then
+    drop the raw token lists (they would make the report megabytes long)."""
     base = {
         r["batch"]: r["outputs"]
         for r in runs
@@ -161,6 +162,8 @@ def agreement(runs: list[dict[str, Any]]) -> None:
         if r["temperature"] == 0.0 and ref is not None:
             same = sum(a == b for a, b in zip(r["outputs"], ref, strict=True))
             r["outputs_equal_target_only"] = same / len(ref)
+    for r in runs:
+        r.pop("outputs")
 
 
 def ttft(engine: LLMEngine, prompt: list[int]) -> float:
