@@ -114,9 +114,10 @@ class LLMEngine:
         self.totals = SpecStats()
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
-        self._overlap_runner: TargetRunner | None = None
-        if cfg.model.overlap_steps and isinstance(target, TargetRunner):
-            self._overlap_runner = target
+        self._overlap_runner: TargetRunner | None = None  # set when steps may be queued ahead (see `step`)
+        speculative = draft is not None
+        if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
+            self._overlap_runner = target if isinstance(target, TargetRunner) else None
         self._launched: LaunchedStep | None = None  # a queued step whose tokens are not read yet (see `step`)
 
     # ---- construction ----------------------------------------------------------------------------
@@ -222,17 +223,15 @@ class LLMEngine:
         runner = self._overlap_runner
         if self._launched is None:
             plan = self.scheduler.schedule()
-            speculative_ok = self.cfg.model.overlap_speculative or not plan.num_draft_tokens
-            if runner is None or not speculative_ok or not runner.can_launch(plan):
+            self._launched = runner.launch(plan) if runner is not None else None
+            if self._launched is None:
                 return self._execute(plan)
-            self._launched = runner.launch(plan)
         assert runner is not None
         current = self._launched
         ahead = self.scheduler.plan_ahead(current.plan)
-        if ahead is not None and not runner.can_launch(ahead):
-            self.scheduler.cancel_ahead(ahead)
-            ahead = None
         self._launched = runner.launch(ahead, current) if ahead is not None else None
+        if ahead is not None and self._launched is None:
+            self.scheduler.cancel_ahead(ahead)
         out = runner.collect(current)
         outputs = self._apply(current.plan, out, out.draft_outputs)
         if self._launched is not None and not self.has_unfinished():

@@ -70,8 +70,10 @@ def overlap_engine(overlap: bool, k: int = 0) -> tuple[LLMEngine, list[int]]:
     launch = runner.launch
 
     def spy(plan, after=None):  # type: ignore[no-untyped-def]
-        chained.append(int(after is not None))
-        return launch(plan, after)
+        launched = launch(plan, after)
+        if launched is not None:
+            chained.append(int(after is not None))
+        return launched
 
     runner.launch = spy  # type: ignore[method-assign]
     return eng, chained

@@ -165,34 +165,34 @@ class TargetRunner:
         )
         return self.model(ids, positions, self.cache, meta)
 
-    def can_launch(self, plan: StepPlan) -> bool:
-        """Whether `launch` takes this plan: a generation step of captured shape, through the fused
-        speculative step when the draft is colocated, else (target-only) through the uniform step."""
+    def _launch_bucket(self, plan: StepPlan) -> int | None:
+        """The captured bucket `launch` would use: generation steps through the fused speculative step
+        when the draft is colocated, else target-only steps through the uniform step; None otherwise."""
         if self.fused is not None:
-            return plan.num_draft_tokens > 0 and self.fused.bucket_for(plan) is not None
-        return (
-            self.uniform is not None
-            and plan.num_draft_tokens == 0
-            and self.uniform.q_len == 1
-            and self.uniform.bucket_for(plan) is not None
-        )
+            return self.fused.bucket_for(plan) if plan.num_draft_tokens else None
+        if self.uniform is None or plan.num_draft_tokens or self.uniform.q_len != 1:
+            return None
+        return self.uniform.bucket_for(plan)
 
     @torch.no_grad()
-    def launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue a generation step (see `can_launch`) without waiting for it. With `after`, each sequence's
-        token_ids[0] holds its row in `after`'s plan, and its inputs (tokens, and positions when drafting)
-        come from that step's results on the device; `after` need not have finished. Read with `collect`."""
+    def launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep | None:
+        """Queue a generation step of captured shape without waiting for it; None for any other plan
+        (run it with `execute`). With `after`, each sequence's token_ids[0] holds its row in `after`'s
+        plan, and its inputs (tokens, and positions when drafting) come from that step's results on the
+        device; `after` need not have finished. Read with `collect`."""
+        bucket = self._launch_bucket(plan)
+        if bucket is None:
+            return None
         for rid in plan.finished_request_ids:
             self._generators.pop(rid, None)
-        q_len = len(plan.seqs[0].token_ids)
-        uniforms = self.uniforms(plan, q_len)
+        uniforms = self.uniforms(plan, len(plan.seqs[0].token_ids))
         previous = None if after is None else after.results
         if self.fused is not None:
-            results = self.fused.launch(plan, self.fused.bucket_for(plan), uniforms, previous)
+            results = self.fused.launch(plan, bucket, uniforms, previous)
         else:
             assert self.uniform is not None
             tokens = None if previous is None else previous[:, 1]
-            _, results = self.uniform.run(plan, self.uniform.bucket_for(plan), uniforms, tokens)  # type: ignore[arg-type]
+            _, results = self.uniform.run(plan, bucket, uniforms, tokens)
         m, width = results.shape
         if len(self._results) != 2 or self._results[0].shape[1] != width:
             shape, pin = (self._max_batch(), width), self.device.type == "cuda"
