@@ -8,6 +8,7 @@ import torch
 
 from workers import fused_kernels
 from workers.attention import AttentionMetadata, RaggedMetadata, UniformMetadata
+from workers.kv_cache import KVWrite
 from workers.layer_ops import TORCH_OPS, TritonOps, pick_ops
 from workers.model import LlamaModel, Rotary
 
@@ -47,8 +48,8 @@ def test_rope_write_kv_matches_reference(heads: int, kv_heads: int) -> None:
     caches = [torch.randn(blocks, bs, kv_heads, dim, generator=g) for _ in range(2)]
     k1, v1 = (c.clone() for c in caches)
     k2, v2 = (c.clone() for c in caches)
-    got = TRITON.rope_write_kv(qkv, cos, sin, slots, k1, v1, heads, kv_heads, dim)
-    ref = TORCH_OPS.rope_write_kv(qkv, cos, sin, slots, k2, v2, heads, kv_heads, dim)
+    got = TRITON.rope_write_kv(qkv, KVWrite(cos, sin, slots, k1, v1, heads, kv_heads, dim))
+    ref = TORCH_OPS.rope_write_kv(qkv, KVWrite(cos, sin, slots, k2, v2, heads, kv_heads, dim))
     assert got.shape == ref.shape == (t, heads, dim)
     assert (got - ref).abs().max().item() < 1e-5
     assert (k1 - k2).abs().max().item() < 1e-5 and torch.equal(v1, v2)
@@ -128,8 +129,8 @@ def test_norm_qkv_rope_matches_reference(
     k1, v1 = (c.clone() for c in caches)
     k2, v2 = (c.clone() for c in caches)
     args = (heads, kv_heads, dim)
-    got, got_res = fused_kernels.norm_qkv_rope(x, res, nw, 1e-5, w, cos, sin, slots, k1, v1, *args)
-    ref, ref_res = TORCH_OPS.norm_qkv_rope(x, res, nw, 1e-5, w, cos, sin, slots, k2, v2, *args)
+    got, got_res = fused_kernels.norm_qkv_rope(x, res, nw, 1e-5, w, KVWrite(cos, sin, slots, k1, v1, *args))
+    ref, ref_res = TORCH_OPS.norm_qkv_rope(x, res, nw, 1e-5, w, KVWrite(cos, sin, slots, k2, v2, *args))
     assert got.shape == ref.shape == (rows, heads, dim) and got.dtype == dtype
     assert _close(got, ref, dtype) and _close(got_res, ref_res, dtype)
     assert _close(k1, k2, dtype) and _close(v1, v2, dtype)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.kv_cache import KVWrite
+
 try:
     import triton
     import triton.language as tl
@@ -236,30 +238,25 @@ def add_rms_norm(
     return out.view(x.shape), res.view(x.shape)
 
 
-def rope_write_kv(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-) -> torch.Tensor:
-    """Rotate q and k of qkv [T, (heads + 2 kv_heads) * head_dim] by cos/sin [T, head_dim]; store k and v
-    at `slot_mapping` in the paged caches [blocks, block_size, kv_heads, head_dim]; return q [T, heads, D]."""
+def _rope_outputs(kv: KVWrite, t: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cos/sin as [T, head_dim] rows and an empty q [T, heads, head_dim]; checks the caches' layout."""
+    if not (kv.k_cache.is_contiguous() and kv.v_cache.is_contiguous()):
+        raise ValueError("the RoPE kernels need contiguous caches")
+    q = torch.empty(t, kv.heads, kv.head_dim, dtype=like.dtype, device=like.device)
+    return kv.cos.reshape(t, -1), kv.sin.reshape(t, -1), q
+
+
+def rope_write_kv(qkv: torch.Tensor, kv: KVWrite) -> torch.Tensor:
+    """Rotate q and k of qkv [T, (heads + 2 kv_heads) * head_dim]; store k and v at `kv.slot_mapping` in
+    the paged caches; return q [T, heads, head_dim]."""
     _need_triton()
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("rope_write_kv needs contiguous caches")
     t = qkv.shape[0]
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
-    cos = cos.reshape(t, -1)
-    sin = sin.reshape(t, -1)
-    q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    cos, sin, q = _rope_outputs(kv, t, qkv)
+    heads, kv_heads, head_dim = kv.heads, kv.kv_heads, kv.head_dim
     if t:
         _rope_write_kv[(t, heads + 2 * kv_heads)](
-            qkv, cos, sin, slot_mapping, q, k_cache, v_cache,
+            qkv, cos, sin, kv.slot_mapping, q, kv.k_cache, kv.v_cache,
             qkv.stride(0), cos.stride(0), q.stride(0),
             HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=head_dim // 2,
         )  # fmt: skip
@@ -290,9 +287,10 @@ def gemv_fits(rows: int, k: int) -> bool:
 
 
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the matrix-vector kernels take rows x [M, K] against weight [N, K]: few, narrow enough rows,
-    a weight with contiguous rows, and one dtype for both (the kernels round to the weight's dtype)."""
-    return gemv_fits(x.shape[0], x.shape[1]) and weight.stride(-1) == 1 and weight.dtype == x.dtype
+    """Whether the matrix-vector kernels take rows x against weight [N, K] (x [M, K], or [M, 2K] for
+    SwiGLU): few, narrow enough rows, a weight with contiguous rows, and one dtype for both (the kernels
+    round to the weight's dtype)."""
+    return gemv_fits(x.shape[0], weight.shape[1]) and weight.stride(-1) == 1 and weight.dtype == x.dtype
 
 
 def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
@@ -306,6 +304,17 @@ def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
         "num_warps": 4 if block_k <= 1024 else 8,
     }
     return (triton.cdiv(n, GEMV_BLOCK_N),), meta
+
+
+def _rows_and_residual(
+    x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, residual to read, new-residual output) with unit column stride; without a residual the kernel
+    reads and returns x itself."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if residual is None:
+        return x, x, x
+    return x, residual if residual.stride(-1) == 1 else residual.contiguous(), torch.empty_like(x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -330,10 +339,8 @@ def _norm_linear_call(
     if weight.stride(-1) != 1 or weight.dtype != x.dtype:
         raise ValueError("the matrix-vector kernels need a weight with contiguous rows, in the input's dtype")
     grid, meta = _gemv_launch(m, n, k)
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x, r, res = _rows_and_residual(x, residual)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    res = x if residual is None else torch.empty_like(x)
-    r = x if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
     _norm_linear[grid](
         x, r, weight if norm_weight is None else norm_weight, weight, y, res, m, n, k, eps,
         x.stride(0), r.stride(0), weight.stride(0), y.stride(0), res.stride(0),
@@ -372,35 +379,24 @@ def norm_qkv_rope(
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
+    kv: KVWrite,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm_linear` into the [q; k; v] weight, then `rope_write_kv`, in one launch: returns (rotated q
     [M, heads, head_dim], x + residual); k and v go straight into the paged caches. For `rope_fits`."""
     _need_triton()
     m, k = x.shape
+    heads, kv_heads, head_dim = kv.heads, kv.kv_heads, kv.head_dim
     if not rope_fits(m, k, head_dim):
         raise ValueError(f"norm_qkv_rope takes 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K} and head_dim "
                          f"divisible by {2 * ROPE_PAIRS}, got {m} x {k}, head_dim {head_dim}")  # fmt: skip
     if weight.shape[0] != (heads + 2 * kv_heads) * head_dim or not gemv_takes(x, weight):
         raise ValueError("norm_qkv_rope needs the fused [q; k; v] weight with contiguous rows, in x's dtype")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("norm_qkv_rope needs contiguous caches")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    res = x if residual is None else torch.empty_like(x)
-    r = x if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
-    cos, sin = cos.reshape(m, -1), sin.reshape(m, -1)
-    q = torch.empty(m, heads, head_dim, dtype=x.dtype, device=x.device)
+    x, r, res = _rows_and_residual(x, residual)
+    cos, sin, q = _rope_outputs(kv, m, x)
     half = head_dim // 2
     block_k = triton.next_power_of_2(k)
     _norm_qkv_rope[((heads + 2 * kv_heads) * (half // ROPE_PAIRS),)](
-        x, r, norm_weight, weight, res, cos, sin, slot_mapping, q, k_cache, v_cache,
+        x, r, norm_weight, weight, res, cos, sin, kv.slot_mapping, q, kv.k_cache, kv.v_cache,
         m, k, eps, x.stride(0), r.stride(0), weight.stride(0), res.stride(0), cos.stride(0), q.stride(0),
         HAS_RES=residual is not None, HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=half, PAIRS=ROPE_PAIRS,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8,

@@ -51,3 +51,18 @@ class KVCache:
     def nbytes(self) -> int:
         """Total bytes held."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+@dataclass
+class KVWrite:
+    """Where one layer's new k and v go, and how q and k are rotated first: RoPE cos/sin rows ([T, 1, D] or
+    [T, D], fp32), the cache slot of each row, the layer's paged caches and its head layout."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] int64
+    k_cache: torch.Tensor  # [blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int

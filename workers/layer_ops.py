@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from workers import fused_kernels
 from workers.attention import write_kv
+from workers.kv_cache import KVWrite
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,25 +43,14 @@ class TorchOps:
         s = x if residual is None else x + residual
         return rms_norm(s, weight, eps), s
 
-    def rope_write_kv(
-        self,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-    ) -> torch.Tensor:
+    def rope_write_kv(self, qkv: torch.Tensor, kv: KVWrite) -> torch.Tensor:
         """Rotate q, k of qkv [T, (H + 2 Hkv) * D]; write k, v to the caches; return q [T, H, D]."""
-        t = qkv.shape[0]
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        qk = torch.cat([q.reshape(t, heads, head_dim), k.reshape(t, kv_heads, head_dim)], 1)
-        q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)
-        write_kv(k_cache, slot_mapping, k)
-        write_kv(v_cache, slot_mapping, v.reshape(t, kv_heads, head_dim))
+        t, heads, kv_heads, d = qkv.shape[0], kv.heads, kv.kv_heads, kv.head_dim
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        qk = torch.cat([q.reshape(t, heads, d), k.reshape(t, kv_heads, d)], 1)
+        q, k = apply_rope(qk, kv.cos, kv.sin).split([heads, kv_heads], dim=1)
+        write_kv(kv.k_cache, kv.slot_mapping, k)
+        write_kv(kv.v_cache, kv.slot_mapping, v.reshape(t, kv_heads, d))
         return q
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -95,18 +85,11 @@ class TorchOps:
         norm_weight: torch.Tensor,
         eps: float,
         qkv_weight: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
+        kv: KVWrite,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rotated q [T, H, D], x + residual): `norm_linear` into [q; k; v], then `rope_write_kv`."""
         qkv, s = self.norm_linear(x, residual, norm_weight, eps, qkv_weight)
-        return self.rope_write_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads, head_dim), s
+        return self.rope_write_kv(qkv, kv), s
 
 
 class TritonOps(TorchOps):
@@ -114,7 +97,12 @@ class TritonOps(TorchOps):
     fold the norm or SwiGLU into the projection after it."""
 
     name = "triton"
-    small_rows = 4
+    small_rows = fused_kernels.GEMV_MAX_ROWS  # 0 turns the matrix-vector kernels off
+
+    def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether rows x go through a matrix-vector kernel against `weight`."""
+        return x.shape[0] <= self.small_rows and fused_kernels.gemv_takes(x, weight)
+
     add_rms_norm = staticmethod(fused_kernels.add_rms_norm)
     rope_write_kv = staticmethod(fused_kernels.rope_write_kv)
     silu_mul = staticmethod(fused_kernels.silu_mul)
@@ -128,13 +116,13 @@ class TritonOps(TorchOps):
         weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One matrix-vector kernel for small steps; add_rms_norm plus cuBLAS otherwise."""
-        if x.shape[0] > self.small_rows or not fused_kernels.gemv_takes(x, weight):
+        if not self._small(x, weight):
             return super().norm_linear(x, residual, norm_weight, eps, weight)
         return fused_kernels.norm_linear(x, residual, norm_weight, eps, weight)
 
     def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One matrix-vector kernel for small steps; silu_mul plus cuBLAS otherwise."""
-        if gate_up.shape[0] > self.small_rows or not fused_kernels.gemv_takes(gate_up[:, : weight.shape[1]], weight):
+        if not self._small(gate_up, weight):
             return super().swiglu_linear(gate_up, weight)
         return fused_kernels.swiglu_linear(gate_up, weight)
 
@@ -145,25 +133,16 @@ class TritonOps(TorchOps):
         norm_weight: torch.Tensor,
         eps: float,
         qkv_weight: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
+        kv: KVWrite,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel for small steps (norm, q/k/v projection, RoPE, KV write); two otherwise."""
-        args = (x, residual, norm_weight, eps, qkv_weight, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads)
-        small = x.shape[0] <= self.small_rows and fused_kernels.gemv_takes(x, qkv_weight)
-        if not (small and fused_kernels.rope_fits(x.shape[0], x.shape[1], head_dim)):
-            return super().norm_qkv_rope(*args, head_dim)
-        return fused_kernels.norm_qkv_rope(*args, head_dim)
+        if not (self._small(x, qkv_weight) and fused_kernels.rope_fits(x.shape[0], x.shape[1], kv.head_dim)):
+            return super().norm_qkv_rope(x, residual, norm_weight, eps, qkv_weight, kv)
+        return fused_kernels.norm_qkv_rope(x, residual, norm_weight, eps, qkv_weight, kv)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The matrix-vector kernel for small steps; cuBLAS otherwise."""
-        if x.shape[0] > self.small_rows or not fused_kernels.gemv_takes(x, weight):
+        if not self._small(x, weight):
             return F.linear(x, weight)
         return fused_kernels.linear(x, weight)
 

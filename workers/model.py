@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention import Metadata
-from workers.kv_cache import KVCache
+from workers.kv_cache import KVCache, KVWrite
 from workers.layer_ops import TORCH_OPS, TorchOps
 from workers.parallel import TPContext
 
@@ -141,10 +141,8 @@ class Attention(nn.Module):
         meta: Metadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rotated q [T, H, D], x + residual) of the normed input; writes this chunk's K/V into the cache."""
-        return self.ops.norm_qkv_rope(
-            x, residual, norm.weight, norm.eps, self.qkv_proj_weight(), *rope, meta.slot_mapping, k_cache, v_cache,
-            self.num_heads, self.num_kv_heads, self.head_dim,
-        )  # fmt: skip
+        kv = KVWrite(*rope, meta.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.ops.norm_qkv_rope(x, residual, norm.weight, norm.eps, self.qkv_proj_weight(), kv)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Metadata) -> torch.Tensor:
         """Attend with rotated q [T, H, D] over the cache and project back (partial sum under TP)."""
