@@ -50,6 +50,7 @@ class FusedSpecStep:
         self.buffers = StepBuffers.allocate(max_batch, k + 1, max_blocks, cache.block_size, cache.scratch_block, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
+        self._row_offsets = torch.arange(k + 1, device=dev)  # a request's Q rows, for `_advance`
 
     @torch.no_grad()
     def _forward(self, bucket: int, sampled: bool) -> torch.Tensor:
@@ -97,7 +98,7 @@ class FusedSpecStep:
         n_acc = src[:, q : q + 1]
         ids = torch.cat([src.gather(1, n_acc), src[:, q + 1 : q + 1 + k]], dim=1)
         start = src[:, -1:]
-        pos = start + torch.arange(q, device=src.device)
+        pos = start + self._row_offsets
         bs = b.block_size
         slots = b.block_tables[:m].gather(1, pos // bs) * bs + pos % bs
         b.input_ids[: m * q].copy_(ids.reshape(-1))
