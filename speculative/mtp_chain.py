@@ -35,20 +35,32 @@ def propose_from_rows(
     """
     bsz, q = num_accepted.shape[0], meta.q_len
     tables = meta.block_tables
-    dh = head(shared.embed(row_tokens), hidden, positions, cache, meta)
+    dh = head.step(shared, row_tokens, hidden, positions, cache, meta)
     last = torch.arange(bsz, device=row_tokens.device) * q + num_accepted
     h = dh[last]
-    tok = shared.logits(h).argmax(-1)
-    p = positions[last]
+    tok = shared.greedy_tokens(h)
     drafts = [tok]
-    bs = cache.block_size
-    for _ in range(k - 1):
-        p = p + 1
-        slots = tables.gather(1, (p // bs)[:, None]).squeeze(1) * bs + p % bs
-        h = head(shared.embed(tok), h, p, cache, UniformMetadata(slots, tables, p + 1, 1))
-        tok = shared.logits(h).argmax(-1)
-        drafts.append(tok)
+    if k > 1:
+        pos, slots = chain_slots(positions[last], tables, cache.block_size, k - 1)
+        cos, sin = head.rotary.table(pos.reshape(-1))
+        seq_lens = pos + 1
+        for j in range(k - 1):
+            rows = slice(j * bsz, (j + 1) * bsz)
+            step_meta = UniformMetadata(slots[j], tables, seq_lens[j], 1)
+            h = head.step(shared, tok, h, pos[j], cache, step_meta, (cos[rows], sin[rows]))
+            tok = shared.greedy_tokens(h)
+            drafts.append(tok)
     return torch.stack(drafts, dim=1)
+
+
+def chain_slots(
+    start: torch.Tensor, block_tables: torch.Tensor, block_size: int, steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and KV slots [steps, B] of the chain's next `steps` tokens after positions `start` [B],
+    computed once for the whole chain (each row contiguous, for the step that reads it)."""
+    pos = start[None, :] + torch.arange(1, steps + 1, device=start.device)[:, None]
+    blocks = block_tables.gather(1, (pos // block_size).t()).t()
+    return pos, (blocks * block_size + pos % block_size).contiguous()
 
 
 class MTPEagleChain(DraftMethod):
@@ -114,7 +126,7 @@ class MTPEagleChain(DraftMethod):
         host_pos = inputs.positions
         starts = [int(host_pos[int(e) - int(n) + 1]) for e, n in zip(last_rows(seq_lens), seq_lens, strict=True)]
         meta = ragged_metadata(starts, inputs.seq_lens, inputs.block_ids, self.cache.block_size, dev)
-        out = self.head(self.shared.embed(ids), hidden, positions, self.cache, meta)
+        out = self.head.step(self.shared, ids, hidden, positions, self.cache, meta)
 
         rows = [i for i, p in enumerate(inputs.propose) if p]
         if not rows or k == 0:
@@ -123,12 +135,12 @@ class MTPEagleChain(DraftMethod):
         h = out[ends]
         pos = positions[ends]
         tables = [inputs.block_ids[i] for i in rows]
-        tok = self.shared.logits(h).argmax(-1)
+        tok = self.shared.greedy_tokens(h)
         drafts = [tok]
         for _ in range(k - 1):
             pos = pos + 1
             meta = ragged_metadata(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, dev)
-            h = self.head(self.shared.embed(tok), h, pos, self.cache, meta)
-            tok = self.shared.logits(h).argmax(-1)
+            h = self.head.step(self.shared, tok, h, pos, self.cache, meta)
+            tok = self.shared.greedy_tokens(h)
             drafts.append(tok)
         return DraftOutputs(inputs.step_id, [inputs.request_ids[i] for i in rows], torch.stack(drafts, 1).cpu())

@@ -18,7 +18,7 @@ from torch import nn
 
 from workers.attention import Metadata
 from workers.kv_cache import KVCache
-from workers.model import DecoderLayer, LlamaArgs, RMSNorm, Rotary
+from workers.model import DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, Rotary
 from workers.parallel import TPContext
 
 PREFIX = "mtp."
@@ -46,8 +46,34 @@ class MTPEagleHead(nn.Module):
         meta: Metadata,
     ) -> torch.Tensor:
         """Draft hidden states [T, d] for rows reading (embedding of token i+1, hidden at i)."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1))
-        return self.layer(x, self.rotary.table(positions), cache.keys[0], cache.values[0], meta)
+        return self._layer(self._input(embeds, hidden), self.rotary.table(positions), cache, meta)
+
+    def step(
+        self,
+        shared: LlamaModel,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: Metadata,
+        rope: Rope | None = None,
+    ) -> torch.Tensor:
+        """`forward` for token ids [T], embedded with `shared`'s table (one kernel with the input norms and
+        eh_proj where the ops allow). `rope` may hold the cos/sin rows of `positions`, computed ahead."""
+        if shared.tp.size > 1:
+            x = self._input(shared.embed(tokens), hidden)
+        else:
+            e, h = self.enorm, self.hnorm
+            x = e.ops.draft_input(
+                tokens, shared.embed_tokens.weight, e.weight, hidden, h.weight, e.eps, self.eh_proj.weight
+            )
+        return self._layer(x, self.rotary.table(positions) if rope is None else rope, cache, meta)
+
+    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1))
+
+    def _layer(self, x: torch.Tensor, rope: Rope, cache: KVCache, meta: Metadata) -> torch.Tensor:
+        return self.layer(x, rope, cache.keys[0], cache.values[0], meta)
 
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """The draft's own one-layer paged KV cache."""

@@ -14,6 +14,8 @@ after it", so greedy speculative decoding is token-identical to target-only gree
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from speculative.sampling import processed_probs, sample_from_uniform
@@ -68,25 +70,39 @@ def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     return torch.cumprod(match, dim=1).sum(dim=1), target_argmax
 
 
+class Scorer(Protocol):
+    """What verification needs of the target model: logits, and greedy tokens (possibly fused)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V] of hidden rows [N, d]."""
+        ...
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of `logits(hidden)` per row [N]."""
+        ...
+
+
 def verify_step(
-    logits: torch.Tensor,
+    target: Scorer,
+    hidden: torch.Tensor,
     input_ids: torch.Tensor,
     q_len: int,
     sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a uniform step of B sequences x Q rows in fixed shapes (safe to capture in a CUDA graph).
 
-    logits [B*Q, V]; input_ids [B*Q], each sequence's last accepted token then its Q-1 drafts. sampling
-    is None for an all-greedy step, else (temperature [B], top_k [B] (float), top_p [B], uniforms [B, Q]);
-    greedy rows within it (temperature 0) verify exactly as greedy. Returns (num_accepted [B], tokens [B, Q]).
+    hidden [B*Q, d] are the target's rows; input_ids [B*Q], each sequence's last accepted token then its
+    Q-1 drafts. sampling is None for an all-greedy step (only argmax tokens are computed), else
+    (temperature [B], top_k [B] (float), top_p [B], uniforms [B, Q]); greedy rows within it (temperature 0)
+    verify exactly as greedy. Returns (num_accepted [B], tokens [B, Q]).
     """
     bsz = input_ids.shape[0] // q_len
     drafts = input_ids.view(bsz, q_len)[:, 1:]
     if sampling is None:
-        return verify_greedy(logits.argmax(-1).view(bsz, q_len), drafts)
+        return verify_greedy(target.greedy_tokens(hidden).view(bsz, q_len), drafts)
     temperature, top_k, top_p, uniforms = sampling
     probs = processed_probs(
-        logits,
+        target.logits(hidden),
         temperature.repeat_interleave(q_len),
         top_k.long().repeat_interleave(q_len),
         top_p.repeat_interleave(q_len),

@@ -60,8 +60,8 @@ class FusedSpecStep:
         meta = UniformMetadata(b.slot_mapping[:n], tables, b.seq_lens[:bucket], q)
         ids, pos = b.input_ids[:n], b.positions[:n]
         hidden = self.target(ids, pos, self.cache, meta)
-        logits = self.target.logits(hidden)
-        n_acc, emitted = verify_step(logits, ids, q, b.sampling(bucket) if sampled else None)  # [B], [B, K+1]
+        sampling = b.sampling(bucket) if sampled else None
+        n_acc, emitted = verify_step(self.target, hidden, ids, q, sampling)  # [B], [B, K+1]
         c = self.chain
         drafts = propose_from_rows(c.head, c.shared, c.cache, emitted.reshape(-1), hidden, pos, meta, n_acc, k)
         next_start = pos.view(bucket, q)[:, 0] + n_acc + 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers import fused_kernels
+from workers import argmax_kernels, draft_kernels, fused_kernels
 from workers.attention import write_kv
 from workers.kv_cache import KVWrite
 
@@ -91,6 +91,25 @@ class TorchOps:
         qkv, s = self.norm_linear(x, residual, norm_weight, eps, qkv_weight)
         return self.rope_write_kv(qkv, kv), s
 
+    def norm_argmax(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+        """Greedy token per row [T]: argmax of norm(x) @ weight.T (the lm_head's logits)."""
+        return F.linear(self.add_rms_norm(x, None, norm_weight, eps)[0], weight).argmax(-1)
+
+    def draft_input(
+        self,
+        tokens: torch.Tensor,
+        embed_weight: torch.Tensor,
+        enorm_weight: torch.Tensor,
+        hidden: torch.Tensor,
+        hnorm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """The MTP head's input: cat(enorm(embed(tokens)), hnorm(hidden)) @ weight.T."""
+        e = self.add_rms_norm(F.embedding(tokens, embed_weight), None, enorm_weight, eps)[0]
+        h = self.add_rms_norm(hidden.to(e.dtype), None, hnorm_weight, eps)[0]
+        return F.linear(torch.cat([e, h], dim=-1), weight)
+
 
 class TritonOps(TorchOps):
     """The same steps as fused Triton kernels (one launch each); steps of at most `small_rows` rows also
@@ -139,6 +158,29 @@ class TritonOps(TorchOps):
         if not (self._small(x, qkv_weight) and fused_kernels.rope_fits(x.shape[0], x.shape[1], kv.head_dim)):
             return super().norm_qkv_rope(x, residual, norm_weight, eps, qkv_weight, kv)
         return fused_kernels.norm_qkv_rope(x, residual, norm_weight, eps, qkv_weight, kv)
+
+    def norm_argmax(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+        """Two launches for small steps, without writing the logits; norm, cuBLAS and argmax otherwise."""
+        if x.shape[0] > self.small_rows or not argmax_kernels.norm_argmax_fits(x, weight):
+            return super().norm_argmax(x, norm_weight, eps, weight)
+        return argmax_kernels.norm_argmax(x, norm_weight, eps, weight)
+
+    def draft_input(
+        self,
+        tokens: torch.Tensor,
+        embed_weight: torch.Tensor,
+        enorm_weight: torch.Tensor,
+        hidden: torch.Tensor,
+        hnorm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """One launch for small steps; five otherwise."""
+        if tokens.shape[0] > self.small_rows or not draft_kernels.draft_input_fits(
+            tokens, embed_weight, hidden, weight
+        ):
+            return super().draft_input(tokens, embed_weight, enorm_weight, hidden, hnorm_weight, eps, weight)
+        return draft_kernels.draft_input(tokens, embed_weight, enorm_weight, hidden, hnorm_weight, eps, weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The matrix-vector kernel for small steps; cuBLAS otherwise."""

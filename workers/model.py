@@ -295,6 +295,12 @@ class LlamaModel(nn.Module):
         local = F.linear(self.norm(hidden), self.lm_head_weight)
         return self.tp.all_gather_last(local, self.vocab_sizes).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token of each row's logits [N], without materialising them where the ops allow."""
+        if self.tp.size > 1:
+            return self.logits(hidden).argmax(-1)
+        return self.norm.ops.norm_argmax(hidden, self.norm.weight, self.norm.eps, self.lm_head_weight)
+
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """A paged cache sized for this rank's KV heads."""
         dtype = next(self.parameters()).dtype

@@ -49,8 +49,8 @@ class UniformTargetStep:
         b, n = self.buffers, bucket * self.q_len
         meta = UniformMetadata(b.slot_mapping[:n], b.block_tables[:bucket], b.seq_lens[:bucket], self.q_len)
         hidden = self.model(b.input_ids[:n], b.positions[:n], self.cache, meta)
-        logits = self.model.logits(hidden)
-        n_acc, tokens = verify_step(logits, b.input_ids[:n], self.q_len, b.sampling(bucket) if sampled else None)
+        sampling = b.sampling(bucket) if sampled else None
+        n_acc, tokens = verify_step(self.model, hidden, b.input_ids[:n], self.q_len, sampling)
         return hidden, pack_verified(n_acc, tokens)
 
     def bucket_for(self, plan: StepPlan) -> int | None:

@@ -1,0 +1,107 @@
+"""The MTP head's input step in one Triton launch (CUDA; CPU via TRITON_INTERPRET): embedding lookup of
+the draft tokens, RMSNorm of the embeddings and of the target's hidden states, their concatenation and
+the eh_proj projection, for the few rows of a decode-time draft step.
+
+Separately these are five launches (gather, two norms, concat, matrix product) of one to four microseconds
+each, repeated for every draft token. Each program here loads its slice of eh_proj, gathers the embedding
+rows by token id and reads the hidden rows at once, normalises both (rounded to the weight's dtype, as
+the separate norms round them) and reduces the two halves of the product in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.fused_kernels import GEMV_MAX_K, GEMV_MAX_ROWS, _need_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _normed(ptr, offsets, valid, nw_ptr, K, eps, ks, dtype: tl.constexpr):
+        # rows at ptr + offsets [BLOCK_M], RMS-normed in fp32 and rounded to `dtype`
+        inside = valid[:, None] & (ks[None, :] < K)
+        x = tl.load(ptr + offsets[:, None] + ks[None, :], mask=inside, other=0.0).to(dtype).to(tl.float32)
+        nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
+        return (x * inv[:, None] * nw[None, :]).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _draft_input(
+        ids_ptr, emb_ptr, enw_ptr, hid_ptr, hnw_ptr, w_ptr, y_ptr, M, N, K, eps,
+        stride_e, stride_h, stride_w, stride_y,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        wmask = (cols[:, None] < N) & (ks[None, :] < K)
+        w_e = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=wmask, other=0.0)
+        w_h = tl.load(w_ptr + cols[:, None] * stride_w + K + ks[None, :], mask=wmask, other=0.0)
+        valid = rows < M
+        ids = tl.load(ids_ptr + rows, mask=valid, other=0).to(tl.int64)
+        dtype = w_ptr.dtype.element_ty
+        e = _normed(emb_ptr, ids * stride_e, valid, enw_ptr, K, eps, ks, dtype)
+        h = _normed(hid_ptr, rows.to(tl.int64) * stride_h, valid, hnw_ptr, K, eps, ks, dtype)
+        y = tl.sum(e[:, None, :] * w_e.to(tl.float32)[None, :, :], 2)
+        y += tl.sum(h[:, None, :] * w_h.to(tl.float32)[None, :, :], 2)
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (cols[None, :] < N))  # fmt: skip
+
+
+DRAFT_BLOCK_N = 8  # eh_proj output columns per program
+
+
+def draft_input_fits(
+    tokens: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
+) -> bool:
+    """Whether `draft_input` takes these rows: at most GEMV_MAX_ROWS of them, narrow enough, with unit
+    column strides and one dtype for the embedding table, the eh_proj weight and the output."""
+    d = embed_weight.shape[1]
+    return (
+        0 < tokens.shape[0] <= GEMV_MAX_ROWS
+        and d <= GEMV_MAX_K
+        and weight.shape[1] == 2 * d
+        and hidden.shape[-1] == d
+        and embed_weight.stride(-1) == weight.stride(-1) == 1
+        and embed_weight.dtype == weight.dtype
+    )
+
+
+def draft_input(
+    tokens: torch.Tensor,
+    embed_weight: torch.Tensor,
+    enorm_weight: torch.Tensor,
+    hidden: torch.Tensor,
+    hnorm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    """cat(enorm(embed(tokens)), hnorm(hidden)) @ weight.T: tokens [M], hidden [M, d], weight [d_out, 2d]
+    -> [M, d_out] in the weight's dtype; for the few rows `draft_input_fits` accepts."""
+    _need_triton()
+    if not draft_input_fits(tokens, embed_weight, hidden, weight):
+        raise ValueError(
+            f"draft_input takes 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K} with eh_proj [d_out, 2d] and one "
+            f"dtype; got tokens {tuple(tokens.shape)}, hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
+        )
+    m, d = hidden.shape
+    n = weight.shape[0]
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    tokens = tokens.contiguous()
+    y = torch.empty(m, n, dtype=weight.dtype, device=hidden.device)
+    block_k = triton.next_power_of_2(d)
+    _draft_input[(triton.cdiv(n, DRAFT_BLOCK_N),)](
+        tokens, embed_weight, enorm_weight, hidden, hnorm_weight, weight, y, m, n, d, eps,
+        embed_weight.stride(0), hidden.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=DRAFT_BLOCK_N, BLOCK_K=block_k,
+        num_warps=4 if block_k <= 1024 else 8,
+    )  # fmt: skip
+    return y
