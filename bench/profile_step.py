@@ -91,27 +91,37 @@ def main() -> int:
     ap.add_argument("--out", default="out")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=1, help="concurrent requests (each a 64-token prompt)")
+    ap.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(SMOLLM2))
     report = {}
-    variants = (  # name, K, CUDA graphs, Triton layer kernels, matrix-vector kernels for small steps
-        ("target-eager", 0, False, True, True),
-        ("target-graph", 0, True, True, True),
-        ("target-graph-no-gemv", 0, True, True, False),
-        ("target-graph-unfused", 0, True, False, False),
-        ("mtp3-graph", 3, True, True, True),
-        ("mtp3-graph-no-gemv", 3, True, True, False),
-        ("mtp3-graph-unfused", 3, True, False, False),
-    )
+    variants = [  # name, K, CUDA graphs, Triton layer kernels, matrix-vector kernels, speculative overlap
+        ("target-eager", 0, False, True, True, False),
+        ("target-graph", 0, True, True, True, False),
+        ("target-graph-no-gemv", 0, True, True, False, False),
+        ("target-graph-unfused", 0, True, False, False, False),
+        ("mtp1-graph", 1, True, True, True, False),
+        ("mtp1-graph-overlap", 1, True, True, True, True),
+        ("mtp3-graph", 3, True, True, True, False),
+        ("mtp3-graph-overlap", 3, True, True, True, True),
+        ("mtp3-graph-no-gemv", 3, True, True, False, False),
+        ("mtp3-graph-unfused", 3, True, False, False, False),
+    ]
+    if args.variants:
+        chosen = args.variants.split(",")
+        unknown = set(chosen) - {v[0] for v in variants}
+        if unknown:
+            ap.error(f"--variants: unknown {sorted(unknown)}; choose from {[v[0] for v in variants]}")
+        variants = [v for v in variants if v[0] in chosen]
     small_rows = TritonOps.small_rows
-    for name, k, graphs, fused, gemv in variants:
+    for name, k, graphs, fused, gemv, overlap_spec in variants:
         TritonOps.small_rows = small_rows if gemv else 0
         cfg = MTPServeConfig.from_dict({
             "model": {"path": str(tmp), "load_format": "dummy", "device": args.device, "cuda_graphs": graphs,
-                      "fused_kernels": fused, "max_model_len": 2048,
+                      "fused_kernels": fused, "max_model_len": 2048, "overlap_speculative": overlap_spec,
                       "dtype": "bfloat16" if args.device == "cuda" else "float32"},
             "scheduler": {"max_num_requests": max(8, args.batch)},
             "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1)},

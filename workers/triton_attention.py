@@ -26,7 +26,7 @@ if triton is not None:
     def _attend_rows(
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_bt, b, kvh, row, head, valid, q_pos, kv_end,
-        ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         # online-softmax attention of query rows (flat row, head) of sequence b over its first kv_end keys
         d = tl.arange(0, DIM)
@@ -37,7 +37,7 @@ if triton is not None:
         den = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, DIM), tl.float32)
         s = tl.arange(0, TILE)
-        for j in range(0, tl.cdiv(kv_end, TILE)):
+        for j in tl.range(0, tl.cdiv(kv_end, TILE), num_stages=STAGES):
             kpos = j * TILE + s
             inside = kpos < kv_end
             blk = tl.load(tables_ptr + b * stride_bt + kpos // BLOCK, mask=inside, other=0).to(tl.int64)
@@ -64,7 +64,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
-        TILE: tl.constexpr,
+        TILE: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -74,7 +74,7 @@ if triton is not None:
         _attend_rows(
             q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
             stride_bt, b, kvh, b * Q_LEN + qi, kvh * GROUP + r % GROUP, r < Q_LEN * GROUP, seq_len - Q_LEN + qi,
-            seq_len, ROWS, BLOCK, DIM, TILE,
+            seq_len, ROWS, BLOCK, DIM, TILE, STAGES,
         )  # fmt: skip
 
     @triton.jit
@@ -82,7 +82,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, qlen_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
-        TILE: tl.constexpr,
+        TILE: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -97,11 +97,12 @@ if triton is not None:
             _attend_rows(
                 q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks,
                 stride_kh, stride_bt, b, kvh, row, kvh * GROUP + r % GROUP, (r < QB * GROUP) & (qi < q_len),
-                seq_len - q_len + qi, kv_end, ROWS, BLOCK, DIM, TILE,
+                seq_len - q_len + qi, kv_end, ROWS, BLOCK, DIM, TILE, STAGES,
             )  # fmt: skip
 
 
 KV_TILE = 64  # keys per loop iteration: several cache blocks, so short loops hide less load latency
+KV_STAGES: int | None = None  # pipelining depth of the key loop (None: the launch default); see bench/kernel_check.py
 
 
 def kv_tile(block_size: int) -> int:
@@ -136,7 +137,7 @@ def triton_uniform_attention(
     _uniform_paged_attn[(bsz, kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim, TILE=kv_tile(block),
+        Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim, TILE=kv_tile(block), STAGES=KV_STAGES,
     )  # fmt: skip
     return out.reshape(bsz * q_len, heads * dim)
 
@@ -168,6 +169,6 @@ def triton_ragged_attention(
         _ragged_paged_attn[(bsz, kv_heads, triton.cdiv(max_q_len, q_block))](
             q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens, scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            GROUP=group, QB=q_block, ROWS=rows, BLOCK=block, DIM=dim, TILE=kv_tile(block),
+            GROUP=group, QB=q_block, ROWS=rows, BLOCK=block, DIM=dim, TILE=kv_tile(block), STAGES=KV_STAGES,
         )  # fmt: skip
     return out.reshape(t, heads * dim)
