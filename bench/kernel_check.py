@@ -36,7 +36,7 @@ def argmax_report(dev: str, g: torch.Generator) -> dict[str, object]:
     w = (0.05 * torch.randn(VOCAB, D, device=dev, generator=g)).to(torch.bfloat16)
     nw = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(torch.bfloat16)
     out: dict[str, object] = {}
-    for rows in (1, 2, 4):
+    for rows in (1, 4, 16):
         x = torch.randn(rows, D, device=dev, generator=g).to(torch.bfloat16)
 
         def separate(x: torch.Tensor = x) -> torch.Tensor:
@@ -44,19 +44,19 @@ def argmax_report(dev: str, g: torch.Generator) -> dict[str, object]:
 
         ref = F.linear(TORCH_OPS.add_rms_norm(x.float(), None, nw.float(), 1e-5)[0], w.float())
         entry: dict[str, object] = {"separate_us": graph_us(separate)}
-        for block_n in (8, 16, 32, 64):
+        for block_n, block_k in ((64, 64), (128, 64), (256, 64), (128, 128)):
 
-            def fused(x: torch.Tensor = x, block_n: int = block_n) -> torch.Tensor:
-                return argmax_kernels.norm_argmax(x, nw, 1e-5, w, block_n=block_n)
+            def fused(x: torch.Tensor = x, tile: tuple[int, int] = (block_n, block_k)) -> torch.Tensor:
+                return argmax_kernels.norm_argmax(x, nw, 1e-5, w, block_n=tile[0], block_k=tile[1])
 
             try:
-                entry[f"fused_n{block_n}_us"] = graph_us(fused)
+                entry[f"fused_n{block_n}k{block_k}_us"] = graph_us(fused)
                 tok = fused()
-                entry[f"fused_n{block_n}_same_as_separate"] = torch.equal(tok, separate())
+                entry[f"fused_n{block_n}k{block_k}_same_as_separate"] = torch.equal(tok, separate())
                 gap = ref.max(-1).values - ref.gather(1, tok[:, None]).squeeze(1)
-                entry[f"fused_n{block_n}_fp32_logit_gap"] = gap.max().item()
+                entry[f"fused_n{block_n}k{block_k}_fp32_logit_gap"] = gap.max().item()
             except Exception as exc:  # a tile the compiler cannot fit is reported, not fatal
-                entry[f"fused_n{block_n}_error"] = repr(exc)[:300]
+                entry[f"fused_n{block_n}k{block_k}_error"] = repr(exc)[:300]
         out[str(rows)] = entry
         print("argmax", rows, json.dumps(entry), flush=True)
     return out
@@ -94,7 +94,7 @@ def draft_input_report(dev: str, g: torch.Generator) -> dict[str, object]:
 def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
     """Uniform paged attention per call for batch, Q, context, key tile and pipelining depth."""
     out: dict[str, object] = {}
-    tile0, stages0 = triton_attention.KV_TILE, triton_attention.KV_STAGES
+    tile0, stages0 = triton_attention.UNIFORM_TILE, triton_attention.UNIFORM_STAGES
     for batch, q_len, ctx in ((1, 1, 128), (1, 1, 1024), (1, 4, 512), (64, 1, 512)):
         blocks_per_seq = -(-ctx // BLOCK)
         n_blocks = batch * blocks_per_seq + 1
@@ -104,9 +104,9 @@ def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
         lens = torch.full((batch,), ctx, device=dev, dtype=torch.long)
         q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
         entry: dict[str, object] = {}
-        for tile in (32, 64, 128):
-            for stages in (None, 2, 3):
-                triton_attention.KV_TILE, triton_attention.KV_STAGES = tile, stages
+        for tile in (64, 128, 256):
+            for stages in (None, 2):
+                triton_attention.UNIFORM_TILE, triton_attention.UNIFORM_STAGES = tile, stages
 
                 def attend(
                     inputs: tuple[torch.Tensor, ...] = (q, k_cache, v_cache, tables, lens), ql: int = q_len
@@ -118,7 +118,7 @@ def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
                 except Exception as exc:
                     entry[f"tile{tile}_stages{stages}_error"] = repr(exc)[:300]
                 finally:
-                    triton_attention.KV_TILE, triton_attention.KV_STAGES = tile0, stages0
+                    triton_attention.UNIFORM_TILE, triton_attention.UNIFORM_STAGES = tile0, stages0
         key = f"b{batch}_q{q_len}_ctx{ctx}"
         out[key] = entry
         print("attention", key, json.dumps(entry), flush=True)

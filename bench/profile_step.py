@@ -60,6 +60,72 @@ def phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     return {k: 1e3 * v / steps for k, v in acc.items()}
 
 
+class HostTimer:
+    """Wall time spent inside chosen functions while the engine serves steps (host-side split of a step).
+    Spans nest: `launch` includes `fill_step` and `graph_replay`; `collect` includes `wait_gpu`."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = {}
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner: object, name: str, label: str) -> None:
+        """Time every call of owner.name under `label` until `restore`."""
+        fn = getattr(owner, name)
+        self._undo.append((owner, name, owner.__dict__.get(name, fn) if hasattr(owner, "__dict__") else fn))
+        acc = self.acc
+        acc.setdefault(label, 0.0)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[label] += time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        """Put every wrapped function back."""
+        for owner, name, fn in reversed(self._undo):
+            setattr(owner, name, fn)
+        self._undo.clear()
+
+
+def host_split(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Mean host ms per served step inside scheduling, launching (buffer fill, graph replay), waiting for
+    the GPU, reading results and applying them."""
+    import workers.fused_step
+    import workers.graph_runner
+    import workers.runner
+
+    timer = HostTimer()
+    runner = engine.target
+    timer.wrap(engine.scheduler, "plan_ahead", "plan_ahead")
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine, "_apply", "apply")
+    timer.wrap(runner, "launch", "launch")
+    timer.wrap(runner, "collect", "collect")
+    timer.wrap(runner, "execute", "execute")
+    timer.wrap(workers.fused_step, "fill_step", "fill_step")
+    timer.wrap(workers.runner, "fill_step", "fill_step")
+    timer.wrap(workers.graph_runner.GreedyAndSampledSteps, "run", "graph_replay")
+    if torch.cuda.is_available():
+        timer.wrap(torch.cuda.Event, "synchronize", "wait_gpu")
+    try:
+        engine.drain()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        total = time.perf_counter() - t0
+    finally:
+        timer.restore()
+    out = {f"host_{k}": 1e3 * v / steps for k, v in timer.acc.items()}
+    out["host_engine_step"] = 1e3 * total / steps
+    return out
+
+
 SHORT_GAP_US = 20.0  # idle time between two kernels below this counts as launch gaps, above as host stalls
 
 
@@ -133,6 +199,7 @@ def main() -> int:
             eng.step()
         sync()
         report[name] = phases(eng, args.steps)
+        report[name].update(host_split(eng, args.steps))
         print(name, json.dumps(report[name]), flush=True)
         acts = [torch.profiler.ProfilerActivity.CPU]
         if args.device == "cuda":

@@ -160,8 +160,8 @@ class TritonOps(TorchOps):
         return fused_kernels.norm_qkv_rope(x, residual, norm_weight, eps, qkv_weight, kv)
 
     def norm_argmax(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
-        """Two launches for small steps, without writing the logits; norm, cuBLAS and argmax otherwise."""
-        if x.shape[0] > self.small_rows or not argmax_kernels.norm_argmax_fits(x, weight):
+        """Two launches for up to 16 rows, without writing the logits; norm, cuBLAS and argmax otherwise."""
+        if not self.small_rows or not argmax_kernels.norm_argmax_fits(x, weight):
             return super().norm_argmax(x, norm_weight, eps, weight)
         return argmax_kernels.norm_argmax(x, norm_weight, eps, weight)
 
