@@ -8,6 +8,7 @@ Prints a table last and writes h200_bench.json (+ h200_bench.png) under --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -332,6 +333,7 @@ def main() -> int:
                 }
         if eng is not base:
             del eng
+            gc.collect()
             torch.cuda.empty_cache()
     agreement(report["runs"])
     report["variants"] = VARIANTS

@@ -6,6 +6,7 @@ same buffers, so the buffer, padding and bucket logic is exercised by CPU tests 
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,9 +46,20 @@ class CapturedSteps:
         self.replays = 0
 
     def capture(self) -> None:
-        """Capture every bucket, largest first so smaller graphs reuse its pool."""
+        """Capture every bucket, largest first so smaller graphs reuse its pool. The garbage collector is
+        paused meanwhile: collecting an unreachable graph during a capture invalidates the capture."""
         if not self.enabled:
             return
+        gc.collect()
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if paused:
+                gc.enable()
+
+    def _capture_all(self) -> None:
         pool = None
         stream = torch.cuda.Stream(self.device)
         for size in sorted(self.sizes, reverse=True):
