@@ -39,7 +39,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler finds requests in its lists by object, not by value
 class Request:
     """A generation request and its scheduler state."""
 
