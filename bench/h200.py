@@ -51,7 +51,7 @@ VARIANTS = {
     "": "the serving configuration",
     "no-gemv": "Triton layer kernels, but never the matrix-vector kernels (norm/SwiGLU folded into projections)",
     "no-overlap": "target-only steps read their tokens before the next step is queued (model.overlap_steps off)",
-    "overlap-spec": "speculative steps queued ahead too (model.overlap_speculative on)",
+    "no-overlap-spec": "speculative steps read before the next is queued (model.overlap_speculative off)",
     "chain-graphs": "draft chain captured on its own (UniformChainStep, as on a separate draft worker or Ray "
     "rank 0) instead of inside the fused speculative step",
 }
@@ -66,7 +66,7 @@ def engine_for(
     if variant == "no-gemv":
         TritonOps.small_rows = 0
     try:
-        eng = _engine(args, k, graphs, max_batch, fused, variant != "no-overlap", variant == "overlap-spec")
+        eng = _engine(args, k, graphs, max_batch, fused, variant != "no-overlap", variant != "no-overlap-spec")
     finally:
         TritonOps.small_rows = small_rows
     if variant == "chain-graphs":
@@ -292,13 +292,13 @@ def main() -> int:
     plan = [(True, True, k, batches, 0.0, "") for k in [0, *ks]]
     plan += [(True, True, k, ends, 0.7, "") for k in (0, 3)]  # sampling requests
     plan += [(True, True, 0, batches, 0.0, "no-overlap")]
-    plan += [(True, True, k, batches, 0.0, "overlap-spec") for k in (1, 3)]
+    plan += [(True, True, k, batches, 0.0, "no-overlap-spec") for k in (1, 3)]
     plan += [(True, True, k, ends, 0.0, "no-gemv") for k in (0, 3)]
     plan += [(True, True, 3, ends, t, "chain-graphs") for t in (0.0, 0.7)]
     plan += [(True, False, k, ends, 0.0, "") for k in (0, 3)]
     plan += [(False, True, k, [batches[0]], 0.0, "") for k in (0, 3)]
     if args.main_only:  # greedy, graphs and fused kernels: with and without overlap
-        plan = [p for p in plan if p[0] and p[1] and p[4] == 0.0 and p[5] in ("", "no-overlap", "overlap-spec")]
+        plan = [p for p in plan if p[0] and p[1] and p[4] == 0.0 and p[5] in ("", "no-overlap", "no-overlap-spec")]
     for graphs, fused, k, bs, temp, variant in plan:
         label = f"k={k} graphs={graphs} fused={fused} {variant}".rstrip()
         eng = (

@@ -170,12 +170,12 @@ def main() -> int:
         ("target-graph", 0, True, True, True, False),
         ("target-graph-no-gemv", 0, True, True, False, False),
         ("target-graph-unfused", 0, True, False, False, False),
-        ("mtp1-graph", 1, True, True, True, False),
-        ("mtp1-graph-overlap", 1, True, True, True, True),
-        ("mtp3-graph", 3, True, True, True, False),
-        ("mtp3-graph-overlap", 3, True, True, True, True),
-        ("mtp3-graph-no-gemv", 3, True, True, False, False),
-        ("mtp3-graph-unfused", 3, True, False, False, False),
+        ("mtp1-graph", 1, True, True, True, True),
+        ("mtp1-graph-no-overlap", 1, True, True, True, False),
+        ("mtp3-graph", 3, True, True, True, True),
+        ("mtp3-graph-no-overlap", 3, True, True, True, False),
+        ("mtp3-graph-no-gemv", 3, True, True, False, True),
+        ("mtp3-graph-unfused", 3, True, False, False, True),
     ]
     if args.variants:
         chosen = args.variants.split(",")

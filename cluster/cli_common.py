@@ -24,12 +24,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-overlap",
         action="store_true",
-        help="read each decode step's tokens before queueing the next (target-only, CUDA graphs; for debugging)",
+        help="read each decode step's tokens before queueing the next (CUDA graphs; for debugging)",
     )
     g.add_argument(
-        "--overlap-speculative",
+        "--no-overlap-speculative",
         action="store_true",
-        help="also overlap speculative steps (draft in process; tested on CPU, not yet measured on a GPU)",
+        help="overlap target-only steps only: read each speculative step before queueing the next",
     )
     g.add_argument(
         "--no-fused-kernels",
@@ -66,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "model.cuda_graphs": False if a.get("enforce_eager") else None,
         "model.fused_kernels": False if a.get("no_fused_kernels") else None,
         "model.overlap_steps": False if a.get("no_overlap") else None,
-        "model.overlap_speculative": True if a.get("overlap_speculative") else None,
+        "model.overlap_speculative": False if a.get("no_overlap_speculative") else None,
         "speculative.draft": a.get("draft"),
         "speculative.num_draft_tokens": a.get("num_draft_tokens"),
         "speculative.enabled": False if a.get("no_speculation") else None,

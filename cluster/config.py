@@ -28,13 +28,12 @@ class ModelConfig(_Strict):
     cuda_graphs: bool = Field(True, description="capture generation steps in CUDA graphs (CUDA only)")
     overlap_steps: bool = Field(
         True,
-        description="target-only decoding on captured steps: queue the next step before reading this one's "
-        "tokens, so host work overlaps GPU work",
+        description="decoding on captured steps: queue the next step before reading this one's tokens, so "
+        "host work overlaps GPU work",
     )
     overlap_speculative: bool = Field(
-        False,
-        description="the same for speculative steps with the draft in process (tested on CPU, not yet "
-        "measured on a GPU; needs overlap_steps)",
+        True,
+        description="overlap speculative steps too (draft in process, TP=1); needs overlap_steps",
     )
     fused_kernels: bool = Field(
         True, description="fused Triton kernels for norm+residual, RoPE+KV write and SwiGLU (CUDA only)"

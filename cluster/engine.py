@@ -215,8 +215,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step over every running request.
 
-        In steady decoding on captured steps (`model.overlap_steps`: target-only, and with
-        `model.overlap_speculative` speculative steps with the draft in process), the next step is queued
+        In steady decoding on captured steps (`model.overlap_steps`; speculative steps too with the draft
+        in process, unless `model.overlap_speculative` is off), the next step is queued
         on the device before this one's tokens are read, its
         inputs taken from this step's results on the device, so host work overlaps GPU work. A request
         that stops at this step then computes one extra step, which is dropped."""

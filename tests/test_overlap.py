@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
@@ -146,10 +147,14 @@ def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact() -> Non
     assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
 
 
-def test_speculative_overlap_is_opt_in() -> None:
-    """By default (model.overlap_speculative off) speculative steps are read before the next is queued."""
+def test_speculative_overlap_can_be_turned_off() -> None:
+    """With model.overlap_speculative off (on by default) speculative steps are read before the next is
+    queued."""
+    assert MTPServeConfig().model.overlap_speculative
     args, w = mimic_target()
-    eng = tiny_engine(args, w, mimic_head(args, w), speculative={"num_draft_tokens": 2})
+    eng = tiny_engine(
+        args, w, mimic_head(args, w), model={"overlap_speculative": False}, speculative={"num_draft_tokens": 2}
+    )
     runner = eng.target
     assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
     assert eng.cfg.model.overlap_steps and not eng.cfg.model.overlap_speculative
