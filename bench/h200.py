@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.config import MTPServeConfig
 from cluster.engine import DEFAULT_HEAD, LLMEngine, build_chain_graphs
+from speculative.sampling import SamplingMode
 from workers import fused_kernels
 from workers.layer_ops import TritonOps
 
@@ -52,6 +53,8 @@ VARIANTS = {
     "no-gemv": "Triton layer kernels, but never the matrix-vector kernels (norm/SwiGLU folded into projections)",
     "no-overlap": "target-only steps read their tokens before the next step is queued (model.overlap_steps off)",
     "no-overlap-spec": "speculative steps read before the next is queued (model.overlap_speculative off)",
+    "temperature-only": "sampling requests with top-p off (the captured variant that skips sorting the vocabulary); "
+    "other sampling rows use top-p 0.95",
     "chain-graphs": "draft chain captured on its own (UniformChainStep, as on a separate draft worker or Ray "
     "rank 0) instead of inside the fused speculative step",
 }
@@ -98,10 +101,10 @@ def _engine(
 
 
 def decode_run(
-    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, top_p: float = 0.95
 ) -> dict[str, Any]:
     """Prefill all prompts, then time the generation steps only (seeded sampling when temperature > 0)."""
-    params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature, "top_p": 0.95}
+    params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature, "top_p": top_p}
     ids = [engine.add_request(p, {**params, "seed": i}) for i, p in enumerate(prompts)]
     reqs = [engine.scheduler.requests[r] for r in ids]
     while any(r.in_context for r in reqs):
@@ -139,9 +142,11 @@ def decode_run(
 
 
 def sampled_graphs(engine: LLMEngine) -> bool | None:
-    """Whether the sampling variant of the captured step was captured (None without captured steps)."""
+    """Whether every sampling variant of the captured step was captured (None without captured steps)."""
     step = getattr(engine.target, "fused", None) or getattr(engine.target, "uniform", None)
-    return None if step is None else bool(step.steps.sampled.graphs)
+    if step is None:
+        return None
+    return all(v.graphs for m, v in step.steps.variants.items() if m is not SamplingMode.GREEDY)
 
 
 def replays(step: Any) -> int | None:
@@ -290,7 +295,7 @@ def main() -> int:
     # and without graphs, to show what each buys.
     ends = [batches[0], batches[-1]]
     plan = [(True, True, k, batches, 0.0, "") for k in [0, *ks]]
-    plan += [(True, True, k, ends, 0.7, "") for k in (0, 3)]  # sampling requests
+    plan += [(True, True, k, ends, 0.7, v) for k in (0, 3) for v in ("", "temperature-only")]  # sampling requests
     plan += [(True, True, 0, batches, 0.0, "no-overlap")]
     plan += [(True, True, k, batches, 0.0, "no-overlap-spec") for k in (1, 3)]
     plan += [(True, True, k, ends, 0.0, "no-gemv") for k in (0, 3)]
@@ -315,7 +320,9 @@ def main() -> int:
         for b in bs:
             r = guarded(
                 f"decode {label} temperature={temp} batch={b}",
-                lambda e=eng, b=b, t=temp: decode_run(e, prompts_all[:b], args.max_tokens, t),
+                lambda e=eng, b=b, t=temp, tp=1.0 if variant == "temperature-only" else 0.95: decode_run(
+                    e, prompts_all[:b], args.max_tokens, t, tp
+                ),
             )
             if r:
                 r.update(k=k, graphs=graphs, fused=fused, temperature=temp, variant=variant)

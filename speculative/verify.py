@@ -88,13 +88,15 @@ def verify_step(
     input_ids: torch.Tensor,
     q_len: int,
     sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    filtered: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a uniform step of B sequences x Q rows in fixed shapes (safe to capture in a CUDA graph).
 
     hidden [B*Q, d] are the target's rows; input_ids [B*Q], each sequence's last accepted token then its
     Q-1 drafts. sampling is None for an all-greedy step (only argmax tokens are computed), else
     (temperature [B], top_k [B] (float), top_p [B], uniforms [B, Q]); greedy rows within it (temperature 0)
-    verify exactly as greedy. Returns (num_accepted [B], tokens [B, Q]).
+    verify exactly as greedy; `filtered` False skips top-k/top-p (see `processed_probs`). Returns
+    (num_accepted [B], tokens [B, Q]).
     """
     bsz = input_ids.shape[0] // q_len
     drafts = input_ids.view(bsz, q_len)[:, 1:]
@@ -106,5 +108,6 @@ def verify_step(
         temperature.repeat_interleave(q_len),
         top_k.long().repeat_interleave(q_len),
         top_p.repeat_interleave(q_len),
+        filtered,
     )
     return verify(probs.view(bsz, q_len, -1), drafts, uniforms)

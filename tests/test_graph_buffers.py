@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from cluster.engine import LLMEngine
+from speculative.sampling import SamplingMode
 from workers.graph_runner import CapturedSteps, pick_bucket
 from workers.runner import UniformTargetStep
 from workers.step_buffers import StepBuffers
@@ -134,11 +137,18 @@ MIXED = [
     {"max_tokens": 20, "temperature": 0.7, "top_p": 0.8, "seed": 13},
     {"max_tokens": 20, "temperature": 1.0, "top_k": 3, "top_p": 0.9, "seed": 14},
 ]
+TEMPERATURE_ONLY = [  # sampling without top-k/top-p: the variant that skips sorting the vocabulary
+    {"max_tokens": 20, "temperature": 0.9, "seed": 11},
+    {"max_tokens": 20},
+    {"max_tokens": 20, "temperature": 1.2, "seed": 12},
+    {"max_tokens": 20, "temperature": 0.7, "seed": 13},
+    {"max_tokens": 20, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 14},
+]
 
 
-def run_mixed(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+def run_mixed(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, Any]] = MIXED) -> list[list[int]]:
     """Requests with their own sampling parameters, batched together; tokens per request."""
-    ids = [eng.add_request(p, params) for p, params in zip(prompts, MIXED, strict=True)]
+    ids = [eng.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
     out: dict[str, list[int]] = {rid: [] for rid in ids}
     while eng.has_unfinished():
         for o in eng.step():
@@ -146,17 +156,19 @@ def run_mixed(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [out[r] for r in ids]
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool) -> None:
-    """Sampling and greedy requests batched together take the fixed-buffer step (sampling parameters and
-    uniforms copied into fixed buffers) and emit exactly the eager path's tokens for the same seeds."""
+@pytest.mark.parametrize(("fused", "mode"), [(False, "filtered"), (True, "filtered"), (True, "temperature")])
+def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool, mode: str) -> None:
+    """Sampling and greedy requests batched together take the fixed-buffer step of their sampling mode
+    (sampling parameters and uniforms copied into fixed buffers) and emit exactly the eager path's tokens
+    for the same seeds: with top-k/top-p, and with temperature only (no sort over the vocabulary)."""
     from workers.fused_step import FusedSpecStep
 
     args, w = mimic_target()
     prompts = random_prompts(5, args.vocab_size, [21, 1, 9, 13, 30], seed=9)
     head = mimic_head(args, w)
     ref = tiny_engine(args, w, head, speculative={"num_draft_tokens": 3})
-    want = run_mixed(ref, prompts)
+    params = MIXED if mode == "filtered" else TEMPERATURE_ONLY
+    want = run_mixed(ref, prompts, params)
     eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": 3})
     runner = eng.target
     step: FusedSpecStep | UniformTargetStep
@@ -167,16 +179,17 @@ def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool) -> None:
         step = with_uniform(eng, 3)
     ptrs = step.buffers.addresses()
     sampled_calls = []
-    orig = step.steps.sampled.run
+    variant = step.steps.variants[SamplingMode(mode)]
+    orig = variant.run
 
     def spy(bucket):  # type: ignore[no-untyped-def]
         sampled_calls.append(bucket)
         return orig(bucket)
 
-    step.steps.sampled.run = spy  # type: ignore[method-assign]
-    got = run_mixed(eng, prompts)
+    variant.run = spy  # type: ignore[method-assign]
+    got = run_mixed(eng, prompts, params)
     assert got == want
-    assert sampled_calls, "steps with sampling requests must take the fixed-buffer path"
+    assert sampled_calls, "steps with sampling requests must take the fixed-buffer path of their mode"
     assert step.buffers.addresses() == ptrs
     greedy = tiny_engine(args, w, head).generate(prompts[:1], {"max_tokens": 20})[0].token_ids
     assert (

@@ -55,3 +55,26 @@ def test_stop_token_and_eos_and_length() -> None:
     if 7 in free.token_ids:
         eos = tiny_engine(args, w).generate(p, {"max_tokens": 40})[0]
         assert eos.finish_reason == "stop" and eos.token_ids[-1] == 7
+
+
+def test_temperature_only_mode_skips_filtering_and_matches_the_sorted_path() -> None:
+    """Without top-k/top-p the unsorted path gives the sorted path's distribution; the mode picks the
+    cheapest variant that serves every request of a step."""
+    from types import SimpleNamespace
+
+    from speculative.sampling import SamplingMode, sampling_mode
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([0.7, 0.0, 1.3])
+    off_k, off_p = torch.zeros(3, dtype=torch.long), torch.ones(3)
+    fast = processed_probs(logits, t, off_k, off_p, filtered=False)
+    assert torch.allclose(fast, processed_probs(logits, t, off_k, off_p), atol=1e-6)
+    assert fast[1].tolist() == torch.nn.functional.one_hot(logits[1].argmax(), 50).float().tolist()
+
+    def req(temperature: float, top_k: int = 0, top_p: float = 1.0) -> SimpleNamespace:
+        return SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p)
+
+    assert sampling_mode([req(0.0), req(0.0, top_k=5)]) is SamplingMode.GREEDY
+    assert sampling_mode([req(0.0), req(0.8)]) is SamplingMode.TEMPERATURE
+    assert sampling_mode([req(0.8), req(0.5, top_p=0.9)]) is SamplingMode.FILTERED
+    assert sampling_mode([req(0.8), req(0.5, top_k=40)]) is SamplingMode.FILTERED

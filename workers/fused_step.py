@@ -19,6 +19,7 @@ import torch
 
 from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain, propose_from_rows
+from speculative.sampling import SamplingMode, sampling_mode
 from speculative.verify import verify_step
 from workers.attention import UniformMetadata
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
@@ -53,15 +54,15 @@ class FusedSpecStep:
         self._row_offsets = torch.arange(k + 1, device=dev)  # a request's Q rows, for `_advance`
 
     @torch.no_grad()
-    def _forward(self, bucket: int, sampled: bool) -> torch.Tensor:
+    def _forward(self, bucket: int, mode: SamplingMode) -> torch.Tensor:
         b, q, k = self.buffers, self.k + 1, self.k
         n = bucket * q
         tables = b.block_tables[:bucket]
         meta = UniformMetadata(b.slot_mapping[:n], tables, b.seq_lens[:bucket], q)
         ids, pos = b.input_ids[:n], b.positions[:n]
         hidden = self.target(ids, pos, self.cache, meta)
-        sampling = b.sampling(bucket) if sampled else None
-        n_acc, emitted = verify_step(self.target, hidden, ids, q, sampling)  # [B], [B, K+1]
+        sampling = None if mode is SamplingMode.GREEDY else b.sampling(bucket)
+        n_acc, emitted = verify_step(self.target, hidden, ids, q, sampling, mode is SamplingMode.FILTERED)
         c = self.chain
         drafts = propose_from_rows(c.head, c.shared, c.cache, emitted.reshape(-1), hidden, pos, meta, n_acc, k)
         next_start = pos.view(bucket, q)[:, 0] + n_acc + 1
@@ -90,7 +91,7 @@ class FusedSpecStep:
         m = len(plan.seqs)
         if after is not None:
             self._advance(m, after)
-        return self.steps.run(bucket, uniforms is not None)[:m]
+        return self.steps.run(bucket, sampling_mode(plan.seqs))[:m]
 
     def _advance(self, m: int, previous: torch.Tensor) -> None:
         b, q, k = self.buffers, self.k + 1, self.k

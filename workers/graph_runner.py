@@ -9,9 +9,12 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
+
+from speculative.sampling import SamplingMode
 
 log = logging.getLogger(__name__)
 CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -100,16 +103,30 @@ class CapturedSteps:
         return self.outputs[size]
 
 
+def _bind_mode(fn: Callable[[int, SamplingMode], Any], mode: SamplingMode, bucket: int) -> Any:
+    return fn(bucket, mode)
+
+
 class GreedyAndSampledSteps:
-    """The two captured variants of a uniform generation step: all-greedy, and sampling (its temperature,
-    top-k, top-p and uniforms read from fixed buffers). A sampling variant that cannot be captured runs
-    eagerly over the same buffers."""
+    """The captured variants of a uniform generation step, one per `SamplingMode`: all-greedy; sampling
+    with temperature only; sampling with top-k/top-p too (temperature, top-k, top-p and uniforms read from
+    fixed buffers). A sampling variant that cannot be captured runs eagerly over the same buffers."""
 
     def __init__(
-        self, fn: Callable[[int, bool], Any], sizes: Sequence[int], device: torch.device, enabled: bool = True
+        self,
+        fn: Callable[[int, SamplingMode], Any],
+        sizes: Sequence[int],
+        device: torch.device,
+        enabled: bool = True,
     ):
-        self.greedy = CapturedSteps(lambda b: fn(b, False), sizes, device, enabled)
-        self.sampled = CapturedSteps(lambda b: fn(b, True), sizes, device, enabled)
+        self.variants = {
+            mode: CapturedSteps(partial(_bind_mode, fn, mode), sizes, device, enabled) for mode in SamplingMode
+        }
+
+    @property
+    def greedy(self) -> CapturedSteps:
+        """The all-greedy variant."""
+        return self.variants[SamplingMode.GREEDY]
 
     @property
     def sizes(self) -> list[int]:
@@ -118,14 +135,16 @@ class GreedyAndSampledSteps:
 
     @property
     def replays(self) -> int:
-        """CUDA-graph replays so far (both variants)."""
-        return self.greedy.replays + self.sampled.replays
+        """CUDA-graph replays so far (every variant)."""
+        return sum(v.replays for v in self.variants.values())
 
     def capture(self) -> None:
-        """Capture both variants for every bucket (CUDA only)."""
+        """Capture every variant for every bucket (CUDA only)."""
         self.greedy.capture()
-        self.sampled.try_capture()
+        for mode, steps in self.variants.items():
+            if mode is not SamplingMode.GREEDY:
+                steps.try_capture()
 
-    def run(self, size: int, sampled: bool) -> Any:
+    def run(self, size: int, mode: SamplingMode) -> Any:
         """Replay (or run eagerly) one variant of bucket `size`."""
-        return (self.sampled if sampled else self.greedy).run(size)
+        return self.variants[mode].run(size)

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 
 from proto.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
-from speculative.sampling import processed_probs, request_generator, sample_from_uniform
+from speculative.sampling import (
+    SamplingMode,
+    processed_probs,
+    request_generator,
+    sample_from_uniform,
+    sampling_mode,
+)
 from speculative.verify import verify, verify_greedy, verify_step
 from workers.attention import UniformMetadata, ragged_metadata
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
@@ -45,12 +51,13 @@ class UniformTargetStep:
         self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
 
     @torch.no_grad()
-    def _forward(self, bucket: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bucket: int, mode: SamplingMode) -> tuple[torch.Tensor, torch.Tensor]:
         b, n = self.buffers, bucket * self.q_len
         meta = UniformMetadata(b.slot_mapping[:n], b.block_tables[:bucket], b.seq_lens[:bucket], self.q_len)
         hidden = self.model(b.input_ids[:n], b.positions[:n], self.cache, meta)
-        sampling = b.sampling(bucket) if sampled else None
-        n_acc, tokens = verify_step(self.model, hidden, b.input_ids[:n], self.q_len, sampling)
+        sampling = None if mode is SamplingMode.GREEDY else b.sampling(bucket)
+        filtered = mode is SamplingMode.FILTERED
+        n_acc, tokens = verify_step(self.model, hidden, b.input_ids[:n], self.q_len, sampling, filtered)
         return hidden, pack_verified(n_acc, tokens)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
@@ -78,7 +85,7 @@ class UniformTargetStep:
         if tokens_from is not None:
             ids = self.buffers.input_ids[: len(seqs)]
             ids.copy_(tokens_from.index_select(0, ids))
-        hidden, packed = self.steps.run(bucket, uniforms is not None)
+        hidden, packed = self.steps.run(bucket, sampling_mode(seqs))
         m = len(seqs)
         return hidden[: m * self.q_len], packed[:m]
 
@@ -321,7 +328,7 @@ class TargetRunner:
         t = torch.tensor([s.temperature for s in seqs], device=dev).repeat_interleave(reps)
         k = torch.tensor([s.top_k for s in seqs], device=dev).repeat_interleave(reps)
         p = torch.tensor([s.top_p for s in seqs], device=dev).repeat_interleave(reps)
-        return processed_probs(logits, t, k, p)
+        return processed_probs(logits, t, k, p, sampling_mode(seqs) is SamplingMode.FILTERED)
 
     def _verify_sampling(
         self, plan: StepPlan, members: list[int], logits: torch.Tensor, drafts: torch.Tensor
