@@ -229,3 +229,12 @@ def test_uniform_chain_step_matches_eager_chain(k: int) -> None:
     assert runs and any(n < b for n, b, _ in runs), "some steps are padded up to a bucket"
     assert any(rows < k + 1 for _, _, rows in runs), "some requests bring fewer rows than K + 1"
     assert [*step.buffers.addresses(), step.hidden.data_ptr(), step.num_accepted.data_ptr()] == ptrs
+
+
+def test_fill_names_the_sequence_that_does_not_fit() -> None:
+    """A sequence with the wrong row count or too many blocks is refused with its index."""
+    buf = StepBuffers.allocate(8, 3, 4, block_size=4, scratch_block=99, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="sequence 1 has 2 rows, the step needs 3"):
+        buf.fill([[1, 2, 3], [4, 5]], starts=[0, 0], tables=[[1], [2]], bucket=2)
+    with pytest.raises(ValueError, match="sequence 0 has 5 blocks, buffers hold 4"):
+        buf.fill([[1, 2, 3]], starts=[0], tables=[[1, 2, 3, 4, 5]], bucket=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -146,16 +147,22 @@ class StepBuffers:
         slots[:rows] = self.scratch_block * bs + offsets % bs
         lens[:bucket] = q
         table[:bucket] = self.scratch_block
-        for b, (toks, blocks) in enumerate(zip(token_ids, tables, strict=True)):
-            if len(toks) != q:
-                raise ValueError(f"sequence {b} has {len(toks)} rows, the step needs {q}")
-            if len(blocks) > m:
-                raise ValueError(f"sequence {b} has {len(blocks)} blocks, buffers hold {m}")
-            table[b, : len(blocks)] = blocks
+        if len(tables) != n:
+            raise ValueError(f"{n} sequences but {len(tables)} block tables")
+        counts = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        if n and counts.max() > m:
+            b = int(counts.argmax())
+            raise ValueError(f"sequence {b} has {counts[b]} blocks, buffers hold {m}")
         if n:
+            table[:n][np.arange(m)[None, :] < counts[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64)
+            rows_in = np.fromiter(map(len, token_ids), dtype=np.int64, count=n)
+            if (rows_in != q).any():
+                b = int(np.flatnonzero(rows_in != q)[0])
+                raise ValueError(f"sequence {b} has {rows_in[b]} rows, the step needs {q}")
+            ids_in = np.asarray(token_ids, dtype=np.int64)
             start = np.asarray(starts, dtype=np.int64)
             p = start[:, None] + np.arange(q)[None, :]  # [n, Q]
-            ids[:real] = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+            ids[:real] = ids_in.reshape(-1)
             pos[:real] = p.reshape(-1)
             real_slots = table[np.arange(n)[:, None], p // bs] * bs + p % bs
             if valid_rows is not None:
