@@ -3,8 +3,8 @@
 - norm + lm_head + argmax (`argmax_kernels.norm_argmax`, several vocabulary tiles) against the separate
   norm, cuBLAS projection, fp32 conversion and torch argmax, with token agreement;
 - the MTP head's input (`draft_kernels.draft_input`) against embedding + two norms + concat + cuBLAS;
-- uniform paged attention at batch 1 and 64, Q = 1 and 4, for several context lengths, key tiles and
-  loop pipelining depths.
+- uniform paged attention at batch 1, 8 and 64, Q = 1 and 4, for several context lengths, with and
+  without split key ranges, against float64.
 
 Each variant runs 50 times inside one CUDA graph (bench/gemv_check.py's `graph_us`).
 
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gemv_check import graph_us
 from workers import argmax_kernels, draft_kernels, triton_attention
+from workers.attention import uniform_paged_attention
 from workers.layer_ops import TORCH_OPS, TritonOps
 
 VOCAB, D, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 49152, 576, 9, 3, 64, 16
@@ -92,10 +93,11 @@ def draft_input_report(dev: str, g: torch.Generator) -> dict[str, object]:
 
 
 def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
-    """Uniform paged attention per call for batch, Q, context, key tile and pipelining depth."""
+    """Uniform paged attention per call, with and without split key ranges, and its error against float64."""
     out: dict[str, object] = {}
-    tile0, stages0 = triton_attention.UNIFORM_TILE, triton_attention.UNIFORM_STAGES
-    for batch, q_len, ctx in ((1, 1, 128), (1, 1, 1024), (1, 4, 512), (64, 1, 512)):
+    programs0 = triton_attention.SPLIT_PROGRAMS
+    shapes = ((1, 1, 128), (1, 1, 1024), (1, 1, 4096), (1, 4, 1024), (8, 1, 4096), (64, 1, 512), (64, 4, 1024))
+    for batch, q_len, ctx in shapes:
         blocks_per_seq = -(-ctx // BLOCK)
         n_blocks = batch * blocks_per_seq + 1
         k_cache = torch.randn(n_blocks, BLOCK, KV_HEADS, HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
@@ -103,22 +105,24 @@ def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
         tables = torch.randperm(n_blocks - 1, device=dev, generator=g)[: batch * blocks_per_seq].view(batch, -1)
         lens = torch.full((batch,), ctx, device=dev, dtype=torch.long)
         q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
-        entry: dict[str, object] = {}
-        for tile in (64, 128, 256):
-            for stages in (None, 2):
-                triton_attention.UNIFORM_TILE, triton_attention.UNIFORM_STAGES = tile, stages
+        inputs = (q, k_cache, v_cache, tables, lens)
+        ref = uniform_paged_attention(
+            q.double(), k_cache.double(), v_cache.double(), tables, lens, q_len, HEAD_DIM**-0.5
+        )
+        entry: dict[str, object] = {"split_cap": triton_attention.split_cap(batch, KV_HEADS)}
+        for name, programs in (("one_range", 0), ("split", programs0)):
+            triton_attention.SPLIT_PROGRAMS = programs
 
-                def attend(
-                    inputs: tuple[torch.Tensor, ...] = (q, k_cache, v_cache, tables, lens), ql: int = q_len
-                ) -> torch.Tensor:
-                    return triton_attention.triton_uniform_attention(*inputs, ql, HEAD_DIM**-0.5)
+            def attend(inputs: tuple[torch.Tensor, ...] = inputs, ql: int = q_len) -> torch.Tensor:
+                return triton_attention.triton_uniform_attention(*inputs, ql, HEAD_DIM**-0.5)
 
-                try:
-                    entry[f"tile{tile}_stages{stages}_us"] = graph_us(attend)
-                except Exception as exc:
-                    entry[f"tile{tile}_stages{stages}_error"] = repr(exc)[:300]
-                finally:
-                    triton_attention.UNIFORM_TILE, triton_attention.UNIFORM_STAGES = tile0, stages0
+            try:
+                entry[f"{name}_us"] = graph_us(attend)
+                entry[f"{name}_max_abs_err"] = (attend().double() - ref).abs().max().item()
+            except Exception as exc:
+                entry[f"{name}_error"] = repr(exc)[:300]
+            finally:
+                triton_attention.SPLIT_PROGRAMS = programs0
         key = f"b{batch}_q{q_len}_ctx{ctx}"
         out[key] = entry
         print("attention", key, json.dumps(entry), flush=True)

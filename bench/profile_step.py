@@ -157,11 +157,13 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="out")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=1, help="concurrent requests (each a 64-token prompt)")
+    ap.add_argument("--batch", type=int, default=1, help="concurrent requests")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.prompt_len == 64 else f"_p{args.prompt_len}"
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(SMOLLM2))
     report = {}
@@ -188,14 +190,15 @@ def main() -> int:
         TritonOps.small_rows = small_rows if gemv else 0
         cfg = MTPServeConfig.from_dict({
             "model": {"path": str(tmp), "load_format": "dummy", "device": args.device, "cuda_graphs": graphs,
-                      "fused_kernels": fused, "max_model_len": 2048, "overlap_speculative": overlap_spec,
+                      "fused_kernels": fused, "max_model_len": max(2048, args.prompt_len + 1024),
+                      "overlap_speculative": overlap_spec,
                       "dtype": "bfloat16" if args.device == "cuda" else "float32"},
             "scheduler": {"max_num_requests": max(8, args.batch)},
             "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1)},
         })  # fmt: skip
         eng = LLMEngine.from_config(cfg)
         for i in range(args.batch):
-            eng.add_request(list(range(100 + i, 164 + i)), {"max_tokens": 10_000, "ignore_eos": True})
+            eng.add_request(list(range(100 + i, 100 + i + args.prompt_len)), {"max_tokens": 10_000, "ignore_eos": True})
         for _ in range(5):
             eng.step()
         sync()
@@ -214,13 +217,13 @@ def main() -> int:
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         if args.device == "cuda":
             table += "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
-        (out / f"profile_{name}_b{args.batch}.txt").write_text(table)
+        (out / f"profile_{name}_b{args.batch}{suffix}.txt").write_text(table)
         print(table[:6000], flush=True)
         del eng
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    (out / f"profile_phases_b{args.batch}.json").write_text(json.dumps(report, indent=2))
+    (out / f"profile_phases_b{args.batch}{suffix}.json").write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -29,6 +29,43 @@ def test_kernel_matches_float64_reference(q_len: int, heads: int, kv_heads: int,
     assert (got.double() - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize(
+    ("q_len", "heads", "kv_heads", "lens"),
+    [(1, 9, 3, [300, 5, 70]), (4, 9, 3, [150, 37]), (3, 4, 2, [80, 200, 16, 33])],
+)
+def test_split_key_ranges_match_float64_reference(
+    q_len: int, heads: int, kv_heads: int, lens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long sequences split over several programs (ranges of 16 keys, empty trailing ranges included) and
+    merged by the last one give the float64 result; a second launch gives the same, with every arrival
+    counter back at zero."""
+    monkeypatch.setattr(triton_attention, "UNIFORM_TILE", 16)
+    monkeypatch.setattr(triton_attention, "SPLIT_KEYS", 16)
+    monkeypatch.setattr(triton_attention._Scratch, "buffers", {})
+    g = torch.Generator().manual_seed(len(lens) + q_len)
+    nb, bs, dim, max_blocks = 80, 16, 32, 19
+    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    tables = torch.randperm(nb, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens) * q_len, heads, dim, generator=g)
+    assert triton_attention.split_cap(len(lens), kv_heads) > 1
+    got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5)
+    ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
+    assert (got.double() - ref).abs().max().item() < 1e-4
+    again = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5)
+    assert torch.equal(got, again)
+    ((_, _, counters),) = triton_attention._Scratch.buffers.values()
+    assert not counters.any()
+
+
+def test_split_cap_fills_the_gpu_only_for_small_batches() -> None:
+    """Up to 16 ranges for one sequence, fewer as the batch grows, none once the batch fills the GPU."""
+    caps = [triton_attention.split_cap(b, 3) for b in (1, 8, 16, 32, 64, 128)]
+    assert caps == sorted(caps, reverse=True) and caps[0] == 16 and caps[-1] == 1 and caps[-2] == 1
+    assert all(c & (c - 1) == 0 for c in caps)
+
+
 def test_kernel_ignores_blocks_past_the_sequence() -> None:
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(8, 16, 2, 32, generator=g)

@@ -1,15 +1,19 @@
 """Triton paged attention on CUDA: uniform generation steps (decode, verify) and ragged batches
 (prefill chunks mixed with generation rows).
 
-Uniform: one program per (sequence, KV head) handles the Q query rows of every query head in that KV
-group, walking the sequence's block table with an online softmax, 64 keys (several cache blocks,
-gathered through the table) per iteration. It reads only the blocks a sequence
-uses, and all its sizes are read on device, so it can be captured in a CUDA graph.
+Uniform: a program per (sequence, KV head, key range) handles the Q query rows of every query head in that
+KV group, walking the sequence's block table with an online softmax, 128 keys (several cache blocks,
+gathered through the table) per iteration. Small batches of long sequences cut each sequence's keys into
+several ranges (split-KV decoding); the last program of a group to finish merges the partial results, so
+one launch does it all. It reads only the blocks a sequence uses, and all its sizes are read on device, so
+it can be captured in a CUDA graph.
 Ragged: the same walk, with a third program axis over tiles of QB query positions, each sequence's
 query count and row offset read on device, and each tile stopping at its last position's causal limit.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 
@@ -23,21 +27,19 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 if triton is not None:
 
     @triton.jit
-    def _attend_rows(
-        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-        stride_bt, b, kvh, row, head, valid, q_pos, kv_end,
+    def _attend_range(
+        q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt,
+        b, kvh, q_pos, kv_start, kv_end,
         ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
-        # online-softmax attention of query rows (flat row, head) of sequence b over its first kv_end keys
+        # online softmax of query rows q [ROWS, DIM] over keys [kv_start, kv_end) of sequence b (kv_start a
+        # multiple of TILE); returns the unnormalised (acc [ROWS, DIM], running max [ROWS], denominator [ROWS])
         d = tl.arange(0, DIM)
-        q = tl.load(
-            q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=valid[:, None], other=0.0
-        )
         m = tl.full((ROWS,), -1.0e30, tl.float32)
         den = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, DIM), tl.float32)
         s = tl.arange(0, TILE)
-        for j in tl.range(0, tl.cdiv(kv_end, TILE), num_stages=STAGES):
+        for j in tl.range(kv_start // TILE, tl.cdiv(kv_end, TILE), num_stages=STAGES):
             kpos = j * TILE + s
             inside = kpos < kv_end
             blk = tl.load(tables_ptr + b * stride_bt + kpos // BLOCK, mask=inside, other=0).to(tl.int64)
@@ -52,30 +54,93 @@ if triton is not None:
             den = den * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m = m_new
-        out = acc / den[:, None]
+        return acc, m, den
+
+    @triton.jit
+    def _attend_rows(
+        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_bt, b, kvh, row, head, valid, q_pos, kv_end,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
+    ):  # fmt: skip
+        # attention of query rows (flat row, head) of sequence b over its first kv_end keys, stored to o
+        d = tl.arange(0, DIM)
+        q = tl.load(
+            q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=valid[:, None], other=0.0
+        )
+        acc, _, den = _attend_range(q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt,
+                                    b, kvh, q_pos, 0, kv_end, ROWS, BLOCK, DIM, TILE, STAGES)  # fmt: skip
         tl.store(
             o_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-            out.to(o_ptr.dtype.element_ty),
+            (acc / den[:, None]).to(o_ptr.dtype.element_ty),
             mask=valid[:, None],
         )
 
     @triton.jit
     def _uniform_paged_attn(
-        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale,
+        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, stat_ptr, count_ptr, scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
-        TILE: tl.constexpr, STAGES: tl.constexpr,
+        TILE: tl.constexpr, STAGES: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
     ):  # fmt: skip
+        # program (b, kvh, split): a sequence's keys are cut into up to MAX_SPLITS ranges of at least
+        # SPLIT_TILES tiles, so a long sequence is read by several programs at once. One range: it stores
+        # the output itself. Several: each stores its partial softmax, and the last to finish (counted
+        # atomically) merges them, stores the output and resets the counter for the next launch.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        r = tl.arange(0, ROWS)
-        qi = r // GROUP
+        split = tl.program_id(2)
+        kv_heads = tl.num_programs(1)
         seq_len = tl.load(lens_ptr + b)
-        _attend_rows(
-            q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-            stride_bt, b, kvh, b * Q_LEN + qi, kvh * GROUP + r % GROUP, r < Q_LEN * GROUP, seq_len - Q_LEN + qi,
-            seq_len, ROWS, BLOCK, DIM, TILE, STAGES,
-        )  # fmt: skip
+        n_tiles = tl.cdiv(seq_len, TILE)
+        splits = tl.minimum(MAX_SPLITS, tl.cdiv(n_tiles, SPLIT_TILES))
+        if split < splits:
+            per = tl.cdiv(n_tiles, splits)
+            r = tl.arange(0, ROWS)
+            d = tl.arange(0, DIM)
+            qi = r // GROUP
+            row = b * Q_LEN + qi
+            head = kvh * GROUP + r % GROUP
+            valid = r < Q_LEN * GROUP
+            out = o_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+            q = tl.load(
+                q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            acc, m, den = _attend_range(
+                q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt, b, kvh,
+                seq_len - Q_LEN + qi, split * per * TILE, tl.minimum(seq_len, (split + 1) * per * TILE),
+                ROWS, BLOCK, DIM, TILE, STAGES,
+            )  # fmt: skip
+            if splits == 1:
+                tl.store(out, (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=valid[:, None])
+            else:
+                group = b * kv_heads + kvh
+                slot = group * MAX_SPLITS + split
+                tl.store(part_ptr + slot * ROWS * DIM + r[:, None] * DIM + d[None, :], acc)
+                tl.store(stat_ptr + slot * 2 * ROWS + r, m)
+                tl.store(stat_ptr + slot * 2 * ROWS + ROWS + r, den)
+                tl.debug_barrier()  # every thread's partial is written before the count moves
+                done = tl.atomic_add(count_ptr + group, 1, sem="acq_rel")
+                tl.debug_barrier()
+                if done == splits - 1:
+                    big_m = tl.full((ROWS,), -1.0e30, tl.float32)
+                    total = tl.zeros((ROWS,), tl.float32)
+                    merged = tl.zeros((ROWS, DIM), tl.float32)
+                    for t in range(0, splits):
+                        src = group * MAX_SPLITS + t
+                        m_t = tl.load(stat_ptr + src * 2 * ROWS + r, cache_modifier=".cg")
+                        den_t = tl.load(stat_ptr + src * 2 * ROWS + ROWS + r, cache_modifier=".cg")
+                        acc_t = tl.load(
+                            part_ptr + src * ROWS * DIM + r[:, None] * DIM + d[None, :], cache_modifier=".cg"
+                        )
+                        m_new = tl.maximum(big_m, m_t)
+                        keep, take = tl.exp(big_m - m_new), tl.exp(m_t - m_new)
+                        total = total * keep + den_t * take
+                        merged = merged * keep[:, None] + acc_t * take[:, None]
+                        big_m = m_new
+                    tl.store(out, (merged / total[:, None]).to(o_ptr.dtype.element_ty), mask=valid[:, None])
+                    tl.atomic_xchg(count_ptr + group, 0)
 
     @triton.jit
     def _ragged_paged_attn(
@@ -118,6 +183,47 @@ def available() -> bool:
     return triton is not None
 
 
+# Split-KV decoding: a sequence's keys are shared among up to `split_cap` programs, each with at least
+# SPLIT_KEYS keys, so that a small batch of long sequences still fills the GPU. The cap aims at
+# SPLIT_PROGRAMS programs in all (two waves of an H200's 132 SMs), so large batches keep one program per
+# (sequence, KV head) and never split.
+SPLIT_KEYS = 256
+SPLIT_PROGRAMS = 264
+MAX_SPLITS = 16
+
+
+def split_cap(batch: int, kv_heads: int) -> int:
+    """Most key ranges per (sequence, KV head) for a launch of batch x kv_heads groups (a power of 2)."""
+    want = max(1, SPLIT_PROGRAMS // max(1, batch * kv_heads))
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
+class _Scratch:
+    """Per device: partial softmax results of split programs and one arrival counter per (sequence, KV
+    head). Buffers only grow; one that is outgrown stays alive, since captured graphs may point at it. The
+    counters are zero between launches (the last program of each group resets its own)."""
+
+    buffers: ClassVar[dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    retired: ClassVar[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+
+    @classmethod
+    def get(cls, device: torch.device, groups: int, splits: int, rows_dim: int, rows: int) -> tuple[torch.Tensor, ...]:
+        key = (device, rows_dim)
+        have = cls.buffers.get(key)
+        if have is None or have[2].numel() < groups or have[0].numel() < groups * splits * rows_dim:
+            if have is not None:
+                cls.retired.append(have)
+            n_groups = max(groups, 0 if have is None else have[2].numel())
+            n_slots = max(groups * splits, 0 if have is None else have[0].numel() // rows_dim)
+            have = (
+                torch.empty(n_slots * rows_dim, dtype=torch.float32, device=device),
+                torch.empty(n_slots * 2 * rows, dtype=torch.float32, device=device),
+                torch.zeros(n_groups, dtype=torch.int32, device=device),
+            )
+            cls.buffers[key] = have
+        return have
+
+
 def triton_uniform_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -137,11 +243,14 @@ def triton_uniform_attention(
     rows = max(16, triton.next_power_of_2(q_len * group))
     q = q.contiguous()
     out = torch.empty_like(q)
-    _uniform_paged_attn[(bsz, kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, scale,
+    tile = kv_tile(block, UNIFORM_TILE)
+    splits = split_cap(bsz, kv_heads)
+    part, stat, count = _Scratch.get(q.device, bsz * kv_heads, splits, rows * dim, rows)
+    _uniform_paged_attn[(bsz, kv_heads, splits)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, part, stat, count, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim,
-        TILE=kv_tile(block, UNIFORM_TILE), STAGES=UNIFORM_STAGES,
+        Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim, TILE=tile, STAGES=UNIFORM_STAGES,
+        MAX_SPLITS=splits, SPLIT_TILES=max(1, SPLIT_KEYS // tile),
     )  # fmt: skip
     return out.reshape(bsz * q_len, heads * dim)
 
