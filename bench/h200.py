@@ -50,7 +50,8 @@ PROMPTS = [
 
 VARIANTS = {
     "": "the serving configuration",
-    "no-gemv": "Triton layer kernels, but never the matrix-vector kernels (norm/SwiGLU folded into projections)",
+    "no-gemv": "Triton layer kernels, but none of the small-step kernels (matrix-vector projections with the "
+    "norm/SwiGLU folded in; since session 4 also the greedy-token and MTP-input kernels)",
     "no-overlap": "target-only steps read their tokens before the next step is queued (model.overlap_steps off)",
     "no-overlap-spec": "speculative steps read before the next is queued (model.overlap_speculative off)",
     "temperature-only": "sampling requests with top-p off (the captured variant that skips sorting the vocabulary); "

@@ -36,7 +36,9 @@ class ModelConfig(_Strict):
         description="overlap speculative steps too (draft in process, TP=1); needs overlap_steps",
     )
     fused_kernels: bool = Field(
-        True, description="fused Triton kernels for norm+residual, RoPE+KV write and SwiGLU (CUDA only)"
+        True,
+        description="fused Triton kernels (CUDA only): norm+residual, RoPE+KV write, SwiGLU, and for small steps "
+        "matrix-vector projections, greedy tokens without logits and the MTP head's input in one launch",
     )
 
 

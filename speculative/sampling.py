@@ -59,7 +59,7 @@ def processed_probs(
     drop = ranks >= k[:, None]
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-    drop |= before >= top_p[:, None]
+    drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)  # top-p 1 keeps the tail the fp32 sum rounds off
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
     return torch.where(greedy[:, None], one_hot, probs)

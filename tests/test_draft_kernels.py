@@ -101,6 +101,7 @@ def test_draft_input_matches_reference(dtype: torch.dtype, rows: int) -> None:
     big_h = torch.randn(many.shape[0], d, generator=g).to(dtype)
     with pytest.raises(ValueError, match="draft_input takes"):
         draft_kernels.draft_input(many, emb, enw, big_h, hnw, 1e-5, w)
+    assert not draft_kernels.draft_input_fits(tokens[:1], emb, hidden, w) or rows == 1, "one token per row"
     fallback = TRITON.draft_input(many, emb, enw, big_h, hnw, 1e-5, w)
     assert (fallback.float() - TORCH_OPS.draft_input(many, emb, enw, big_h, hnw, 1e-5, w).float()).abs().max() < tol
 
@@ -124,3 +125,24 @@ def test_head_step_matches_forward() -> None:
     got = head.step(shared, tokens, hidden, positions, caches[1], meta)
     assert (got - want).abs().max().item() < 1e-4
     assert (caches[1].keys[0] - caches[0].keys[0]).abs().max().item() < 1e-4
+
+
+def test_greedy_tokens_fall_back_when_the_tile_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU with too little shared memory for the tile: a warning, then the separate kernels, and the
+    dtype stays on them."""
+    from triton.runtime.errors import OutOfResources
+
+    class Refuses:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kwargs: object) -> None:
+                raise OutOfResources(232448, 101376, "shared memory")
+
+            return launch
+
+    monkeypatch.setattr(argmax_kernels, "_norm_argmax_tiles", Refuses())
+    monkeypatch.setattr(argmax_kernels, "_UNFIT", set())
+    w, nw = _lm_head(300, 64, torch.float32, 4)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(9))
+    assert argmax_kernels.norm_argmax_fits(x, w)
+    assert torch.equal(TRITON.norm_argmax(x, nw, 1e-5, w), TORCH_OPS.norm_argmax(x, nw, 1e-5, w))
+    assert not argmax_kernels.norm_argmax_fits(x, w)

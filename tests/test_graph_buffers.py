@@ -156,7 +156,9 @@ def run_mixed(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, A
     return [out[r] for r in ids]
 
 
-@pytest.mark.parametrize(("fused", "mode"), [(False, "filtered"), (True, "filtered"), (True, "temperature")])
+@pytest.mark.parametrize(
+    ("fused", "mode"), [(False, "filtered"), (True, "filtered"), (False, "temperature"), (True, "temperature")]
+)
 def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool, mode: str) -> None:
     """Sampling and greedy requests batched together take the fixed-buffer step of their sampling mode
     (sampling parameters and uniforms copied into fixed buffers) and emit exactly the eager path's tokens

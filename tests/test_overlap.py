@@ -221,3 +221,20 @@ def test_device_token_gather_reads_the_previous_step() -> None:
         sp.token_ids = [row]
     uniform.run(plan, 2, None, previous)
     assert uniform.buffers.input_ids[:2].tolist() == [9, 5]
+
+
+def test_overlap_flags_map_onto_the_config() -> None:
+    """`--no-overlap` turns every overlap off, `--no-overlap-speculative` only the speculative one; by
+    default both are on."""
+    import argparse
+
+    from cluster.cli_common import add_engine_flags, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    default = config_from_args(p.parse_args([])).model
+    spec_off = config_from_args(p.parse_args(["--no-overlap-speculative"])).model
+    all_off = config_from_args(p.parse_args(["--no-overlap"])).model
+    assert (default.overlap_steps, default.overlap_speculative) == (True, True)
+    assert (spec_off.overlap_steps, spec_off.overlap_speculative) == (True, False)
+    assert not all_off.overlap_steps

@@ -12,6 +12,8 @@ token id, as torch's argmax does.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from workers.fused_kernels import GEMV_MAX_K, _need_triton
@@ -19,8 +21,16 @@ from workers.fused_kernels import GEMV_MAX_K, _need_triton
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
+
+log = logging.getLogger(__name__)
+_UNFIT: set[torch.dtype] = set()  # dtypes whose tile needs more shared memory than this GPU has
+
+
+class TileDoesNotFit(RuntimeError):
+    """The kernel's tile does not fit this GPU (shared memory); callers fall back to separate kernels."""
 
 
 if triton is not None:
@@ -81,6 +91,7 @@ def norm_argmax_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.shape[1] == weight.shape[1] <= GEMV_MAX_K
         and weight.stride(-1) == 1
         and weight.dtype == x.dtype
+        and x.dtype not in _UNFIT
     )
 
 
@@ -107,10 +118,15 @@ def norm_argmax(
     vals = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
     idx = torch.empty(m, tiles, dtype=torch.int32, device=x.device)
     out = torch.empty(m, dtype=torch.long, device=x.device)
-    _norm_argmax_tiles[(tiles,)](
-        x, norm_weight, weight, vals, idx, m, n, k, eps, x.stride(0), weight.stride(0), vals.stride(0),
-        BLOCK_M=ARGMAX_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, FULL_K=triton.next_power_of_2(k),
-        STAGES=ARGMAX_STAGES, num_warps=4,
-    )  # fmt: skip
+    try:
+        _norm_argmax_tiles[(tiles,)](
+            x, norm_weight, weight, vals, idx, m, n, k, eps, x.stride(0), weight.stride(0), vals.stride(0),
+            BLOCK_M=ARGMAX_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, FULL_K=triton.next_power_of_2(k),
+            STAGES=ARGMAX_STAGES, num_warps=4,
+        )  # fmt: skip
+    except OutOfResources as exc:
+        _UNFIT.add(x.dtype)
+        log.warning("greedy-token kernel does not fit this GPU in %s (%s); using separate kernels", x.dtype, exc)
+        raise TileDoesNotFit(str(exc)) from exc
     _argmax_of_tiles[(m,)](vals, idx, out, tiles, n, vals.stride(0), BLOCK_T=triton.next_power_of_2(tiles))
     return out

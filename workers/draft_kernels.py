@@ -62,14 +62,17 @@ DRAFT_BLOCK_N = 8  # eh_proj output columns per program
 def draft_input_fits(
     tokens: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
 ) -> bool:
-    """Whether `draft_input` takes these rows: at most GEMV_MAX_ROWS of them, narrow enough, with unit
-    column strides and one dtype for the embedding table, the eh_proj weight and the output."""
+    """Whether `draft_input` takes these rows: one token per hidden row, at most GEMV_MAX_ROWS of them,
+    narrow enough, with unit column strides and one dtype for the embedding table, the eh_proj weight and
+    the output."""
     d = embed_weight.shape[1]
     return (
-        0 < tokens.shape[0] <= GEMV_MAX_ROWS
+        tokens.dim() == 1
+        and hidden.dim() == 2
+        and 0 < tokens.shape[0] == hidden.shape[0] <= GEMV_MAX_ROWS
         and d <= GEMV_MAX_K
         and weight.shape[1] == 2 * d
-        and hidden.shape[-1] == d
+        and hidden.shape[1] == d
         and embed_weight.stride(-1) == weight.stride(-1) == 1
         and embed_weight.dtype == weight.dtype
     )

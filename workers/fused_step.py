@@ -5,8 +5,8 @@ For a batch of generation requests with K drafts, everything stays on the device
 fixed buffers), the draft re-runs over all K+1 rows (row i reads emitted token i: the accepted draft
 i+1 up to the first rejection and the correction or bonus token there; rows past it write draft KV
 that the chain overwrites before anything reads it), then the chain proposes K greedy tokens from each
-request's last accepted row. Two CUDA graphs per batch bucket (all-greedy, sampling); one host copy of
-the results per step.
+request's last accepted row. Three CUDA graphs per batch bucket, one per sampling mode (all-greedy,
+temperature only, top-k/top-p), in one memory pool; one host copy of the results per step.
 
 A step can also take its inputs from the previous step's results on the device (`run(..., after=...)`):
 each request's next tokens are its last emitted token and its new drafts, and its next position follows

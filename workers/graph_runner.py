@@ -47,23 +47,25 @@ class CapturedSteps:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Any] = {}
         self.replays = 0
+        self.pool: Any = None  # the memory pool of the captured graphs (None before capture)
 
-    def capture(self) -> None:
-        """Capture every bucket, largest first so smaller graphs reuse its pool. The garbage collector is
-        paused meanwhile: collecting an unreachable graph during a capture invalidates the capture."""
+    def capture(self, pool: Any = None) -> None:
+        """Capture every bucket, largest first so smaller graphs reuse its pool (or `pool`, another
+        CapturedSteps' pool: safe because a step's outputs are consumed before the next replay is queued).
+        The garbage collector is paused meanwhile: collecting an unreachable graph during a capture
+        invalidates the capture."""
         if not self.enabled:
             return
         gc.collect()
-        paused = gc.isenabled()
+        was_enabled = gc.isenabled()
         gc.disable()
         try:
-            self._capture_all()
+            self._capture_all(pool)
         finally:
-            if paused:
+            if was_enabled:
                 gc.enable()
 
-    def _capture_all(self) -> None:
-        pool = None
+    def _capture_all(self, pool: Any) -> None:
         stream = torch.cuda.Stream(self.device)
         for size in sorted(self.sizes, reverse=True):
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -76,13 +78,14 @@ class CapturedSteps:
                 self.outputs[size] = self.fn(size)
             pool = graph.pool()
             self.graphs[size] = graph
+        self.pool = pool
         torch.cuda.synchronize(self.device)
         log.info("captured CUDA graphs for batch sizes %s", self.sizes)
 
-    def try_capture(self) -> bool:
+    def try_capture(self, pool: Any = None) -> bool:
         """Capture, or on failure drop to eager replay of the same function (logged); returns success."""
         try:
-            self.capture()
+            self.capture(pool)
             return True
         except Exception:
             log.exception("CUDA-graph capture failed; these steps run eagerly")
@@ -139,11 +142,12 @@ class GreedyAndSampledSteps:
         return sum(v.replays for v in self.variants.values())
 
     def capture(self) -> None:
-        """Capture every variant for every bucket (CUDA only)."""
+        """Capture every variant for every bucket (CUDA only), all in one memory pool."""
         self.greedy.capture()
+        pool = self.greedy.pool
         for mode, steps in self.variants.items():
-            if mode is not SamplingMode.GREEDY:
-                steps.try_capture()
+            if mode is not SamplingMode.GREEDY and steps.try_capture(pool):
+                pool = steps.pool
 
     def run(self, size: int, mode: SamplingMode) -> Any:
         """Replay (or run eagerly) one variant of bucket `size`."""

@@ -116,7 +116,7 @@ class TritonOps(TorchOps):
     fold the norm or SwiGLU into the projection after it."""
 
     name = "triton"
-    small_rows = fused_kernels.GEMV_MAX_ROWS  # 0 turns the matrix-vector kernels off
+    small_rows = fused_kernels.GEMV_MAX_ROWS  # 0 turns off the matrix-vector, greedy-token and MTP-input kernels
 
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether rows x go through a matrix-vector kernel against `weight`."""
@@ -161,9 +161,12 @@ class TritonOps(TorchOps):
 
     def norm_argmax(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
         """Two launches for up to 16 rows, without writing the logits; norm, cuBLAS and argmax otherwise."""
-        if not self.small_rows or not argmax_kernels.norm_argmax_fits(x, weight):
-            return super().norm_argmax(x, norm_weight, eps, weight)
-        return argmax_kernels.norm_argmax(x, norm_weight, eps, weight)
+        if self.small_rows and argmax_kernels.norm_argmax_fits(x, weight):
+            try:
+                return argmax_kernels.norm_argmax(x, norm_weight, eps, weight)
+            except argmax_kernels.TileDoesNotFit:
+                pass
+        return super().norm_argmax(x, norm_weight, eps, weight)
 
     def draft_input(
         self,

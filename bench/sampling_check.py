@@ -1,0 +1,90 @@
+"""Mixed greedy / temperature-only / top-k-top-p batches on captured steps, on the GPU: the same tokens
+with and without overlapped steps (all captured variants share one memory pool), per K.
+
+python bench/sampling_check.py --out $OUT      # SmolLM2-135M shape, random weights and head
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.profile_step import SMOLLM2
+from cluster.config import MTPServeConfig
+from cluster.engine import LLMEngine
+
+PARAMS: list[dict[str, Any]] = [
+    {"max_tokens": 48, "ignore_eos": True},
+    {"max_tokens": 40, "temperature": 0.8, "seed": 1, "ignore_eos": True},
+    {"max_tokens": 56, "temperature": 1.0, "top_p": 0.9, "seed": 2, "ignore_eos": True},
+    {"max_tokens": 33, "temperature": 0.7, "top_k": 20, "seed": 3, "ignore_eos": True},
+    {"max_tokens": 44, "temperature": 1.2, "seed": 4, "ignore_eos": True},
+    {"max_tokens": 60, "ignore_eos": True},
+]
+
+
+def tokens(model_dir: Path, k: int, overlap: bool, phase: str, device: str) -> list[list[int]]:
+    """Every request's tokens: all six together, or (phase 'staggered') temperature-only ones first and
+    the rest joining two steps later, so steps switch between captured variants."""
+    cfg = MTPServeConfig.from_dict({
+        "model": {"path": str(model_dir), "load_format": "dummy", "device": device,
+                  "dtype": "bfloat16" if device == "cuda" else "float32",
+                  "max_model_len": 512, "overlap_steps": overlap, "overlap_speculative": overlap},
+        "scheduler": {"max_num_requests": 8},
+        "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1)},
+    })  # fmt: skip
+    eng = LLMEngine.from_config(cfg)
+    order = list(range(len(PARAMS)))
+    first = [i for i in order if phase != "staggered" or ("top_p" not in PARAMS[i] and "top_k" not in PARAMS[i])]
+    ids = {i: eng.add_request(list(range(200 + 7 * i, 230 + 7 * i)), PARAMS[i]) for i in first}
+    out: dict[str, list[int]] = {rid: [] for rid in ids.values()}
+    steps = 0
+    while eng.has_unfinished() or len(ids) < len(PARAMS):
+        for o in eng.step():
+            out[o.request_id].extend(o.new_token_ids)
+        steps += 1
+        if steps == 2:
+            for i in order:
+                if i not in ids:
+                    ids[i] = eng.add_request(list(range(200 + 7 * i, 230 + 7 * i)), PARAMS[i])
+                    out[ids[i]] = []
+    return [out[ids[i]] for i in order]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--device", default="cuda", help="cpu for a dry run")
+    ap.add_argument("--ks", default="0,1,3", help="draft tokens per step to check (0: target only)")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "config.json").write_text(json.dumps(SMOLLM2))
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none"
+    report: dict[str, Any] = {"gpu": gpu, "runs": {}}
+    for k in (int(x) for x in args.ks.split(",")):
+        for phase in ("together", "staggered"):
+            a = tokens(tmp, k, True, phase, args.device)
+            b = tokens(tmp, k, False, phase, args.device)
+            entry = {
+                "same_tokens": a == b,
+                "lengths": [len(t) for t in a],
+                "expected_lengths": [p["max_tokens"] for p in PARAMS],
+            }
+            report["runs"][f"k{k}_{phase}"] = entry
+            print(f"k={k} {phase}", json.dumps(entry), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "sampling_check.json").write_text(json.dumps(report, indent=2))
+    ok = all(e["same_tokens"] and e["lengths"] == e["expected_lengths"] for e in report["runs"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
