@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from workers.attention import Metadata
+from workers.draft_kernels import DraftInputWeights
 from workers.kv_cache import KVCache
 from workers.model import DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, Rotary
 from workers.parallel import TPContext
@@ -63,10 +64,11 @@ class MTPEagleHead(nn.Module):
         if shared.tp.size > 1:
             x = self._input(shared.embed(tokens), hidden)
         else:
-            e, h = self.enorm, self.hnorm
-            x = e.ops.draft_input(
-                tokens, shared.embed_tokens.weight, e.weight, hidden, h.weight, e.eps, self.eh_proj.weight
+            e = self.enorm
+            weights = DraftInputWeights(
+                shared.embed_tokens.weight, e.weight, self.hnorm.weight, e.eps, self.eh_proj.weight
             )
+            x = e.ops.draft_input(tokens, hidden, weights)
         return self._layer(x, self.rotary.table(positions) if rope is None else rope, cache, meta)
 
     def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

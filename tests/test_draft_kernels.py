@@ -92,18 +92,19 @@ def test_draft_input_matches_reference(dtype: torch.dtype, rows: int) -> None:
     w = (torch.randn(d, 2 * d, generator=g) * 0.1).to(dtype)
     tokens = torch.tensor([299, 0, 299, 17][:rows])
     hidden = torch.randn(rows, d, generator=g).to(dtype)
-    got = TRITON.draft_input(tokens, emb, enw, hidden, hnw, 1e-5, w)
-    ref = TORCH_OPS.draft_input(tokens, emb, enw, hidden, hnw, 1e-5, w)
+    weights = draft_kernels.DraftInputWeights(emb, enw, hnw, 1e-5, w)
+    got = TRITON.draft_input(tokens, hidden, weights)
+    ref = TORCH_OPS.draft_input(tokens, hidden, weights)
     assert got.shape == (rows, d) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 0.05
     assert (got.float() - ref.float()).abs().max().item() < tol * ref.float().abs().max().item()
     many = torch.randint(0, vocab, (fused_kernels.GEMV_MAX_ROWS + 2,), generator=g)
     big_h = torch.randn(many.shape[0], d, generator=g).to(dtype)
     with pytest.raises(ValueError, match="draft_input takes"):
-        draft_kernels.draft_input(many, emb, enw, big_h, hnw, 1e-5, w)
-    assert not draft_kernels.draft_input_fits(tokens[:1], emb, hidden, w) or rows == 1, "one token per row"
-    fallback = TRITON.draft_input(many, emb, enw, big_h, hnw, 1e-5, w)
-    assert (fallback.float() - TORCH_OPS.draft_input(many, emb, enw, big_h, hnw, 1e-5, w).float()).abs().max() < tol
+        draft_kernels.draft_input(many, big_h, weights)
+    assert not draft_kernels.draft_input_fits(tokens[:1], hidden, weights) or rows == 1, "one token per row"
+    fallback = TRITON.draft_input(many, big_h, weights)
+    assert (fallback.float() - TORCH_OPS.draft_input(many, big_h, weights).float()).abs().max() < tol
 
 
 def test_head_step_matches_forward() -> None:

@@ -10,6 +10,8 @@ the separate norms round them) and reduces the two halves of the product in regi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from workers.fused_kernels import GEMV_MAX_K, GEMV_MAX_ROWS, _need_triton
@@ -59,51 +61,53 @@ if triton is not None:
 DRAFT_BLOCK_N = 8  # eh_proj output columns per program
 
 
-def draft_input_fits(
-    tokens: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
-) -> bool:
+@dataclass(frozen=True)
+class DraftInputWeights:
+    """The MTP head's input step: the target's embedding table [V, d], the embedding and hidden-state norm
+    weights [d] with their eps, and eh_proj [d_out, 2d]."""
+
+    embed: torch.Tensor
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eps: float
+    eh_proj: torch.Tensor
+
+
+def draft_input_fits(tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights) -> bool:
     """Whether `draft_input` takes these rows: one token per hidden row, at most GEMV_MAX_ROWS of them,
-    narrow enough, with unit column strides and one dtype for the embedding table, the eh_proj weight and
-    the output."""
-    d = embed_weight.shape[1]
+    narrow enough, with unit column strides and one dtype for the embedding table, eh_proj and the
+    output."""
+    d = w.embed.shape[1]
     return (
         tokens.dim() == 1
         and hidden.dim() == 2
         and 0 < tokens.shape[0] == hidden.shape[0] <= GEMV_MAX_ROWS
         and d <= GEMV_MAX_K
-        and weight.shape[1] == 2 * d
+        and w.eh_proj.shape[1] == 2 * d
         and hidden.shape[1] == d
-        and embed_weight.stride(-1) == weight.stride(-1) == 1
-        and embed_weight.dtype == weight.dtype
+        and w.embed.stride(-1) == w.eh_proj.stride(-1) == 1
+        and w.embed.dtype == w.eh_proj.dtype
     )
 
 
-def draft_input(
-    tokens: torch.Tensor,
-    embed_weight: torch.Tensor,
-    enorm_weight: torch.Tensor,
-    hidden: torch.Tensor,
-    hnorm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-) -> torch.Tensor:
-    """cat(enorm(embed(tokens)), hnorm(hidden)) @ weight.T: tokens [M], hidden [M, d], weight [d_out, 2d]
-    -> [M, d_out] in the weight's dtype; for the few rows `draft_input_fits` accepts."""
+def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights) -> torch.Tensor:
+    """cat(enorm(embed(tokens)), hnorm(hidden)) @ eh_proj.T: tokens [M], hidden [M, d] -> [M, d_out] in the
+    weights' dtype; for the few rows `draft_input_fits` accepts."""
     _need_triton()
-    if not draft_input_fits(tokens, embed_weight, hidden, weight):
+    if not draft_input_fits(tokens, hidden, w):
         raise ValueError(
             f"draft_input takes 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K} with eh_proj [d_out, 2d] and one "
-            f"dtype; got tokens {tuple(tokens.shape)}, hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
+            f"dtype; got tokens {tuple(tokens.shape)}, hidden {tuple(hidden.shape)}, eh_proj {tuple(w.eh_proj.shape)}"
         )
     m, d = hidden.shape
-    n = weight.shape[0]
+    n = w.eh_proj.shape[0]
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     tokens = tokens.contiguous()
-    y = torch.empty(m, n, dtype=weight.dtype, device=hidden.device)
+    y = torch.empty(m, n, dtype=w.eh_proj.dtype, device=hidden.device)
     block_k = triton.next_power_of_2(d)
     _draft_input[(triton.cdiv(n, DRAFT_BLOCK_N),)](
-        tokens, embed_weight, enorm_weight, hidden, hnorm_weight, weight, y, m, n, d, eps,
-        embed_weight.stride(0), hidden.stride(0), weight.stride(0), y.stride(0),
+        tokens, w.embed, w.enorm, hidden, w.hnorm, w.eh_proj, y, m, n, d, w.eps,
+        w.embed.stride(0), hidden.stride(0), w.eh_proj.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=DRAFT_BLOCK_N, BLOCK_K=block_k,
         num_warps=4 if block_k <= 1024 else 8,
     )  # fmt: skip

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from workers import argmax_kernels, draft_kernels, fused_kernels
 from workers.attention import write_kv
+from workers.draft_kernels import DraftInputWeights
 from workers.kv_cache import KVWrite
 
 
@@ -95,20 +96,11 @@ class TorchOps:
         """Greedy token per row [T]: argmax of norm(x) @ weight.T (the lm_head's logits)."""
         return F.linear(self.add_rms_norm(x, None, norm_weight, eps)[0], weight).argmax(-1)
 
-    def draft_input(
-        self,
-        tokens: torch.Tensor,
-        embed_weight: torch.Tensor,
-        enorm_weight: torch.Tensor,
-        hidden: torch.Tensor,
-        hnorm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-    ) -> torch.Tensor:
-        """The MTP head's input: cat(enorm(embed(tokens)), hnorm(hidden)) @ weight.T."""
-        e = self.add_rms_norm(F.embedding(tokens, embed_weight), None, enorm_weight, eps)[0]
-        h = self.add_rms_norm(hidden.to(e.dtype), None, hnorm_weight, eps)[0]
-        return F.linear(torch.cat([e, h], dim=-1), weight)
+    def draft_input(self, tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights) -> torch.Tensor:
+        """The MTP head's input: cat(enorm(embed(tokens)), hnorm(hidden)) @ eh_proj.T."""
+        e = self.add_rms_norm(F.embedding(tokens, w.embed), None, w.enorm, w.eps)[0]
+        h = self.add_rms_norm(hidden.to(e.dtype), None, w.hnorm, w.eps)[0]
+        return F.linear(torch.cat([e, h], dim=-1), w.eh_proj)
 
 
 class TritonOps(TorchOps):
@@ -168,22 +160,11 @@ class TritonOps(TorchOps):
                 pass
         return super().norm_argmax(x, norm_weight, eps, weight)
 
-    def draft_input(
-        self,
-        tokens: torch.Tensor,
-        embed_weight: torch.Tensor,
-        enorm_weight: torch.Tensor,
-        hidden: torch.Tensor,
-        hnorm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-    ) -> torch.Tensor:
+    def draft_input(self, tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights) -> torch.Tensor:
         """One launch for small steps; five otherwise."""
-        if tokens.shape[0] > self.small_rows or not draft_kernels.draft_input_fits(
-            tokens, embed_weight, hidden, weight
-        ):
-            return super().draft_input(tokens, embed_weight, enorm_weight, hidden, hnorm_weight, eps, weight)
-        return draft_kernels.draft_input(tokens, embed_weight, enorm_weight, hidden, hnorm_weight, eps, weight)
+        if tokens.shape[0] > self.small_rows or not draft_kernels.draft_input_fits(tokens, hidden, w):
+            return super().draft_input(tokens, hidden, w)
+        return draft_kernels.draft_input(tokens, hidden, w)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The matrix-vector kernel for small steps; cuBLAS otherwise."""
