@@ -240,3 +240,30 @@ def test_fill_names_the_sequence_that_does_not_fit() -> None:
         buf.fill([[1, 2, 3], [4, 5]], starts=[0, 0], tables=[[1], [2]], bucket=2)
     with pytest.raises(ValueError, match="sequence 0 has 5 blocks, buffers hold 4"):
         buf.fill([[1, 2, 3]], starts=[0], tables=[[1, 2, 3, 4, 5]], bucket=1)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_advance_kernel_matches_the_torch_reference(k: int) -> None:
+    """The one-launch input advance of an overlapped speculative step writes the same tokens, positions,
+    KV slots and lengths as the torch reference, for sequences pointing at arbitrary rows of the previous
+    results (accepted counts 0..K, block-crossing positions)."""
+    from workers import step_kernels
+
+    q, m, bs = k + 1, 5, 4
+    g = torch.Generator().manual_seed(k)
+    previous = torch.randint(0, 1000, (7, 2 * q + 1), generator=g)
+    previous[:, q] = torch.randint(0, k + 1, (7,), generator=g)  # accepted
+    previous[:, 2 * q] = torch.randint(0, 20, (7,), generator=g)  # next start
+    rows = [6, 0, 3, 3, 5]
+    tables = [torch.randperm(40, generator=g)[:8].tolist() for _ in range(m)]
+    bufs = [
+        StepBuffers.allocate(8, q, 8, block_size=bs, scratch_block=99, device=torch.device("cpu")) for _ in range(2)
+    ]
+    for buf in bufs:
+        buf.fill([[r] + [0] * k for r in rows], starts=[0] * m, tables=tables, bucket=8)
+    step_kernels.advance_reference(previous, bufs[0], m, torch.arange(q))
+    step_kernels.advance_inputs(previous, bufs[1], m)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        assert torch.equal(getattr(bufs[0], name), getattr(bufs[1], name)), name
+    first = previous[rows[0]]
+    assert bufs[1].input_ids[0].item() == first[first[q]].item() and bufs[1].seq_lens[0].item() == first[2 * q] + q

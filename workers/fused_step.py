@@ -21,6 +21,7 @@ from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain, propose_from_rows
 from speculative.sampling import SamplingMode, sampling_mode
 from speculative.verify import verify_step
+from workers import step_kernels
 from workers.attention import UniformMetadata
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
 from workers.kv_cache import KVCache
@@ -94,18 +95,10 @@ class FusedSpecStep:
         return self.steps.run(bucket, sampling_mode(plan.seqs))[:m]
 
     def _advance(self, m: int, previous: torch.Tensor) -> None:
-        b, q, k = self.buffers, self.k + 1, self.k
-        src = previous.index_select(0, b.input_ids.view(-1, q)[:m, 0])
-        n_acc = src[:, q : q + 1]
-        ids = torch.cat([src.gather(1, n_acc), src[:, q + 1 : q + 1 + k]], dim=1)
-        start = src[:, -1:]
-        pos = start + self._row_offsets
-        bs = b.block_size
-        slots = b.block_tables[:m].gather(1, pos // bs) * bs + pos % bs
-        b.input_ids[: m * q].copy_(ids.reshape(-1))
-        b.positions[: m * q].copy_(pos.reshape(-1))
-        b.slot_mapping[: m * q].copy_(slots.reshape(-1))
-        b.seq_lens[:m].copy_(start[:, 0] + q)
+        if previous.is_cuda and step_kernels.available():
+            step_kernels.advance_inputs(previous, self.buffers, m)
+        else:
+            step_kernels.advance_reference(previous, self.buffers, m, self._row_offsets)
 
     def read(self, plan: StepPlan, host: torch.Tensor) -> TargetOutput:
         """Tokens, accept counts and next drafts from a launch's results, copied to the host."""
