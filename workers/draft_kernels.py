@@ -19,6 +19,8 @@ from workers.fused_kernels import GEMV_MAX_K, GEMV_MAX_ROWS, _need_triton
 try:
     import triton
     import triton.language as tl
+
+    from workers.fused_kernels import _matvec, _store_rows, _weight_tile
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
@@ -44,18 +46,14 @@ if triton is not None:
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        wmask = (cols[:, None] < N) & (ks[None, :] < K)
-        w_e = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=wmask, other=0.0)
-        w_h = tl.load(w_ptr + cols[:, None] * stride_w + K + ks[None, :], mask=wmask, other=0.0)
+        w_e = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
+        w_h = _weight_tile(w_ptr + K, cols, ks, stride_w, N, K)
         valid = rows < M
         ids = tl.load(ids_ptr + rows, mask=valid, other=0).to(tl.int64)
         dtype = w_ptr.dtype.element_ty
         e = _normed(emb_ptr, ids * stride_e, valid, enw_ptr, K, eps, ks, dtype)
         h = _normed(hid_ptr, rows.to(tl.int64) * stride_h, valid, hnw_ptr, K, eps, ks, dtype)
-        y = tl.sum(e[:, None, :] * w_e.to(tl.float32)[None, :, :], 2)
-        y += tl.sum(h[:, None, :] * w_h.to(tl.float32)[None, :, :], 2)
-        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (cols[None, :] < N))  # fmt: skip
+        _store_rows(y_ptr, _matvec(e, w_e) + _matvec(h, w_h), rows, cols, stride_y, M, N)
 
 
 DRAFT_BLOCK_N = 8  # eh_proj output columns per program

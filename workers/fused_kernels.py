@@ -120,6 +120,23 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _weight_tile(w_ptr, cols, ks, stride_w, N, K):
+        # weight rows `cols` x columns `ks` of a row-major [N, K] weight, zero outside it
+        mask = (cols[:, None] < N) & (ks[None, :] < K)
+        return tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _matvec(x, w):
+        # rows x [BLOCK_M, BLOCK_K] (fp32) times a weight tile w [BLOCK_N, BLOCK_K], reduced in registers
+        return tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+
+    @triton.jit
+    def _store_rows(y_ptr, y, rows, cols, stride_y, M, N):
+        # y [BLOCK_M, BLOCK_N] into the output rows/columns that exist, in the output's dtype
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _norm_linear(
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, res_ptr, M, N, K, eps,
         stride_x, stride_r, stride_w, stride_y, stride_res,
@@ -131,14 +148,10 @@ if triton is not None:
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        w = tl.load(
-            w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0
-        )
+        w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
         x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
                      HAS_NORM, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
-        y = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
+        _store_rows(y_ptr, _matvec(x, w), rows, cols, stride_y, M, N)
 
     @triton.jit
     def _norm_qkv_rope(
@@ -156,13 +169,14 @@ if triton is not None:
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         c1 = h * DIM + j
-        w1 = tl.load(w_ptr + c1[:, None] * stride_w + ks[None, :], mask=ks[None, :] < K, other=0.0)
-        w2 = tl.load(w_ptr + (c1 + HALF)[:, None] * stride_w + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        n = (HEADS + 2 * KV_HEADS) * DIM
+        w1 = _weight_tile(w_ptr, c1, ks, stride_w, n, K)
+        w2 = _weight_tile(w_ptr, c1 + HALF, ks, stride_w, n, K)
         x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
                      True, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
         dt = q_ptr.dtype.element_ty
-        y1 = tl.sum(x[:, None, :] * w1.to(tl.float32)[None, :, :], 2).to(dt).to(tl.float32)  # [BLOCK_M, PAIRS]
-        y2 = tl.sum(x[:, None, :] * w2.to(tl.float32)[None, :, :], 2).to(dt).to(tl.float32)
+        y1 = _matvec(x, w1).to(dt).to(tl.float32)  # [BLOCK_M, PAIRS]
+        y2 = _matvec(x, w2).to(dt).to(tl.float32)
         ok = (rows < M)[:, None] & (j < HALF)[None, :]
         if h < HEADS + KV_HEADS:
             c = tl.load(cos_ptr + rows[:, None] * stride_cos + j[None, :], mask=ok, other=0.0)
@@ -196,14 +210,10 @@ if triton is not None:
         inside = (rows[:, None] < M) & (ks[None, :] < K)
         g = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=inside, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + rows[:, None] * stride_x + K + ks[None, :], mask=inside, other=0.0).to(tl.float32)
-        w = tl.load(
-            w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0
-        )
+        w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
         act = (g / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)
         a = (act * u).to(w_ptr.dtype.element_ty).to(tl.float32)
-        y = tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
+        _store_rows(y_ptr, _matvec(a, w), rows, cols, stride_y, M, N)
 
 
 def available() -> bool:
