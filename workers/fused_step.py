@@ -21,7 +21,7 @@ from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain, propose_from_rows
 from speculative.sampling import SamplingMode, sampling_mode
 from speculative.verify import verify_step
-from workers import step_kernels
+from workers import fused_kernels, step_kernels
 from workers.attention import UniformMetadata
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
 from workers.kv_cache import KVCache
@@ -95,7 +95,7 @@ class FusedSpecStep:
         return self.steps.run(bucket, sampling_mode(plan.seqs))[:m]
 
     def _advance(self, m: int, previous: torch.Tensor) -> None:
-        if previous.is_cuda and step_kernels.available():
+        if previous.is_cuda and fused_kernels.available():
             step_kernels.advance_inputs(previous, self.buffers, m)
         else:
             step_kernels.advance_reference(previous, self.buffers, m, self._row_offsets)

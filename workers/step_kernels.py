@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.fused_kernels import _need_triton
 from workers.step_buffers import StepBuffers
 
 try:
@@ -43,11 +44,6 @@ if triton is not None:
         tl.store(lens_ptr + b, start + Q)
 
 
-def available() -> bool:
-    """True when triton is importable."""
-    return triton is not None
-
-
 def advance_reference(previous: torch.Tensor, buffers: StepBuffers, m: int, row_offsets: torch.Tensor) -> None:
     """Overwrite the first m sequences' tokens, positions, slots and lengths in `buffers` from `previous`
     [*, 2Q+1]; each sequence's first token slot holds its row there. row_offsets is arange(Q)."""
@@ -68,8 +64,7 @@ def advance_reference(previous: torch.Tensor, buffers: StepBuffers, m: int, row_
 
 def advance_inputs(previous: torch.Tensor, buffers: StepBuffers, m: int) -> None:
     """`advance_reference` in one Triton launch."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
+    _need_triton()
     b, q = buffers, buffers.q_len
     if previous.shape[1] != 2 * q + 1 or previous.stride(1) != 1:
         raise ValueError(
