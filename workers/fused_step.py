@@ -8,7 +8,7 @@ that the chain overwrites before anything reads it), then the chain proposes K g
 request's last accepted row. Three CUDA graphs per batch bucket, one per sampling mode (all-greedy,
 temperature only, top-k/top-p), in one memory pool; one host copy of the results per step.
 
-A step can also take its inputs from the previous step's results on the device (`run(..., after=...)`):
+A step can also take its inputs from the previous step's results on the device (`launch(..., after=...)`):
 each request's next tokens are its last emitted token and its new drafts, and its next position follows
 its accepted count, so the host can queue the step before it has read the previous one.
 """
@@ -19,7 +19,7 @@ import torch
 
 from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain, propose_from_rows
-from speculative.sampling import SamplingMode, sampling_mode
+from speculative.sampling import SamplingMode
 from speculative.verify import verify_step
 from workers import fused_kernels, step_kernels
 from workers.attention import UniformMetadata
@@ -88,11 +88,11 @@ class FusedSpecStep:
         `uniforms` [m, K+1] holds the verify step's random numbers; None for an all-greedy step. With
         `after` (a previous launch's results), each sequence's token_ids[0] is its row there, and its
         tokens and positions are taken from that row on the device."""
-        fill_step(self.buffers, plan, bucket, uniforms)
+        mode = fill_step(self.buffers, plan, bucket, uniforms)
         m = len(plan.seqs)
         if after is not None:
             self._advance(m, after)
-        return self.steps.run(bucket, sampling_mode(plan.seqs))[:m]
+        return self.steps.run(bucket, mode)[:m]
 
     def _advance(self, m: int, previous: torch.Tensor) -> None:
         if previous.is_cuda and fused_kernels.available():

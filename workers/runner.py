@@ -81,23 +81,26 @@ class UniformTargetStep:
         all-greedy step. With `tokens_from` (a device tensor of the previous step's tokens, Q = 1), each
         sequence's token_ids hold a row of it instead of a token, and the token is gathered on the device."""
         seqs = plan.seqs
-        fill_step(self.buffers, plan, bucket, uniforms)
+        mode = fill_step(self.buffers, plan, bucket, uniforms)
         if tokens_from is not None:
             ids = self.buffers.input_ids[: len(seqs)]
             ids.copy_(tokens_from.index_select(0, ids))
-        hidden, packed = self.steps.run(bucket, sampling_mode(seqs))
+        hidden, packed = self.steps.run(bucket, mode)
         m = len(seqs)
         return hidden[: m * self.q_len], packed[:m]
 
 
-def fill_step(buffers: StepBuffers, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None) -> None:
-    """Copy a uniform step's inputs (and, when it samples, its sampling parameters) into `buffers`."""
+def fill_step(buffers: StepBuffers, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None) -> SamplingMode:
+    """Copy a uniform step's inputs (and, when it samples, its sampling parameters) into `buffers`; returns
+    the captured variant the step runs (greedy when there are no uniforms)."""
     seqs = plan.seqs
     buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
-    if uniforms is not None:
-        buffers.fill_sampling(
-            [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], uniforms, bucket
-        )
+    if uniforms is None:
+        return SamplingMode.GREEDY
+    buffers.fill_sampling(
+        [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], uniforms, bucket
+    )
+    return sampling_mode(seqs)
 
 
 def pack_verified(n_acc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
