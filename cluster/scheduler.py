@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from cluster.block_manager import BlockManager
 from cluster.config import SchedulerConfig
 from cluster.request import Request, RequestStatus
@@ -96,7 +98,8 @@ class Scheduler:
                 continue
             if not self._reserve(req, self.slots_needed(req.num_computed_tokens + n), scheduled):
                 continue
-            gen.append(self._gen_plan(req))
+            tokens = [req.all_token_ids[-1], *req.draft_token_ids]
+            gen.append(self._gen_plan(req, tokens, req.num_computed_tokens, req.draft_probs))
             scheduled.add(req.request_id)
             budget -= n
         for req in list(self.running):
@@ -149,23 +152,7 @@ class Scheduler:
             start = req.num_computed_tokens + most  # an upper bound (pending's own start is exact here)
             if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):
                 return None
-            p = req.params
-            seqs.append(
-                SeqPlan(
-                    request_id=req.request_id,
-                    token_ids=[row] + [0] * k,
-                    start=start,
-                    block_ids=list(req.block_ids),
-                    is_context=False,
-                    is_final_chunk=True,
-                    lookahead_token=-1,
-                    num_draft_tokens=k,
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    seed=p.seed,
-                )
-            )
+            seqs.append(self._gen_plan(req, [row] + [0] * k, start))
         if not seqs:
             return None
         self._step += 1
@@ -206,22 +193,25 @@ class Scheduler:
             seed=p.seed,
         )
 
-    def _gen_plan(self, req: Request) -> SeqPlan:
+    def _gen_plan(
+        self, req: Request, token_ids: list[int], start: int, draft_probs: torch.Tensor | None = None
+    ) -> SeqPlan:
+        """A generation row: token_ids are the last token (or, planned ahead, its row) and the drafts."""
         p = req.params
         return SeqPlan(
             request_id=req.request_id,
-            token_ids=[req.all_token_ids[-1], *req.draft_token_ids],
-            start=req.num_computed_tokens,
+            token_ids=token_ids,
+            start=start,
             block_ids=list(req.block_ids),
             is_context=False,
             is_final_chunk=True,
             lookahead_token=-1,
-            num_draft_tokens=len(req.draft_token_ids),
+            num_draft_tokens=len(token_ids) - 1,
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
             seed=p.seed,
-            draft_probs=req.draft_probs,
+            draft_probs=draft_probs,
         )
 
     def _reserve(self, req: Request, num_slots: int, scheduled: set[str]) -> bool:
