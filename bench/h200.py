@@ -8,7 +8,6 @@ Prints a table last and writes h200_bench.json (+ h200_bench.png) under --out.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import sys
@@ -341,7 +340,6 @@ def main() -> int:
                 }
         if eng is not base:
             del eng
-            gc.collect()
             torch.cuda.empty_cache()
     agreement(report["runs"])
     report["variants"] = VARIANTS

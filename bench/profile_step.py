@@ -6,7 +6,6 @@ python bench/profile_step.py --device cuda --out $OUT        # SmolLM2-135M shap
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import sys
@@ -220,9 +219,6 @@ def main() -> int:
         (out / f"profile_{name}_b{args.batch}{suffix}.txt").write_text(table)
         print(table[:6000], flush=True)
         del eng
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     (out / f"profile_phases_b{args.batch}{suffix}.json").write_text(json.dumps(report, indent=2))
     return 0
 
