@@ -11,13 +11,13 @@ from workers.attention import AttentionMetadata, RaggedMetadata, ragged_metadata
 pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
 
 
-@pytest.mark.parametrize(
-    ("q_len", "heads", "kv_heads", "lens"),
-    [(1, 4, 4, [1, 17, 64]), (4, 9, 3, [4, 37, 80]), (2, 8, 2, [2, 16, 33]), (5, 6, 3, [5, 5, 79])],
-)
-def test_kernel_matches_float64_reference(q_len: int, heads: int, kv_heads: int, lens: list[int]) -> None:
-    g = torch.Generator().manual_seed(q_len)
-    nb, bs, dim, max_blocks = 24, 16, 32, 5
+def uniform_case(
+    q_len: int, heads: int, kv_heads: int, lens: list[int], seed: int, nb: int, max_blocks: int
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    """Random paged inputs (q, k cache, v cache, block tables, lengths; 16-slot blocks, head size 32), the
+    kernel's output and the float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    bs, dim = 16, 32
     kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
     vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
     tables = torch.randperm(nb, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
@@ -25,6 +25,15 @@ def test_kernel_matches_float64_reference(q_len: int, heads: int, kv_heads: int,
     q = torch.randn(len(lens) * q_len, heads, dim, generator=g)
     got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5)
     ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
+    return (q, kc, vc, tables, seq_lens), got, ref
+
+
+@pytest.mark.parametrize(
+    ("q_len", "heads", "kv_heads", "lens"),
+    [(1, 4, 4, [1, 17, 64]), (4, 9, 3, [4, 37, 80]), (2, 8, 2, [2, 16, 33]), (5, 6, 3, [5, 5, 79])],
+)
+def test_kernel_matches_float64_reference(q_len: int, heads: int, kv_heads: int, lens: list[int]) -> None:
+    _, got, ref = uniform_case(q_len, heads, kv_heads, lens, seed=q_len, nb=24, max_blocks=5)
     assert got.shape == ref.shape
     assert (got.double() - ref).abs().max().item() < 1e-4
 
@@ -42,18 +51,10 @@ def test_split_key_ranges_match_float64_reference(
     monkeypatch.setattr(triton_attention, "UNIFORM_TILE", 16)
     monkeypatch.setattr(triton_attention, "SPLIT_KEYS", 16)
     monkeypatch.setattr(triton_attention._Scratch, "buffers", {})
-    g = torch.Generator().manual_seed(len(lens) + q_len)
-    nb, bs, dim, max_blocks = 80, 16, 32, 19
-    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
-    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
-    tables = torch.randperm(nb, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
-    seq_lens = torch.tensor(lens)
-    q = torch.randn(len(lens) * q_len, heads, dim, generator=g)
     assert triton_attention.split_cap(len(lens), kv_heads) > 1
-    got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5)
-    ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
+    inputs, got, ref = uniform_case(q_len, heads, kv_heads, lens, seed=len(lens) + q_len, nb=80, max_blocks=19)
     assert (got.double() - ref).abs().max().item() < 1e-4
-    again = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5)
+    again = triton_attention.triton_uniform_attention(*inputs, q_len, 32**-0.5)
     assert torch.equal(got, again)
     ((_, _, counters),) = triton_attention._Scratch.buffers.values()
     assert not counters.any()
