@@ -20,7 +20,7 @@ try:
     import triton
     import triton.language as tl
 
-    from workers.fused_kernels import _matvec, _store_rows, _weight_tile
+    from workers.fused_kernels import _matvec, _store_rows, _tile_indices, _weight_tile
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
@@ -42,10 +42,7 @@ if triton is not None:
         stride_e, stride_h, stride_w, stride_y,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
-        rows = tl.arange(0, BLOCK_M)
-        ks = tl.arange(0, BLOCK_K)
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        _, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         w_e = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
         w_h = _weight_tile(w_ptr + K, cols, ks, stride_w, N, K)
         valid = rows < M

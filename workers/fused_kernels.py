@@ -120,6 +120,12 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _tile_indices(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # (program, input rows, input columns, this program's output columns) of a matrix-vector kernel
+        pid = tl.program_id(0)
+        return pid, tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K), pid * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    @triton.jit
     def _weight_tile(w_ptr, cols, ks, stride_w, N, K):
         # weight rows `cols` x columns `ks` of a row-major [N, K] weight, zero outside it
         mask = (cols[:, None] < N) & (ks[None, :] < K)
@@ -144,10 +150,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # every load is issued up front (one memory round trip); the product is reduced in registers
-        pid = tl.program_id(0)
-        rows = tl.arange(0, BLOCK_M)
-        ks = tl.arange(0, BLOCK_K)
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
         x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
                      HAS_NORM, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
@@ -203,10 +206,7 @@ if triton is not None:
         stride_x, stride_w, stride_y,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
-        rows = tl.arange(0, BLOCK_M)
-        ks = tl.arange(0, BLOCK_K)
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        _, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         inside = (rows[:, None] < M) & (ks[None, :] < K)
         g = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=inside, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + rows[:, None] * stride_x + K + ks[None, :], mask=inside, other=0.0).to(tl.float32)
