@@ -29,7 +29,8 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy cluster workers speculative proto deploy
+	$(VENV)/bin/mypy cluster workers speculative modeling proto deploy
+	$(VENV)/bin/lint-imports
 
 bench-cpu: install
 	$(VENV)/bin/mtpserve bench throughput --no-speculation --device cpu --batch-sizes 1,8,64 --prompt-len 128 \

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster.build import build_engine
-from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
+from workers.config import MTPServeConfig
 
 PROMPT = "Write a few sentences about why the ocean is salty."
 

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers import fused_kernels
-from workers.layer_ops import TORCH_OPS, TritonOps
+from modeling import fused_kernels
+from modeling.layer_ops import TORCH_OPS, TritonOps
 
 REPS = 50
 SHAPES = {"norm+qkv": (960, 576), "norm+gate_up": (3072, 576), "swiglu+down": (576, 1536), "o_proj": (576, 576)}

@@ -15,11 +15,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.engine import build_target
-from proto.messages import SeqPlan, StepPlan
-from workers.attention import AttentionMetadata, ragged_metadata
-from workers.kv_cache import KVCache
-from workers.model import LlamaArgs, LlamaModel, random_llama_weights
+from modeling.attention import AttentionMetadata, ragged_metadata
+from modeling.kv_cache import KVCache
+from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
+from speculative.messages import SeqPlan, StepPlan
+from workers.builders import build_target
 from workers.runner import TargetRunner, UniformTargetStep
 
 ARGS = LlamaArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

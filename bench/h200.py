@@ -20,11 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.config import MTPServeConfig
-from cluster.engine import DEFAULT_HEAD, LLMEngine, build_chain_graphs
+from cluster.engine import LLMEngine
+from modeling import fused_kernels
+from modeling.layer_ops import TritonOps
 from speculative.sampling import SamplingMode
-from workers import fused_kernels
-from workers.layer_ops import TritonOps
+from workers.builders import DEFAULT_HEAD, build_chain_graphs
+from workers.config import MTPServeConfig
 
 WEIGHT_FLOOR_MS = 0.063
 
@@ -50,7 +51,7 @@ PROMPTS = [
 VARIANTS = {
     "": "the serving configuration",
     "no-gemv": "Triton layer kernels, but none of the small-step kernels (matrix-vector projections with the "
-    "norm/SwiGLU folded in; since session 4 also the greedy-token and MTP-input kernels)",
+    "norm/SwiGLU folded in, the greedy-token kernel and the MTP-input kernel)",
     "no-overlap": "target-only steps read their tokens before the next step is queued (model.overlap_steps off)",
     "no-overlap-spec": "speculative steps read before the next is queued (model.overlap_speculative off)",
     "temperature-only": "sampling requests with top-p off (the captured variant that skips sorting the vocabulary); "
@@ -214,8 +215,8 @@ def hf_peer(args: argparse.Namespace, prompts: list[list[int]], max_tokens: int)
 
 def kernel_check() -> dict[str, Any]:
     """Triton paged attention in bf16 against a float64 reference."""
-    from workers.attention import AttentionMetadata, RaggedMetadata, uniform_paged_attention
-    from workers.triton_attention import triton_uniform_attention
+    from modeling.attention import AttentionMetadata, RaggedMetadata, uniform_paged_attention
+    from modeling.triton_attention import triton_uniform_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     res = {}

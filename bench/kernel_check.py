@@ -24,9 +24,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gemv_check import graph_us
-from workers import argmax_kernels, draft_kernels, triton_attention
-from workers.attention import uniform_paged_attention
-from workers.layer_ops import TORCH_OPS, TritonOps
+from modeling import argmax_kernels, draft_kernels, triton_attention
+from modeling.attention import uniform_paged_attention
+from modeling.layer_ops import TORCH_OPS, TritonOps
 
 VOCAB, D, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 49152, 576, 9, 3, 64, 16
 

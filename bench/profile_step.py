@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
-from workers.layer_ops import TritonOps
+from modeling.layer_ops import TritonOps
+from workers.config import MTPServeConfig
 
 SMOLLM2 = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,

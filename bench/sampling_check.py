@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.profile_step import SMOLLM2
-from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
 from speculative.sampling import SamplingMode
+from workers.config import MTPServeConfig
 
 PARAMS: list[dict[str, Any]] = [
     {"max_tokens": 52, "ignore_eos": True},

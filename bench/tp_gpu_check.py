@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.attention import AttentionMetadata
+from modeling.attention import AttentionMetadata
+from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
+from modeling.parallel import TPContext
 from workers.distributed import free_port, init_tp_group
-from workers.model import LlamaArgs, LlamaModel, random_llama_weights
-from workers.parallel import TPContext
 
 ARGS = LlamaArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                  num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, max_position_embeddings=2048,

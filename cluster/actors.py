@@ -11,16 +11,17 @@ from typing import Any
 
 import grpc
 
-from cluster.config import MTPServeConfig
-from cluster.engine import LLMEngine, load_head, max_model_len, num_blocks_for
+from cluster.engine import LLMEngine
 from cluster.errors import PlacementError, WorkerUnavailableError
 from cluster.scheduler import Scheduler
-from proto.convert import plan_to_proto, target_output_from_proto
-from proto.messages import StepPlan, TargetOutput
+from modeling.loader import resolve_model
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
+from speculative.messages import StepPlan, TargetOutput
+from workers.builders import load_head, max_model_len, num_blocks_for
+from workers.config import MTPServeConfig
+from workers.convert import plan_to_proto, target_output_from_proto
 from workers.grpc_util import channel_options
-from workers.loader import resolve_model
 
 log = logging.getLogger(__name__)
 STEP_TIMEOUT_S = 300.0

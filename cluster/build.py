@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
+from workers.config import MTPServeConfig
 
 
 def build_engine(cfg: MTPServeConfig) -> LLMEngine:

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cluster.config import MTPServeConfig
+from workers.config import MTPServeConfig
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

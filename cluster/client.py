@@ -1,11 +1,7 @@
-"""Python client of the mtpserve gRPC API, and `mtpserve generate --server`."""
+"""Python client of the mtpserve gRPC API."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,34 +184,3 @@ class MTPServeClient:
         """grpc.health.v1 status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN."""
         resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
-
-
-def run_generate_cli(args: argparse.Namespace) -> int:
-    """`mtpserve generate --server HOST:PORT`: stream text to stdout, or print one JSON object with --json."""
-    from cluster.cmd_generate import sampling_dict
-
-    sampling = sampling_dict(args)
-    raw = bool(getattr(args, "raw", False))
-    try:
-        with MTPServeClient(args.server, timeout=args.timeout) as client:
-            if args.json:
-                print(json.dumps(client.generate(args.prompt, raw=raw, **sampling)))
-                return 0
-            t0 = time.perf_counter()
-            n, last = 0, None
-            for chunk in client.stream(args.prompt, raw=raw, **sampling):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                n += len(chunk.token_ids)
-                last = chunk
-            print()
-    except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        details = exc.details() if hasattr(exc, "details") else str(exc)
-        print(f"mtpserve: {code.name if code else 'ERROR'}: {details}", file=sys.stderr)
-        return 1
-    line = f"[{n} tokens in {time.perf_counter() - t0:.2f}s, finish={last.finish_reason if last else None}"
-    if last is not None and last.stats.get("verify_steps"):
-        line += f", acceptance length {last.stats['acceptance_length']:.2f}, rate {last.stats['acceptance_rate']:.2f}"
-    print(line + "]", file=sys.stderr)
-    return 0

@@ -1,14 +1,15 @@
 """`mtpserve bench`: `throughput` (tok/s and step time per batch size) and `acceptance` (draft acceptance).
 
-The flags live here; the measurements live in `cluster/bench.py`.
+The flags live here; the measurements live in `cluster/bench_throughput.py` and `cluster/bench_acceptance.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from cluster import bench
+from cluster import bench_acceptance, bench_report, bench_throughput
 from cluster.cli_common import add_engine_flags, config_from_args
 from cluster.errors import MTPServeError
 
@@ -46,7 +47,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "same prompts: sampled lookahead with chunk C (before), prompt lookahead with chunk C (after), and no "
         "chunking.",
     )
-    a.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="one JSON object per line")
+    a.add_argument(
+        "--prompts",
+        required=True,
+        action="append",
+        metavar="FILE.jsonl",
+        help="one JSON object per line; repeat for several sets (reported per file as well as in total). A "
+        'record with "format": "raw" is sent without the chat template',
+    )
     a.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default all)")
     a.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt (default 128)")
     a.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
@@ -74,7 +82,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     from cluster.build import build_engine
 
     _set_threads(args.threads)
-    cfg = bench.throughput_config(
+    cfg = bench_throughput.throughput_config(
         config_from_args(args),
         args.batch_sizes,
         args.prompt_len,
@@ -82,14 +90,14 @@ def run_throughput(args: argparse.Namespace) -> int:
         size_slots=args.max_num_requests is None,
         size_cache=args.num_kv_blocks is None,
     )
-    command = bench.command_line()
+    command = bench_report.command_line()
     try:
         engine = build_engine(cfg)
         try:
-            rows = bench.run_throughput(
+            rows = bench_throughput.run_throughput(
                 engine, args.batch_sizes, args.prompt_len, args.output_len, args.warmup_steps, args.seed, _err
             )
-            report = bench.throughput_report(
+            report = bench_throughput.throughput_report(
                 cfg,
                 engine,
                 rows,
@@ -110,12 +118,12 @@ def run_throughput(args: argparse.Namespace) -> int:
     spec = report["speculation"]
     mode = f"speculative (K={spec['num_draft_tokens']}, draft {spec['draft']})" if spec["enabled"] else "target only"
     print(f"{command}\n{report['device']} ({report['device_name']}), {report['dtype']}, {mode}")
-    print(bench.format_throughput_table(rows))
+    print(bench_throughput.format_throughput_table(rows))
     if args.json:
-        bench.write_json(args.json, report)
+        bench_report.write_json(args.json, report)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        bench.plot_throughput(rows, args.plot, f"{report['model']['path']} - {report['device']} - {mode}")
+        bench_throughput.plot_throughput(rows, args.plot, f"{report['model']['path']} - {report['device']} - {mode}")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
@@ -123,51 +131,60 @@ def run_throughput(args: argparse.Namespace) -> int:
 def run_acceptance(args: argparse.Namespace) -> int:
     """`mtpserve bench acceptance`."""
     from cluster.build import build_engine
-    from workers.loader import resolve_model
+    from modeling.loader import resolve_model
 
     if args.no_speculation:
         print("mtpserve: bench acceptance measures the draft head; drop --no-speculation", file=sys.stderr)
         return 2
     _set_threads(args.threads)
     cfg = config_from_args(args)
-    command = bench.command_line()
+    command = bench_report.command_line()
     try:
-        texts = bench.load_prompts(args.prompts, args.num_prompts)
+        records = {path: bench_acceptance.load_prompt_records(path, args.num_prompts) for path in args.prompts}
         source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
         if source.dummy:
-            raise bench.BenchError("acceptance needs real weights and a tokenizer, not --load-format dummy")
-        prompts = bench.encode_texts(source.tokenizer(), texts, chat=not args.no_chat_template)
+            raise bench_report.BenchError("acceptance needs real weights and a tokenizer, not --load-format dummy")
+        tok = source.tokenizer()
+        prompts, groups = [], []
+        for path, recs in records.items():
+            for text, chat in recs:
+                prompts += bench_acceptance.encode_texts(tok, [text], chat=chat and not args.no_chat_template)
+                groups.append(Path(path).stem)
         if args.compare:
             if args.lookahead_source:
                 print("mtpserve: --compare runs both lookahead sources; --lookahead-source is ignored", file=sys.stderr)
-            settings = bench.compare_settings(cfg.scheduler.chunk_size)
+            settings = bench_acceptance.compare_settings(cfg.scheduler.chunk_size)
         else:
             settings = [
-                bench.AcceptanceSetting("run", cfg.speculative.lookahead_source, cfg.scheduler.chunk_size, "as flagged")
+                bench_acceptance.AcceptanceSetting(
+                    "run", cfg.speculative.lookahead_source, cfg.scheduler.chunk_size, "as flagged"
+                )
             ]
-        results = bench.run_acceptance_settings(
-            build_engine, cfg, settings, prompts, args.max_tokens, args.ignore_eos, progress=not args.quiet
+        results = bench_acceptance.run_acceptance_settings(
+            build_engine, cfg, settings, prompts, args.max_tokens, args.ignore_eos, not args.quiet, groups
         )
     except MTPServeError as exc:
         print(f"mtpserve: {exc}", file=sys.stderr)
         return 2
     print(command)
     print(
-        f"{len(prompts)} prompts from {args.prompts}, max_tokens {args.max_tokens}, greedy, "
+        f"{len(prompts)} prompts from {', '.join(args.prompts)}, max_tokens {args.max_tokens}, greedy, "
         f"draft {cfg.speculative.draft}"
     )
-    print(bench.format_acceptance_table(results))
+    print(bench_acceptance.format_acceptance_table(results))
+    if len(records) > 1:
+        print(bench_acceptance.format_group_table(results))
     if args.json:
         settings_json = {
-            "prompts": args.prompts,
+            "prompts": args.prompts if len(args.prompts) > 1 else args.prompts[0],
             "num_prompts": len(prompts),
             "max_tokens": args.max_tokens,
             "ignore_eos": args.ignore_eos,
             "chat_template": not args.no_chat_template,
             "compare": args.compare,
         }
-        report = bench.acceptance_report(cfg, source.args(), results, settings_json, command)
-        bench.write_json(args.json, report)
+        report = bench_acceptance.acceptance_report(cfg, source.args(), results, settings_json, command)
+        bench_report.write_json(args.json, report)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

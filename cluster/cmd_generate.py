@@ -49,9 +49,7 @@ def sampling_dict(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Generate and print."""
     if args.server:
-        from cluster.client import run_generate_cli
-
-        return run_generate_cli(args)
+        return run_remote(args)
     cfg = config_from_args(args)
     from cluster.build import build_engine
 
@@ -76,4 +74,37 @@ def run(args: argparse.Namespace) -> int:
         if s.verify_steps:
             line += f", acceptance length {s.acceptance_length:.2f}, rate {s.acceptance_rate:.2f}"
         print(line + "]", file=sys.stderr)
+    return 0
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    """`mtpserve generate --server HOST:PORT`: stream text to stdout, or print one JSON object with --json."""
+    import grpc
+
+    from cluster.client import MTPServeClient
+
+    sampling = sampling_dict(args)
+    raw = bool(getattr(args, "raw", False))
+    try:
+        with MTPServeClient(args.server, timeout=args.timeout) as client:
+            if args.json:
+                print(json.dumps(client.generate(args.prompt, raw=raw, **sampling)))
+                return 0
+            t0 = time.perf_counter()
+            n, last = 0, None
+            for chunk in client.stream(args.prompt, raw=raw, **sampling):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                n += len(chunk.token_ids)
+                last = chunk
+            print()
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        print(f"mtpserve: {code.name if code else 'ERROR'}: {details}", file=sys.stderr)
+        return 1
+    line = f"[{n} tokens in {time.perf_counter() - t0:.2f}s, finish={last.finish_reason if last else None}"
+    if last is not None and last.stats.get("verify_steps"):
+        line += f", acceptance length {last.stats['acceptance_length']:.2f}, rate {last.stats['acceptance_rate']:.2f}"
+    print(line + "]", file=sys.stderr)
     return 0

@@ -12,8 +12,8 @@ from types import FrameType
 import yaml
 
 from cluster.cli_common import add_engine_flags, config_from_args
-from cluster.config import MTPServeConfig
 from cluster.errors import MTPServeError
+from workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 

@@ -7,21 +7,23 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cluster.errors import MTPServeError
 from speculative.train.errors import TrainSetupError
-from speculative.train.seed_prompts import SEED_PROMPTS
 
 if TYPE_CHECKING:
     from speculative.train.pipeline import TrainDraftOptions
 
 # Flag defaults (kept literal so `mtpserve --help` does not import torch); they mirror DataConfig/TrainConfig.
 DEFAULTS = {
-    "magpie_prompts": 256,
-    "steered_prompts": 0,
-    "max_new_tokens": 256,
-    "magpie_max_tokens": 96,
+    "mix": "chat=2,steered=1,magpie=1,math=1,code=1,long=1,multi=1,seed=1",
+    "part_size": 64,
+    "max_new_tokens": 384,
+    "long_max_new_tokens": 768,
+    "code_max_new_tokens": 256,
+    "prompt_max_tokens": 96,
+    "oversample": 2.0,
     "sampled_fraction": 0.2,
     "steps": 1000,
     "batch_size": 16,
@@ -34,26 +36,35 @@ DEFAULTS = {
     "eval_every": 200,
     "eval_batch_size": 16,
     "ckpt_every": 200,
+    "prefer_margin": 0.01,
 }
+RECIPE_NAMES = ("chat", "magpie", "steered", "math", "code", "long", "multi", "seed", "random")
 
 DESCRIPTION = """\
 Train an MTP Eagle draft head for a target model by self-distillation (no dataset downloads).
 
-1. data:  prompts = the built-in seed list (--num-prompts) plus prompts the target writes itself from
-          its bare chat-template user header (--magpie-prompts, Magpie-style) or after a built-in
-          opener such as "Write a Python" (--steered-prompts); the target answers each
-          one, greedily or sampled (--sampled-fraction). Token ids go to --data-dir; hidden states are
-          recomputed at train time by a dense target forward.
+1. data:  a mix of recipes (--mix), each built in parts of --part-size samples by the target itself:
+          chat (the target finishes user turns begun from built-in subject/request lists), steered
+          (begun by generic openers), magpie (written from the bare user header), math (word
+          problems), code (raw Python completion of functions from the standard library, no chat
+          template), long (multi-paragraph answers), multi (second turns of conversations), seed (the
+          built-in hand-written list), random (random token prompts, for targets without a tokenizer).
+          Parts are written as they finish; a second run continues, --shard W/N splits the parts over
+          N processes. Only token ids are stored.
 2. train: soft cross-entropy against the target's next-token distribution, unrolled over K draft
-          steps (--num-draft-tokens), AdamW with warmup + cosine, bf16 autocast on CUDA.
+          steps (--num-draft-tokens), AdamW with warmup + cosine, bf16 autocast on CUDA. Several heads
+          (--head-spec, an ablation) train side by side on the same batches.
 3. eval:  teacher-forced K-chain acceptance on held-apart dev prompts, every --eval-every steps.
-4. out:   the head (--out, safetensors), MODEL_CARD.md beside it, and a results JSON.
+4. out:   the chosen head (--out, safetensors), one file per head of an ablation, MODEL_CARD.md beside
+          it, and a results JSON.
 """
 
 EPILOG = """\
 examples:
-  mtpserve train-draft --device cuda --magpie-prompts 6000 --generator hf --time-budget 560
-  mtpserve train-draft --target tiny/ --load-format dummy --dummy-std 0.5 --steps 200 --out /tmp/h.safetensors
+  mtpserve train-draft --device cuda --stage data --mix chat=12,code=6,math=4 --part-size 2048 --shard 0/3
+  mtpserve train-draft --device cuda --stage train --head-spec base:layers=last \\
+      --head-spec fused:layers=fused --head-spec fused-v16k:layers=fused,vocab=16384 --time-budget 560
+  mtpserve train-draft --target tiny/ --load-format dummy --dummy-std 0.5 --mix random=4 --steps 200
   mtpserve train-draft --stage eval --head speculative/heads/smollm2-135m-mtp.safetensors
 errors exit with status 2 and name the flag, e.g. `mtpserve: train-draft: --target: '/x' does not exist`.
 """
@@ -89,6 +100,45 @@ def _weights(text: str) -> list[float]:
     if not values or any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected non-negative weights, got {text!r}")
     return values
+
+
+def _mix(text: str) -> dict[str, int]:
+    """'chat=12,code=6' -> {'chat': 12, 'code': 6}."""
+    out: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or name not in RECIPE_NAMES:
+            raise argparse.ArgumentTypeError(f"'{item}' is not RECIPE=PARTS with a recipe in {', '.join(RECIPE_NAMES)}")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{item}': the part count must be an integer") from None
+        if out[name] < 0:
+            raise argparse.ArgumentTypeError(f"'{item}': the part count must be >= 0")
+    if not any(out.values()):
+        raise argparse.ArgumentTypeError("the mix needs at least one part")
+    return out
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """'1/3' -> (1, 3)."""
+    w, slash, n = text.partition("/")
+    try:
+        shard = (int(w), int(n))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected W/N such as 0/3, got {text!r}") from None
+    if not slash or shard[1] < 1 or not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"expected W/N with 0 <= W < N, got {text!r}")
+    return shard
+
+
+def _head_spec(text: str) -> Any:
+    from speculative.train.heads import parse_head_spec
+
+    try:
+        return parse_head_spec(text)
+    except TrainSetupError as exc:
+        raise argparse.ArgumentTypeError(exc.reason) from None
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -145,55 +195,53 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", help="dataset folder (default: $MTPSERVE_CACHE/draft-data/<target>)")
-    g.add_argument("--rebuild-data", action="store_true", help="rebuild even if --data-dir has a dataset")
+    g.add_argument("--rebuild-data", action="store_true", help="delete the folder's parts and build them anew")
     g.add_argument(
-        "--num-prompts",
-        type=nonneg_int,
-        default=len(SEED_PROMPTS),
-        help=f"built-in seed prompts to use (max {len(SEED_PROMPTS)}; random token prompts for "
-        "tokenizer-less dummy targets)",
+        "--mix",
+        type=_mix,
+        default=_mix(str(DEFAULTS["mix"])),
+        help=f"parts per recipe, e.g. chat=12,code=6 (recipes: {', '.join(RECIPE_NAMES)}; default {DEFAULTS['mix']})",
+    )
+    g.add_argument("--part-size", type=pos_int, default=d.part_size, help="samples per part (default %(default)s)")
+    g.add_argument("--shard", type=_shard, default=(0, 1), help="W/N: build only parts W, W+N, ... (default 0/1)")
+    g.add_argument("--max-new-tokens", type=pos_int, default=d.max_new_tokens, help="answer length cap")
+    g.add_argument("--long-max-new-tokens", type=pos_int, default=d.long_max_new_tokens, help="cap of `long` answers")
+    g.add_argument(
+        "--code-max-new-tokens", type=pos_int, default=d.code_max_new_tokens, help="cap of `code` continuations"
     )
     g.add_argument(
-        "--magpie-prompts",
-        type=nonneg_int,
-        default=d.magpie_prompts,
-        help="prompts the target writes itself from its bare user header (default %(default)s)",
+        "--prompt-max-tokens", type=pos_int, default=d.prompt_max_tokens, help="cap while the target writes a user turn"
     )
     g.add_argument(
-        "--steered-prompts",
-        type=nonneg_int,
-        default=d.steered_prompts,
-        help="prompts the target writes itself after a built-in opener such as 'Write a Python' or 'Why do' "
-        "(speculative/train/openers.py), which spreads them over kinds of request (default %(default)s)",
-    )
-    g.add_argument("--max-new-tokens", type=pos_int, default=d.max_new_tokens, help="response length cap")
-    g.add_argument(
-        "--magpie-max-tokens", type=pos_int, default=d.magpie_max_tokens, help="length cap of self-written prompts"
-    )
-    g.add_argument(
-        "--magpie-oversample",
+        "--oversample",
         type=_bounded(float, 1.0),
-        default=1.5,
-        help="self-written prompt candidates drawn per prompt kept (filters drop short/unfinished/duplicates)",
+        default=d.oversample,
+        help="user-turn candidates per sample kept (filters drop short/unfinished/duplicates)",
     )
     g.add_argument(
         "--sampled-fraction",
         type=_bounded(float, 0.0, 1.0),
         default=d.sampled_fraction,
-        help="share of responses sampled (temperature 0.7, top-p 0.95) instead of greedy",
+        help="share of answers sampled (temperature 0.7) instead of greedy",
     )
+    g.add_argument("--code-root", help="Python sources for `code` prompts (default: this interpreter's stdlib)")
     g.add_argument(
         "--generator",
         choices=["engine", "hf"],
         default="engine",
-        help="engine: mtpserve's own engine (default); hf: transformers generate, for fast GPU "
-        "data builds only (training always uses our model code)",
+        help="engine: mtpserve's own engine, CUDA graphs on a GPU (default); hf: transformers generate, "
+        "a reference (training always uses our model code)",
     )
     g.add_argument("--gen-batch-size", type=pos_int, default=64, help="concurrent generations")
 
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=nonneg_int, default=t.steps, help="optimizer steps (default %(default)s)")
     g.add_argument("--batch-size", type=pos_int, default=t.batch_size, help="sequences per step")
+    g.add_argument(
+        "--max-batch-tokens",
+        type=pos_int,
+        help="cap on a step's padded tokens: batches of long sequences hold fewer of them (default: no cap)",
+    )
     g.add_argument("--lr", type=_bounded(float, 0.0, lo_open=True), default=t.lr)
     g.add_argument("--weight-decay", type=_bounded(float, 0.0), default=t.weight_decay)
     g.add_argument("--warmup-steps", type=nonneg_int, help="default: 5%% of --steps")
@@ -224,9 +272,29 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         help="stop this run after N steps (checkpoint + export); continue later with --resume",
     )
     g.add_argument(
-        "--no-keep-hidden",
-        action="store_true",
-        help="recompute target hidden states every step instead of keeping them on the device",
+        "--keep-hidden",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep target features on the device between visits of a sequence (default: when they fit)",
+    )
+    g.add_argument(
+        "--head-spec",
+        action="append",
+        type=_head_spec,
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="a head to train (repeat for an ablation, all on the same batches): layers=last|fused|i/j/k, "
+        "vocab=N (N most frequent response tokens; 0 = all), k=unrolled loss steps; default one head, "
+        "'head:layers=last'",
+    )
+    g.add_argument(
+        "--prefer-margin",
+        type=_bounded(float, 0.0),
+        default=t.prefer_margin,
+        help="ship a smaller-vocabulary head within this much dev acceptance length of the best",
+    )
+    g.add_argument(
+        "--export-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the exported head"
     )
 
     g = p.add_argument_group("evaluation and checkpoints")
@@ -239,9 +307,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     g.add_argument(
         "--holdout-source",
         action="append",
-        choices=["seed", "magpie", "steered", "random"],
+        choices=list(RECIPE_NAMES),
         default=[],
-        help="keep every prompt of this source for dev (repeatable); 'seed' measures acceptance on "
+        help="keep every prompt of this recipe for dev (repeatable); 'seed' measures acceptance on "
         "hand-written prompts, a different distribution from the self-written ones",
     )
     g.add_argument("--eval-every", type=nonneg_int, default=t.eval_every, help="0: only at start and end")
@@ -262,25 +330,38 @@ def command_line(args: argparse.Namespace) -> str:
         value = getattr(args, action.dest, None)
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
-            parts.append(flag if value else "--no-" + flag[2:])
+            if value is not None:
+                parts.append(flag if value else "--no-" + flag[2:])
         elif isinstance(action, argparse._AppendAction):
             for v in value or []:
-                parts += [flag, str(v)]
+                parts += [flag, v.text() if hasattr(v, "text") else str(v)]
         elif action.nargs == 0:
             if value:
                 parts.append(flag)
         elif value is not None:
-            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-            parts += [flag, text]
+            parts += [flag, _flag_text(value)]
     return shlex.join(parts)
+
+
+def _flag_text(value: Any) -> str:
+    """A flag value as the command line would spell it."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, tuple):
+        return "/".join(map(str, value))
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
     """Map parsed flags onto TrainDraftOptions (devices resolved, default paths filled in)."""
+    from modeling.loader import cache_root, resolve_device
     from speculative.train.data import DataConfig
+    from speculative.train.heads import HeadSpec
     from speculative.train.pipeline import TrainDraftOptions
+    from speculative.train.recipes import RecipeSettings
     from speculative.train.trainer import TrainConfig
-    from workers.loader import cache_root, resolve_device
 
     device = resolve_device(args.device)
     name = Path(args.target).stem if args.target else "smollm2-135m-instruct"
@@ -288,21 +369,21 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
     if args.out:
         out = args.out
     elif args.target is None:
-        from cluster.engine import DEFAULT_HEAD
+        from workers.builders import DEFAULT_HEAD
 
         out = str(DEFAULT_HEAD)
     else:
         out = "mtp-head.safetensors"
-    data = DataConfig(
-        num_prompts=args.num_prompts,
-        magpie_prompts=args.magpie_prompts,
-        steered_prompts=args.steered_prompts,
+    settings = RecipeSettings(
         max_new_tokens=args.max_new_tokens,
-        magpie_max_tokens=args.magpie_max_tokens,
-        magpie_oversample=args.magpie_oversample,
+        long_max_new_tokens=args.long_max_new_tokens,
+        code_max_new_tokens=args.code_max_new_tokens,
+        prompt_max_tokens=args.prompt_max_tokens,
+        oversample=args.oversample,
         sampled_fraction=args.sampled_fraction,
-        seed=args.seed,
+        code_root=args.code_root,
     )
+    data = DataConfig(mix=args.mix, part_size=args.part_size, settings=settings, seed=args.seed)
     train = TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -326,7 +407,10 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
         seed=args.seed,
         time_budget_s=args.time_budget,
         pause_after=args.pause_after,
-        keep_hidden=not args.no_keep_hidden,
+        keep_hidden=args.keep_hidden,
+        max_batch_tokens=args.max_batch_tokens,
+        heads=args.head_spec or [HeadSpec()],
+        prefer_margin=args.prefer_margin,
     )
     return TrainDraftOptions(
         target=args.target,
@@ -341,6 +425,8 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
         model_card=args.model_card,
         results=args.results,
         head=args.head,
+        shard=args.shard,
+        export_dtype=args.export_dtype,
         command=command_line(args),
         data=data,
         train=train,
@@ -349,6 +435,7 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
 
 def run(args: argparse.Namespace) -> int:
     """Run train-draft; setup errors print `mtpserve: train-draft: FIELD: reason` and return 2."""
+    from cluster.train_generator import EngineGenerator
     from speculative.train.pipeline import run_train_draft
 
     if args.step_weights is not None and len(args.step_weights) != args.num_draft_tokens:
@@ -358,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         opts = options_from_args(args)
-        res = run_train_draft(opts)
+        res = run_train_draft(opts, EngineGenerator)
     except TrainSetupError as exc:
         print(f"mtpserve: train-draft: {exc}", file=sys.stderr)
         return 2

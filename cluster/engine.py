@@ -1,37 +1,36 @@
-"""In-process engine: request validation, the step loop, and model/draft construction."""
+"""In-process engine: request validation and the step loop over a target and a draft executor."""
 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from pydantic import ValidationError
 
-from cluster.config import MTPServeConfig
 from cluster.errors import InvalidRequestError, ModelLoadError, QueueFullError
 from cluster.request import Request, SamplingParams
 from cluster.scheduler import RequestOutput, Scheduler
-from proto.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
-from speculative.chain_step import UniformChainStep
-from speculative.lookahead import LookaheadBuffer
-from speculative.methods import DraftMethod
+from modeling.loader import resolve_device, to_dtype
+from modeling.model import LlamaArgs
+from speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
 from speculative.stats import SpecStats
-from workers.fused_step import FusedSpecStep
-from workers.kv_cache import KVCache
-from workers.layer_ops import pick_ops
-from workers.loader import ModelSource, resolve_device, resolve_model, to_dtype
-from workers.model import LlamaArgs, LlamaModel, prepare_for_inference
-from workers.runner import LaunchedStep, TargetRunner, UniformTargetStep
-
-log = logging.getLogger(__name__)
-DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"
+from workers.builders import (
+    build_draft,
+    build_fused,
+    build_runner,
+    build_target,
+    load_head,
+    load_target,
+    max_model_len,
+    num_blocks_for,
+)
+from workers.config import MTPServeConfig
+from workers.runner import LaunchedStep, TargetRunner
 
 
 class TargetExecutor(Protocol):
@@ -69,27 +68,6 @@ class Completion:
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
-
-
-def load_target(cfg: MTPServeConfig) -> tuple[ModelSource, LlamaArgs, dict[str, torch.Tensor]]:
-    """Resolve the configured model and read its (full, unsharded) weights."""
-    source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
-    return source, source.args(), source.weights(seed=cfg.model.seed)
-
-
-def max_model_len(cfg: MTPServeConfig, args: LlamaArgs) -> int:
-    """Prompt + output cap: the configured value, never above the model's positions."""
-    return min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-
-
-def num_blocks_for(cfg: MTPServeConfig, max_model_len: int) -> int:
-    """KV blocks to allocate: the configured count, or room for every slot plus one full-length request."""
-    sc = cfg.scheduler
-    if sc.num_kv_blocks:
-        return sc.num_kv_blocks
-    per_request = -(-256 // sc.block_size)
-    full = -(-(max_model_len + 2 * cfg.speculative.num_draft_tokens) // sc.block_size)
-    return max(sc.max_num_requests * per_request, full) + 1
 
 
 class LLMEngine:
@@ -146,6 +124,8 @@ class LLMEngine:
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
         if head is None:
             head = load_head(cfg, args)
+        if head is not None:
+            model.feature_layers = head.feature_layers  # the target's layer outputs the draft reads
         draft = build_draft(cfg, head, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
         k = cfg.speculative.num_draft_tokens if draft is not None else 0
         target = build_runner(cfg, model, cache, device, k, max_len)
@@ -315,98 +295,3 @@ def encode_text(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def build_target(
-    args: LlamaArgs,
-    weights: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-    device: str,
-    tp: Any = None,
-    fused_kernels: bool = True,
-) -> LlamaModel:
-    """Construct the (sharded) target model, load weights and prepare it for inference."""
-    model = LlamaModel(args, tp)
-    model.load_hf_state_dict(weights)
-    model = model.to(device=device, dtype=dtype).eval()
-    return model.prepare_for_inference(pick_ops(device, fused_kernels))
-
-
-def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:
-    """Blocks per request the captured steps' block tables hold: a full-length request plus draft slots."""
-    return -(-(max_len + 2 * k) // cfg.scheduler.block_size)
-
-
-def build_runner(
-    cfg: MTPServeConfig, model: LlamaModel, cache: KVCache, device: str, k: int, max_len: int
-) -> TargetRunner:
-    """The target runner, with captured generation steps (Q = K+1 rows per request) on CUDA."""
-    uniform = None
-    if device.startswith("cuda") and cfg.model.cuda_graphs:
-        max_blocks = graph_max_blocks(cfg, k, max_len)
-        uniform = UniformTargetStep(model, cache, k + 1, cfg.scheduler.max_num_requests, max_blocks, device)
-        uniform.steps.capture()
-    return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform)
-
-
-def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int) -> FusedSpecStep:
-    """Generation steps with the colocated draft (greedy and sampling), captured per batch bucket."""
-    max_blocks = graph_max_blocks(cfg, k, max_len)
-    fused = FusedSpecStep(
-        target.model, target.cache, chain, k, cfg.scheduler.max_num_requests, max_blocks, target.device
-    )
-    fused.steps.capture()
-    return fused
-
-
-def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: int) -> None:
-    """Capture the chain's generation-only steps on CUDA, for a draft that runs apart from the target's
-    fused step (a separate draft worker, or rank 0 of a Ray target group)."""
-    k = cfg.speculative.num_draft_tokens
-    if isinstance(draft, MTPEagleChain) and draft.device.type == "cuda" and cfg.model.cuda_graphs:
-        max_blocks = graph_max_blocks(cfg, k, max_len)
-        draft.uniform = UniformChainStep(draft, k, cfg.scheduler.max_num_requests, max_blocks)
-        draft.uniform.capture()
-
-
-def load_head(cfg: MTPServeConfig, args: LlamaArgs) -> MTPEagleHead | None:
-    """The configured draft head: shipped default, explicit path, explicit random, or None."""
-    spec = cfg.speculative
-    if not spec.enabled or spec.draft is None:
-        return None
-    if spec.draft == "random":
-        log.warning("using an untrained random MTP head (explicitly requested): acceptance will be near zero")
-        head = MTPEagleHead(args)
-        head.init_random(seed=cfg.model.seed)
-        return head
-    if spec.draft == "default":
-        if cfg.model.path is not None or not DEFAULT_HEAD.is_file():
-            log.warning("no default draft head for this model; speculation is off (pass --draft PATH)")
-            return None
-        path = DEFAULT_HEAD
-    else:
-        path = Path(spec.draft)
-    if not path.is_file():
-        raise ModelLoadError(f"speculative.draft '{spec.draft}' is not a file; train one with `mtpserve train-draft`")
-    try:
-        return MTPEagleHead.load(path, args)
-    except Exception as exc:
-        raise ModelLoadError(f"draft head {path} does not fit this target: {exc}") from exc
-
-
-def build_draft(
-    cfg: MTPServeConfig,
-    head: MTPEagleHead | None,
-    shared: LlamaModel,
-    num_blocks: int,
-    device: str,
-    dtype: torch.dtype,
-) -> DraftMethod | None:
-    """The MTP Eagle chain around `head`, sharing `shared`'s embedding and output head, or None."""
-    if head is None:
-        return None
-    head = head.to(device=device, dtype=dtype).eval()
-    prepare_for_inference(head, pick_ops(device, cfg.model.fused_kernels))
-    cache = head.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
-    lookahead = LookaheadBuffer(cfg.scheduler.max_num_requests, device)
-    return MTPEagleChain(head, shared, cache, lookahead, device, cfg.scheduler.max_num_batched_tokens)

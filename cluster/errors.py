@@ -1,10 +1,19 @@
-"""Typed errors the engine raises; the gRPC layer maps each to a status code."""
+"""Typed errors the engine raises; the gRPC layer maps each to a status code.
+
+The base class and the model-load error live in the model layer (modeling/errors.py), which raises it."""
 
 from __future__ import annotations
 
+from modeling.errors import ModelLoadError, MTPServeError
 
-class MTPServeError(Exception):
-    """Base class for errors that mtpserve reports to callers."""
+__all__ = [
+    "InvalidRequestError",
+    "MTPServeError",
+    "ModelLoadError",
+    "PlacementError",
+    "QueueFullError",
+    "WorkerUnavailableError",
+]
 
 
 class InvalidRequestError(MTPServeError, ValueError):
@@ -22,10 +31,6 @@ class QueueFullError(MTPServeError):
 
 class WorkerUnavailableError(MTPServeError):
     """A worker actor is down; maps to gRPC UNAVAILABLE."""
-
-
-class ModelLoadError(MTPServeError):
-    """A model could not be found or read; the message says how to fix it."""
 
 
 class PlacementError(MTPServeError):

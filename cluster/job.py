@@ -13,7 +13,7 @@ import sys
 
 from cluster.cli_common import config_from_args
 from cluster.cmd_serve import add_serve_flags, print_config, serve
-from cluster.config import MTPServeConfig
+from workers.config import MTPServeConfig
 
 log = logging.getLogger("cluster.job")
 JOB_ENV_VARS = ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")

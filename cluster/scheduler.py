@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.block_manager import BlockManager
-from cluster.config import SchedulerConfig
 from cluster.request import Request, RequestStatus
-from proto.messages import DraftOutputs, SeqPlan, StepPlan, TargetOutput
+from speculative.messages import DraftOutputs, SeqPlan, StepPlan, TargetOutput
 from speculative.stats import SpecStats
+from workers.config import SchedulerConfig
 
 
 @dataclass
@@ -82,6 +82,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         """Queued requests."""
         return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks (prefilling or decoding)."""
+        return len(self.running)
 
     # ---- planning --------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:

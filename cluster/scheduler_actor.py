@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cluster.config import MTPServeConfig
+from workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 

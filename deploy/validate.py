@@ -19,16 +19,17 @@ import functools
 import os
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
+from deploy.consistency import DOCKERFILE, check_consistency
+from deploy.manifest import REPO_ROOT, json_path, pod_templates
 from deploy.render import Doc, RenderError, find_kustomization, load_docs, render
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CRD_ENV = "MTPSERVE_KUBERAY_CRDS"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
 K8S_VERSION = "1.32"
@@ -38,19 +39,6 @@ def crd_dir() -> Path:
     """Folder holding KubeRay's CRD files: $MTPSERVE_KUBERAY_CRDS, relative to the repo root if relative."""
     path = Path(os.environ.get(CRD_ENV, "../shared/kuberay-crds"))
     return path if path.is_absolute() else (REPO_ROOT / path).resolve()
-
-
-def json_path(parts: Iterable[Any]) -> str:
-    """Render a path such as ["spec", "ports", 0, "nvidia.com/gpu"] as $.spec.ports[0]['nvidia.com/gpu']."""
-    out = "$"
-    for part in parts:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif re.fullmatch(r"[A-Za-z_$][\w$-]*", str(part)):
-            out += f".{part}"
-        else:
-            out += f"[{str(part)!r}]"
-    return out
 
 
 def _strict(schema: Any) -> Any:
@@ -116,22 +104,6 @@ def _minimal_core_errors(doc: Doc, prefix: list[Any]) -> list[str]:
     return [] if isinstance(spec, dict) else [f"{json_path([*prefix, 'spec'])}: must be a mapping"]
 
 
-def pod_templates(doc: Doc) -> Iterator[tuple[list[Any], dict[str, Any]]]:
-    """(path, template) of every pod template inside a RayCluster or RayJob."""
-    spec = doc.get("spec") or {}
-    prefix: list[Any] = ["spec"]
-    if doc.get("kind") == "RayJob":
-        if isinstance(spec.get("submitterPodTemplate"), dict):
-            yield ["spec", "submitterPodTemplate"], spec["submitterPodTemplate"]
-        spec, prefix = spec.get("rayClusterSpec") or {}, ["spec", "rayClusterSpec"]
-    head = spec.get("headGroupSpec") or {}
-    if isinstance(head.get("template"), dict):
-        yield [*prefix, "headGroupSpec", "template"], head["template"]
-    for i, group in enumerate(spec.get("workerGroupSpecs") or []):
-        if isinstance(group, dict) and isinstance(group.get("template"), dict):
-            yield [*prefix, "workerGroupSpecs", i, "template"], group["template"]
-
-
 def _pod_monitor_errors(doc: Doc) -> Iterator[str]:
     spec = doc.get("spec")
     if not isinstance(spec, dict):
@@ -193,8 +165,6 @@ def load_target(path: str | Path) -> list[Doc]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints errors and returns 1 if there are any."""
-    from deploy.consistency import DOCKERFILE, check_consistency
-
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print("usage: python -m deploy.validate DIR_OR_FILE [...]", file=sys.stderr)

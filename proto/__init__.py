@@ -1,1 +1,1 @@
-"""Wire formats: protobuf APIs under mtpserve/v1, the tensor codec, and the step message dataclasses."""
+"""Wire formats: the protobuf APIs under mtpserve/v1 (generated code) and the tensor codec; no project imports."""

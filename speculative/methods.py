@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from proto.messages import DraftInputs, DraftOutputs
+from speculative.messages import DraftInputs, DraftOutputs
 
 
 class DraftMethod(ABC):

@@ -6,14 +6,14 @@ from typing import Any
 
 import torch
 
-from proto.messages import DraftInputs, DraftOutputs
+from modeling.attention import UniformMetadata, ragged_metadata
+from modeling.kv_cache import KVCache
+from modeling.model import LlamaModel
 from speculative.draft_inputs import draft_input_tokens, last_rows
 from speculative.lookahead import LookaheadBuffer
+from speculative.messages import DraftInputs, DraftOutputs
 from speculative.methods import DraftMethod
 from speculative.mtp_head import MTPEagleHead
-from workers.attention import UniformMetadata, ragged_metadata
-from workers.kv_cache import KVCache
-from workers.model import LlamaModel
 
 
 def propose_from_rows(
@@ -29,7 +29,8 @@ def propose_from_rows(
 ) -> torch.Tensor:
     """Draft re-run and K greedy proposals for a uniform step of B sequences x Q rows, in fixed shapes.
 
-    Row i of a sequence reads (row_tokens[i], hidden[i]) at positions[i]; rows past a sequence's
+    Row i of a sequence reads (row_tokens[i], hidden[i]) at positions[i], where hidden holds the target's
+    features for the head ([B*Q, n*d]); rows past a sequence's
     accepted ones write draft KV that the chain overwrites before anything reads it (or, with padded
     rows, the scratch block). The chain starts from row num_accepted[b]. Returns drafts [B, K].
     """
@@ -38,7 +39,7 @@ def propose_from_rows(
     dh = head.step(shared, row_tokens, hidden, positions, cache, meta)
     last = torch.arange(bsz, device=row_tokens.device) * q + num_accepted
     h = dh[last]
-    tok = shared.greedy_tokens(h)
+    tok = head.greedy_tokens(shared, h)
     drafts = [tok]
     if k > 1:
         pos, slots = chain_slots(positions[last], tables, cache.block_size, k - 1)
@@ -48,7 +49,7 @@ def propose_from_rows(
             rows = slice(j * bsz, (j + 1) * bsz)
             step_meta = UniformMetadata(slots[j], tables, seq_lens[j], 1)
             h = head.step(shared, tok, h, pos[j], cache, step_meta, (cos[rows], sin[rows]))
-            tok = shared.greedy_tokens(h)
+            tok = head.greedy_tokens(shared, h)
             drafts.append(tok)
     return torch.stack(drafts, dim=1)
 
@@ -89,7 +90,8 @@ class MTPEagleChain(DraftMethod):
         # Fixed-address step inputs: incoming rows are copied in, never reallocated.
         self.token_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.position_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
-        self.hidden_buf = torch.zeros(max_rows, head.args.hidden_size, dtype=dtype, device=self.device)
+        self.hidden_buf = torch.zeros(max_rows, head.feature_size, dtype=dtype, device=self.device)
+        head.bind(shared)
         self.uniform: Any = None  # a captured step for generation-only steps (UniformChainStep), on CUDA
 
     @torch.no_grad()
@@ -135,12 +137,12 @@ class MTPEagleChain(DraftMethod):
         h = out[ends]
         pos = positions[ends]
         tables = [inputs.block_ids[i] for i in rows]
-        tok = self.shared.greedy_tokens(h)
+        tok = self.head.greedy_tokens(self.shared, h)
         drafts = [tok]
         for _ in range(k - 1):
             pos = pos + 1
             meta = ragged_metadata(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, dev)
             h = self.head.step(self.shared, tok, h, pos, self.cache, meta)
-            tok = self.shared.greedy_tokens(h)
+            tok = self.head.greedy_tokens(self.shared, h)
             drafts.append(tok)
         return DraftOutputs(inputs.step_id, [inputs.request_ids[i] for i in rows], torch.stack(drafts, 1).cpu())

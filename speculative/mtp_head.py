@@ -5,39 +5,96 @@ Safetensors tensor names (all under the `mtp.` prefix):
 - mtp.eh_proj.weight [d, 2d]                             projection of concat(enorm(e), hnorm(h))
 - mtp.layer.<HF Llama decoder-layer names>              one decoder layer, e.g.
   mtp.layer.self_attn.q_proj.weight, mtp.layer.mlp.down_proj.weight, mtp.layer.input_layernorm.weight
+- mtp.fc.weight [d, n*d]                                 only with n > 1 feature layers (EAGLE-3 style fusion)
+- mtp.vocab_ids [V'] int64                               only with a reduced draft vocabulary
+Metadata `feature_layers` ("2,15,29") names the target layers whose outputs the first draft step reads;
+absent, the head reads the last layer's output (the target's pre-final-norm hidden state).
 The embedding, final norm and lm_head are the target's and are not stored.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from workers.attention import Metadata
-from workers.draft_kernels import DraftInputWeights
-from workers.kv_cache import KVCache
-from workers.model import DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, Rotary
-from workers.parallel import TPContext
+from modeling.attention import Metadata
+from modeling.draft_kernels import DraftInputWeights
+from modeling.kv_cache import KVCache
+from modeling.model import DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, Rotary
+from modeling.parallel import TPContext
 
 PREFIX = "mtp."
+FEATURE_LAYERS_KEY = "feature_layers"
+
+
+def default_feature_layers(args: LlamaArgs) -> tuple[int, ...]:
+    """The plain MTP input: the output of the target's last layer."""
+    return (args.num_hidden_layers - 1,)
+
+
+def fused_feature_layers(args: LlamaArgs) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high choice: the outputs of layers 2, L/2 and L-1 (0-based)."""
+    n = args.num_hidden_layers
+    return tuple(sorted({min(2, n - 1), n // 2, n - 1}))
 
 
 class MTPEagleHead(nn.Module):
-    """enorm(embed(token)) ++ hnorm(hidden) -> eh_proj -> one decoder layer -> hidden for the shared head."""
+    """enorm(embed(token)) ++ hnorm(fc(features) or hidden) -> eh_proj -> one decoder layer -> hidden for the
+    shared head, whose lm_head may be restricted to `vocab_ids` (a reduced draft vocabulary)."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    vocab_ids: torch.Tensor | None
+
+    def __init__(
+        self,
+        args: LlamaArgs,
+        feature_layers: Sequence[int] | None = None,
+        vocab_ids: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         d = args.hidden_size
         self.args = args
+        layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(args)
+        check_feature_layers(layers, args)
+        self.feature_layers = layers
         self.enorm = RMSNorm(d, args.rms_norm_eps)
         self.hnorm = RMSNorm(d, args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.fc = nn.Linear(len(layers) * d, d, bias=False) if len(layers) > 1 else None
         self.layer = DecoderLayer(args, TPContext())
         self.rotary = Rotary(args.dim_per_head, args.rope_theta, args.max_position_embeddings)
+        if vocab_ids is not None:
+            check_vocab_ids(vocab_ids, args.vocab_size)
+            self.register_buffer("vocab_ids", vocab_ids.to(torch.long).clone())
+        else:
+            self.vocab_ids = None
+        self._lm_rows: torch.Tensor | None = None  # lm_head rows of vocab_ids, set by `bind`
+        self._lm_rows_of: tuple[int, torch.dtype, torch.device] | None = None
 
+    # ---- layout --------------------------------------------------------------------------------------
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the first draft step reads (d per feature layer)."""
+        return self.args.hidden_size * len(self.feature_layers)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Rows of the draft's lm_head: the reduced vocabulary's size, or the target's."""
+        return self.args.vocab_size if self.vocab_ids is None else int(self.vocab_ids.numel())
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target features [.., n*d] through fc to [.., d]; a d-wide hidden state (a draft output) as is."""
+        if self.fc is not None and hidden.shape[-1] == self.feature_size:
+            return self.fc(hidden.to(self.fc.weight.dtype))
+        return hidden
+
+    # ---- forward -------------------------------------------------------------------------------------
     def forward(
         self,
         embeds: torch.Tensor,
@@ -46,7 +103,7 @@ class MTPEagleHead(nn.Module):
         cache: KVCache,
         meta: Metadata,
     ) -> torch.Tensor:
-        """Draft hidden states [T, d] for rows reading (embedding of token i+1, hidden at i)."""
+        """Draft hidden states [T, d] for rows reading (embedding of token i+1, hidden or features at i)."""
         return self._layer(self._input(embeds, hidden), self.rotary.table(positions), cache, meta)
 
     def step(
@@ -61,6 +118,7 @@ class MTPEagleHead(nn.Module):
     ) -> torch.Tensor:
         """`forward` for token ids [T], embedded with `shared`'s table (one kernel with the input norms and
         eh_proj where the ops allow). `rope` may hold the cos/sin rows of `positions`, computed ahead."""
+        hidden = self.project(hidden)
         if shared.tp.size > 1:
             x = self._input(shared.embed(tokens), hidden)
         else:
@@ -72,11 +130,49 @@ class MTPEagleHead(nn.Module):
         return self._layer(x, self.rotary.table(positions) if rope is None else rope, cache, meta)
 
     def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1))
+        h = self.project(hidden).to(embeds.dtype)
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(h)], dim=-1))
 
     def _layer(self, x: torch.Tensor, rope: Rope, cache: KVCache, meta: Metadata) -> torch.Tensor:
         return self.layer(x, rope, cache.keys[0], cache.values[0], meta)
 
+    # ---- output head ---------------------------------------------------------------------------------
+    def bind(self, shared: LlamaModel) -> None:
+        """Gather the lm_head rows of the draft vocabulary from `shared` (once, before CUDA-graph capture)."""
+        if self.vocab_ids is None or shared.tp.size > 1:
+            return
+        w = shared.lm_head_weight
+        key = (w.data_ptr(), w.dtype, w.device)
+        if self._lm_rows_of != key:
+            self._lm_rows = w.detach().index_select(0, self.vocab_ids.to(w.device)).contiguous()
+            self._lm_rows_of = key
+
+    def logits(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V'] over the draft vocabulary (differentiable through `hidden`)."""
+        if self.vocab_ids is None:
+            return shared.logits(hidden)
+        if shared.tp.size > 1:
+            return shared.logits(hidden)[:, self.vocab_ids]
+        self.bind(shared)
+        assert self._lm_rows is not None
+        return F.linear(shared.norm(hidden), self._lm_rows).float()
+
+    def token_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary indices."""
+        return draft_index if self.vocab_ids is None else self.vocab_ids[draft_index]
+
+    def greedy_tokens(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's argmax token per row [N], as target token ids."""
+        if self.vocab_ids is None:
+            return shared.greedy_tokens(hidden)
+        if shared.tp.size > 1:
+            return self.token_ids(self.logits(shared, hidden).argmax(-1))
+        self.bind(shared)
+        assert self._lm_rows is not None
+        n = shared.norm
+        return self.token_ids(n.ops.norm_argmax(hidden, n.weight, n.eps, self._lm_rows))
+
+    # ---- set-up --------------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """The draft's own one-layer paged KV cache."""
         dtype = self.eh_proj.weight.dtype
@@ -95,7 +191,8 @@ class MTPEagleHead(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
     def init_from_target(self, target_weights: dict[str, torch.Tensor], layer: int | None = None) -> None:
-        """Copy the target's last (or given) decoder layer into the head; eh_proj starts as [0 | I]."""
+        """Copy the target's last (or given) decoder layer into the head; eh_proj starts as [0.1 I | I] and fc
+        passes the last feature layer through."""
         idx = self.args.num_hidden_layers - 1 if layer is None else layer
         prefix = f"model.layers.{idx}."
         sd = {k[len(prefix) :]: v for k, v in target_weights.items() if k.startswith(prefix)}
@@ -107,19 +204,74 @@ class MTPEagleHead(nn.Module):
             self.eh_proj.weight.zero_()
             self.eh_proj.weight[:, d:] = torch.eye(d)
             self.eh_proj.weight[:, :d] = torch.eye(d) * 0.1
+            if self.fc is not None:
+                self.fc.weight.zero_()
+                self.fc.weight[:, -d:] = torch.eye(d)
 
-    def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
-        """Write the head as safetensors under the `mtp.` prefix."""
-        tensors = {PREFIX + k: v.detach().to(torch.float32).contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(tensors, str(path), metadata=metadata)
+    # ---- files ---------------------------------------------------------------------------------------
+    def save(
+        self, path: str | Path, metadata: dict[str, str] | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
+        """Write the head as safetensors under the `mtp.` prefix (floating tensors in `dtype`)."""
+        tensors = {}
+        for k, v in self.state_dict().items():
+            v = v.detach().cpu()
+            tensors[PREFIX + k] = (v.to(dtype) if v.is_floating_point() else v).contiguous()
+        meta = dict(metadata or {})
+        meta[FEATURE_LAYERS_KEY] = ",".join(str(i) for i in self.feature_layers)
+        save_file(tensors, str(path), metadata=meta)
 
     @classmethod
     def load(cls, path: str | Path, args: LlamaArgs) -> MTPEagleHead:
         """Read a head saved by `save`; shapes must match the target's architecture."""
-        raw = load_file(str(path))
-        sd = {k[len(PREFIX) :]: v for k, v in raw.items() if k.startswith(PREFIX)}
-        head = cls(args)
-        missing, unexpected = head.load_state_dict(sd, strict=False)
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            sd = {k[len(PREFIX) :]: f.get_tensor(k) for k in f.keys() if k.startswith(PREFIX)}  # noqa: SIM118
+        layers = parse_feature_layers(meta.get(FEATURE_LAYERS_KEY)) or default_feature_layers(args)
+        head = cls(args, layers, sd.get("vocab_ids"))
+        floats = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
+        missing, unexpected = head.load_state_dict(floats, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: draft head tensors missing {missing[:3]} / unexpected {unexpected[:3]}")
         return head
+
+
+def parse_feature_layers(text: str | None) -> tuple[int, ...]:
+    """'2,15,29' -> (2, 15, 29); '' or None -> ()."""
+    if not text:
+        return ()
+    try:
+        return tuple(int(x) for x in text.replace("/", ",").split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"feature layers must be comma-separated integers, got {text!r}") from None
+
+
+def check_feature_layers(layers: tuple[int, ...], args: LlamaArgs) -> None:
+    """Raise ValueError unless `layers` are distinct, ascending, within the target and end at its last layer."""
+    n = args.num_hidden_layers
+    if not layers:
+        raise ValueError("a draft head needs at least one feature layer")
+    if list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] != n - 1:
+        raise ValueError(
+            f"feature layers must be distinct, ascending, in [0, {n - 1}] and end with the last layer {n - 1}; "
+            f"got {list(layers)}"
+        )
+
+
+def check_vocab_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError unless `ids` is a 1-D list of distinct token ids of the target."""
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
+        raise ValueError(f"vocab_ids must be a non-empty 1-D integer tensor, got shape {tuple(ids.shape)}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"vocab_ids must be distinct token ids in [0, {vocab_size})")
+
+
+def head_layout(path: str | Path) -> tuple[int, ...]:
+    """The feature layers a saved head reads (without loading its tensors); () for the default."""
+    with safe_open(str(path), framework="pt") as f:
+        return parse_feature_layers((f.metadata() or {}).get(FEATURE_LAYERS_KEY))
+
+
+def describe(head: MTPEagleHead) -> str:
+    """A one-line summary: feature layers and draft vocabulary."""
+    return json.dumps({"feature_layers": list(head.feature_layers), "draft_vocab": head.draft_vocab_size})

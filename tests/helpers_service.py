@@ -50,7 +50,7 @@ def write_dummy_model(directory: Path, vocab_size: int = 256) -> Path:
 
 def default_tokenizer_dir() -> Path:
     """The converted default model's directory (holds SmolLM2's tokenizer and chat template)."""
-    from workers.loader import convert_gguf, default_gguf_path
+    from modeling.loader import convert_gguf, default_gguf_path
 
     return convert_gguf(default_gguf_path())
 

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from cluster.engine import LLMEngine
+from modeling.loader import ModelSource, resolve_model
+from modeling.model import LlamaArgs
 from speculative.mtp_head import MTPEagleHead
-from workers.loader import ModelSource, resolve_model
-from workers.model import LlamaArgs
 
 from tiny import engine_config
 

@@ -12,16 +12,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster import bench
+from cluster import bench_acceptance, bench_report, bench_throughput
 from cluster.cli import main
-from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
+from speculative.train.openers import OPENERS
 from speculative.train.seed_prompts import SEED_PROMPTS
+from workers.config import MTPServeConfig
 
 from tiny import engine_config, mimic_head, mimic_target, random_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_FILES = {name: ROOT / "bench" / "prompts" / f"{name}.jsonl" for name in ("long_dev", "chat_dev")}
+HELDOUT_FILES = {name: ROOT / "bench" / "prompts" / "heldout" / f"{name}.jsonl" for name in ("chat", "code", "math")}
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -77,12 +79,12 @@ def test_throughput_cli_on_dummy_model_writes_json(tmp_path: Path, monkeypatch: 
 
 def test_throughput_sizes_slots_and_cache_for_the_largest_batch() -> None:
     cfg = MTPServeConfig.from_dict({"scheduler": {"max_num_requests": 4, "block_size": 16}})
-    sized = bench.throughput_config(cfg, [1, 8, 128], prompt_len=512, output_len=512)
+    sized = bench_throughput.throughput_config(cfg, [1, 8, 128], prompt_len=512, output_len=512)
     assert sized.scheduler.max_num_requests == 128
     k = sized.speculative.num_draft_tokens
     assert sized.scheduler.num_kv_blocks is not None
     assert sized.scheduler.num_kv_blocks * 16 >= 128 * (1024 + k)
-    untouched = bench.throughput_config(cfg, [1, 8, 128], 512, 512, size_slots=False, size_cache=False)
+    untouched = bench_throughput.throughput_config(cfg, [1, 8, 128], 512, 512, size_slots=False, size_cache=False)
     assert untouched == cfg
 
 
@@ -90,12 +92,12 @@ def test_throughput_speculative_on_mimic_reports_acceptance() -> None:
     args, w = mimic_target()
     cfg = engine_config(speculative={"num_draft_tokens": 2})
     engine = LLMEngine.from_weights(cfg, args, w, head=mimic_head(args, w))
-    rows = bench.run_throughput(engine, [1, 4], prompt_len=12, output_len=10, warmup_steps=1)
+    rows = bench_throughput.run_throughput(engine, [1, 4], prompt_len=12, output_len=10, warmup_steps=1)
     for r in rows:
         assert r.output_tokens == r.batch_size * 10
         assert r.preemptions == 0
         assert r.acceptance_length is not None and r.acceptance_length > 1.0
-    table = bench.format_throughput_table(rows)
+    table = bench_throughput.format_throughput_table(rows)
     assert "acc len" in table and len(table.splitlines()) == 4
 
 
@@ -113,8 +115,8 @@ def test_throughput_speculative_on_mimic_reports_acceptance() -> None:
 def test_prompt_field_is_detected(tmp_path: Path, record: dict) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps(record) + "\n\n" + json.dumps({**record}) + "\n")
-    assert bench.load_prompts(f) == ["P", "P"]
-    assert bench.load_prompts(f, num_prompts=1) == ["P"]
+    assert bench_acceptance.load_prompts(f) == ["P", "P"]
+    assert bench_acceptance.load_prompts(f, num_prompts=1) == ["P"]
 
 
 @pytest.mark.parametrize(
@@ -130,8 +132,8 @@ def test_prompt_field_is_detected(tmp_path: Path, record: dict) -> None:
 def test_bad_prompt_files_are_refused(tmp_path: Path, content: str, message: str) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text(content)
-    with pytest.raises(bench.BenchError, match=re.escape(message)):
-        bench.load_prompts(f)
+    with pytest.raises(bench_report.BenchError, match=re.escape(message)):
+        bench_acceptance.load_prompts(f)
 
 
 def test_acceptance_cli_refuses_dummy_weights_and_no_speculation(tmp_path: Path) -> None:
@@ -146,7 +148,7 @@ def test_acceptance_cli_refuses_dummy_weights_and_no_speculation(tmp_path: Path)
 
 
 # ---- acceptance: the PR #18295 comparison ----------------------------------------------------------
-def mimic_factory() -> bench.EngineFactory:
+def mimic_factory() -> bench_report.EngineFactory:
     """Engines on the tiny mimic target, each with a fresh mimic head (high but imperfect acceptance)."""
     args, w = mimic_target()
     return lambda cfg: LLMEngine.from_weights(cfg, args, w, head=mimic_head(args, w))
@@ -156,8 +158,8 @@ def test_compare_shows_the_bug_and_the_fix_on_mimic() -> None:
     args, _ = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [40, 23, 31, 37], seed=3)
     cfg = engine_config(speculative={"num_draft_tokens": 2, "draft": "random"})
-    results = bench.run_acceptance_settings(
-        mimic_factory(), cfg, bench.compare_settings(4), prompts, max_tokens=16, progress=False
+    results = bench_acceptance.run_acceptance_settings(
+        mimic_factory(), cfg, bench_acceptance.compare_settings(4), prompts, max_tokens=16, progress=False
     )
     sampled, prompt, whole = results
     assert [r.setting.name for r in results] == ["sampled", "prompt", "unchunked"]
@@ -171,9 +173,11 @@ def test_compare_shows_the_bug_and_the_fix_on_mimic() -> None:
     assert prompt.stats.drafted > 0
     # the bug: the sampled token at non-final chunk ends corrupts draft KV and costs acceptance
     assert sampled.stats.acceptance_rate < prompt.stats.acceptance_rate
-    table = bench.format_acceptance_table(results)
+    table = bench_acceptance.format_acceptance_table(results)
     assert all(name in table for name in ("sampled", "prompt", "unchunked", "none (40)"))
-    doc = bench.acceptance_report(cfg, args, results, {"compare": True}, "mtpserve bench acceptance --compare")
+    doc = bench_acceptance.acceptance_report(
+        cfg, args, results, {"compare": True}, "mtpserve bench acceptance --compare"
+    )
     assert [r["setting"] for r in doc["results"]] == ["sampled", "prompt", "unchunked"]
     assert doc["results"][1]["accepted_per_position"] == doc["results"][2]["accepted_per_position"]
     json.dumps(doc)
@@ -182,9 +186,11 @@ def test_compare_shows_the_bug_and_the_fix_on_mimic() -> None:
 def test_acceptance_needs_a_draft_head() -> None:
     args, w = mimic_target()
     cfg = engine_config()
-    setting = bench.AcceptanceSetting("run", "prompt", 8)
-    with pytest.raises(bench.BenchError, match="no draft head"):
-        bench.run_acceptance(lambda c: LLMEngine.from_weights(c, args, w), cfg, setting, [[1, 2, 3]], 4, progress=False)
+    setting = bench_acceptance.AcceptanceSetting("run", "prompt", 8)
+    with pytest.raises(bench_report.BenchError, match="no draft head"):
+        bench_acceptance.run_acceptance(
+            lambda c: LLMEngine.from_weights(c, args, w), cfg, setting, [[1, 2, 3]], 4, progress=False
+        )
 
 
 # ---- dev prompt sets -------------------------------------------------------------------------------
@@ -221,11 +227,57 @@ def test_overlap_check_catches_copies() -> None:
 
 @pytest.mark.parametrize("name", sorted(PROMPT_FILES))
 def test_dev_prompts_never_overlap_the_training_seed_prompts(name: str) -> None:
-    texts = bench.load_prompts(PROMPT_FILES[name])
+    texts = bench_acceptance.load_prompts(PROMPT_FILES[name])
     assert len(texts) >= (10 if name == "long_dev" else 30)
     assert len(set(texts)) == len(texts), "duplicate prompts"
     bad = [t[:60] for t in texts if overlaps(t, SEED_PROMPTS)]
     assert not bad, f"{name} overlaps the trainer's seed prompts: {bad}"
+
+
+def training_templates() -> list[str]:
+    """The prompt beginnings and templates the draft-data recipes use, placeholders dropped."""
+    from speculative.train import prompt_parts as pp
+
+    starts = [s for s in (*pp.CHAT_STARTS, *pp.LONG_STARTS, *OPENERS) if len(s.split()) >= 4]  # shorter: plain English
+    return starts + [re.sub(r"\{[a-z]+\}", " ", t) for t in (*pp.MATH_STARTS, *pp.MATH_COMPLETE)]
+
+
+@pytest.mark.parametrize("name", sorted(HELDOUT_FILES))
+def test_heldout_sets_share_no_prompt_or_template_with_training(name: str) -> None:
+    records = bench_acceptance.load_prompt_records(HELDOUT_FILES[name])
+    assert len(records) == (60 if name == "chat" else 50) and len({t for t, _ in records}) == len(records)
+    assert all(chat == (name != "code") for _, chat in records), "code is raw completion, the rest chat"
+    starts = [t for t in training_templates() if "{" not in t and len(t.split()) <= 12]
+    for text, _ in records:
+        assert not overlaps(text, SEED_PROMPTS), text[:60]
+        assert not any(" ".join(_words(text)).startswith(" ".join(_words(s))) for s in starts), text[:60]
+        assert not any(shared_shingles(text, t, 6) for t in training_templates()), text[:60]
+
+
+def test_prompt_format_picks_the_chat_template_per_record(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "format": "raw"}\n{"prompt": "b"}\n{"prompt": "c", "format": "chat"}\n')
+    assert bench_acceptance.load_prompt_records(f) == [("a", False), ("b", True), ("c", True)]
+    f.write_text('{"prompt": "a", "format": "markdown"}\n')
+    with pytest.raises(bench_report.BenchError, match=":1: format must be 'chat' or 'raw'"):
+        bench_acceptance.load_prompt_records(f)
+
+
+def test_acceptance_reports_each_prompt_group() -> None:
+    """Per-file counters add up to the total, and the table names each file."""
+    args, _ = mimic_target()
+    prompts = random_prompts(5, args.vocab_size, [12, 20, 7, 15, 9], seed=4)
+    cfg = engine_config(speculative={"num_draft_tokens": 2, "draft": "random"})
+    groups = ["chat", "chat", "code", "code", "math"]
+    setting = bench_acceptance.AcceptanceSetting("run", "prompt", 8)
+    res = bench_acceptance.run_acceptance(mimic_factory(), cfg, setting, prompts, 12, progress=False, groups=groups)
+    assert list(res.by_group) == ["chat", "code", "math"]
+    assert sum(g.drafted for g in res.by_group.values()) == res.stats.drafted > 0
+    assert sum(g.accepted for g in res.by_group.values()) == res.stats.accepted
+    assert [p["group"] for p in res.per_prompt] == groups
+    assert res.to_dict()["by_group"]["math"]["drafted"] == res.by_group["math"].drafted
+    table = bench_acceptance.format_group_table([res])
+    assert all(g in table for g in ("chat", "code", "math"))
 
 
 @pytest.mark.slow
@@ -233,14 +285,14 @@ def test_long_dev_prompts_are_at_least_512_tokens_with_the_chat_template() -> No
     from smol import smollm2
 
     tok = smollm2()[3]
-    texts = bench.load_prompts(PROMPT_FILES["long_dev"])
-    ids = bench.encode_texts(tok, texts)
+    texts = bench_acceptance.load_prompts(PROMPT_FILES["long_dev"])
+    ids = bench_acceptance.encode_texts(tok, texts)
     assert min(len(x) for x in ids) >= 512
     # encode_texts mirrors LLMEngine.encode_prompt, with and without the chat template
     holder = SimpleNamespace(tokenizer=tok)
     for chat in (True, False):
         assert (
-            bench.encode_texts(tok, texts[:2], chat)
+            bench_acceptance.encode_texts(tok, texts[:2], chat)
             == [
                 LLMEngine.encode_prompt(holder, t, chat)  # type: ignore[arg-type]
                 for t in texts[:2]

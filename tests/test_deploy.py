@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from cluster.config import MTPServeConfig  # noqa: E402
-from deploy import consistency, render, validate  # noqa: E402
+from deploy import consistency, manifest, render, validate  # noqa: E402
+from workers.config import MTPServeConfig  # noqa: E402
 
 K8S = REPO / "deploy" / "k8s"
 BASE = K8S / "base"
@@ -90,7 +90,7 @@ def test_rendered_manifests_validate(target: str) -> None:
 
 def test_pod_templates_go_through_the_kubernetes_schema() -> None:
     job = one(rendered("base"), "RayJob")
-    paths = [validate.json_path(p) for p, _ in validate.pod_templates(job)]
+    paths = [manifest.json_path(p) for p, _ in manifest.pod_templates(job)]
     assert paths == [
         "$.spec.rayClusterSpec.headGroupSpec.template",
         "$.spec.rayClusterSpec.workerGroupSpecs[0].template",

@@ -12,10 +12,10 @@ import torch
 
 from cluster.build import build_engine
 from cluster.client import MTPServeClient
-from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
 from cluster.errors import WorkerUnavailableError
 from cluster.server import MTPServer
+from workers.config import MTPServeConfig
 
 from tiny import mimic_head, mimic_target, random_prompts, save_model_dir, tiny_engine
 

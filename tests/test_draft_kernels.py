@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modeling import argmax_kernels, draft_kernels, fused_kernels
+from modeling.attention import ragged_metadata
+from modeling.layer_ops import TORCH_OPS, TritonOps
+from modeling.model import LlamaModel, prepare_for_inference
 from speculative.mtp_head import MTPEagleHead
-from workers import argmax_kernels, draft_kernels, fused_kernels
-from workers.attention import ragged_metadata
-from workers.layer_ops import TORCH_OPS, TritonOps
-from workers.model import LlamaModel, prepare_for_inference
 
 from tiny import tiny_args, tiny_weights
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import fused_kernels
-from workers.attention import AttentionMetadata, RaggedMetadata, UniformMetadata
-from workers.kv_cache import KVWrite
-from workers.layer_ops import TORCH_OPS, TritonOps, pick_ops
-from workers.model import LlamaModel, Rotary
+from modeling import fused_kernels
+from modeling.attention import AttentionMetadata, RaggedMetadata, UniformMetadata
+from modeling.kv_cache import KVWrite
+from modeling.layer_ops import TORCH_OPS, TritonOps, pick_ops
+from modeling.model import LlamaModel, Rotary
 
 from tiny import tiny_args, tiny_weights
 

@@ -205,7 +205,7 @@ def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool, mode: str) -> N
 def test_uniform_chain_step_matches_eager_chain(k: int) -> None:
     """The captured chain (separate draft worker / TP rank 0) proposes exactly what the eager chain does:
     same tokens, same acceptance, greedy and sampling requests, with fixed buffer addresses."""
-    from speculative.chain_step import UniformChainStep
+    from workers.chain_step import UniformChainStep
 
     args, w = mimic_target()
     prompts = random_prompts(5, args.vocab_size, [21, 1, 9, 13, 30], seed=10)

@@ -21,11 +21,12 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster.client import MTPServeClient
-from cluster.config import MTPServeConfig
+from cluster.detokenizer import IncrementalDetokenizer
 from cluster.engine import LLMEngine
 from cluster.errors import WorkerUnavailableError
-from cluster.server import IncrementalDetokenizer, MTPServer
+from cluster.server import MTPServer
 from proto.mtpserve.v1 import inference_pb2 as pb
+from workers.config import MTPServeConfig
 
 from helpers_service import (
     ROOT,

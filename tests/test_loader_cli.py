@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
 from cluster.errors import ModelLoadError
-from workers.loader import resolve_model
+from modeling.loader import resolve_model
+from workers.config import MTPServeConfig
 
 from helpers_service import write_tiny_model
 from tiny import save_model_dir, tiny_args, tiny_weights

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
+from workers.config import MTPServeConfig
 from workers.fused_step import FusedSpecStep
 from workers.runner import TargetRunner
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from cluster.config import SchedulerConfig
 from cluster.request import Request, SamplingParams
 from cluster.scheduler import Scheduler
-from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
+from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
+from workers.config import SchedulerConfig
 
 from tiny import random_prompts, tiny_args, tiny_engine, tiny_weights
 

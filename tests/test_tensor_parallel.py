@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from workers.attention import AttentionMetadata
+from modeling.attention import AttentionMetadata
+from modeling.model import LlamaArgs, LlamaModel
+from modeling.parallel import TPContext, split_evenly
 from workers.distributed import free_port, init_tp_group
-from workers.model import LlamaArgs, LlamaModel
-from workers.parallel import TPContext, split_evenly
 
 from tiny import random_prompts, tiny_args, tiny_weights
 

@@ -20,16 +20,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from cluster.cli import main
-from cluster.cmd_train import DEFAULTS
+from cluster.cmd_train import DEFAULTS, _mix
+from cluster.train_generator import EngineGenerator
+from modeling.attention import AttentionMetadata
+from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import HiddenStore
 from speculative.train.data import DataConfig, load_dataset
 from speculative.train.dense import head_unrolled, target_hidden, unroll_mask
 from speculative.train.eval import evaluate
-from speculative.train.generators import EngineGenerator, GenSettings, HFGenerator
+from speculative.train.generators import GenSettings, HFGenerator
+from speculative.train.recipes import RecipeSettings
 from speculative.train.trainer import TrainConfig, build_shared
-from workers.attention import AttentionMetadata
-from workers.model import LlamaArgs, LlamaModel, random_llama_weights
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -83,11 +85,11 @@ def cli(*argv: object) -> int:
 
 @pytest.fixture(scope="module")
 def data_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The dataset, built by our engine: 64 random-token prompts + 64 self-written ones, 32-token answers."""
+    """The dataset, built by our engine: 4 parts of 32 random-token prompts, 32-token answers."""
     d = tmp_path_factory.mktemp("data")
     rc = cli(
         "train-draft", "--stage", "data", "--target", target_dir, "--device", "cpu", "--data-dir", d,
-        "--num-prompts", 64, "--magpie-prompts", 64, "--magpie-max-tokens", 16, "--max-new-tokens", 32,
+        "--mix", "random=4", "--part-size", 32, "--max-new-tokens", 32, "--gen-batch-size", 32,
     )  # fmt: skip
     assert rc == 0
     return d
@@ -106,10 +108,10 @@ def test_dataset_meta_records_settings_and_counts(data_dir: Path) -> None:
     """The dataset stores ids + response starts only, and meta.json says what was built and how."""
     meta = json.loads((data_dir / "meta.json").read_text())
     ds = load_dataset(data_dir)
-    assert meta["counts"]["sequences"] == len(ds) >= 100
-    assert meta["counts"]["by_source"]["random"] == 64 and meta["counts"]["by_source"]["magpie"] > 40
+    assert meta["counts"]["sequences"] == len(ds) == meta["counts"]["by_source"]["random"] >= 120
     assert "recomputes" in meta["hidden_states"] and meta["generator"] == "engine"
-    assert meta["settings"]["max_new_tokens"] == 32
+    assert meta["settings"]["settings"]["max_new_tokens"] == 32 and meta["settings"]["mix"] == {"random": 4}
+    assert meta["shards"] == [f"parts/random-{i:04d}.pt" for i in range(4)]
     for ids, r in zip(ds.ids, ds.response_start, strict=True):
         assert 0 < r < ids.numel() - 1
 
@@ -120,10 +122,11 @@ def test_split_holds_dev_prompts_apart(data_dir: Path) -> None:
     train, dev = ds.split(0.1, 0)
     assert dev and not set(train) & set(dev) and len(train) + len(dev) == len(ds)
     assert all(ds.greedy[i] for i in dev)
-    train, dev = ds.split(0.1, 0, ("magpie",))
-    magpie = {i for i in range(len(ds)) if ds.source[i] == "magpie"}
-    assert not magpie & set(train)
-    assert {i for i in magpie if ds.greedy[i]} <= set(dev)
+    ds.source[:10] = ["other"] * 10
+    train, dev = ds.split(0.1, 0, ("other",))
+    held = set(range(10))
+    assert not held & set(train)
+    assert {i for i in held if ds.greedy[i]} <= set(dev)
     assert any(ds.source[i] == "random" for i in dev)
 
 
@@ -188,7 +191,7 @@ def test_checkpoint_reloads_identically_and_resume_continues(target_dir: Path, d
     state = torch.load(ckpt / "latest.pt", weights_only=False)
     assert state["step"] == 40
     from_ckpt = MTPEagleHead(ARGS)
-    from_ckpt.load_state_dict(state["head"])
+    from_ckpt.load_state_dict(state["heads"]["head"]["head"])
     shared = build_shared(ARGS, tiny_weights(), "cpu", torch.float32)
     ds = load_dataset(data_dir)
     batch = HiddenStore(shared, ds, torch.device("cpu")).batch(list(range(8)))
@@ -216,7 +219,8 @@ def test_time_budget_cuts_the_schedule_to_fit(target_dir: Path, data_dir: Path, 
 
 
 def test_bad_arguments_give_clear_errors(target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Missing target, empty dataset, no prompts, and K < 1 each exit 2 naming the flag."""
+    """Missing target, empty dataset, an empty mix, text recipes without a tokenizer, and K < 1 each exit 2
+    naming the flag."""
     missing = tmp_path / "nope"
     assert cli("train-draft", "--target", missing, "--device", "cpu", "--data-dir", tmp_path / "d") == 2
     err = capsys.readouterr().err
@@ -224,7 +228,7 @@ def test_bad_arguments_give_clear_errors(target_dir: Path, tmp_path: Path, capsy
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    (empty / "meta.json").write_text(json.dumps({"format": "mtpserve-draft-data/1", "shards": []}))
+    (empty / "meta.json").write_text(json.dumps({"format": "mtpserve-draft-data/2", "shards": []}))
     assert cli("train-draft", "--stage", "train", "--target", target_dir, "--device", "cpu", "--data-dir", empty) == 2
     err = capsys.readouterr().err
     assert "--data-dir" in err and "empty" in err
@@ -233,9 +237,16 @@ def test_bad_arguments_give_clear_errors(target_dir: Path, tmp_path: Path, capsy
     assert cli("train-draft", "--stage", "train", "--target", target_dir, "--device", "cpu", "--data-dir", none) == 2
     assert "--data-dir" in capsys.readouterr().err
 
-    no_prompts = ["--num-prompts", 0, "--magpie-prompts", 0, "--data-dir", tmp_path / "d0"]
-    assert cli("train-draft", "--stage", "data", "--target", target_dir, "--device", "cpu", *no_prompts) == 2
-    assert "no prompts" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli("train-draft", "--stage", "data", "--target", target_dir, "--mix", "random=0")
+    assert exc.value.code == 2 and "--mix" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli("train-draft", "--stage", "data", "--target", target_dir, "--mix", "poems=3")
+    assert exc.value.code == 2 and "RECIPE=PARTS" in capsys.readouterr().err
+    text = ["--mix", "chat=1", "--data-dir", tmp_path / "d0"]
+    assert cli("train-draft", "--stage", "data", "--target", target_dir, "--device", "cpu", *text) == 2
+    err = capsys.readouterr().err
+    assert "--mix" in err and "need a tokenizer" in err
 
     for k in ("0", "-2"):
         with pytest.raises(SystemExit) as exc:
@@ -251,11 +262,16 @@ def test_help_describes_the_stages(capsys: pytest.CaptureFixture[str]) -> None:
         cli("train-draft", "--help")
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    for needle in ("Magpie", "--num-draft-tokens", "--resume", "--generator", "MODEL_CARD.md", "--time-budget"):
+    for needle in ("magpie", "--num-draft-tokens", "--resume", "--generator", "MODEL_CARD.md", "--time-budget"):
         assert needle in text
-    data, train = DataConfig(), TrainConfig()
+    for needle in ("--mix", "--shard", "--head-spec", "raw Python completion", "second turns"):
+        assert needle in text
+    data, settings, train = DataConfig(), RecipeSettings(), TrainConfig()
     for name, value in DEFAULTS.items():  # the parser's literal defaults mirror the dataclasses
-        assert getattr(data, name, getattr(train, name, None)) == value, name
+        if name == "mix":
+            value = _mix(str(value))
+        want = getattr(data, name, getattr(settings, name, getattr(train, name, None)))
+        assert want == value, name
 
 
 def test_dense_forward_matches_paged_model() -> None:

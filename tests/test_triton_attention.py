@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import triton_attention
-from workers.attention import AttentionMetadata, RaggedMetadata, ragged_metadata, uniform_paged_attention
+from modeling import triton_attention
+from modeling.attention import AttentionMetadata, RaggedMetadata, ragged_metadata, uniform_paged_attention
 
 pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
 

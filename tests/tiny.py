@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from cluster.config import MTPServeConfig
 from cluster.engine import LLMEngine
+from modeling.model import LlamaArgs, random_llama_weights
 from speculative.mtp_head import MTPEagleHead
-from workers.model import LlamaArgs, random_llama_weights
+from workers.config import MTPServeConfig
 from workers.runner import UniformTargetStep
 
 
@@ -73,7 +73,7 @@ def tiny_engine(
 
 
 def _clone(head: MTPEagleHead, args: LlamaArgs) -> MTPEagleHead:
-    copy = MTPEagleHead(args)
+    copy = MTPEagleHead(args, head.feature_layers, head.vocab_ids)
     copy.load_state_dict(head.state_dict())
     return copy
 
@@ -117,7 +117,7 @@ def mimic_head(args: LlamaArgs, weights: dict[str, torch.Tensor]) -> MTPEagleHea
 
 def mimic_target(seed: int = 0, **overrides: Any) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
     """A 1-layer tiny target whose embeddings have unit RMS (pairs with `mimic_head`)."""
-    args = tiny_args(num_hidden_layers=1, **overrides)
+    args = tiny_args(**{"num_hidden_layers": 1, **overrides})
     w = tiny_weights(args, seed)
     g = torch.Generator().manual_seed(seed + 7)
     w["model.embed_tokens.weight"] = torch.randn(args.vocab_size, args.hidden_size, generator=g)

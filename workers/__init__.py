@@ -1,1 +1,1 @@
-"""Ray actors and the model side: Llama-family target, paged attention, loaders, runners."""
+"""Worker runtimes: target runner, captured steps, Ray target/draft actors, TP set-up, worker gRPC."""

@@ -9,8 +9,11 @@ from dataclasses import replace
 import grpc
 import torch
 
-from cluster.config import MTPServeConfig
-from cluster.engine import (
+from modeling.loader import to_dtype
+from proto.mtpserve.v1 import worker_pb2 as wpb
+from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
+from speculative.methods import DraftMethod
+from workers.builders import (
     build_chain_graphs,
     build_draft,
     build_target,
@@ -19,12 +22,9 @@ from cluster.engine import (
     max_model_len,
     num_blocks_for,
 )
-from proto.convert import draft_inputs_from_proto, draft_outputs_to_proto
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
-from speculative.methods import DraftMethod
+from workers.config import MTPServeConfig
+from workers.convert import draft_inputs_from_proto, draft_outputs_to_proto
 from workers.grpc_util import node_ip, start_server
-from workers.loader import to_dtype
 from workers.target_worker import worker_device
 
 

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from proto.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
+from modeling import fused_kernels
+from modeling.attention import UniformMetadata
+from modeling.kv_cache import KVCache
+from modeling.model import LlamaModel
+from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain, propose_from_rows
 from speculative.sampling import SamplingMode
 from speculative.verify import verify_step
-from workers import fused_kernels, step_kernels
-from workers.attention import UniformMetadata
+from workers import step_kernels
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
-from workers.kv_cache import KVCache
-from workers.model import LlamaModel
 from workers.runner import fill_step
 from workers.step_buffers import StepBuffers
 
@@ -61,11 +62,11 @@ class FusedSpecStep:
         tables = b.block_tables[:bucket]
         meta = UniformMetadata(b.slot_mapping[:n], tables, b.seq_lens[:bucket], q)
         ids, pos = b.input_ids[:n], b.positions[:n]
-        hidden = self.target(ids, pos, self.cache, meta)
+        hidden, features = self.target.forward_features(ids, pos, self.cache, meta)
         sampling = None if mode is SamplingMode.GREEDY else b.sampling(bucket)
         n_acc, emitted = verify_step(self.target, hidden, ids, q, sampling, mode is SamplingMode.FILTERED)
         c = self.chain
-        drafts = propose_from_rows(c.head, c.shared, c.cache, emitted.reshape(-1), hidden, pos, meta, n_acc, k)
+        drafts = propose_from_rows(c.head, c.shared, c.cache, emitted.reshape(-1), features, pos, meta, n_acc, k)
         next_start = pos.view(bucket, q)[:, 0] + n_acc + 1
         columns = [emitted, n_acc[:, None], drafts, next_start[:, None]]
         return torch.cat([t.to(emitted.dtype) for t in columns], dim=1)

@@ -9,7 +9,10 @@ from typing import Any
 
 import torch
 
-from proto.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from modeling.attention import UniformMetadata, ragged_metadata
+from modeling.kv_cache import KVCache
+from modeling.model import LlamaModel
+from speculative.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from speculative.sampling import (
     SamplingMode,
     processed_probs,
@@ -18,18 +21,16 @@ from speculative.sampling import (
     sampling_mode,
 )
 from speculative.verify import verify, verify_greedy, verify_step
-from workers.attention import UniformMetadata, ragged_metadata
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
-from workers.kv_cache import KVCache
-from workers.model import LlamaModel
 from workers.step_buffers import StepBuffers
 
 
 class UniformTargetStep:
     """The target forward and verify of a generation step (B sequences x Q rows) over fixed buffers,
     captured per batch bucket on CUDA, once for all-greedy steps and once for steps that sample (their
-    temperature, top-k, top-p and uniforms are fixed buffers too). Returns hidden states, accept counts
-    and emitted tokens."""
+    temperature, top-k, top-p and uniforms are fixed buffers too). Returns the draft's features (the
+    hidden states, or the concatenated outputs of the model's `feature_layers`), accept counts and emitted
+    tokens."""
 
     def __init__(
         self,
@@ -54,11 +55,11 @@ class UniformTargetStep:
     def _forward(self, bucket: int, mode: SamplingMode) -> tuple[torch.Tensor, torch.Tensor]:
         b, n = self.buffers, bucket * self.q_len
         meta = UniformMetadata(b.slot_mapping[:n], b.block_tables[:bucket], b.seq_lens[:bucket], self.q_len)
-        hidden = self.model(b.input_ids[:n], b.positions[:n], self.cache, meta)
+        hidden, features = self.model.forward_features(b.input_ids[:n], b.positions[:n], self.cache, meta)
         sampling = None if mode is SamplingMode.GREEDY else b.sampling(bucket)
         filtered = mode is SamplingMode.FILTERED
         n_acc, tokens = verify_step(self.model, hidden, b.input_ids[:n], self.q_len, sampling, filtered)
-        return hidden, pack_verified(n_acc, tokens)
+        return features, pack_verified(n_acc, tokens)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """The batch bucket when every request is a generation row with Q tokens and fits; else None."""
@@ -76,7 +77,7 @@ class UniformTargetStep:
         uniforms: torch.Tensor | None,
         tokens_from: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the buffers and replay; returns (hidden [m*Q, d], packed verify results [m, 1+Q], see
+        """Fill the buffers and replay; returns (features [m*Q, n*d], packed verify results [m, 1+Q], see
         `pack_verified`) of the real rows, valid until the next run. `uniforms` [m, Q] is None for an
         all-greedy step. With `tokens_from` (a device tensor of the previous step's tokens, Q = 1), each
         sequence's token_ids hold a row of it instead of a token, and the token is gathered on the device."""
@@ -163,6 +164,11 @@ class TargetRunner:
     @torch.no_grad()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Hidden states [T, d] for every scheduled row (writes the target KV)."""
+        return self.forward_features(plan)[0]
+
+    @torch.no_grad()
+    def forward_features(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [T, d] and the draft's features [T, n*d] for every scheduled row (writes the KV)."""
         dev = self.device
         ids = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(s.start, s.end) for s in plan.seqs]).to(dev)
@@ -173,7 +179,7 @@ class TargetRunner:
             self.cache.block_size,
             dev,
         )
-        return self.model(ids, positions, self.cache, meta)
+        return self.model.forward_features(ids, positions, self.cache, meta)
 
     def _launch_bucket(self, plan: StepPlan) -> int | None:
         """The captured bucket `launch` would use: generation steps through the fused speculative step
@@ -248,11 +254,11 @@ class TargetRunner:
         accepted = [0] * len(plan.seqs)
         last_token = [0] * len(plan.seqs)
         if bucket is not None:
-            hidden, packed = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
+            features, packed = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
             starts = [i * q_len for i in range(len(plan.seqs))]
             read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token)
         else:
-            hidden = self.forward(plan)
+            hidden, features = self.forward_features(plan)
             starts = self._eager_verify(plan, hidden, tokens, accepted, last_token)
         results = [
             SeqResult(s.request_id, tokens[i], s.num_draft_tokens if not s.is_context else 0, accepted[i])
@@ -260,7 +266,7 @@ class TargetRunner:
         ]
         draft_inputs = None
         if plan.num_draft_tokens > 0:
-            draft_inputs = self._draft_inputs(plan, hidden, starts, accepted, last_token)
+            draft_inputs = self._draft_inputs(plan, features, starts, accepted, last_token)
         return TargetOutput(plan.step_id, results, draft_inputs)
 
     def _eager_verify(

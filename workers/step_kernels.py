@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.fused_kernels import _need_triton
+from modeling.fused_kernels import _need_triton
 from workers.step_buffers import StepBuffers
 
 try:

@@ -14,8 +14,12 @@ from dataclasses import replace
 import grpc
 import torch
 
-from cluster.config import MTPServeConfig
-from cluster.engine import (
+from modeling.loader import resolve_device, to_dtype
+from proto.mtpserve.v1 import worker_pb2 as wpb
+from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
+from speculative.messages import TargetOutput
+from speculative.methods import DraftMethod
+from workers.builders import (
     build_chain_graphs,
     build_draft,
     build_runner,
@@ -25,19 +29,15 @@ from cluster.engine import (
     max_model_len,
     num_blocks_for,
 )
-from proto.convert import (
+from workers.config import MTPServeConfig
+from workers.convert import (
     draft_inputs_to_proto,
     draft_outputs_from_proto,
     plan_from_proto,
     target_output_to_proto,
 )
-from proto.messages import TargetOutput
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
-from speculative.methods import DraftMethod
 from workers.distributed import free_port, init_tp_group
 from workers.grpc_util import channel_options, node_ip, start_server
-from workers.loader import resolve_device, to_dtype
 from workers.runner import TargetRunner
 
 
@@ -81,6 +81,8 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)
         head = load_head(cfg, args) if cfg.speculative.enabled else None
+        if head is not None:
+            model.feature_layers = head.feature_layers  # the target's layer outputs the draft reads
         k = cfg.speculative.num_draft_tokens if head is not None else 0
         self.runner = build_runner(cfg, model, cache, self.device, k, max_len)
         if self.rank == 0 and head is not None:

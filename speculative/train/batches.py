@@ -9,20 +9,33 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from modeling.model import LlamaModel
 from speculative.train.data import TokenDataset
-from speculative.train.dense import target_hidden
-from workers.model import LlamaModel
+from speculative.train.dense import target_features
 
 
 @dataclass
 class Batch:
-    """Right-padded sequences with their target hidden states (shapes: B sequences, L longest)."""
+    """Right-padded sequences with their target features (shapes: B sequences, L longest, U layers)."""
 
     ids: torch.Tensor  # [B, L] int64, padded with 0
     lengths: torch.Tensor  # [B] int64
     response_start: torch.Tensor  # [B] int64
-    hidden: torch.Tensor  # [B, L, d] target pre-norm hidden states (padded rows are junk)
+    features: torch.Tensor  # [B, L, U, d] outputs of `layers` (padded rows are junk)
+    layers: tuple[int, ...]  # the target layers in `features`, ascending; the last is the final layer
     sources: list[str]
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """The target's pre-final-norm hidden states [B, L, d]."""
+        return self.features[:, :, -1]
+
+    def features_for(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """The concatenated outputs of `layers` [B, L, n*d] (what a head with those feature layers reads)."""
+        if layers == self.layers[-1:]:
+            return self.hidden
+        idx = [self.layers.index(i) for i in layers]
+        return self.features[:, :, idx].flatten(2)
 
 
 def pad_ids(seqs: list[torch.Tensor], device: torch.device | str, multiple: int = 1) -> torch.Tensor:
@@ -43,12 +56,13 @@ def autocast_ctx(device: torch.device, dtype: torch.dtype) -> contextlib.Abstrac
 
 
 class HiddenStore:
-    """Target hidden states per sequence, computed by the dense forward and kept on the device if `keep`.
+    """Target features per sequence (the outputs of `layers`), computed by the dense forward and kept on
+    the device if `keep`.
 
-    Keeping them costs tokens * d * bytes (SmolLM2, bf16: about 1.2 KB per token) and saves the 30-layer
-    target forward on every later visit of a sequence. On CUDA, batch widths are rounded up to a multiple
-    of 64: every new width costs attention-plan and allocator set-up, which made the first few hundred
-    steps of a run up to 10x slower than the rest.
+    Keeping them costs tokens * U * d * bytes (SmolLM2, bf16: about 1.2 KB per token and layer) and saves
+    the 30-layer target forward on every later visit of a sequence. On CUDA, batch widths are rounded up
+    to a multiple of 64: every new width costs attention-plan and allocator set-up, which made the first
+    few hundred steps of a run up to 10x slower than the rest.
     """
 
     def __init__(
@@ -58,19 +72,22 @@ class HiddenStore:
         device: torch.device,
         keep: bool = True,
         max_batch_tokens: int = 32768,
+        layers: tuple[int, ...] | None = None,
     ) -> None:
         self.model = model
         self.data = data
         self.device = device
         self.keep = keep
         self.max_batch_tokens = max_batch_tokens
+        last = len(model.layers) - 1
+        self.layers = tuple(sorted(set(layers or ()) | {last}))
         self.pad_multiple = 64 if device.type == "cuda" else 1
         self._cache: dict[int, torch.Tensor] = {}
 
     @torch.no_grad()
     def _compute(self, indices: list[int]) -> list[torch.Tensor]:
         ids = pad_ids([self.data.ids[i] for i in indices], self.device, self.pad_multiple)
-        h = target_hidden(self.model, ids)
+        h = target_features(self.model, ids, self.layers)
         return [h[r, : self.data.ids[i].numel()] for r, i in enumerate(indices)]
 
     def _chunks(self, indices: list[int]) -> Iterator[list[int]]:
@@ -106,25 +123,35 @@ class HiddenStore:
                 for i, h in zip(missing, self._compute(missing), strict=True):
                     self._cache[i] = h.clone()
             hs = [self._cache[i] for i in indices]
-            hidden = torch.zeros(len(indices), ids.shape[1], hs[0].shape[-1], dtype=hs[0].dtype, device=self.device)
+            feats = torch.zeros(len(indices), ids.shape[1], *hs[0].shape[1:], dtype=hs[0].dtype, device=self.device)
             for r, h in enumerate(hs):
-                hidden[r, : h.shape[0]] = h
+                feats[r, : h.shape[0]] = h
         else:
             with torch.no_grad():
-                hidden = target_hidden(self.model, ids)
+                feats = target_features(self.model, ids, self.layers)
         return Batch(
             ids=ids,
             lengths=torch.tensor([s.numel() for s in seqs], device=self.device),
             response_start=torch.tensor([self.data.response_start[i] for i in indices], device=self.device),
-            hidden=hidden,
+            features=feats,
+            layers=self.layers,
             sources=[self.data.source[i] for i in indices],
         )
 
 
-def epoch_batches(indices: list[int], lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """A deterministic function of (seed, epoch): shuffle, sort within pools of 16 batches by length, shuffle batches.
+def epoch_batches(
+    indices: list[int],
+    lengths: list[int],
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    max_tokens: int | None = None,
+) -> list[list[int]]:
+    """A deterministic function of (seed, epoch): shuffle, sort within pools of 16 batches by length, cut
+    into batches of at most `batch_size` sequences and `max_tokens` padded tokens, shuffle the batches.
 
-    Sorting inside pools keeps padding low; being a pure function makes `--resume` reproduce the order.
+    Sorting inside pools keeps padding low; the token cap keeps batches of long sequences from running out
+    of memory; being a pure function makes `--resume` reproduce the order.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = [indices[int(i)] for i in torch.randperm(len(indices), generator=g)]
@@ -132,6 +159,13 @@ def epoch_batches(indices: list[int], lengths: list[int], batch_size: int, seed:
     batches: list[list[int]] = []
     for lo in range(0, len(perm), pool):
         part = sorted(perm[lo : lo + pool], key=lambda i: lengths[i])
-        batches += [part[j : j + batch_size] for j in range(0, len(part), batch_size)]
+        batch: list[int] = []
+        for i in part:  # ascending: the newest sequence is the longest
+            if batch and (len(batch) == batch_size or (max_tokens and lengths[i] * (len(batch) + 1) > max_tokens)):
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            batches.append(batch)
     order = torch.randperm(len(batches), generator=g)
     return [batches[int(i)] for i in order]

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from modeling import layer_ops
+from modeling.model import Attention, DecoderLayer, LlamaModel, Rotary
 from speculative.mtp_head import MTPEagleHead
-from workers import layer_ops
-from workers.model import Attention, DecoderLayer, LlamaModel, Rotary
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -79,12 +79,23 @@ def decoder_layer(
 
 def target_hidden(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
     """Pre-final-norm hidden states [B, L, d] of right-padded token ids [B, L] (causal, no cache)."""
+    return target_features(model, ids, (len(model.layers) - 1,))[:, :, 0]
+
+
+def target_features(model: LlamaModel, ids: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+    """Outputs of the given layers [B, L, len(layers), d] for right-padded token ids [B, L] (causal, no cache);
+    layer L-1's output is the pre-final-norm hidden state."""
     positions = torch.arange(ids.shape[1], device=ids.device)
     x = model.embed(ids)
-    for layer in model.layers:
+    taps: list[torch.Tensor] = []
+    for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         x, _ = decoder_layer(layer, model.rotary, x, positions)
-    return x
+        if i in layers:
+            taps.append(x)
+    if len(taps) != len(layers):
+        raise ValueError(f"feature layers {list(layers)} are not all within the target's {len(model.layers)} layers")
+    return torch.stack(taps, dim=2)
 
 
 def unroll_mask(length: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -105,7 +116,8 @@ def head_unrolled(
 ) -> list[torch.Tensor]:
     """Draft hidden states per unrolled step, each [B, L, d]; row q of step k predicts token q + k + 1.
 
-    ids [B, L] right-padded tokens; hidden [B, L, d] the target's pre-norm hidden states.
+    ids [B, L] right-padded tokens; hidden [B, L, n*d] the target features the head reads (its
+    `feature_layers`' outputs, concatenated; n = 1: the pre-norm hidden states).
     Later steps read the token at q + 1 (teacher forcing, which is what a fully accepted chain sees).
     """
     if steps < 1:
@@ -116,7 +128,7 @@ def head_unrolled(
     positions = torch.arange(length, device=ids.device)
     past: list[KV] = []
     outs: list[torch.Tensor] = []
-    h_in = hidden
+    h_in = head.project(hidden)
     for k in range(1, steps + 1):
         x = head.eh_proj(torch.cat([emb, head.hnorm(h_in.to(emb.dtype))], dim=-1))
         mask = None if k == 1 else unroll_mask(length, k, ids.device)

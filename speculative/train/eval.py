@@ -13,35 +13,47 @@ were all accepted (so acceptance length = 1 + sum(rate)).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from modeling.model import LlamaModel
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import Batch, HiddenStore, autocast_ctx
 from speculative.train.dense import head_unrolled
-from workers.model import LlamaModel
 
 
-def _argmax_rows(shared: LlamaModel, h: torch.Tensor, rows: torch.Tensor, fill: int) -> torch.Tensor:
-    """Argmax of the shared head's logits at `rows` (bool [B, L]) of h [B, L, d]; `fill` elsewhere."""
+def _argmax_rows(
+    pick: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: torch.Tensor, fill: int
+) -> torch.Tensor:
+    """`pick(h[rows])` (token ids) at `rows` (bool [B, L]) of h [B, L, d]; `fill` elsewhere."""
     out = torch.full(rows.shape, fill, dtype=torch.long, device=h.device)
     if rows.any():
-        out[rows] = shared.logits(h[rows]).argmax(-1)
+        out[rows] = pick(h[rows])
     return out
 
 
+def target_argmax(shared: LlamaModel, batch: Batch) -> torch.Tensor:
+    """The target's argmax at every response row q (token q+1) [B, L]; -1 elsewhere."""
+    q = torch.arange(batch.ids.shape[1], device=batch.ids.device)[None, :]
+    rows = (q >= batch.response_start[:, None] - 1) & (q < batch.lengths[:, None])
+    return _argmax_rows(lambda h: shared.logits(h).argmax(-1), batch.hidden, rows, -1)
+
+
 @torch.no_grad()
-def batch_acceptance(head: MTPEagleHead, shared: LlamaModel, batch: Batch, k: int) -> dict[str, torch.Tensor]:
-    """Per-batch counts: `bases` [B] chains evaluated per sequence, `accepted` [B, K] chains reaching each depth."""
-    ids, hidden = batch.ids, batch.hidden
+def batch_acceptance(
+    head: MTPEagleHead, shared: LlamaModel, batch: Batch, k: int, tgt: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Per-batch counts: `bases` [B] chains evaluated per sequence, `accepted` [B, K] chains reaching each depth.
+    `tgt` (from `target_argmax`) may be shared by several heads scored on the same batch."""
+    ids = batch.ids
     bsz, length = ids.shape
     q = torch.arange(length, device=ids.device)[None, :]
     r = batch.response_start[:, None]
     n = batch.lengths[:, None]
-    target_rows = (q >= r - 1) & (q < n)
-    tgt = _argmax_rows(shared, hidden, target_rows, -1)  # target argmax at row q (token q+1)
-    outs = head_unrolled(head, shared, ids, hidden, k)
+    tgt = target_argmax(shared, batch) if tgt is None else tgt
+    outs = head_unrolled(head, shared, ids, batch.features_for(head.feature_layers), k)
     draft_rows = (q >= r - 1) & (q <= n - 2)
     next_tgt = torch.nn.functional.pad(tgt[:, 1:], (0, 1), value=-2)
     consistent = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-3) == tgt  # stored t[q+1] == argmax row q
@@ -51,7 +63,7 @@ def batch_acceptance(head: MTPEagleHead, shared: LlamaModel, batch: Batch, k: in
     alive = base_ok.clone()
     accepted = torch.zeros(bsz, k, dtype=torch.long, device=ids.device)
     for j in range(1, k + 1):
-        d = _argmax_rows(shared, outs[j - 1], draft_rows, -4)
+        d = _argmax_rows(lambda h: head.greedy_tokens(shared, h), outs[j - 1], draft_rows, -4)
         match = d == next_tgt  # draft at row q == target argmax at row q+1
         if j > 1:
             match &= consistent
@@ -87,25 +99,48 @@ def evaluate(
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Acceptance over `indices` of the store's dataset, overall and per prompt source."""
-    was_training = head.training
-    head.eval()
-    totals: dict[str, list[int]] = {}
+    return evaluate_heads({"head": head}, shared, store, indices, k, batch_size, dtype)["head"]
+
+
+@torch.no_grad()
+def evaluate_heads(
+    heads: dict[str, MTPEagleHead],
+    shared: LlamaModel,
+    store: HiddenStore,
+    indices: list[int],
+    k: int,
+    batch_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, dict[str, Any]]:
+    """`evaluate` for several heads on the same batches (the target forward runs once per batch)."""
+    modes = {name: h.training for name, h in heads.items()}
+    for h in heads.values():
+        h.eval()
+    totals: dict[str, dict[str, list[int]]] = {name: {} for name in heads}
     seqs: dict[str, int] = {}
     order = sorted(indices, key=lambda i: store.data.ids[i].numel())
     with autocast_ctx(store.device, dtype):
         for lo in range(0, len(order), batch_size):
             batch = store.batch(order[lo : lo + batch_size])
-            res = batch_acceptance(head, shared, batch, k)
-            for b, src in enumerate(batch.sources):
+            tgt = target_argmax(shared, batch)
+            for src in batch.sources:
                 for key in ("all", src):
-                    t = totals.setdefault(key, [0] * (k + 1))
-                    t[0] += int(res["bases"][b])
-                    for j in range(k):
-                        t[j + 1] += int(res["accepted"][b, j])
                     seqs[key] = seqs.get(key, 0) + 1
-    head.train(was_training)
-    t = totals.get("all", [0] * (k + 1))
-    out = summarize(t[0], t[1:], seqs.get("all", 0))
-    out["num_draft_tokens"] = k
-    out["by_source"] = {s: summarize(v[0], v[1:], seqs[s]) for s, v in sorted(totals.items()) if s != "all"}
+            for name, head in heads.items():
+                res = batch_acceptance(head, shared, batch, k, tgt)
+                for b, src in enumerate(batch.sources):
+                    for key in ("all", src):
+                        t = totals[name].setdefault(key, [0] * (k + 1))
+                        t[0] += int(res["bases"][b])
+                        for j in range(k):
+                            t[j + 1] += int(res["accepted"][b, j])
+    for name, h in heads.items():
+        h.train(modes[name])
+    out: dict[str, dict[str, Any]] = {}
+    for name, tot in totals.items():
+        t = tot.get("all", [0] * (k + 1))
+        summary = summarize(t[0], t[1:], seqs.get("all", 0))
+        summary["num_draft_tokens"] = k
+        summary["by_source"] = {s: summarize(v[0], v[1:], seqs[s]) for s, v in sorted(tot.items()) if s != "all"}
+        out[name] = summary
     return out

@@ -1,6 +1,7 @@
-"""Text generators used only while building the draft dataset: the project's engine, or HF `generate`.
+"""Text generators used only while building the draft dataset: the `Generator` protocol and HF `generate`.
 
-Both take token-id prompts and return each continuation's ids (including the stop token when one was
+The project's engine is the other backend (cluster/train_generator.py, passed in by the caller). Both
+take token-id prompts and return each continuation's ids (including the stop token when one was
 produced) and why it ended. The `hf` backend exists for the GPU data build: our engine is not
 CUDA-graphed and its per-step Python cost makes thousands of long responses too slow there.
 """
@@ -13,7 +14,7 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
-from workers.model import LlamaArgs
+from modeling.model import LlamaArgs
 
 
 @dataclass
@@ -51,74 +52,6 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> GenResult:
         if t in stop_ids:
             return GenResult(tokens[: i + 1], "stop")
     return GenResult(tokens, "length")
-
-
-class EngineGenerator:
-    """The in-process LLMEngine with speculation off, fed `batch_size` requests at a time."""
-
-    name = "engine"
-
-    def __init__(
-        self,
-        args: LlamaArgs,
-        weights: dict[str, torch.Tensor],
-        device: str,
-        dtype: str,
-        batch_size: int,
-        max_len: int,
-    ) -> None:
-        from cluster.config import MTPServeConfig
-        from cluster.engine import LLMEngine
-
-        max_len = min(max_len, args.max_position_embeddings)
-        block = 16
-        cfg = MTPServeConfig.from_dict(
-            {},
-            {
-                "model.device": device,
-                "model.dtype": dtype,
-                "model.max_model_len": max_len,
-                "speculative.enabled": False,
-                "scheduler.max_num_requests": batch_size,
-                "scheduler.max_num_batched_tokens": max(4096, 2 * max_len),
-                "scheduler.chunk_size": max_len,
-                "scheduler.block_size": block,
-                "scheduler.num_kv_blocks": batch_size * (-(-(max_len + 1) // block)) + 1,
-            },
-        )
-        self.engine = LLMEngine.from_weights(cfg, args, weights)
-        self.batch_size = batch_size
-        self.max_len = max_len
-
-    def generate(self, prompts: list[list[int]], settings: GenSettings, desc: str = "") -> list[GenResult]:
-        """Continuous batching over all prompts, one seed per request (seed + index)."""
-        eng = self.engine
-        stop = sorted(settings.stop_ids)
-        pending = list(enumerate(prompts))[::-1]
-        owner: dict[str, int] = {}
-        tokens: dict[int, list[int]] = {}
-        results: list[GenResult | None] = [None] * len(prompts)
-        with tqdm(total=len(prompts), desc=desc or "generate (engine)", unit="seq") as bar:
-            while pending or eng.has_unfinished():
-                while pending and eng.scheduler.num_waiting < self.batch_size:
-                    i, p = pending.pop()
-                    room = self.max_len - len(p)
-                    params = {
-                        "max_tokens": max(1, min(settings.max_new_tokens, room)),
-                        "temperature": settings.temperature,
-                        "top_p": settings.top_p,
-                        "seed": settings.seed + i,
-                        "stop_token_ids": stop,
-                    }
-                    owner[eng.add_request(p, params)] = i
-                    tokens[i] = []
-                for o in eng.step():
-                    i = owner[o.request_id]
-                    tokens[i].extend(o.new_token_ids)
-                    if o.finished:
-                        results[i] = GenResult(tokens.pop(i), o.finish_reason or "length")
-                        bar.update(1)
-        return [r if r is not None else GenResult([], "length") for r in results]
 
 
 class HFGenerator:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from modeling.model import LlamaModel
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import Batch
 from speculative.train.dense import head_unrolled
-from workers.model import LlamaModel
 
 
 def default_step_weights(k: int, decay: float = 0.7) -> list[float]:
@@ -15,46 +17,75 @@ def default_step_weights(k: int, decay: float = 0.7) -> list[float]:
     return [decay**i for i in range(k)]
 
 
+@dataclass
+class TargetRows:
+    """The rows a batch's loss counts and the target's distribution there (N rows, V vocabulary)."""
+
+    rb: torch.Tensor  # [N] sequence of each row
+    rq: torch.Tensor  # [N] position of each row (its chain's step-1 row)
+    prob: torch.Tensor  # [N, V] fp32 target distribution of token q + 2 (read at row q + 1)
+    argmax: torch.Tensor  # [N] the target's greedy token there
+
+
+@torch.no_grad()
+def target_rows(shared: LlamaModel, batch: Batch) -> TargetRows:
+    """Rows q whose chain base p = q - k + 1 is a response base (p >= response_start - 1) for some step k,
+    and whose predicted token q + 2 lies in the sequence; with the target's distribution there."""
+    ids = batch.ids
+    q = torch.arange(ids.shape[1], device=ids.device)[None, :]
+    r = batch.response_start[:, None]
+    valid = (q >= r - 1) & (q <= batch.lengths[:, None] - 3)
+    rb, rq = valid.nonzero(as_tuple=True)
+    if rb.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=ids.device)
+        return TargetRows(rb, rq, torch.zeros(0, shared.args.vocab_size, device=ids.device), empty)
+    logits = shared.logits(batch.hidden[rb, rq + 1])
+    return TargetRows(rb, rq, torch.softmax(logits, dim=-1), logits.argmax(-1))
+
+
+def draft_distribution(head: MTPEagleHead, prob: torch.Tensor) -> torch.Tensor:
+    """The target distribution restricted to the head's draft vocabulary and renormalised (as is when full)."""
+    if head.vocab_ids is None:
+        return prob
+    sub = prob[:, head.vocab_ids]
+    return sub / sub.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
 def unrolled_loss(
     head: MTPEagleHead,
     shared: LlamaModel,
     batch: Batch,
     weights: list[float],
+    rows: TargetRows | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted mean over steps of soft CE(target p at row q+1, draft at row q), on response positions.
 
     Step k's row q belongs to the chain from base p = q - k + 1; rows count when p >= response_start - 1
     (the first base at inference is the prompt's last token) and the predicted token q + 2 lies in the
-    sequence. Returns (loss, metrics: per-step CE and top-1 agreement with the target argmax).
+    sequence. `rows` (from `target_rows`) may be shared by several heads trained on the same batch.
+    Returns (loss, metrics: per-step CE and top-1 agreement with the target argmax).
     """
     k = len(weights)
-    ids, hidden = batch.ids, batch.hidden
-    q = torch.arange(ids.shape[1], device=ids.device)[None, :]
-    r = batch.response_start[:, None]
-    valid = (q >= r - 1) & (q <= batch.lengths[:, None] - 3)
-    rb, rq = valid.nonzero(as_tuple=True)
+    rows = rows if rows is not None else target_rows(shared, batch)
+    rb, rq = rows.rb, rows.rq
     metrics: dict[str, float] = {}
     if rb.numel() == 0:
         zero = torch.stack([p.sum() for p in head.parameters()]).sum() * 0.0
         return zero, metrics
-    with torch.no_grad():
-        tgt_logits = shared.logits(hidden[rb, rq + 1])
-        tgt_prob = torch.softmax(tgt_logits, dim=-1)
-        tgt_arg = tgt_logits.argmax(-1)
-        del tgt_logits
-    outs = head_unrolled(head, shared, ids, hidden, k)
-    total = torch.zeros((), device=ids.device)
+    tgt_prob = draft_distribution(head, rows.prob)
+    outs = head_unrolled(head, shared, batch.ids, batch.features_for(head.feature_layers), k)
+    total = torch.zeros((), device=batch.ids.device)
     wsum = 0.0
     for j, w in enumerate(weights, start=1):
         sel = rq >= batch.response_start[rb] + j - 2
         if not sel.any():
             continue
-        logp = torch.log_softmax(shared.logits(outs[j - 1][rb[sel], rq[sel]]), dim=-1)
+        logp = torch.log_softmax(head.logits(shared, outs[j - 1][rb[sel], rq[sel]]), dim=-1)
         ce = -(tgt_prob[sel] * logp).sum(-1).mean()
         total = total + w * ce
         wsum += w
         metrics[f"ce{j}"] = float(ce.detach())
-        metrics[f"acc{j}"] = float((logp.argmax(-1) == tgt_arg[sel]).float().mean())
+        metrics[f"acc{j}"] = float((head.token_ids(logp.argmax(-1)) == rows.argmax[sel]).float().mean())
     loss = total / max(wsum, 1e-9)
     metrics["loss"] = float(loss.detach())
     return loss, metrics

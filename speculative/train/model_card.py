@@ -25,6 +25,36 @@ def _acceptance_rows(name: str, res: dict[str, Any] | None) -> list[str]:
     return rows
 
 
+def _ablation_section(info: dict[str, Any]) -> list[str]:
+    """One row per head trained side by side (same data, batches, steps and optimiser settings)."""
+    heads = info.get("heads") or {}
+    if len(heads) < 2:
+        return []
+    sources = sorted({s for h in heads.values() for s in h["dev"].get("by_source", {})})
+    lines = [
+        "## Ablation: heads trained side by side on the same batches",
+        "",
+        f"Shipped: **{info.get('best')}** (best dev acceptance length; a smaller draft vocabulary wins within "
+        f"{info.get('prefer_margin', 0.01)}).",
+        "",
+        "| head | what | params | draft vocab (coverage) | dev AL | per position | "
+        + " | ".join(f"AL {s}" for s in sources)
+        + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(sources),
+    ]
+    for name, h in heads.items():
+        dev = h["dev"]
+        cov = h.get("draft_vocab_coverage")
+        vocab = f"{h['draft_vocab']}" + (f" ({100 * cov:.2f}%)" if cov is not None else "")
+        by = dev.get("by_source", {})
+        cells = [f"{by[s]['acceptance_length']:.3f}" if s in by else "-" for s in sources]
+        lines.append(
+            f"| {name} | {h['description']} | {h['params'] / 1e6:.2f}M | {vocab} | {dev['acceptance_length']:.3f} | "
+            f"{_fmt_rates(dev['per_position'])} | " + " | ".join(cells) + " |"
+        )
+    return [*lines, ""]
+
+
 def render_model_card(info: dict[str, Any]) -> str:
     """Markdown for `info` (keys: head, target, data, train, dev, dev_initial, command, hardware, ...)."""
     data = info.get("data", {})
@@ -76,6 +106,7 @@ def render_model_card(info: dict[str, Any]) -> str:
         "Acceptance length = 1 + mean accepted drafts per chain; the cumulative rate at position k is the share",
         "of chains whose first k drafts were all accepted.",
         "",
+        *_ablation_section(info),
         "## Command",
         "",
         "```",

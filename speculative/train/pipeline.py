@@ -1,7 +1,8 @@
 """`train-draft` end to end: load the target, build or reuse the dataset, train, evaluate, export.
 
-Stages: `data` builds the dataset only; `train` needs an existing dataset; `eval` scores an existing
-head on the dev split; `all` builds the dataset when the folder has none, then trains.
+Stages: `data` builds (or continues) the dataset only, one shard of it when asked; `train` needs a finished
+dataset; `eval` scores an existing head on the dev split; `all` builds the dataset when the folder has
+none, then trains.
 Outputs: the head (safetensors), a model card, and a results JSON (dev acceptance, history, settings).
 """
 
@@ -12,22 +13,26 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from modeling.model import LlamaArgs, random_llama_weights
 from speculative.mtp_head import MTPEagleHead
-from speculative.train.data import DataConfig, TokenDataset, build_dataset, load_dataset
+from speculative.train.data import DataConfig, TokenDataset, build_parts, load_dataset
 from speculative.train.errors import TrainSetupError
-from speculative.train.generators import EngineGenerator, Generator, HFGenerator
+from speculative.train.generators import Generator, HFGenerator
 from speculative.train.model_card import write_model_card
 from speculative.train.trainer import TrainConfig, Trainer, build_shared
-from workers.model import LlamaArgs, random_llama_weights
 
 log = logging.getLogger(__name__)
 HEAD_FORMAT = "mtpserve-mtp-eagle/1"
+# Builds the `engine` generator from (args, weights, device, dtype, batch_size, max_len); the caller supplies it
+# (cluster/train_generator.py), since it drives the serving engine above this package.
+GeneratorFactory = Callable[[LlamaArgs, dict[str, torch.Tensor], str, str, int, int], Generator]
 
 
 @dataclass
@@ -46,6 +51,8 @@ class TrainDraftOptions:
     model_card: str | None = None  # default: MODEL_CARD.md beside the head
     results: str | None = None  # default: <head stem>.results.json beside the head
     head: str | None = None  # eval stage: the head to score (default: out)
+    shard: tuple[int, int] = (0, 1)  # data stage: build parts w, w+n, ... of the plan
+    export_dtype: str = "float32"  # float32 or bfloat16 (half the file; the engine casts to its dtype anyway)
     command: str = ""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -63,7 +70,7 @@ class LoadedTarget:
 
 def load_target(opts: TrainDraftOptions) -> LoadedTarget:
     """Resolve `--target`; a missing path raises TrainSetupError naming --target."""
-    from workers.loader import resolve_model
+    from modeling.loader import resolve_model
 
     if opts.target is not None and not Path(opts.target).expanduser().exists():
         raise TrainSetupError(
@@ -100,31 +107,56 @@ def hardware(device: str) -> str:
     return f"{cpu}, torch {torch.__version__}"
 
 
-def make_generator(opts: TrainDraftOptions, target: LoadedTarget) -> Generator:
-    """The data-building generator: our engine, or HF `generate` (GPU data builds)."""
+def make_generator(
+    opts: TrainDraftOptions, target: LoadedTarget, engine_generator: GeneratorFactory | None = None
+) -> Generator:
+    """The data-building generator: our engine (default; built by `engine_generator`), or HF `generate`."""
     device = opts.train.device
     if opts.generator == "hf":
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         return HFGenerator(target.args, target.weights, device, dtype, opts.gen_batch_size)
-    max_len = opts.data.max_prompt_tokens + max(opts.data.max_new_tokens, opts.data.magpie_max_tokens) + 1
-    return EngineGenerator(target.args, target.weights, device, "auto", opts.gen_batch_size, max_len)
+    s = opts.data.settings
+    longest = max(s.max_new_tokens, s.long_max_new_tokens, s.code_max_new_tokens, s.prompt_max_tokens)
+    if engine_generator is None:
+        raise TrainSetupError("--generator", "'engine' needs the engine generator from the caller; use --generator hf")
+    return engine_generator(
+        target.args, target.weights, device, "auto", opts.gen_batch_size, s.max_prompt_tokens + longest
+    )
 
 
-def ensure_dataset(opts: TrainDraftOptions, target: LoadedTarget) -> TokenDataset:
-    """Build the dataset when asked to (or when `all` finds none), then load it."""
+def build_data(
+    opts: TrainDraftOptions, target: LoadedTarget, engine_generator: GeneratorFactory | None = None
+) -> dict[str, Any]:
+    """Build this shard's missing parts of the dataset (within the time budget); returns the progress."""
     root = Path(opts.data_dir)
-    build = opts.stage == "data" or opts.rebuild_data or (opts.stage == "all" and not (root / "meta.json").is_file())
-    if build:
-        opts.data.extra = {"target": target.name, "generator": opts.generator, "command": opts.command}
-        meta = build_dataset(root, make_generator(opts, target), target.tokenizer, target.args, opts.data)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the generator's weights and KV are garbage now
-        log.info(
-            "dataset: %s sequences, %s tokens in %s s",
-            meta["counts"]["sequences"],
-            meta["counts"]["tokens"],
-            meta["build_wall_s"],
-        )
+    if opts.rebuild_data:
+        for old in [*root.glob("parts/*.pt"), root / "plan.json", root / "meta.json"]:
+            old.unlink(missing_ok=True)
+    opts.data.extra = {"target": target.name, "generator": opts.generator, "command": opts.command}
+    budget = opts.train.time_budget_s
+    deadline = opts.train.start_time + budget if budget is not None else None
+    gen = make_generator(opts, target, engine_generator)
+    status = build_parts(root, gen, target.tokenizer, target.args, opts.data, opts.shard, deadline)
+    status["tokens_generated"] = getattr(gen, "tokens_generated", None)
+    status["generate_s"] = round(getattr(gen, "busy_s", 0.0), 1)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the generator's weights and KV are garbage now
+    return status
+
+
+def ensure_dataset(
+    opts: TrainDraftOptions, target: LoadedTarget, engine_generator: GeneratorFactory | None = None
+) -> TokenDataset:
+    """Build the dataset when `all` finds none (or --rebuild-data asks), then load it."""
+    root = Path(opts.data_dir)
+    if opts.rebuild_data or not (root / "meta.json").is_file():
+        status = build_data(opts, target, engine_generator)
+        if not status["complete"]:
+            raise TrainSetupError(
+                "--data-dir",
+                f"the dataset is unfinished ({status['parts_done']}/{status['parts_total']} parts); "
+                "run `--stage data` again to continue",
+            )
     else:
         log.info("reusing the dataset in %s", root)
     return load_dataset(root)
@@ -158,20 +190,21 @@ def run_eval_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDat
     shared = build_shared(target.args, target.weights, cfg.device, dtype if device.type == "cuda" else torch.float32)
     head = MTPEagleHead.load(path, target.args).to(device)
     _, dev = data.split(cfg.dev_fraction, cfg.seed, cfg.holdout_sources)
-    store = HiddenStore(shared, data, device, keep=False)
+    store = HiddenStore(shared, data, device, keep=False, layers=head.feature_layers)
     res = evaluate(head, shared, store, dev, cfg.num_draft_tokens, cfg.eval_batch_size, dtype)
     return {"head": str(path), "dev": res, "command": opts.command}
 
 
-def run_train_draft(opts: TrainDraftOptions) -> dict[str, Any]:
-    """Run the requested stage(s); returns the results dict (also written as JSON for train/eval)."""
+def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory | None = None) -> dict[str, Any]:
+    """Run the requested stage(s); returns the results dict (also written as JSON for train/eval).
+    `engine_generator` builds the `engine` data generator (needed only when the dataset is built with it)."""
     t0 = time.time()
     opts.train.start_time = t0
     target = load_target(opts)
-    data = ensure_dataset(opts, target)
-    out, card, results_path = _paths(opts)
     if opts.stage == "data":
-        return {"data": data.meta}
+        return {"data": build_data(opts, target, engine_generator)}
+    data = ensure_dataset(opts, target, engine_generator) if opts.stage == "all" else load_dataset(opts.data_dir)
+    out, card, results_path = _paths(opts)
     if opts.stage == "eval":
         res = run_eval_stage(opts, target, data)
         results_path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +213,6 @@ def run_train_draft(opts: TrainDraftOptions) -> dict[str, Any]:
     trainer = Trainer(opts.train, target.args, target.weights, data)
     res = trainer.run()
     total = time.time() - t0
-    dev = res["dev"]
     hw = hardware(opts.train.device)
     data_meta = {k: v for k, v in data.meta.items() if k != "target_args"}
     info = {
@@ -193,10 +225,12 @@ def run_train_draft(opts: TrainDraftOptions) -> dict[str, Any]:
         "total_wall_s": round(total, 1),
         **res,
     }
-    trainer.export(
-        out,
-        {
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[opts.export_dtype]
+    for name, head_res in res["heads"].items():
+        hdev = head_res["dev"]
+        meta = {
             "format": HEAD_FORMAT,
+            "head": name,
             "target": target.name,
             "data_sequences": data.meta["counts"]["sequences"],
             "data_tokens": data.meta["counts"]["tokens"],
@@ -204,12 +238,16 @@ def run_train_draft(opts: TrainDraftOptions) -> dict[str, Any]:
             "train_wall_s": res["train"]["wall_time_s"],
             "hardware": hw,
             "command": opts.command,
-            "num_draft_tokens": dev["num_draft_tokens"],
-            "dev_acceptance_length": f"{dev['acceptance_length']:.4f}",
-            "dev_per_position": json.dumps([round(x, 4) for x in dev["per_position"]]),
-        },
-    )
+            "num_draft_tokens": hdev["num_draft_tokens"],
+            "dev_acceptance_length": f"{hdev['acceptance_length']:.4f}",
+            "dev_per_position": json.dumps([round(x, 4) for x in hdev["per_position"]]),
+        }
+        if len(res["heads"]) > 1:
+            trainer.export(out.with_name(f"{out.stem}-{name}{out.suffix}"), meta, name, dtype)
+        if name == res["best"]:
+            trainer.export(out, meta, name, dtype)
     info["head_bytes"] = out.stat().st_size
+    info["prefer_margin"] = opts.train.prefer_margin
     write_model_card(card, info)
     results_path.parent.mkdir(parents=True, exist_ok=True)
     results_path.write_text(json.dumps({**info, "options": _options_dict(opts)}, indent=2, default=str))

@@ -1,8 +1,9 @@
 """Trains an MTP Eagle head by self-distillation, unrolled over K draft steps (training-time test).
 
-Loop: batch of sequences -> target hidden states (dense forward, kept on the device) -> K unrolled head
-steps -> weighted soft cross-entropy against the target's distribution -> AdamW step (grad clipping,
-linear warmup then cosine decay to `min_lr_ratio`). bf16 autocast on CUDA, plain fp32 on CPU.
+Loop: batch of sequences -> target features (dense forward, kept on the device when they fit) -> for each
+head: K unrolled head steps -> weighted soft cross-entropy against the target's distribution -> AdamW step
+(grad clipping, linear warmup then cosine decay to `min_lr_ratio`). bf16 autocast on CUDA, plain fp32 on
+CPU. Several heads (an ablation) train side by side on the same batches, sharing the target's forward.
 Periodic dev-set acceptance, checkpoints (head, optimizer, scheduler, step, RNG) and `resume`.
 With a time budget the number of steps is projected from measured step times so that the final
 evaluation and export still fit.
@@ -22,13 +23,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from modeling.model import LlamaArgs, LlamaModel
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import HiddenStore, autocast_ctx, epoch_batches
 from speculative.train.data import TokenDataset
 from speculative.train.errors import TrainSetupError
-from speculative.train.eval import evaluate
-from speculative.train.loss import default_step_weights, unrolled_loss
-from workers.model import LlamaArgs, LlamaModel
+from speculative.train.eval import evaluate_heads
+from speculative.train.heads import HeadSpec, check_specs, frequent_vocab, response_token_counts
+from speculative.train.loss import default_step_weights, target_rows, unrolled_loss
 
 log = logging.getLogger(__name__)
 CKPT_NAME = "latest.pt"
@@ -61,8 +63,11 @@ class TrainConfig:
     time_budget_s: float | None = None  # wall-clock budget from `start_time` (whole run)
     pause_after: int | None = None  # stop this run after so many steps (checkpoint; continue with resume)
     start_time: float = field(default_factory=time.time)
-    keep_hidden: bool = True
+    keep_hidden: bool | None = None  # None: keep target features on the device when they fit
+    max_batch_tokens: int | None = None  # cap on a batch's padded tokens (None: only batch_size counts)
     log_every: int = 10
+    heads: list[HeadSpec] = field(default_factory=lambda: [HeadSpec()])  # trained side by side on the same batches
+    prefer_margin: float = 0.01  # a head within this much dev acceptance length of the best wins if smaller
 
     def weights(self) -> list[float]:
         """Per-step loss weights, K of them."""
@@ -97,12 +102,26 @@ def build_shared(args: LlamaArgs, weights: dict[str, torch.Tensor], device: str,
     return model
 
 
+@dataclass
+class HeadRun:
+    """One head being trained: its spec, module, optimizer, schedule and latest metrics."""
+
+    spec: HeadSpec
+    head: MTPEagleHead
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    weights: list[float]
+    vocab_coverage: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class Trainer:
-    """Owns the frozen target, the head, the optimizer and the data order."""
+    """Owns the frozen target, the heads, their optimizers and the data order."""
 
     def __init__(self, cfg: TrainConfig, args: LlamaArgs, weights: dict[str, torch.Tensor], data: TokenDataset) -> None:
         if cfg.num_draft_tokens < 1:
             raise TrainSetupError("--num-draft-tokens", f"must be >= 1, got {cfg.num_draft_tokens}")
+        check_specs(cfg.heads, args, cfg.num_draft_tokens)
         self.cfg = cfg
         self.args = args
         self.data = data
@@ -113,52 +132,79 @@ class Trainer:
         random.seed(cfg.seed)
         target_dtype = self.dtype if self.device.type == "cuda" else torch.float32
         self.shared = build_shared(args, weights, cfg.device, target_dtype)
-        self.head = MTPEagleHead(args)
-        if cfg.init_from_target:
-            self.head.init_from_target(weights)
-        else:
-            self.head.init_random(seed=cfg.seed)
-        self.head.to(self.device).train()
         self.train_idx, self.dev_idx = data.split(cfg.dev_fraction, cfg.seed, cfg.holdout_sources)
         if not self.train_idx:
             raise TrainSetupError("--data-dir", "no training sequences left after the dev split")
-        self.store = HiddenStore(self.shared, data, self.device, keep=cfg.keep_hidden)
-        self.opt = torch.optim.AdamW(
-            self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-        )
         self.total_steps = cfg.steps
         self.warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 20)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: lr_factor(s, self.warmup, self.total_steps, cfg.min_lr_ratio)
-        )
+        self.runs = [self._build_run(spec, weights) for spec in cfg.heads]
+        layers = tuple(sorted({i for r in self.runs for i in r.head.feature_layers}))
+        keep = cfg.keep_hidden if cfg.keep_hidden is not None else self._features_fit(len(layers))
+        self.store = HiddenStore(self.shared, data, self.device, keep=keep, layers=layers)
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.dev_initial: dict[str, Any] | None = None
         self.train_wall_s = 0.0
         self.tokens_seen = 0
-        self.last_metrics: dict[str, float] = {}
         self.stopped_by = "steps"
         self.resumed_from: int | None = None
         self.lengths = data.lengths()
-        self._epoch: tuple[int, list[list[int]]] | None = None
+        self._epochs: dict[int, list[list[int]]] = {}
+
+    def _build_run(self, spec: HeadSpec, weights: dict[str, torch.Tensor]) -> HeadRun:
+        cfg = self.cfg
+        vocab_ids, coverage = None, None
+        if spec.draft_vocab:
+            counts = response_token_counts(self.data, self.train_idx, self.args.vocab_size)
+            vocab_ids, coverage = frequent_vocab(counts, spec.draft_vocab)
+        head = MTPEagleHead(self.args, spec.feature_layers(self.args), vocab_ids)
+        if cfg.init_from_target:
+            head.init_from_target(weights)
+        else:
+            head.init_random(seed=cfg.seed)
+        head.to(self.device).train()
+        opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_factor(s, self.warmup, self.total_steps, cfg.min_lr_ratio)
+        )
+        k = spec.num_draft_tokens or cfg.num_draft_tokens
+        return HeadRun(spec, head, opt, sched, self.step_weights[:k], coverage)
+
+    def _features_fit(self, num_layers: int) -> bool:
+        """Whether every sequence's target features fit in a third of the free device memory (always on CPU)."""
+        if self.device.type != "cuda":
+            return True
+        per_token = num_layers * self.args.hidden_size * torch.finfo(self.dtype).bits // 8
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return sum(self.data.lengths()) * per_token < free / 3
+
+    @property
+    def head(self) -> MTPEagleHead:
+        """The first head (the only one in a plain run)."""
+        return self.runs[0].head
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The first head's latest training metrics."""
+        return self.runs[0].metrics
 
     # ---- data order ------------------------------------------------------------------------------
     def batch_indices(self, step: int) -> list[int]:
         """Sequences of global step `step` (a pure function of seed and step, so resume is exact)."""
-        per_epoch = self._batches_per_epoch()
-        epoch, i = divmod(step, per_epoch)
-        if self._epoch is None or self._epoch[0] != epoch:
-            self._epoch = (
-                epoch,
-                epoch_batches(self.train_idx, self.lengths, self.cfg.batch_size, self.cfg.seed, epoch),
-            )
-        return self._epoch[1][i]
+        epoch, i = 0, step
+        while True:
+            batches = self._epoch_batches(epoch)
+            if i < len(batches):
+                return batches[i]
+            epoch, i = epoch + 1, i - len(batches)
 
-    def _batches_per_epoch(self) -> int:
-        pool = self.cfg.batch_size * 16
-        n = len(self.train_idx)
-        full, rest = divmod(n, pool)
-        return full * 16 + -(-rest // self.cfg.batch_size)
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._epochs:
+            cfg = self.cfg
+            self._epochs[epoch] = epoch_batches(
+                self.train_idx, self.lengths, cfg.batch_size, cfg.seed, epoch, cfg.max_batch_tokens
+            )
+        return self._epochs[epoch]
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def ckpt_path(self) -> Path | None:
@@ -172,10 +218,11 @@ class Trainer:
             "hidden_size": self.args.hidden_size,
             "num_draft_tokens": self.cfg.num_draft_tokens,
             "dev": len(self.dev_idx),
+            "heads": [asdict(r.spec) for r in self.runs],
         }
 
     def save_checkpoint(self) -> Path | None:
-        """Atomically write head, optimizer, scheduler, step, RNG, history."""
+        """Atomically write every head with its optimizer and scheduler, the step, RNG and history."""
         path = self.ckpt_path()
         if path is None:
             return None
@@ -183,9 +230,14 @@ class Trainer:
         state = {
             "step": self.step,
             "total_steps": self.total_steps,
-            "head": self.head.state_dict(),
-            "optimizer": self.opt.state_dict(),
-            "scheduler": self.sched.state_dict(),
+            "heads": {
+                r.spec.name: {
+                    "head": r.head.state_dict(),
+                    "optimizer": r.opt.state_dict(),
+                    "scheduler": r.sched.state_dict(),
+                }
+                for r in self.runs
+            },
             "rng": {
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -213,9 +265,11 @@ class Trainer:
             raise TrainSetupError(
                 "--resume", f"checkpoint {path} was made for {state['fingerprint']}, not {self._fingerprint()}"
             )
-        self.head.load_state_dict(state["head"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
+        for r in self.runs:
+            saved = state["heads"][r.spec.name]
+            r.head.load_state_dict(saved["head"])
+            r.opt.load_state_dict(saved["optimizer"])
+            r.sched.load_state_dict(saved["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
@@ -228,10 +282,10 @@ class Trainer:
         return self.step
 
     # ---- evaluation ------------------------------------------------------------------------------
-    def evaluate(self) -> dict[str, Any]:
-        """Dev-set acceptance of the current head (K-chain, teacher-forced)."""
-        return evaluate(
-            self.head,
+    def evaluate(self) -> dict[str, dict[str, Any]]:
+        """Dev-set acceptance of every head (K-chain, teacher-forced), by head name."""
+        return evaluate_heads(
+            {r.spec.name: r.head for r in self.runs},
             self.shared,
             self.store,
             self.dev_idx,
@@ -240,22 +294,34 @@ class Trainer:
             self.dtype,
         )
 
+    def best(self, dev: dict[str, dict[str, Any]]) -> str:
+        """The head to ship: the best dev acceptance length, or a smaller-vocabulary head within
+        `prefer_margin` of it (it drafts faster at nearly equal acceptance)."""
+        top = max(d["acceptance_length"] for d in dev.values())
+        close = [r for r in self.runs if dev[r.spec.name]["acceptance_length"] >= top - self.cfg.prefer_margin]
+        pick = min(close, key=lambda r: (r.head.draft_vocab_size, -dev[r.spec.name]["acceptance_length"]))
+        return pick.spec.name
+
     # ---- training --------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """One optimisation step on the batch of the current global step."""
+        """One optimisation step of every head on the batch of the current global step; returns the
+        first head's metrics (every head's are in its HeadRun)."""
         batch = self.store.batch(self.batch_indices(self.step))
         with autocast_ctx(self.device, self.dtype):
-            loss, metrics = unrolled_loss(self.head, self.shared, batch, self.step_weights)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
-        self.opt.step()
-        self.sched.step()
+            rows = target_rows(self.shared, batch)
+            for r in self.runs:
+                loss, metrics = unrolled_loss(r.head, self.shared, batch, r.weights, rows)
+                r.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(r.head.parameters(), self.cfg.grad_clip)
+                r.opt.step()
+                r.sched.step()
+                metrics["grad_norm"] = float(norm)
+                metrics["lr"] = float(r.sched.get_last_lr()[0])
+                r.metrics = metrics
         self.step += 1
         self.tokens_seen += int(batch.lengths.sum())
-        metrics["grad_norm"] = float(norm)
-        metrics["lr"] = float(self.sched.get_last_lr()[0])
-        return metrics
+        return self.runs[0].metrics
 
     def _remaining_s(self) -> float:
         if self.cfg.time_budget_s is None:
@@ -279,6 +345,12 @@ class Trainer:
             if self.cfg.warmup_steps is None and self.step < self.warmup:  # default warmup: 5% of the steps run
                 self.warmup = max(self.step + 1, min(self.warmup, fit // 20))
 
+    def _dev_line(self, dev: dict[str, dict[str, Any]]) -> str:
+        return "; ".join(
+            f"{name} {res['acceptance_length']:.3f} {[round(x, 3) for x in res['per_position']]}"
+            for name, res in dev.items()
+        )
+
     def run(self) -> dict[str, Any]:
         """Train (or resume) to `total_steps`; returns the results dict (history, dev acceptance, timings)."""
         resumed = self.load_checkpoint() if self.cfg.resume else None
@@ -291,7 +363,7 @@ class Trainer:
         if resumed is None:
             self.dev_initial = first
             self.history.append({"step": 0, "dev": first})
-        log.info("dev acceptance at step %d: %.3f", self.step, first["acceptance_length"])
+        log.info("dev acceptance at step %d: %s", self.step, self._dev_line(first))
         t0 = time.perf_counter()
         requested = self.total_steps
         window_step, next_plan = self.step + 3, self.step + 23  # re-planned at steps 23, 92, 368, ... from the start
@@ -305,7 +377,6 @@ class Trainer:
                     self.stopped_by = "time budget"
                     break
                 m = self.train_step()
-                self.last_metrics = m
                 bar.update(1)
                 if self.step == window_step:
                     window_t = time.perf_counter()
@@ -323,25 +394,44 @@ class Trainer:
                     t_eval = time.perf_counter()
                     res = self.evaluate()
                     eval_s = time.perf_counter() - t_eval
-                    self.history.append({"step": self.step, "loss": m.get("loss"), "dev": res})
-                    bar.write(
-                        f"step {self.step}: dev acceptance length {res['acceptance_length']:.3f} "
-                        f"per-position {[round(x, 3) for x in res['per_position']]}"
-                    )
+                    self.history.append({"step": self.step, "loss": self._losses(), "dev": res})
+                    bar.write(f"step {self.step}: dev acceptance length {self._dev_line(res)}")
                 if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
                     self.save_checkpoint()
         self.train_wall_s += time.perf_counter() - t0
         final = self.evaluate()
-        self.history.append({"step": self.step, "loss": self.last_metrics.get("loss"), "dev": final})
+        self.history.append({"step": self.step, "loss": self._losses(), "dev": final})
         self.save_checkpoint()
         return self.results(final)
 
-    def results(self, final: dict[str, Any]) -> dict[str, Any]:
-        """Everything worth recording about this run."""
+    def _losses(self) -> dict[str, float | None]:
+        return {r.spec.name: r.metrics.get("loss") for r in self.runs}
+
+    def results(self, final: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Everything worth recording about this run; `dev` is the chosen head's final dev acceptance."""
         cfg = self.cfg
+        best = self.best(final)
+        initial = self.dev_initial or {}
+        heads = {
+            r.spec.name: {
+                "spec": asdict(r.spec),
+                "description": r.spec.describe(self.args, cfg.num_draft_tokens),
+                "feature_layers": list(r.head.feature_layers),
+                "draft_vocab": r.head.draft_vocab_size,
+                "draft_vocab_coverage": r.vocab_coverage,
+                "loss_steps": len(r.weights),
+                "dev": final[r.spec.name],
+                "dev_initial": initial.get(r.spec.name),
+                "final_metrics": r.metrics,
+                "params": sum(p.numel() for p in r.head.parameters()),
+            }
+            for r in self.runs
+        }
         return {
-            "dev": final,
-            "dev_initial": self.dev_initial,
+            "best": best,
+            "dev": final[best],
+            "dev_initial": initial.get(best),
+            "heads": heads,
             "history": self.history,
             "train": {
                 "steps": self.step,
@@ -367,13 +457,17 @@ class Trainer:
                 "final_loss": self.last_metrics.get("loss"),
                 "final_metrics": self.last_metrics,
                 "wall_time_s": round(self.train_wall_s, 2),
+                "features_kept_on_device": self.store.keep,
                 "seed": cfg.seed,
             },
         }
 
-    def export(self, path: str | Path, metadata: dict[str, Any]) -> Path:
-        """Save the head as safetensors (fp32, `mtp.` names) with string metadata."""
+    def export(
+        self, path: str | Path, metadata: dict[str, Any], name: str | None = None, dtype: torch.dtype = torch.float32
+    ) -> Path:
+        """Save a head (the named one, else the first) as safetensors (`mtp.` names) with string metadata."""
+        run = next((r for r in self.runs if r.spec.name == name), self.runs[0])
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        self.head.save(p, {k: v if isinstance(v, str) else str(v) for k, v in metadata.items()})
+        run.head.save(p, {k: v if isinstance(v, str) else str(v) for k, v in metadata.items()}, dtype)
         return p

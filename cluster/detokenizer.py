@@ -1,0 +1,42 @@
+"""Streaming detokenization: text deltas from a growing list of token ids."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    It decodes a short window of recent tokens twice (with and without the new ones) and emits the
+    difference, holding text back while it ends in U+FFFD (a character whose bytes are not all in yet).
+    """
+
+    def __init__(self, tokenizer: Any, lock: threading.Lock) -> None:
+        self.tokenizer = tokenizer
+        self.lock = lock
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: context that makes the next decode stable
+        self.read_offset = 0  # tokens before this are already emitted as text
+
+    def _decode(self, ids: list[int]) -> str:
+        with self.lock:
+            return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def push(self, new_ids: list[int]) -> str:
+        """Add tokens; returns the newly completed text (possibly empty)."""
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back at the end of the request (an incomplete character decodes as U+FFFD)."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]

@@ -1,0 +1,225 @@
+"""Paged attention: a ragged path for batches mixing context chunks and decode rows, and a
+static-shape path for uniform generation steps (fixed buffers, safe to capture in a CUDA graph)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from modeling import triton_attention
+
+
+class Metadata(Protocol):
+    """What a layer needs: where to write this step's K/V, and how to attend."""
+
+    slot_mapping: torch.Tensor
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of q [T, H, D] over the cache; returns [T, H*D]."""
+        ...
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step index tensors shared by every layer (shapes in comments; T = scheduled tokens, B = seqs)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, cache slot written by each token
+    q_index: torch.Tensor  # [B, Q] int64, row of each padded query (pad rows point at 0)
+    q_valid: torch.Tensor  # [B, Q] bool
+    kv_slots: torch.Tensor  # [B, S] int64, cache slot of each key position (pad -> 0)
+    mask: torch.Tensor  # [B, 1, Q, S] bool, True where the query may attend
+    out_index: torch.Tensor  # [T] int64, flat index into [B*Q] for each scheduled token
+
+    @classmethod
+    def build(
+        cls,
+        seq_starts: list[int],
+        seq_num_tokens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build metadata for sequences whose new tokens occupy positions [start, start + n)."""
+        bsz = len(seq_starts)
+        q_max = max(seq_num_tokens)
+        s_max = max(s + n for s, n in zip(seq_starts, seq_num_tokens, strict=True))
+        q_index = torch.zeros(bsz, q_max, dtype=torch.long)
+        q_valid = torch.zeros(bsz, q_max, dtype=torch.bool)
+        q_pos = torch.zeros(bsz, q_max, dtype=torch.long)
+        kv_slots = torch.zeros(bsz, s_max, dtype=torch.long)
+        seq_len = torch.zeros(bsz, dtype=torch.long)
+        slot_rows, out_rows = [], []
+        row = 0
+        for b, (start, n, table) in enumerate(zip(seq_starts, seq_num_tokens, block_tables, strict=True)):
+            end = start + n
+            if (end + block_size - 1) // block_size > len(table):
+                raise ValueError(f"sequence {b} needs {end} slots but has {len(table)} blocks")
+            pos = torch.arange(end)
+            blocks = torch.tensor(table, dtype=torch.long)
+            slots = blocks[pos // block_size] * block_size + pos % block_size
+            kv_slots[b, :end] = slots
+            q_index[b, :n] = torch.arange(row, row + n)
+            q_valid[b, :n] = True
+            q_pos[b, :n] = torch.arange(start, end)
+            seq_len[b] = end
+            slot_rows.append(slots[start:end])
+            out_rows.append(torch.arange(n) + b * q_max)
+            row += n
+        key_pos = torch.arange(s_max)
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_len[:, None, None])
+        mask &= q_valid[:, :, None]
+        mask[:, :, 0] |= ~q_valid  # pad rows attend to one key so softmax stays finite
+        return cls(
+            slot_mapping=torch.cat(slot_rows).to(device),
+            q_index=q_index.to(device),
+            q_valid=q_valid.to(device),
+            kv_slots=kv_slots.to(device),
+            mask=mask[:, None].to(device),
+            out_index=torch.cat(out_rows).to(device),
+        )
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Ragged paged attention (see `paged_attention`)."""
+        return paged_attention(q, k_cache, v_cache, self, scale)
+
+
+@dataclass
+class RaggedMetadata:
+    """A ragged step for the Triton kernel: per-sequence row offsets and lengths instead of a dense mask
+    (no padding of short rows up to the longest chunk)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, M] int64 (padded with 0; never read past a sequence's length)
+    q_starts: torch.Tensor  # [B] int64, first row of each sequence in the flat batch
+    q_lens: torch.Tensor  # [B] int64, rows (new positions) of each sequence
+    seq_lens: torch.Tensor  # [B] int64, KV length after the step
+    max_q_len: int
+
+    @classmethod
+    def build(
+        cls,
+        seq_starts: list[int],
+        seq_num_tokens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> RaggedMetadata:
+        """Metadata for sequences whose new tokens occupy positions [start, start + n)."""
+        starts = np.asarray(seq_starts, dtype=np.int64)
+        counts = np.asarray(seq_num_tokens, dtype=np.int64)
+        ends = starts + counts
+        width = max(len(t) for t in block_tables)
+        table = np.zeros((len(block_tables), width), dtype=np.int64)
+        for b, (t, end) in enumerate(zip(block_tables, ends, strict=True)):
+            if (end + block_size - 1) // block_size > len(t):
+                raise ValueError(f"sequence {b} needs {end} slots but has {len(t)} blocks")
+            table[b, : len(t)] = t
+        owner = np.repeat(np.arange(len(counts)), counts)
+        pos = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+        slots = table[owner, pos // block_size] * block_size + pos % block_size
+        q_starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        packed = torch.from_numpy(np.concatenate([slots, q_starts, counts, ends, table.reshape(-1)])).to(device)
+        n, b = len(slots), len(counts)
+        s, qs, ql, sl, tb = packed.split([n, b, b, b, table.size])
+        return cls(s, tb.view(b, width), qs, ql, sl, int(counts.max()))
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Ragged paged attention (Triton; CUDA, or CPU under TRITON_INTERPRET)."""
+        return triton_attention.triton_ragged_attention(
+            q, k_cache, v_cache, self.block_tables, self.q_starts, self.q_lens, self.seq_lens, self.max_q_len, scale
+        )
+
+
+def ragged_metadata(
+    seq_starts: list[int],
+    seq_num_tokens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> Metadata:
+    """Metadata for a ragged step: the Triton kernel's on CUDA, the masked-SDPA path elsewhere."""
+    if torch.device(device).type == "cuda" and triton_attention.available():
+        return RaggedMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device)
+    return AttentionMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device)
+
+
+@dataclass
+class UniformMetadata:
+    """A generation step where each of B sequences has exactly Q new rows (decode Q=1, verify Q=K+1).
+
+    Every tensor has a fixed shape, so the step can be captured once per batch size and replayed.
+    """
+
+    slot_mapping: torch.Tensor  # [B*Q] int64 (padding rows write a scratch slot)
+    block_tables: torch.Tensor  # [B, M] int64, M = max blocks per sequence
+    seq_lens: torch.Tensor  # [B] int64, KV length after this step (padding: Q)
+    q_len: int  # Q
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of the last Q positions of each sequence over its blocks; returns [B*Q, H*D]."""
+        if q.is_cuda and triton_attention.available():
+            return triton_attention.triton_uniform_attention(
+                q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale
+            )
+        return uniform_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale)
+
+
+def uniform_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Reference static-shape kernel: gather every block of the table, mask by position. q [B*Q, H, D]."""
+    bsz, max_blocks = block_tables.shape
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    heads = q.shape[1]
+    keys = k_cache[block_tables].reshape(bsz, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    vals = v_cache[block_tables].reshape(bsz, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    qp = q.view(bsz, q_len, heads, head_dim).transpose(1, 2)
+    key_pos = torch.arange(max_blocks * block_size, device=q.device)
+    q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]  # [B, Q]
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    out = masked_sdpa(qp, keys.to(q.dtype), vals.to(q.dtype), mask[:, None], scale)
+    return out.transpose(1, 2).reshape(bsz * q_len, heads * head_dim)
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with a boolean mask and GQA. On CUDA the cuDNN backend is skipped: profiling showed it
+    spending ~2 ms of host time per call building plans for masked inputs."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, value: torch.Tensor) -> None:
+    """Store `value` [T, H, D] into the paged `cache` [blocks, block_size, H, D] at the given slots."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, value.to(cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of q [T, H, D] against cached keys/values; returns [T, H*D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    qp = q[meta.q_index].transpose(1, 2)  # [B, H, Q, D]
+    kp = flat_k[meta.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+    vp = flat_v[meta.kv_slots].transpose(1, 2).to(q.dtype)
+    out = masked_sdpa(qp, kp, vp, meta.mask, scale)
+    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [B*Q, H*D]
+    return out[meta.out_index]

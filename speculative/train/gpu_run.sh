@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The default draft head's recipe on one lent H200, in back-to-back device runs (see GPU_RUN.md):
+#   bash speculative/train/gpu_run.sh data  SECONDS   build (or continue) the dataset: 4 engine processes share the GPU
+#   bash speculative/train/gpu_run.sh train SECONDS   finish the data if needed, then train the ablation heads side by side
+#   bash speculative/train/gpu_run.sh eval  [HEAD...]  online acceptance on the held-apart sets, throughput, data export
+# Run from the checkout root after staging the model in /root/model and the wheels in /tmp/site. Writes under $OUT.
+set -uo pipefail
+MODEL=/root/model/SmolLM2-135M-Instruct.Q4_1.gguf
+DATA=/root/mtpdata
+HEADS=/root/heads
+OUT=${OUT:-/tmp/mtpserve-out}
+MIX=${MIX:-chat=10,steered=3,magpie=3,math=5,code=5,long=3,multi=5,seed=1}
+SHARDS=${SHARDS:-4}
+# the ablation of the model card; HEAD_SPECS="fused:layers=fused" trains the shipped layout alone
+HEAD_SPECS=${HEAD_SPECS:-"base:layers=last fused:layers=fused fused-v16k:layers=fused,vocab=16384 fused-k1:layers=fused,k=1"}
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export MTPSERVE_CACHE=/root/mtpcache TQDM_MININTERVAL=30
+mkdir -p "$OUT" "$HEADS"
+start=$(date +%s)
+left() { echo $(($1 - ($(date +%s) - start))); }
+
+data() {  # $1: seconds for this step
+  python3 -c "from modeling.loader import resolve_model; resolve_model('$MODEL', 'auto').weights()" || return 1
+  for w in $(seq 0 $((SHARDS - 1))); do
+    python3 -m cluster train-draft --stage data --device cuda --target "$MODEL" --data-dir "$DATA" --mix "$MIX" \
+      --part-size 2048 --gen-batch-size 256 --seed 0 --shard "$w/$SHARDS" --time-budget "$(left "$1")" \
+      > "$OUT/data-$w.log" 2>&1 &
+  done
+  wait
+  python3 - "$DATA" > "$OUT/data-summary.json" <<'PY'
+import json, pathlib, sys, torch
+root = pathlib.Path(sys.argv[1])
+parts = sorted(root.glob("parts/*.pt"))
+rows = []
+for p in parts:
+    d = torch.load(p, weights_only=True)
+    rows.append({"part": p.stem, "seqs": len(d["ids"]), "tokens": int(sum(t.numel() for t in d["ids"])), "wall_s": round(d["wall_s"], 1)})
+meta = json.loads((root / "meta.json").read_text()) if (root / "meta.json").is_file() else None
+print(json.dumps({"parts": rows, "complete": meta is not None, "counts": meta and meta["counts"],
+                  "tokens": sum(r["tokens"] for r in rows)}, indent=1))
+PY
+  tail -c 400 "$OUT"/data-*.log
+}
+
+train() {  # $1: seconds for this step
+  [ -f "$DATA/meta.json" ] || data $(($1 / 3))
+  [ -f "$DATA/meta.json" ] || { echo "dataset unfinished"; return 1; }
+  python3 -m cluster train-draft --stage train --device cuda --target "$MODEL" --data-dir "$DATA" --seed 0 \
+    --holdout-source seed --dev-fraction 0.006 --batch-size 64 --max-batch-tokens 24576 --lr 6e-4 \
+    --warmup-steps 150 --steps 100000 --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 --ckpt-every 0 \
+    $(for s in $HEAD_SPECS; do printf -- '--head-spec %s ' "$s"; done) \
+    --export-dtype bfloat16 --out "$HEADS/smollm2-135m-mtp.safetensors" \
+    > "$OUT/train.log" 2>&1
+  status=$?
+  cp "$HEADS"/MODEL_CARD.md "$HEADS"/*.results.json "$HEADS"/*.safetensors "$OUT"/ 2>/dev/null
+  tail -c 1500 "$OUT/train.log"
+  return $status
+}
+
+evaluate() {  # heads: the trained ones and any given
+  sets=(--prompts bench/prompts/heldout/chat.jsonl --prompts bench/prompts/heldout/code.jsonl
+        --prompts bench/prompts/heldout/math.jsonl --prompts bench/prompts/chat_dev.jsonl)
+  for h in "$HEADS"/*.safetensors "$@"; do
+    name=$(basename "$(dirname "$h")")-$(basename "$h" .safetensors)
+    python3 -m cluster bench acceptance --device cuda --model "$MODEL" --draft "$h" --num-draft-tokens 3 \
+      --max-tokens 128 "${sets[@]}" --quiet --json "$OUT/acc-$name.json" > "$OUT/acc-$name.log" 2>&1
+    tail -n 8 "$OUT/acc-$name.log"
+  done
+}
+
+case "${1:-}" in
+  data) data "${2:-540}" ;;
+  train) train "${2:-560}" ;;
+  eval) shift; evaluate "$@" ;;
+  *) echo "usage: $0 data|train SECONDS | eval [HEAD...]" >&2; exit 2 ;;
+esac

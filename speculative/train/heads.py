@@ -1,0 +1,115 @@
+"""Draft heads to train side by side: their specs (the choices an ablation varies) and how they are built.
+
+A spec reads `name:key=value,...` on the command line, e.g. `fused-v16k:layers=fused,vocab=16384,k=3`:
+- layers: `last` (the target's last layer only, the plain MTP input), `fused` (EAGLE-3's low / middle /
+  high layers) or explicit 0-based layer indices joined by `/` (ascending, ending at the last layer);
+- vocab: 0 for the target's whole vocabulary, else the N most frequent response tokens of the training split;
+- k: unrolled steps in the loss (training-time test); 1 trains only the first draft position.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from modeling.model import LlamaArgs
+from speculative.mtp_head import check_feature_layers, default_feature_layers, fused_feature_layers
+from speculative.train.data import TokenDataset
+from speculative.train.errors import TrainSetupError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class HeadSpec:
+    """One head to train: its name and the choices an ablation varies."""
+
+    name: str = "head"
+    layers: str = "last"  # 'last', 'fused' or '2/15/29'
+    draft_vocab: int = 0  # 0: the target's whole vocabulary
+    num_draft_tokens: int | None = None  # unrolled loss steps; None: the run's --num-draft-tokens
+
+    def feature_layers(self, args: LlamaArgs) -> tuple[int, ...]:
+        """The target layers this head reads."""
+        if self.layers == "last":
+            return default_feature_layers(args)
+        if self.layers == "fused":
+            return fused_feature_layers(args)
+        try:
+            return tuple(int(x) for x in self.layers.split("/"))
+        except ValueError:
+            raise TrainSetupError("--head-spec", f"{self.name}: layers must be last, fused or i/j/k") from None
+
+    def text(self) -> str:
+        """The spec as `--head-spec` reads it."""
+        k = f",k={self.num_draft_tokens}" if self.num_draft_tokens is not None else ""
+        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}"
+
+    def describe(self, args: LlamaArgs, k: int) -> str:
+        """A short human description, for tables."""
+        layers = self.feature_layers(args)
+        feat = "last layer" if len(layers) == 1 else "fused layers " + "/".join(map(str, layers))
+        vocab = "full vocab" if not self.draft_vocab else f"vocab {self.draft_vocab}"
+        return f"{feat}, {vocab}, loss over {self.num_draft_tokens or k} step(s)"
+
+
+def parse_head_spec(text: str) -> HeadSpec:
+    """`name:layers=fused,vocab=16384,k=3` -> HeadSpec; raises TrainSetupError naming --head-spec."""
+    name, _, rest = text.partition(":")
+    if not _NAME.match(name):
+        raise TrainSetupError("--head-spec", f"'{text}': the name must be letters, digits, '-', '_' or '.'")
+    spec = HeadSpec(name=name)
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise TrainSetupError("--head-spec", f"'{text}': '{item}' is not key=value")
+        if key not in ("layers", "vocab", "k"):
+            raise TrainSetupError("--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k)")
+        try:
+            if key == "layers":
+                spec.layers = value
+            elif key == "vocab":
+                spec.draft_vocab = int(value)
+            else:
+                spec.num_draft_tokens = int(value)
+        except ValueError:
+            raise TrainSetupError("--head-spec", f"'{text}': {key} must be an integer, got '{value}'") from None
+    if spec.draft_vocab < 0 or (spec.num_draft_tokens is not None and spec.num_draft_tokens < 1):
+        raise TrainSetupError("--head-spec", f"'{text}': vocab must be >= 0 and k >= 1")
+    return spec
+
+
+def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int) -> None:
+    """Raise TrainSetupError for duplicate names, bad layers, vocabularies larger than the target's, k > K."""
+    names = [s.name for s in specs]
+    if not specs or len(set(names)) != len(names):
+        raise TrainSetupError("--head-spec", f"heads need distinct names, got {names}")
+    for s in specs:
+        try:
+            check_feature_layers(s.feature_layers(args), args)
+        except ValueError as exc:
+            raise TrainSetupError("--head-spec", f"{s.name}: {exc}") from None
+        if s.draft_vocab > args.vocab_size:
+            raise TrainSetupError("--head-spec", f"{s.name}: vocab {s.draft_vocab} > the target's {args.vocab_size}")
+        if (s.num_draft_tokens or k) > k:
+            raise TrainSetupError("--head-spec", f"{s.name}: k {s.num_draft_tokens} > --num-draft-tokens {k}")
+
+
+def response_token_counts(data: TokenDataset, indices: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the responses of `indices` [V] (what the draft must predict)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in indices:
+        resp = data.ids[i][data.response_start[i] :]
+        counts += torch.bincount(resp, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def frequent_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent token ids (ascending; ties to the lower id) and the share of counts they cover."""
+    order = torch.sort(-counts, stable=True).indices[:size]
+    ids = torch.sort(order).values
+    total = int(counts.sum())
+    return ids, (int(counts[ids].sum()) / total if total else 1.0)

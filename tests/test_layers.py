@@ -1,0 +1,97 @@
+"""The import contracts in pyproject.toml hold on the tree, and break on an upward import or a circle.
+
+Each check runs `lint-imports` on a copy of the packages, so the real tree is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("cluster", "workers", "speculative", "modeling", "proto", "deploy")
+MAX_LINES = 500
+LAYERS = "Layers: cluster > workers > speculative > modeling > proto"
+NO_CYCLES = "No import cycles between the modules of one package"
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """Run lint-imports with `root` as the working directory (its packages shadow any installed ones)."""
+    exe = Path(sys.executable).with_name("lint-imports")
+    cmd = [str(exe)] if exe.is_file() else [shutil.which("lint-imports") or "lint-imports"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([*cmd, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A copy of pyproject.toml and the packages' Python files."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
+    return tmp_path
+
+
+def add_line(path: Path, line: str) -> None:
+    path.write_text(path.read_text() + line + "\n")
+
+
+def test_contracts_hold(tree: Path) -> None:
+    res = lint_imports(tree)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 broken" in res.stdout
+
+
+def test_upward_import_fails(tree: Path) -> None:
+    add_line(
+        tree / "speculative" / "verify.py", "from cluster import engine  # upward: the algorithm reaching the cluster"
+    )
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert f"{LAYERS} BROKEN" in res.stdout
+    assert "speculative is not allowed to import cluster" in res.stdout
+    assert "speculative.verify -> cluster.engine" in res.stdout
+
+
+def test_model_layer_cannot_import_runtimes(tree: Path) -> None:
+    add_line(tree / "modeling" / "kv_cache.py", "import workers.runner")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert "modeling is not allowed to import workers" in res.stdout
+
+
+def test_proto_imports_no_project_package(tree: Path) -> None:
+    add_line(tree / "proto" / "codec.py", "import speculative.messages")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert "proto is not allowed to import speculative" in res.stdout
+
+
+def test_circle_between_two_modules_fails(tree: Path) -> None:
+    add_line(tree / "cluster" / "client.py", "import cluster.cmd_generate")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert f"{NO_CYCLES} BROKEN" in res.stdout
+
+
+def test_service_never_imports_deploy(tree: Path) -> None:
+    add_line(tree / "cluster" / "cli.py", "import deploy.render")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert "The service does not import deploy BROKEN" in res.stdout
+
+
+def test_no_source_file_over_limit() -> None:
+    files = [
+        p
+        for top in (*PACKAGES, "tests", "bench")
+        for p in (ROOT / top).rglob("*.py")
+        if "_pb2" not in p.name and "__pycache__" not in p.parts
+    ]
+    too_long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert files and not too_long, f"files over {MAX_LINES} lines: {too_long}"

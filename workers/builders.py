@@ -1,0 +1,146 @@
+"""Builders of the in-process target and draft: model, KV cache, runner, captured steps, MTP chain.
+
+The in-process engine (cluster/engine.py) and the Ray worker actors (target_worker.py, draft_worker.py)
+build their parts with these functions from one MTPServeConfig.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modeling.errors import ModelLoadError
+from modeling.kv_cache import KVCache
+from modeling.layer_ops import pick_ops
+from modeling.loader import ModelSource, resolve_model
+from modeling.model import LlamaArgs, LlamaModel, prepare_for_inference
+from speculative.lookahead import LookaheadBuffer
+from speculative.methods import DraftMethod
+from speculative.mtp_chain import MTPEagleChain
+from speculative.mtp_head import MTPEagleHead
+from workers.chain_step import UniformChainStep
+from workers.config import MTPServeConfig
+from workers.fused_step import FusedSpecStep
+from workers.runner import TargetRunner, UniformTargetStep
+
+log = logging.getLogger(__name__)
+DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"
+
+
+def load_target(cfg: MTPServeConfig) -> tuple[ModelSource, LlamaArgs, dict[str, torch.Tensor]]:
+    """Resolve the configured model and read its (full, unsharded) weights."""
+    source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
+    return source, source.args(), source.weights(seed=cfg.model.seed)
+
+
+def max_model_len(cfg: MTPServeConfig, args: LlamaArgs) -> int:
+    """Prompt + output cap: the configured value, never above the model's positions."""
+    return min(cfg.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+
+
+def num_blocks_for(cfg: MTPServeConfig, max_model_len: int) -> int:
+    """KV blocks to allocate: the configured count, or room for every slot plus one full-length request."""
+    sc = cfg.scheduler
+    if sc.num_kv_blocks:
+        return sc.num_kv_blocks
+    per_request = -(-256 // sc.block_size)
+    full = -(-(max_model_len + 2 * cfg.speculative.num_draft_tokens) // sc.block_size)
+    return max(sc.max_num_requests * per_request, full) + 1
+
+
+def build_target(
+    args: LlamaArgs,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: str,
+    tp: Any = None,
+    fused_kernels: bool = True,
+) -> LlamaModel:
+    """Construct the (sharded) target model, load weights and prepare it for inference."""
+    model = LlamaModel(args, tp)
+    model.load_hf_state_dict(weights)
+    model = model.to(device=device, dtype=dtype).eval()
+    return model.prepare_for_inference(pick_ops(device, fused_kernels))
+
+
+def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:
+    """Blocks per request the captured steps' block tables hold: a full-length request plus draft slots."""
+    return -(-(max_len + 2 * k) // cfg.scheduler.block_size)
+
+
+def build_runner(
+    cfg: MTPServeConfig, model: LlamaModel, cache: KVCache, device: str, k: int, max_len: int
+) -> TargetRunner:
+    """The target runner, with captured generation steps (Q = K+1 rows per request) on CUDA."""
+    uniform = None
+    if device.startswith("cuda") and cfg.model.cuda_graphs:
+        max_blocks = graph_max_blocks(cfg, k, max_len)
+        uniform = UniformTargetStep(model, cache, k + 1, cfg.scheduler.max_num_requests, max_blocks, device)
+        uniform.steps.capture()
+    return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform)
+
+
+def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int) -> FusedSpecStep:
+    """Generation steps with the colocated draft (greedy and sampling), captured per batch bucket."""
+    max_blocks = graph_max_blocks(cfg, k, max_len)
+    fused = FusedSpecStep(
+        target.model, target.cache, chain, k, cfg.scheduler.max_num_requests, max_blocks, target.device
+    )
+    fused.steps.capture()
+    return fused
+
+
+def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: int) -> None:
+    """Capture the chain's generation-only steps on CUDA, for a draft that runs apart from the target's
+    fused step (a separate draft worker, or rank 0 of a Ray target group)."""
+    k = cfg.speculative.num_draft_tokens
+    if isinstance(draft, MTPEagleChain) and draft.device.type == "cuda" and cfg.model.cuda_graphs:
+        max_blocks = graph_max_blocks(cfg, k, max_len)
+        draft.uniform = UniformChainStep(draft, k, cfg.scheduler.max_num_requests, max_blocks)
+        draft.uniform.capture()
+
+
+def load_head(cfg: MTPServeConfig, args: LlamaArgs) -> MTPEagleHead | None:
+    """The configured draft head: shipped default, explicit path, explicit random, or None."""
+    spec = cfg.speculative
+    if not spec.enabled or spec.draft is None:
+        return None
+    if spec.draft == "random":
+        log.warning("using an untrained random MTP head (explicitly requested): acceptance will be near zero")
+        head = MTPEagleHead(args)
+        head.init_random(seed=cfg.model.seed)
+        return head
+    if spec.draft == "default":
+        if cfg.model.path is not None or not DEFAULT_HEAD.is_file():
+            log.warning("no default draft head for this model; speculation is off (pass --draft PATH)")
+            return None
+        path = DEFAULT_HEAD
+    else:
+        path = Path(spec.draft)
+    if not path.is_file():
+        raise ModelLoadError(f"speculative.draft '{spec.draft}' is not a file; train one with `mtpserve train-draft`")
+    try:
+        return MTPEagleHead.load(path, args)
+    except Exception as exc:
+        raise ModelLoadError(f"draft head {path} does not fit this target: {exc}") from exc
+
+
+def build_draft(
+    cfg: MTPServeConfig,
+    head: MTPEagleHead | None,
+    shared: LlamaModel,
+    num_blocks: int,
+    device: str,
+    dtype: torch.dtype,
+) -> DraftMethod | None:
+    """The MTP Eagle chain around `head`, sharing `shared`'s embedding and output head, or None."""
+    if head is None:
+        return None
+    head = head.to(device=device, dtype=dtype).eval()
+    prepare_for_inference(head, pick_ops(device, cfg.model.fused_kernels))
+    cache = head.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
+    lookahead = LookaheadBuffer(cfg.scheduler.max_num_requests, device)
+    return MTPEagleChain(head, shared, cache, lookahead, device, cfg.scheduler.max_num_batched_tokens)

@@ -1,0 +1,125 @@
+"""Service configuration: pydantic models loadable from YAML and overridable by CLI flags.
+
+It sits with the worker runtimes because the worker actors and builders are made from it; the cluster
+layer above reads it as well.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Which target model to load and where it runs."""
+
+    path: str | None = Field(
+        None, description="HF Llama directory or .gguf file; None loads the default SmolLM2-135M-Instruct"
+    )
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(None, gt=0, description="cap on prompt + output tokens")
+    cache_dir: str | None = Field(None, description="where converted safetensors are cached")
+    seed: int = 0
+    cuda_graphs: bool = Field(True, description="capture generation steps in CUDA graphs (CUDA only)")
+    overlap_steps: bool = Field(
+        True,
+        description="decoding on captured steps: queue the next step before reading this one's tokens, so "
+        "host work overlaps GPU work",
+    )
+    overlap_speculative: bool = Field(
+        True,
+        description="overlap speculative steps too (draft in process, TP=1); needs overlap_steps",
+    )
+    fused_kernels: bool = Field(
+        True,
+        description="fused Triton kernels (CUDA only): norm+residual, RoPE+KV write, SwiGLU, and for small steps "
+        "matrix-vector projections, greedy tokens without logits and the MTP head's input in one launch",
+    )
+
+
+class SpeculativeConfig(_Strict):
+    """MTP Eagle draft settings."""
+
+    enabled: bool = True
+    draft: str | None = Field(
+        "default",
+        description="'default' (shipped head), 'random' (untrained, tests only), a safetensors path, or None",
+    )
+    num_draft_tokens: int = Field(3, ge=1, le=8)
+    lookahead_source: Literal["prompt", "sampled"] = Field(
+        "prompt", description="'sampled' reproduces the pre-fix chunked-prefill bug, for ablation only"
+    )
+
+
+class SchedulerConfig(_Strict):
+    """Context-chunk scheduling and KV-cache limits."""
+
+    max_num_batched_tokens: int = Field(512, gt=0)
+    chunk_size: int = Field(256, gt=0, description="max prompt tokens one request computes per step")
+    max_num_requests: int = Field(64, gt=0, description="concurrent running requests (slots)")
+    block_size: int = Field(16, gt=0)
+    num_kv_blocks: int | None = Field(None, gt=0, description="None sizes the cache from max_num_requests")
+    max_queue: int = Field(1024, gt=0, description="waiting requests before RESOURCE_EXHAUSTED")
+
+
+class ParallelConfig(_Strict):
+    """Tensor parallelism and actor placement."""
+
+    tp_size: int = Field(1, ge=1)
+    draft_placement: Literal["separate", "colocated"] = "colocated"
+    distributed: bool = Field(False, description="run through Ray actors even at tp_size 1")
+    ray_address: str | None = None
+
+
+class ServerConfig(_Strict):
+    """Public gRPC and metrics endpoints."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(50051, ge=0, le=65535)
+    metrics_port: int = Field(9090, ge=0, le=65535)
+    max_message_mb: int = Field(256, gt=0)
+
+
+class MTPServeConfig(_Strict):
+    """The whole service configuration."""
+
+    model: ModelConfig = ModelConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> MTPServeConfig:
+        k = self.speculative.num_draft_tokens if self.speculative.enabled else 0
+        if self.scheduler.max_num_batched_tokens < k + 1:
+            raise ValueError("scheduler.max_num_batched_tokens must be at least num_draft_tokens + 1")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> MTPServeConfig:
+        """Load a YAML file, then apply dotted-key overrides such as {"parallel.tp_size": 2}."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
+        return cls.from_dict(data, overrides)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], overrides: dict[str, Any] | None = None) -> MTPServeConfig:
+        """Build from nested dicts plus dotted-key overrides (None values are skipped)."""
+        merged: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+        for dotted, value in (overrides or {}).items():
+            if value is None:
+                continue
+            section, _, key = dotted.partition(".")
+            merged.setdefault(section, {})[key] = value
+        return cls.model_validate(merged)
