@@ -31,7 +31,7 @@ from speculative.train.dense import head_unrolled, target_hidden, unroll_mask
 from speculative.train.eval import evaluate
 from speculative.train.generators import GenSettings, HFGenerator
 from speculative.train.recipes import RecipeSettings
-from speculative.train.trainer import TrainConfig, build_shared
+from speculative.train.trainer import TrainConfig, build_shared, next_replan
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -216,6 +216,14 @@ def test_time_budget_cuts_the_schedule_to_fit(target_dir: Path, data_dir: Path, 
     # The cosine schedule was sized from measured step times; on a busy CPU the last steps may run slower.
     assert 0.6 * train["schedule_steps"] <= train["steps"] <= train["schedule_steps"]
     assert train["warmup_steps"] <= max(24, train["steps"] // 20)
+
+
+def test_resumed_runs_replan_from_their_own_start() -> None:
+    """A run resumed at step 3555 re-sizes its schedule 92 and 368 steps in, as a fresh run does from 0;
+    planning only at 4x the absolute step would have left it on its cold first estimate."""
+    assert next_replan(23, 0) == 92 and next_replan(92, 0) == 368
+    assert next_replan(3555 + 23, 3555) == 3555 + 92
+    assert next_replan(3555 + 92, 3555) == 3555 + 368
 
 
 def test_bad_arguments_give_clear_errors(target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,6 +92,11 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def next_replan(step: int, run_start: int) -> int:
+    """The step at which a budgeted run next re-sizes its schedule: four times as far into this run as now."""
+    return run_start + 4 * (step - run_start)
+
+
 def build_shared(args: LlamaArgs, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> LlamaModel:
     """The frozen target (embedding, layers, final norm, lm_head) for hidden states and the shared head."""
     model = LlamaModel(args)
@@ -366,7 +371,8 @@ class Trainer:
         log.info("dev acceptance at step %d: %s", self.step, self._dev_line(first))
         t0 = time.perf_counter()
         requested = self.total_steps
-        window_step, next_plan = self.step + 3, self.step + 23  # re-planned at steps 23, 92, 368, ... from the start
+        run_start = self.step  # a resumed run plans from its own first steps, which are slow while warming up
+        window_step, next_plan = self.step + 3, self.step + 23  # re-planned 23, 92, 368, ... steps into this run
         window_t = None
         with tqdm(total=self.total_steps, initial=self.step, desc="train-draft", unit="step") as bar:
             while self.step < self.total_steps:
@@ -385,7 +391,7 @@ class Trainer:
                     now = time.perf_counter()
                     self._plan_steps((now - window_t) / (self.step - window_step), eval_s, requested)
                     bar.total = self.total_steps
-                    window_step, window_t, next_plan = self.step, now, 4 * self.step
+                    window_step, window_t, next_plan = self.step, now, next_replan(self.step, run_start)
                 if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
                     shown = {"loss": f"{m.get('loss', float('nan')):.3f}", "acc1": f"{m.get('acc1', 0):.2f}"}
                     shown["lr"] = f"{m['lr']:.2e}"
