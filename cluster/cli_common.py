@@ -82,6 +82,11 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "server.host": a.get("host"),
         "server.port": a.get("port"),
         "server.metrics_port": a.get("metrics_port"),
+        "server.tls.cert_file": a.get("tls_cert"),
+        "server.tls.key_file": a.get("tls_key"),
+        "server.tls.client_ca_file": a.get("tls_client_ca"),
+        "server.auth_token_file": a.get("auth_token_file"),
+        "server.allow_insecure": True if a.get("allow_insecure") else None,
     }
     try:
         if a.get("config"):

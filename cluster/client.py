@@ -88,17 +88,50 @@ def build_request(
     return req
 
 
-class MTPServeClient:
-    """A connection to an mtpserve server; `timeout` is the default deadline per call in seconds."""
+def _read(path: str | None) -> bytes | None:
+    """A PEM file's bytes (None for None)."""
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
-    def __init__(self, address: str, timeout: float | None = 300.0, max_message_mb: int = 256) -> None:
+
+class MTPServeClient:
+    """A connection to an mtpserve server; `timeout` is the default deadline per call in seconds.
+
+    auth_token: sent as `authorization: Bearer <token>` on every call. TLS is used when `tls` is true or any
+    TLS file is given: `tls_ca_file` is the CA bundle that signed the server's certificate (None: the
+    system's roots), `tls_cert_file` / `tls_key_file` the client certificate for mutual TLS.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = 300.0,
+        max_message_mb: int = 256,
+        *,
+        auth_token: str | None = None,
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+    ) -> None:
         limit = max_message_mb * 1024 * 1024
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(
-            address,
-            options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
-        )
+        options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together (the client certificate and its key)")
+        if tls or tls_ca_file or tls_cert_file:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca_file),
+                private_key=_read(tls_key_file),
+                certificate_chain=_read(tls_cert_file),
+            )
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -128,7 +161,7 @@ class MTPServeClient:
     ) -> Iterator[Chunk]:
         """Yield chunks as the server produces them; closing the iterator early cancels the request."""
         req = build_request(prompt, token_ids, raw, request_id, **sampling)
-        call = self.stub.Generate(req, timeout=timeout if timeout is not None else self.timeout)
+        call = self.stub.Generate(req, timeout=timeout if timeout is not None else self.timeout, metadata=self.metadata)
         try:
             for msg in call:
                 yield Chunk.from_proto(msg)
@@ -159,16 +192,20 @@ class MTPServeClient:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; True if it was in flight."""
-        return bool(self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout).aborted)
+        return bool(
+            self.stub.Abort(
+                pb.AbortRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata
+            ).aborted
+        )
 
     def model_info(self) -> dict[str, Any]:
         """The served model and draft head, as a dict with the proto's field names."""
-        msg = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        msg = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self.metadata)
         return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
     def stats(self) -> dict[str, Any]:
         """Aggregate acceptance statistics, load and KV-cache use."""
-        msg = self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout)
+        msg = self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=self.metadata)
         return {
             "totals": stats_dict(msg.totals),
             "requests_running": msg.requests_running,

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from cluster.cli_common import add_engine_flags, config_from_args
 from cluster.errors import MTPServeError
+
+if TYPE_CHECKING:
+    from cluster.client import MTPServeClient
+
+TOKEN_ENV = "MTPSERVE_AUTH_TOKEN"
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -31,6 +38,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, finish_reason, stats")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds (--server)")
+    g = p.add_argument_group("security (--server)")
+    g.add_argument(
+        "--auth-token-file", help="file with the server's bearer token (default: $MTPSERVE_AUTH_TOKEN if set)"
+    )
+    g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CA roots")
+    g.add_argument("--tls-ca", help="PEM CA bundle that signed the server's certificate (implies --tls)")
+    g.add_argument("--tls-cert", help="PEM client certificate for mutual TLS (with --tls-key)")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
     add_engine_flags(p)
     p.set_defaults(func=run)
 
@@ -77,16 +92,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def client_for(args: argparse.Namespace) -> MTPServeClient:
+    """The client that the --server and security flags describe; ValueError/OSError for unusable files."""
+    from cluster.client import MTPServeClient
+
+    token = os.environ.get(TOKEN_ENV) or None
+    if args.auth_token_file:
+        with open(args.auth_token_file) as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"--auth-token-file: '{args.auth_token_file}' is empty")
+    return MTPServeClient(
+        args.server,
+        timeout=args.timeout,
+        auth_token=token,
+        tls=args.tls,
+        tls_ca_file=args.tls_ca,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+    )
+
+
 def run_remote(args: argparse.Namespace) -> int:
     """`mtpserve generate --server HOST:PORT`: stream text to stdout, or print one JSON object with --json."""
     import grpc
 
-    from cluster.client import MTPServeClient
-
     sampling = sampling_dict(args)
     raw = bool(getattr(args, "raw", False))
     try:
-        with MTPServeClient(args.server, timeout=args.timeout) as client:
+        client = client_for(args)
+    except (OSError, ValueError) as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             if args.json:
                 print(json.dumps(client.generate(args.prompt, raw=raw, **sampling)))
                 return 0

@@ -21,10 +21,22 @@ log = logging.getLogger(__name__)
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """Server flags plus the shared engine flags (also used by `python -m cluster.job`)."""
     g = p.add_argument_group("server")
-    g.add_argument("--host", help="address to bind (default 0.0.0.0)")
+    g.add_argument(
+        "--host",
+        help="address to bind (default 127.0.0.1); any other address needs --auth-token-file and/or TLS, "
+        "or --allow-insecure",
+    )
     g.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
     g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free one)")
     g.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
+    g = p.add_argument_group("security (docs: README, 'Security')")
+    g.add_argument("--auth-token-file", help="file with the bearer token that every Inference call must carry")
+    g.add_argument("--tls-cert", help="PEM server certificate chain (with --tls-key: serve TLS)")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    g.add_argument(
+        "--allow-insecure", action="store_true", help="serve a non-loopback --host without TLS and without a token"
+    )
     add_engine_flags(p)
 
 
@@ -66,9 +78,15 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     With Ray (tp_size > 1, --distributed or --address) the scheduler and the gRPC front end run in a
     scheduler actor on this node, which starts the worker actors; this process only waits.
     """
+    from cluster.auth import check_server_files
     from cluster.build import build_engine, uses_ray
     from cluster.server import MTPServer
 
+    try:
+        check_server_files(cfg.server)
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
     if uses_ray(cfg):
         return serve_with_actor(cfg, stop)
 

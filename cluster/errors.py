@@ -7,6 +7,7 @@ from __future__ import annotations
 from modeling.errors import ModelLoadError, MTPServeError
 
 __all__ = [
+    "ConfigError",
     "InvalidRequestError",
     "MTPServeError",
     "ModelLoadError",
@@ -18,6 +19,15 @@ __all__ = [
 
 class InvalidRequestError(MTPServeError, ValueError):
     """A request field is invalid; maps to gRPC INVALID_ARGUMENT."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class ConfigError(MTPServeError):
+    """A configured file or value cannot be used at start-up; the message names the config field."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")

@@ -41,6 +41,12 @@ class ServerMetrics:
             buckets=TPOT_BUCKETS,
             registry=r,
         )
+        self.auth_failures = Counter(
+            f"{prefix}_auth_failures",
+            "Calls refused for a missing or invalid bearer token, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge(f"{prefix}_queue_depth", "Requests waiting for a slot", registry=r)
         self.running = Gauge(f"{prefix}_requests_running", "Requests holding a slot", registry=r)
         self.kv_usage = Gauge(f"{prefix}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)

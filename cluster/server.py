@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.auth import BearerTokenInterceptor, read_secret, server_credentials
 from cluster.engine import LLMEngine
 from cluster.engine_loop import EngineLoop
 from cluster.metrics import ServerMetrics
@@ -73,11 +74,18 @@ class MTPServer:
             self.health.set(name, status)
 
     def start(self) -> None:
-        """Start the engine loop, bind the gRPC port and the metrics endpoint."""
+        """Start the engine loop, bind the gRPC port (TLS and the token check as configured) and the metrics
+        endpoint; ConfigError when a credential file cannot be read."""
         sc = self.cfg.server
         limit = sc.max_message_mb * 1024 * 1024
         sched = self.cfg.scheduler
         workers = min(sched.max_num_requests + sched.max_queue, 1024) + 16
+        interceptors = []
+        if sc.auth_token_file is not None:
+            token = read_secret(sc.auth_token_file, "server.auth_token_file")
+            refused = self.metrics.auth_failures
+            interceptors.append(BearerTokenInterceptor(token, lambda reason: refused.labels(reason=reason).inc()))
+        credentials = server_credentials(sc.tls) if sc.tls.enabled else None
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtpserve-grpc"),
             options=[
@@ -86,6 +94,7 @@ class MTPServer:
                 ("grpc.so_reuseport", 0),
             ],
             maximum_concurrent_rpcs=workers,
+            interceptors=interceptors,
         )
         pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -93,7 +102,8 @@ class MTPServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-        self.port = server.add_insecure_port(_host_port(sc.host, sc.port))
+        bind = _host_port(sc.host, sc.port)
+        self.port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
         self.loop.start()
         server.start()
         self._grpc = server

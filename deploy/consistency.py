@@ -140,6 +140,29 @@ def _config_mount(template: Doc, config_map: Doc) -> str | None:
     return None
 
 
+def _secret_mounts(template: Doc) -> dict[str, str]:
+    """mountPath -> Secret name for the head container's Secret volumes."""
+    container = template["spec"]["containers"][0]
+    volumes = {v.get("name"): v for v in template["spec"].get("volumes") or []}
+    out = {}
+    for mount in container.get("volumeMounts") or []:
+        secret = (volumes.get(mount.get("name")) or {}).get("secret") or {}
+        if secret.get("secretName"):
+            out[str(mount.get("mountPath", "")).rstrip("/")] = str(secret["secretName"])
+    return out
+
+
+def _credential_errors(where: str, template: Doc, cfg: Any) -> Iterator[str]:
+    """Every credential file the server config names must sit in a Secret mounted on the head."""
+    sc = cfg.server
+    files = {"server.auth_token_file": sc.auth_token_file, "server.tls.cert_file": sc.tls.cert_file}
+    files |= {"server.tls.key_file": sc.tls.key_file, "server.tls.client_ca_file": sc.tls.client_ca_file}
+    mounts = _secret_mounts(template)
+    for field, path in files.items():
+        if path is not None and not any(path.startswith(m + "/") for m in mounts):
+            yield f"{where}: {field} {path!r} is not inside a Secret volume mounted on the head"
+
+
 def _head_errors(
     owner: Doc, path: list[Any], template: Doc, cfg: Any, config_map: Doc, jobs: list[Doc]
 ) -> Iterator[str]:
@@ -156,6 +179,7 @@ def _head_errors(
     head_spec = _group_of(owner, path)
     if str((head_spec.get("rayStartParams") or {}).get("num-gpus")) != "0":
         yield f"{where}: the head must start with rayStartParams num-gpus: '0'"
+    yield from _credential_errors(where, template, cfg)
     mount = _config_mount(template, config_map)
     if mount is None:
         yield f"{where}: the head does not mount ConfigMap {config_map['metadata']['name']}"

@@ -247,7 +247,20 @@ def _mutations() -> list[tuple[str, Any, str]]:
     def config_path(docs: list[dict[str, Any]]) -> None:
         one(docs, "RayJob")["spec"]["entrypoint"] = "python -m cluster.job --config /etc/other.yaml"
 
+    def token_unmounted(docs: list[dict[str, Any]]) -> None:
+        spec = one(docs, "RayJob")["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+        spec["containers"][0]["volumeMounts"] = [
+            m for m in spec["containers"][0]["volumeMounts"] if m["name"] != "api-token"
+        ]
+
+    def open_bind(docs: list[dict[str, Any]]) -> None:
+        cm = one(docs, "ConfigMap")
+        text = "\n".join(x for x in cm["data"]["config.yaml"].splitlines() if "auth_token_file" not in x)
+        cm["data"]["config.yaml"] = text
+
     return [
+        ("api token unmounted", token_unmounted, "server.auth_token_file '/etc/mtpserve-api/token' is not inside"),
+        ("open bind", open_bind, "server.host '0.0.0.0' is reachable"),
         ("service port", svc_port, "$.spec.ports[0].port: 50052 != 50051"),
         ("probe port", probe_port, "livenessProbe.grpc.port is 50052, config says 50051"),
         ("config metrics port", metrics_port, "EXPOSE lacks 9091"),
@@ -291,6 +304,8 @@ def test_service_ports_and_token_auth() -> None:
     ports = {p["name"]: p for p in one(docs, "Service")["spec"]["ports"]}
     assert (ports["grpc"]["port"], ports["grpc"]["appProtocol"], ports["metrics"]["port"]) == (50051, "grpc", 9090)
     assert one(docs, "RayJob")["spec"]["rayClusterSpec"]["authOptions"]["mode"] == "token"
+    cfg = consistency.load_service_config(docs)[0]
+    assert cfg.server.auth_token_file == "/etc/mtpserve-api/token"
 
 
 def test_gpu_tp2_has_two_gpus_and_tp2() -> None:

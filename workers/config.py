@@ -80,13 +80,52 @@ class ParallelConfig(_Strict):
     ray_address: str | None = None
 
 
-class ServerConfig(_Strict):
-    """Public gRPC and metrics endpoints."""
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
-    host: str = "0.0.0.0"
+
+class TLSConfig(_Strict):
+    """TLS on the public gRPC port: a server certificate, and client certificates when a CA is given."""
+
+    cert_file: str | None = Field(None, description="PEM certificate chain of the server")
+    key_file: str | None = Field(None, description="PEM private key of cert_file")
+    client_ca_file: str | None = Field(None, description="PEM CA bundle; set: clients must present a certificate")
+
+    @model_validator(mode="after")
+    def _check_pairs(self) -> TLSConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("server.tls.cert_file and server.tls.key_file must be given together")
+        if self.client_ca_file is not None and self.cert_file is None:
+            raise ValueError("server.tls.client_ca_file (mutual TLS) needs server.tls.cert_file and key_file")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the port speaks TLS."""
+        return self.cert_file is not None
+
+
+class ServerConfig(_Strict):
+    """Public gRPC and metrics endpoints, and who may call them."""
+
+    host: str = Field("127.0.0.1", description="bind address; other than loopback needs TLS or a token")
     port: int = Field(50051, ge=0, le=65535)
     metrics_port: int = Field(9090, ge=0, le=65535)
     max_message_mb: int = Field(256, gt=0)
+    tls: TLSConfig = TLSConfig()
+    auth_token_file: str | None = Field(
+        None, description="file holding the bearer token every Inference call must carry (health is open)"
+    )
+    allow_insecure: bool = Field(False, description="serve a non-loopback address without TLS and without a token")
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> ServerConfig:
+        secured = self.tls.enabled or self.auth_token_file is not None
+        if self.host not in LOOPBACK_HOSTS and not secured and not self.allow_insecure:
+            raise ValueError(
+                f"server.host {self.host!r} is reachable from other machines: set server.auth_token_file and/or "
+                "server.tls, or server.allow_insecure: true to serve it open"
+            )
+        return self
 
 
 class MTPServeConfig(_Strict):

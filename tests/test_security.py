@@ -1,0 +1,287 @@
+"""TLS, mutual TLS and the bearer-token check on the public gRPC API, on loopback with real certificates."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from pydantic import ValidationError
+
+from cluster.client import MTPServeClient
+from cluster.engine import LLMEngine
+from cluster.errors import ConfigError
+from cluster.server import MTPServer
+from workers.config import MTPServeConfig
+
+from helpers_service import ROOT, child_env, rpc_error, write_dummy_model
+
+TOKEN = "s3cret-token-for-tests"
+PROMPT = [3, 4, 5, 6]
+
+
+# ---- certificates --------------------------------------------------------------------------------
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> Path:
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return path
+
+
+def make_ca(directory: Path, cn: str) -> tuple[Path, ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A self-signed CA: (its PEM path, key, certificate)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(_name(cn))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    path = directory / f"{cn}.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return path, key, cert
+
+
+def issue(
+    directory: Path, name: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, server: bool
+) -> tuple[Path, Path]:
+    """A certificate signed by the CA (for 127.0.0.1 and localhost when `server`): (cert path, key path)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+    )
+    if server:
+        san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    cert_path = directory / f"{name}.crt"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return cert_path, _write_key(key, directory / f"{name}.key")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A server CA with a server certificate, a client CA with a client certificate, and an unrelated CA."""
+    d = tmp_path_factory.mktemp("pki")
+    server_ca, sk, sc = make_ca(d, "server-ca")
+    client_ca, ck, cc = make_ca(d, "client-ca")
+    other_ca, ok, oc = make_ca(d, "other-ca")
+    server_cert, server_key = issue(d, "server", sk, sc, server=True)
+    client_cert, client_key = issue(d, "client", ck, cc, server=False)
+    rogue_cert, rogue_key = issue(d, "rogue", ok, oc, server=False)
+    token = d / "token"
+    token.write_text(TOKEN + "\n")
+    return {
+        "server_ca": server_ca,
+        "client_ca": client_ca,
+        "other_ca": other_ca,
+        "server_cert": server_cert,
+        "server_key": server_key,
+        "client_cert": client_cert,
+        "client_key": client_key,
+        "rogue_cert": rogue_cert,
+        "rogue_key": rogue_key,
+        "token": token,
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dummy-weight model directory (token ids only)."""
+    return write_dummy_model(tmp_path_factory.mktemp("dummy"))
+
+
+def start_server(model: Path, server: dict[str, Any], metrics: bool = False) -> MTPServer:
+    """An MTPServer in this process on loopback, port 0, with the given server settings."""
+    cfg = MTPServeConfig.from_dict(
+        {
+            "model": {"path": str(model), "load_format": "dummy", "device": "cpu"},
+            "speculative": {"draft": "random", "num_draft_tokens": 2},
+            "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
+            "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0, **server},
+        }
+    )
+    srv = MTPServer(LLMEngine.from_config(cfg), metrics=metrics)
+    srv.start()
+    return srv
+
+
+def free_blocks(srv: MTPServer) -> int:
+    """Free KV blocks of the server's engine."""
+    return srv.engine.scheduler.blocks.num_free
+
+
+# ---- bearer token --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def token_server(model_dir: Path, pki: dict[str, Path]) -> Iterator[MTPServer]:
+    """A plaintext server that requires the bearer token, with metrics on."""
+    srv = start_server(model_dir, {"auth_token_file": str(pki["token"])}, metrics=True)
+    yield srv
+    srv.stop()
+
+
+def test_missing_or_wrong_token_is_unauthenticated_and_counted(token_server: MTPServer) -> None:
+    """No token and a wrong token both end with UNAUTHENTICATED; each refusal is counted by reason; health
+    stays open for probes; the right token generates; no KV block is held afterwards."""
+    addr = f"127.0.0.1:{token_server.port}"
+    total = token_server.engine.scheduler.blocks.num_blocks
+    with MTPServeClient(addr, timeout=30) as anonymous:
+        assert anonymous.health() == "SERVING"
+        err = rpc_error(lambda: anonymous.generate(token_ids=PROMPT, max_tokens=4))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "missing bearer token" in err.details()
+        assert rpc_error(anonymous.stats).code() == grpc.StatusCode.UNAUTHENTICATED
+    with MTPServeClient(addr, timeout=30, auth_token="not-" + TOKEN) as wrong:
+        err = rpc_error(lambda: wrong.generate(token_ids=PROMPT, max_tokens=4))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "invalid bearer token" in err.details()
+    with MTPServeClient(addr, timeout=30, auth_token=TOKEN) as good:
+        out = good.generate(token_ids=PROMPT, max_tokens=6)
+        assert len(out["token_ids"]) == 6 and out["finish_reason"] == "length"
+        assert good.stats()["requests_finished"] >= 1
+    assert free_blocks(token_server) == total
+    page = urllib.request.urlopen(f"http://127.0.0.1:{token_server.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'mtpserve_auth_failures_total{reason="missing"} 2.0' in page
+    assert 'mtpserve_auth_failures_total{reason="invalid"} 1.0' in page
+
+
+def test_generate_cli_sends_the_token(token_server: MTPServer, pki: dict[str, Path]) -> None:
+    """`mtpserve generate --server` without a token exits 1 naming UNAUTHENTICATED; with --auth-token-file or
+    $MTPSERVE_AUTH_TOKEN the call reaches the engine; a missing token file exits 2."""
+    addr = f"127.0.0.1:{token_server.port}"
+    base = [sys.executable, "-m", "cluster", "generate", "--server", addr, "--prompt", "hi", "--raw"]
+    env = child_env()
+    env.pop("MTPSERVE_AUTH_TOKEN", None)
+
+    def cli(*extra: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*base, *extra], cwd=ROOT, env={**env, **env_extra}, capture_output=True, text=True, timeout=120
+        )
+
+    denied = cli("--max-tokens", "2")
+    assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+    ok = cli("--max-tokens", "2", "--auth-token-file", str(pki["token"]))
+    # past the token check: the engine itself refuses text for a model without a tokenizer
+    assert ok.returncode == 1 and "INVALID_ARGUMENT" in ok.stderr and "UNAUTHENTICATED" not in ok.stderr
+    ok_env = cli("--max-tokens", "2", MTPSERVE_AUTH_TOKEN=TOKEN)
+    assert ok_env.returncode == ok.returncode and ok_env.stderr == ok.stderr
+    missing = cli("--auth-token-file", str(pki["token"]) + ".nope")
+    assert missing.returncode == 2 and "No such file" in missing.stderr
+
+
+# ---- TLS -----------------------------------------------------------------------------------------
+def test_tls_server_accepts_trusting_clients_only(model_dir: Path, pki: dict[str, Path]) -> None:
+    """A TLS server serves clients that trust its CA; a plaintext client and a client trusting another CA
+    cannot call it."""
+    srv = start_server(model_dir, {"tls": {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"])}})
+    addr = f"127.0.0.1:{srv.port}"
+    try:
+        with MTPServeClient(addr, timeout=30, tls_ca_file=str(pki["server_ca"])) as good:
+            assert len(good.generate(token_ids=PROMPT, max_tokens=3)["token_ids"]) == 3
+        with MTPServeClient(addr, timeout=5) as plain:
+            assert rpc_error(lambda: plain.generate(token_ids=PROMPT, max_tokens=3)).code() == (
+                grpc.StatusCode.UNAVAILABLE
+            )
+        with MTPServeClient(addr, timeout=5, tls_ca_file=str(pki["other_ca"])) as untrusting:
+            assert rpc_error(lambda: untrusting.generate(token_ids=PROMPT, max_tokens=3)).code() == (
+                grpc.StatusCode.UNAVAILABLE
+            )
+    finally:
+        srv.stop()
+
+
+def test_mutual_tls_and_token_together(model_dir: Path, pki: dict[str, Path]) -> None:
+    """With a client CA the server needs a client certificate it signed, and the token on top."""
+    srv = start_server(
+        model_dir,
+        {
+            "host": "0.0.0.0",
+            "tls": {
+                "cert_file": str(pki["server_cert"]),
+                "key_file": str(pki["server_key"]),
+                "client_ca_file": str(pki["client_ca"]),
+            },
+            "auth_token_file": str(pki["token"]),
+        },
+    )
+    addr = f"127.0.0.1:{srv.port}"
+    ca = str(pki["server_ca"])
+    mine = {"tls_cert_file": str(pki["client_cert"]), "tls_key_file": str(pki["client_key"])}
+    rogue = {"tls_cert_file": str(pki["rogue_cert"]), "tls_key_file": str(pki["rogue_key"])}
+    try:
+        with MTPServeClient(addr, timeout=30, tls_ca_file=ca, auth_token=TOKEN, **mine) as good:
+            assert len(good.generate(token_ids=PROMPT, max_tokens=3)["token_ids"]) == 3
+        with MTPServeClient(addr, timeout=30, tls_ca_file=ca, **mine) as no_token:
+            err = rpc_error(lambda: no_token.generate(token_ids=PROMPT, max_tokens=3))
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        for who in ({}, rogue):
+            with MTPServeClient(addr, timeout=5, tls_ca_file=ca, auth_token=TOKEN, **who) as refused:
+                err = rpc_error(lambda c=refused: c.generate(token_ids=PROMPT, max_tokens=3))
+                assert err.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()
+
+
+# ---- configuration -------------------------------------------------------------------------------
+def test_exposed_binds_need_credentials_or_an_explicit_opt_out() -> None:
+    """A non-loopback host without TLS or a token is refused naming server.host; TLS files come in pairs;
+    loopback stays open by default."""
+    with pytest.raises(ValidationError, match=re.escape("server.host '0.0.0.0' is reachable")):
+        MTPServeConfig.from_dict({"server": {"host": "0.0.0.0"}})
+    assert MTPServeConfig.from_dict({"server": {"host": "0.0.0.0", "allow_insecure": True}}).server.allow_insecure
+    assert MTPServeConfig.from_dict({"server": {"host": "10.1.2.3", "auth_token_file": "/t"}})
+    assert MTPServeConfig().server.host == "127.0.0.1"
+    with pytest.raises(ValidationError, match=re.escape("cert_file and server.tls.key_file must be given together")):
+        MTPServeConfig.from_dict({"server": {"tls": {"cert_file": "/c"}}})
+    with pytest.raises(ValidationError, match="client_ca_file"):
+        MTPServeConfig.from_dict({"server": {"tls": {"client_ca_file": "/ca"}}})
+
+
+def test_unreadable_credentials_fail_before_serving(model_dir: Path, tmp_path: Path) -> None:
+    """A missing or empty token file raises ConfigError naming the field; `mtpserve serve` exits 2 with it
+    before loading the model."""
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for path, why in ((tmp_path / "absent", "cannot read"), (empty, "is empty")):
+        with pytest.raises(ConfigError, match=f"server.auth_token_file: .*{why}"):
+            start_server(model_dir, {"auth_token_file": str(path)})
+    serve = [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--load-format", "dummy"]
+    serve += ["--device", "cpu", "--port", "0", "--host", "0.0.0.0", "--auth-token-file", str(tmp_path / "absent")]
+    proc = subprocess.run(serve, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "server.auth_token_file" in proc.stderr and "cannot read" in proc.stderr
+    open_bind = subprocess.run(
+        [sys.executable, "-m", "cluster", "serve", "--host", "0.0.0.0", "--print-config"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert open_bind.returncode == 2 and "server.host" in open_bind.stderr
