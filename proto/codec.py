@@ -30,18 +30,20 @@ def encode_tensor(t: torch.Tensor) -> wpb.Tensor:
 
 
 def decode_tensor(msg: wpb.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Rebuild a tensor from a Tensor message; raises ValueError on a size mismatch."""
+    """Rebuild a tensor from a Tensor message; ValueError naming dtype, shape or data when it is malformed."""
     if msg.dtype not in _FROM_NAME:
-        raise ValueError(f"unknown tensor dtype '{msg.dtype}'")
+        raise ValueError(f"tensor dtype: unknown name '{msg.dtype}'; expected one of {sorted(_FROM_NAME)}")
     dtype = _FROM_NAME[msg.dtype]
     shape = tuple(msg.shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"tensor shape: {shape} has a negative dimension")
     numel = 1
     for d in shape:
         numel *= d
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if len(msg.data) != numel * itemsize:
         raise ValueError(
-            f"tensor of shape {shape} and dtype {msg.dtype} needs {numel * itemsize} bytes, got {len(msg.data)}"
+            f"tensor data: shape {shape} and dtype {msg.dtype} need {numel * itemsize} bytes, got {len(msg.data)}"
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype, device=device)
