@@ -24,7 +24,6 @@ from workers.convert import plan_to_proto, target_output_from_proto
 from workers.grpc_util import channel_options
 
 log = logging.getLogger(__name__)
-STEP_TIMEOUT_S = 300.0
 
 
 def connect_ray(address: str | None) -> None:
@@ -145,8 +144,9 @@ class WorkerGroup:
 class RemoteTarget:
     """TargetExecutor over gRPC: sends every rank the same StepPlan, returns rank 0's answer.
 
-    When a worker fails, the step raises WorkerUnavailableError at once, health turns NOT_SERVING, and a
-    background thread restarts all workers through Ray; health turns SERVING when they are back.
+    When a worker fails, or a step outlasts `parallel.step_timeout_s` (a stalled worker), the step raises
+    WorkerUnavailableError, health turns NOT_SERVING, and a background thread restarts all workers
+    through Ray; health turns SERVING when they are back.
     """
 
     def __init__(self, group: WorkerGroup) -> None:
@@ -163,13 +163,17 @@ class RemoteTarget:
             raise WorkerUnavailableError("workers are restarting; retry shortly")
         msg = plan_to_proto(plan)
         t0 = time.perf_counter()
-        calls = [stub.Execute.future(msg, timeout=STEP_TIMEOUT_S) for stub in self.group.stubs]
+        timeout = self.group.cfg.parallel.step_timeout_s
+        calls = [stub.Execute.future(msg, timeout=timeout) for stub in self.group.stubs]
         try:
             replies = [c.result() for c in calls]
         except grpc.RpcError as exc:
             for c in calls:
                 c.cancel()
             self._fail(f"{exc.code().name}: {exc.details()}")
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                why = f"a worker stalled: step {plan.step_id} took over parallel.step_timeout_s = {timeout:g} s"
+                raise WorkerUnavailableError(why) from None
             raise WorkerUnavailableError(f"a worker failed during step {plan.step_id}: {exc.details()}") from None
         out = target_output_from_proto(replies[0])
         h = self.hops

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -142,6 +145,50 @@ def test_killed_worker_fails_requests_fast_then_recovers(ray_local, model, victi
             assert got == reference(prompts, 12)
             assert client.stats()["kv_blocks_used"] == 0
     finally:
+        server.stop()
+        eng.shutdown()
+
+
+def test_stalled_worker_is_detected_by_the_step_timeout(ray_local, model) -> None:
+    """Rank 1 stops (SIGSTOP: alive, answering nothing). The in-flight stream gets UNAVAILABLE once the step
+    outlasts parallel.step_timeout_s, health turns NOT_SERVING, and serving resumes with fresh workers."""
+    cfg = dist_config(model, "colocated", chunk_size=8)
+    cfg = cfg.model_copy(
+        update={
+            "server": cfg.server.model_copy(update={"port": 0}),
+            "parallel": cfg.parallel.model_copy(update={"step_timeout_s": 3.0}),
+        }
+    )
+    eng = build_engine(cfg)
+    server = MTPServer(eng, cfg, metrics=False)
+    server.start()
+    group = eng.target.group  # type: ignore[attr-defined]
+    pid = ray_local.get(group.targets[1].ready.remote())
+    stopped = False
+    try:
+        with MTPServeClient(server.address, timeout=60) as client:
+            stream = client.stream(token_ids=[5, 6, 7], max_tokens=400, ignore_eos=True)
+            next(stream)
+            os.kill(pid, signal.SIGSTOP)
+            stopped, t0 = True, time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                for _chunk in stream:
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "stalled" in err.value.details() and "parallel.step_timeout_s = 3 s" in err.value.details()
+            assert 2.5 < time.monotonic() - t0 < 10.0
+            assert client.health() == "NOT_SERVING"
+            wait = time.monotonic() + 180
+            while client.health() != "SERVING":
+                assert time.monotonic() < wait, "workers were not restored"
+                time.sleep(1.0)
+            prompts = random_prompts(2, 96, [12, 20], seed=16)
+            got = [client.generate(token_ids=p, max_tokens=12)["token_ids"] for p in prompts]
+            assert got == reference(prompts, 12)
+    finally:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         server.stop()
         eng.shutdown()
 

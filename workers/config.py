@@ -78,6 +78,9 @@ class ParallelConfig(_Strict):
     draft_placement: Literal["separate", "colocated"] = "colocated"
     distributed: bool = Field(False, description="run through Ray actors even at tp_size 1")
     ray_address: str | None = None
+    step_timeout_s: float = Field(
+        120.0, gt=0, description="a worker step (or draft hop) taking longer counts as a stalled worker: restart"
+    )
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")

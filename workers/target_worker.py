@@ -132,7 +132,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         elif self.draft_stub is not None:
             msg = draft_inputs_to_proto(inputs)
             try:
-                reply = self.draft_stub.Propose(msg, timeout=120)
+                reply = self.draft_stub.Propose(msg, timeout=self.cfg.parallel.step_timeout_s)
             except grpc.RpcError as exc:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"draft worker failed: {exc.code().name}: {exc.details()}")
             out.draft_outputs = draft_outputs_from_proto(reply)
