@@ -1,0 +1,126 @@
+"""Draft trees: many candidate continuations verified in one target pass, and greedy acceptance over them.
+
+Terms:
+- Node 0 is the root: the last accepted token, whose target forward has not run yet (as in the chain's
+  verify, which runs [last token, d1..dK]). Every other node is a drafted token.
+- parents[i] is the node that node i continues (parents[0] = -1, parents[i] < i); siblings carry
+  distinct tokens. depth[i] is the distance from the root.
+- Verify: the target runs all N nodes in one pass. Node i sits at position start + depth[i] and attends
+  to the whole prefix and to its own ancestors (and itself), never to other branches: `ancestor_mask`.
+- Greedy acceptance: from the root, the target's argmax at node i is the token that follows it. If a
+  child of i carries that token, the walk moves there and the token is accepted; otherwise the walk stops
+  and the argmax is the bonus token. With a chain (each node one child) this is the longest matching
+  prefix plus one, the chain rule of `verify.py`.
+
+`expand_topk` grows a tree EAGLE-2 style: each round expands the frontier nodes with the best cumulative
+draft log-probability by their top children, and the tree keeps the `budget` best nodes overall.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A draft tree in topological order (parents before children)."""
+
+    tokens: torch.Tensor  # [N] int64; tokens[0] is the root (the last accepted token)
+    parents: torch.Tensor  # [N] int64; parents[0] = -1, 0 <= parents[i] < i
+
+    def __post_init__(self) -> None:
+        n = self.tokens.numel()
+        if self.tokens.dim() != 1 or self.parents.shape != self.tokens.shape or n == 0:
+            raise ValueError(f"tokens and parents must be equal-length 1-D tensors, got {self.tokens.shape}")
+        if int(self.parents[0]) != -1:
+            raise ValueError("parents[0] must be -1 (node 0 is the root)")
+        idx = torch.arange(1, n)
+        if bool(((self.parents[1:] < 0) | (self.parents[1:] >= idx)).any()):
+            raise ValueError("parents[i] must lie in [0, i) for every node i > 0")
+        pairs = {(int(p), int(t)) for p, t in zip(self.parents[1:], self.tokens[1:], strict=True)}
+        if len(pairs) != n - 1:
+            raise ValueError("siblings must carry distinct tokens")
+
+    @property
+    def size(self) -> int:
+        """Number of nodes, the root included."""
+        return self.tokens.numel()
+
+    def depth(self) -> torch.Tensor:
+        """[N] int64 distance of each node from the root."""
+        d = torch.zeros(self.size, dtype=torch.long)
+        for i in range(1, self.size):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: row i may attend to node j (j is i or an ancestor of i)."""
+        m = torch.eye(self.size, dtype=torch.bool)
+        for i in range(1, self.size):
+            m[i] |= m[self.parents[i]]
+        return m
+
+    def positions(self, start: int) -> torch.Tensor:
+        """[N] int64 sequence positions of the nodes when the root sits at `start`."""
+        return start + self.depth()
+
+    def children(self, node: int) -> list[int]:
+        """Indices of the nodes that continue `node`."""
+        return [i for i in range(1, self.size) if int(self.parents[i]) == node]
+
+
+def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[int], int]:
+    """(accepted node indices along the walk, root excluded; bonus token) for the target's argmax [N] at each
+    node's row."""
+    path: list[int] = []
+    node = 0
+    while True:
+        want = int(target_argmax[node])
+        nxt = next((c for c in tree.children(node) if int(tree.tokens[c]) == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        node = nxt
+
+
+def expand_topk(
+    root_token: int,
+    logprobs_of: Callable[[DraftTree, list[int]], torch.Tensor],
+    width: int,
+    depth: int,
+    budget: int,
+) -> DraftTree:
+    """A tree of at most `budget` drafted nodes (plus the root) over `depth` rounds.
+
+    logprobs_of(tree, nodes) gives the draft's next-token log-probabilities [len(nodes), V] after each of
+    `nodes` in the tree grown so far. Each round expands the `width` frontier nodes with the best
+    cumulative log-probability by their `width` most likely tokens; at the end the `budget` best nodes by
+    cumulative log-probability are kept. A child never scores above its parent (ties go to the lower
+    index, which the parent has), so the kept set holds every kept node's ancestors.
+    """
+    if width < 1 or depth < 1 or budget < 1:
+        raise ValueError(f"width, depth and budget must be >= 1, got {width}, {depth}, {budget}")
+    tokens, parents, scores = [root_token], [-1], [0.0]
+    frontier = [0]
+    for _ in range(depth):
+        tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
+        lp = logprobs_of(tree, frontier)
+        top = torch.topk(lp, min(width, lp.shape[-1]), dim=-1)
+        grown = []
+        for row, node in enumerate(frontier):
+            for value, tok in zip(top.values[row].tolist(), top.indices[row].tolist(), strict=True):
+                tokens.append(int(tok))
+                parents.append(node)
+                scores.append(scores[node] + float(value))
+                grown.append(len(tokens) - 1)
+        frontier = sorted(grown, key=lambda i: (-scores[i], i))[:width]
+    order = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[:budget]
+    kept = sorted(order)  # parents precede children in index order, so this stays topological
+    remap = {0: 0, **{old: new + 1 for new, old in enumerate(kept)}}
+    return DraftTree(
+        torch.tensor([root_token] + [tokens[i] for i in kept]),
+        torch.tensor([-1] + [remap[parents[i]] for i in kept]),
+    )

@@ -1,0 +1,175 @@
+"""Draft trees: one masked target pass scores every branch as a sequential pass would, greedy acceptance
+over the tree equals greedy decoding, and top-k expansion keeps a well-formed tree within its budget."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from modeling.model import DecoderLayer, LlamaModel
+from speculative.train.dense import decoder_layer
+from speculative.tree import DraftTree, expand_topk, greedy_accept
+
+from tiny import random_prompts, tiny_args, tiny_weights
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    """The tiny fp32 target."""
+    args = tiny_args()
+    m = LlamaModel(args)
+    m.load_hf_state_dict(tiny_weights(args))
+    return m.eval()
+
+
+@torch.no_grad()
+def logits(model: LlamaModel, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Logits [L, V] of one sequence of ids [L] at the given positions, under a bool [L, L] mask (None: causal)."""
+    x = model.embed(ids[None])
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        x, _ = decoder_layer(layer, model.rotary, x, positions, mask)
+    return model.logits(x)[0]
+
+
+def tree_pass(model: LlamaModel, prefix: list[int], tree: DraftTree) -> torch.Tensor:
+    """Logits [N, V] of the tree's nodes from one pass over prefix + nodes with the tree mask."""
+    n, length = tree.size, len(prefix)
+    mask = torch.zeros(length + n, length + n, dtype=torch.bool)
+    mask[:length, :length] = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    mask[length:, :length] = True
+    mask[length:, length:] = tree.ancestor_mask()
+    ids = torch.cat([torch.tensor(prefix), tree.tokens])
+    positions = torch.cat([torch.arange(length), tree.positions(length)])
+    return logits(model, ids, positions, mask)[length:]
+
+
+def path_of(tree: DraftTree, node: int) -> list[int]:
+    """Tokens from the root to `node`, both included."""
+    out = []
+    while node >= 0:
+        out.append(int(tree.tokens[node]))
+        node = int(tree.parents[node])
+    return out[::-1]
+
+
+def random_tree(rng: random.Random, root: int, vocab: int, n: int, plant: list[int]) -> DraftTree:
+    """A random tree of n drafted nodes with the chain `plant` below the root, siblings distinct."""
+    tokens, parents = [root], [-1]
+    for i, t in enumerate(plant):
+        tokens.append(t)
+        parents.append(i)
+    while len(tokens) < n + 1:
+        p = rng.randrange(len(tokens))
+        t = rng.randrange(vocab)
+        if any(parents[j] == p and tokens[j] == t for j in range(1, len(tokens))):
+            continue
+        tokens.append(t)
+        parents.append(p)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def path_score(table: torch.Tensor, path: tuple[int, ...]) -> float:
+    """Cumulative draft log-probability of a root-to-node path under a next-token table."""
+    return sum(float(table[a, b]) for a, b in itertools.pairwise(path))
+
+
+def greedy_continuation(model: LlamaModel, prefix: list[int], n: int) -> list[int]:
+    """n greedy tokens after prefix, one full causal pass per token."""
+    seq = list(prefix)
+    for _ in range(n):
+        seq.append(int(logits(model, torch.tensor(seq), torch.arange(len(seq)), None)[-1].argmax()))
+    return seq[len(prefix) :]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_tree_pass_scores_every_branch_like_a_sequential_pass(model: LlamaModel, seed: int) -> None:
+    """Each node's logits from the masked tree pass equal the last row of a causal pass over prefix + its
+    path (fp32, <= 1e-5)."""
+    rng = random.Random(seed)
+    vocab = tiny_args().vocab_size
+    prefix = random_prompts(1, vocab, [rng.randint(1, 12)], seed=seed)[0]
+    tree = random_tree(rng, rng.randrange(vocab), vocab, n=rng.randint(1, 14), plant=[])
+    got = tree_pass(model, prefix, tree)
+    for node in range(tree.size):
+        seq = prefix + path_of(tree, node)
+        want = logits(model, torch.tensor(seq), torch.arange(len(seq)), None)[-1]
+        assert torch.allclose(got[node], want, atol=1e-5, rtol=0), (node, (got[node] - want).abs().max())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_acceptance_over_the_tree_is_greedy_decoding(model: LlamaModel, seed: int) -> None:
+    """With the greedy continuation planted to a random depth among random branches, the walk accepts
+    exactly that prefix and its bonus is the next greedy token; the output equals target-only greedy."""
+    rng = random.Random(100 + seed)
+    vocab = tiny_args().vocab_size
+    prompt = random_prompts(1, vocab, [rng.randint(2, 10)], seed=50 + seed)[0]
+    prefix, root = prompt[:-1], prompt[-1]
+    truth = greedy_continuation(model, prompt, 6)
+    planted = truth[: rng.randint(0, 4)]
+    tree = random_tree(rng, root, vocab, n=len(planted) + rng.randint(0, 10), plant=planted)
+    argmax = tree_pass(model, prefix, tree).argmax(-1)
+    path, bonus = greedy_accept(tree, argmax)
+    emitted = [int(tree.tokens[i]) for i in path] + [bonus]
+    assert len(path) >= len(planted)
+    assert emitted == truth[: len(emitted)]
+    for i in path:  # the walk follows parent links from the root
+        assert int(tree.parents[i]) == ([0, *path][path.index(i)])
+
+
+def test_a_chain_tree_is_the_chain_rule() -> None:
+    """On a chain the walk is the longest matching prefix plus the bonus."""
+    chain = DraftTree(torch.tensor([9, 4, 5, 6]), torch.tensor([-1, 0, 1, 2]))
+    assert greedy_accept(chain, torch.tensor([4, 5, 7, 1])) == ([1, 2], 7)
+    assert greedy_accept(chain, torch.tensor([3, 5, 6, 8])) == ([], 3)
+    assert greedy_accept(chain, torch.tensor([4, 5, 6, 8])) == ([1, 2, 3], 8)
+
+
+def test_tree_checks_and_masks() -> None:
+    """Malformed trees are refused with the reason; depth, positions and mask follow the parent links."""
+    with pytest.raises(ValueError, match="parents\\[0\\]"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="\\[0, i\\)"):
+        DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 2, 0]))
+    with pytest.raises(ValueError, match="distinct"):
+        DraftTree(torch.tensor([1, 2, 2]), torch.tensor([-1, 0, 0]))
+    t = DraftTree(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([-1, 0, 0, 1, 3]))
+    assert t.depth().tolist() == [0, 1, 1, 2, 3]
+    assert t.positions(10).tolist() == [10, 11, 11, 12, 13]
+    m = t.ancestor_mask()
+    assert m[4].tolist() == [True, True, False, True, True] and m[2].tolist() == [True, False, True, False, False]
+
+
+@pytest.mark.parametrize(("width", "depth", "budget"), [(1, 3, 3), (2, 3, 5), (3, 4, 10), (4, 2, 30)])
+def test_expand_topk_keeps_the_best_nodes_in_a_well_formed_tree(width: int, depth: int, budget: int) -> None:
+    """Within budget; ancestor-closed and topological (DraftTree checks); no deeper than `depth`; each kept
+    node's cumulative draft log-probability is at least that of any node grown in an earlier round and left
+    out; width 1 is the draft's greedy chain."""
+    vocab = 40
+    g = torch.Generator().manual_seed(width * 100 + depth)
+    table = torch.log_softmax(3 * torch.randn(vocab, vocab, generator=g), dim=-1)  # next-token table
+    seen: dict[tuple[int, ...], float] = {}
+
+    def logprobs_of(tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        for node in range(tree.size):  # every node grown in the rounds so far
+            path = tuple(path_of(tree, node))
+            seen.setdefault(path, path_score(table, path))
+        return table[tree.tokens[nodes]]
+
+    tree = expand_topk(7, logprobs_of, width, depth, budget)
+    assert tree.size - 1 <= budget and int(tree.depth().max()) <= depth
+    score = {tuple(path_of(tree, i)): 0.0 for i in range(tree.size)}
+    for path in score:
+        score[path] = path_score(table, path)
+    kept_min = min(v for p, v in score.items() if len(p) > 1)
+    dropped = [v for p, v in seen.items() if p not in score and len(p) > 1]
+    assert all(v <= kept_min + 1e-6 for v in dropped)
+    if width == 1:
+        chain, tok = [7], 7
+        for _ in range(depth):
+            tok = int(table[tok].argmax())
+            chain.append(tok)
+        assert tree.tokens.tolist() == chain[: tree.size]
