@@ -9,6 +9,7 @@ from typing import Any
 from workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
+RESTARTS = 3  # Ray restarts a crashed scheduler actor this often; it rebuilds its workers and rebinds its port
 
 
 class SchedulerActor:
@@ -39,7 +40,10 @@ class SchedulerActor:
 
 
 def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None]:
-    """Start the scheduler actor pinned to this node; returns (handle, gRPC address, metrics port)."""
+    """Start the scheduler actor pinned to this node; returns (handle, gRPC address, metrics port).
+
+    If its process dies, Ray starts it again (up to RESTARTS times): it builds new workers and serves the
+    same server.port again, so clients reconnect to the same address (with port 0 the new port differs)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -51,7 +55,7 @@ def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None]:
     actor: Any = actor_cls.options(  # type: ignore[attr-defined]
         name=None,
         num_cpus=0,
-        max_restarts=0,
+        max_restarts=RESTARTS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
     ).remote(cfg.model_dump_json())
     address, metrics_port = ray.get(actor.endpoints.remote(), timeout=900)

@@ -20,6 +20,7 @@ from cluster.errors import WorkerUnavailableError
 from cluster.server import MTPServer
 from workers.config import MTPServeConfig
 
+from helpers_service import free_port
 from tiny import mimic_head, mimic_target, random_prompts, save_model_dir, tiny_engine
 
 pytestmark = pytest.mark.slow
@@ -227,6 +228,45 @@ def test_scheduler_actor_serves_grpc(ray_local, model) -> None:
             assert client.health() == "SERVING"
             got = [client.generate(token_ids=p, max_tokens=10)["token_ids"] for p in prompts]
         assert got == reference(prompts, 10)
+    finally:
+        stop_scheduler_actor(actor)
+
+
+def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model) -> None:
+    """The front end's process dies mid-stream: the stream ends with UNAVAILABLE within 5 s, and within 60 s
+    the same address is SERVING again with new workers, giving the reference tokens."""
+    from cluster.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
+
+    cfg = dist_config(model, "colocated", chunk_size=6)
+    port = free_port()
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"port": port, "metrics_port": 0})})
+    actor, address, _ = start_scheduler_actor(cfg)
+    try:
+        with MTPServeClient(address, timeout=60) as client:
+            stream = client.stream(token_ids=[5, 6, 7], max_tokens=400, ignore_eos=True)
+            next(stream)
+            ray_local.kill(actor, no_restart=False)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                for _chunk in stream:
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - t0 < 5.0
+
+        def serving() -> bool:
+            try:
+                with MTPServeClient(address, timeout=2) as probe:
+                    return probe.health() == "SERVING"
+            except grpc.RpcError:
+                return False
+
+        deadline = time.monotonic() + 60
+        while not serving():
+            assert time.monotonic() < deadline, "the scheduler actor did not come back within 60 s"
+            time.sleep(1.0)
+        prompts = random_prompts(2, 96, [11, 25], seed=17)
+        with MTPServeClient(address, timeout=60) as client:
+            assert [client.generate(token_ids=p, max_tokens=10)["token_ids"] for p in prompts] == reference(prompts, 10)
     finally:
         stop_scheduler_actor(actor)
 
