@@ -7,6 +7,9 @@ Terms:
   distinct tokens. depth[i] is the distance from the root.
 - Verify: the target runs all N nodes in one pass. Node i sits at position start + depth[i] and attends
   to the whole prefix and to its own ancestors (and itself), never to other branches: `ancestor_mask`.
+- Sampling: `sample_accept`, recursive rejection sampling over each node's children drawn without
+  replacement from the draft (as in recursive speculative decoding); the output follows the target's
+  distribution.
 - Greedy acceptance: from the root, the target's argmax at node i is the token that follows it. If a
   child of i carries that token, the walk moves there and the token is accepted; otherwise the walk stops
   and the argmax is the bonus token. With a chain (each node one child) this is the longest matching
@@ -84,6 +87,42 @@ def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[in
             return path, want
         path.append(nxt)
         node = nxt
+
+
+def sample_accept(
+    tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator
+) -> tuple[list[int], int]:
+    """(accepted node indices, bonus token) by recursive rejection sampling over the tree.
+
+    target_probs / draft_probs [N, V]: the target's and the draft's next-token distributions at each node's
+    row. The children of a node must be draws without replacement from draft_probs[node], in index order.
+    At a node, child j is accepted with probability min(1, p(x_j) / q(x_j)); on a rejection the target's
+    distribution becomes the normalised residual max(p - q, 0) and the draft's loses x_j (renormalised);
+    when every child is rejected the bonus is drawn from the last residual. The emitted tokens are then
+    distributed as the target's own sampling would give them.
+    """
+    path: list[int] = []
+    node = 0
+    while True:
+        p = target_probs[node].double().clone()
+        q = draft_probs[node].double().clone()
+        chosen = None
+        for c in tree.children(node):
+            x = int(tree.tokens[c])
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if q[x] > 0 and u * q[x] < p[x]:
+                chosen = c
+                break
+            p = torch.clamp(p - q, min=0.0)
+            p /= p.sum()
+            q[x] = 0.0
+            if q.sum() <= 0:
+                break
+            q /= q.sum()
+        if chosen is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(chosen)
+        node = chosen
 
 
 def expand_topk(

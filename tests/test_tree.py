@@ -11,7 +11,7 @@ import torch
 
 from modeling.model import DecoderLayer, LlamaModel
 from speculative.train.dense import decoder_layer
-from speculative.tree import DraftTree, expand_topk, greedy_accept
+from speculative.tree import DraftTree, expand_topk, greedy_accept, sample_accept
 
 from tiny import random_prompts, tiny_args, tiny_weights
 
@@ -173,3 +173,60 @@ def test_expand_topk_keeps_the_best_nodes_in_a_well_formed_tree(width: int, dept
             tok = int(table[tok].argmax())
             chain.append(tok)
         assert tree.tokens.tolist() == chain[: tree.size]
+
+
+def first_token_counts(p: torch.Tensor, q: torch.Tensor, m: int, trials: int, seed: int) -> torch.Tensor:
+    """Counts of the first emitted token over `trials` trees of m children drawn from q without replacement."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = p.numel()
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    leaf = torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
+    for _ in range(trials):
+        kids = torch.multinomial(q, m, replacement=False, generator=g)
+        tree = DraftTree(torch.cat([torch.tensor([0]), kids]), torch.tensor([-1] + [0] * m))
+        target = torch.stack([p] + [leaf] * m)
+        draft = torch.stack([q] + [leaf] * m)
+        path, bonus = sample_accept(tree, target, draft, g)
+        counts[int(tree.tokens[path[0]]) if path else bonus] += 1
+    return counts
+
+
+@pytest.mark.parametrize(("m", "seed"), [(1, 0), (3, 1), (5, 2)])
+def test_tree_rejection_sampling_keeps_the_target_distribution(m: int, seed: int) -> None:
+    """With m candidate children drawn without replacement from the draft, the first emitted token follows
+    the target's distribution (chi-square, 20,000 trials, fixed seed)."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(100 + seed)
+    vocab = 7
+    p = torch.softmax(2 * torch.randn(vocab, generator=g, dtype=torch.float64), dim=0)
+    q = torch.softmax(2 * torch.randn(vocab, generator=g, dtype=torch.float64), dim=0)
+    trials = 20_000
+    counts = first_token_counts(p, q, m, trials, seed)
+    assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue > 1e-3, (counts / trials, p)
+
+
+def test_rejection_sampling_with_the_draft_as_the_target_accepts_the_first_child() -> None:
+    """p == q: the first candidate is always accepted, at every level of a chain."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(4, 9, generator=g), dim=-1).double()
+    chain = DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 1, 2]))
+    for _ in range(50):
+        path, _ = sample_accept(chain, probs, probs, g)
+        assert path == [1, 2, 3]
+
+
+def test_a_wrong_residual_would_be_caught() -> None:
+    """The chi-square check can fail: resampling the bonus from the target itself (no residual) skews the
+    distribution of the first token when the draft is far from the target."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(7)
+    p = torch.tensor([0.7, 0.1, 0.1, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.1, 0.1, 0.7], dtype=torch.float64)
+    trials, counts = 20_000, torch.zeros(4)
+    for _ in range(trials):
+        x = int(torch.multinomial(q, 1, generator=g))
+        accept = float(torch.rand((), generator=g)) * float(q[x]) < float(p[x])
+        counts[x if accept else int(torch.multinomial(p, 1, generator=g))] += 1
+    assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue < 1e-6
