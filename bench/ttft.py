@@ -22,19 +22,16 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from h200 import sync
 
 from cluster.engine import LLMEngine
 from workers.builders import DEFAULT_HEAD
 from workers.config import MTPServeConfig
 
 BUSY_PROMPT = 32  # tokens in each busy request's prompt
-
-
-def sync() -> None:
-    """Wait for queued GPU work (no-op on CPU)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def build(args: argparse.Namespace, k: int) -> LLMEngine:

@@ -93,15 +93,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def client_for(args: argparse.Namespace) -> MTPServeClient:
-    """The client that the --server and security flags describe; ValueError/OSError for unusable files."""
+    """The client that the --server and security flags describe; ConfigError/OSError for unusable files."""
+    from cluster.auth import read_secret
     from cluster.client import MTPServeClient
 
     token = os.environ.get(TOKEN_ENV) or None
     if args.auth_token_file:
-        with open(args.auth_token_file) as f:
-            token = f.read().strip()
-        if not token:
-            raise ValueError(f"--auth-token-file: '{args.auth_token_file}' is empty")
+        token = read_secret(args.auth_token_file, "--auth-token-file").decode()
     return MTPServeClient(
         args.server,
         timeout=args.timeout,
@@ -121,7 +119,7 @@ def run_remote(args: argparse.Namespace) -> int:
     raw = bool(getattr(args, "raw", False))
     try:
         client = client_for(args)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, MTPServeError) as exc:
         print(f"mtpserve: {exc}", file=sys.stderr)
         return 2
     try:

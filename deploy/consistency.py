@@ -130,26 +130,25 @@ def jobs_running_on(owner: Doc, docs: list[Doc]) -> list[Doc]:
     ]
 
 
-def _config_mount(template: Doc, config_map: Doc) -> str | None:
+def _mounted_volumes(template: Doc) -> Iterator[tuple[str, Doc]]:
+    """(mountPath without a trailing '/', volume) for each volume mounted in the head container."""
     container = template["spec"]["containers"][0]
     volumes = {v.get("name"): v for v in template["spec"].get("volumes") or []}
     for mount in container.get("volumeMounts") or []:
-        source = (volumes.get(mount.get("name")) or {}).get("configMap") or {}
-        if source.get("name") == config_map["metadata"]["name"]:
-            return str(mount.get("mountPath", "")).rstrip("/")
+        yield str(mount.get("mountPath", "")).rstrip("/"), volumes.get(mount.get("name")) or {}
+
+
+def _config_mount(template: Doc, config_map: Doc) -> str | None:
+    for path, volume in _mounted_volumes(template):
+        if (volume.get("configMap") or {}).get("name") == config_map["metadata"]["name"]:
+            return path
     return None
 
 
 def _secret_mounts(template: Doc) -> dict[str, str]:
     """mountPath -> Secret name for the head container's Secret volumes."""
-    container = template["spec"]["containers"][0]
-    volumes = {v.get("name"): v for v in template["spec"].get("volumes") or []}
-    out = {}
-    for mount in container.get("volumeMounts") or []:
-        secret = (volumes.get(mount.get("name")) or {}).get("secret") or {}
-        if secret.get("secretName"):
-            out[str(mount.get("mountPath", "")).rstrip("/")] = str(secret["secretName"])
-    return out
+    secrets = ((path, (volume.get("secret") or {}).get("secretName")) for path, volume in _mounted_volumes(template))
+    return {path: str(name) for path, name in secrets if name}
 
 
 def _credential_errors(where: str, template: Doc, cfg: Any) -> Iterator[str]:

@@ -56,6 +56,14 @@ def dist_config(model: tuple[str, str], placement: str = "separate", **sched: in
     )
 
 
+def wait_serving(client: MTPServeClient, timeout: float) -> None:
+    """Poll health until SERVING; fails the test after `timeout` seconds (the workers were not restored)."""
+    deadline = time.monotonic() + timeout
+    while client.health() != "SERVING":
+        assert time.monotonic() < deadline, "workers were not restored"
+        time.sleep(1.0)
+
+
 def reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     args, w = mimic_target()
     return [c.token_ids for c in tiny_engine(args, w).generate(prompts, {"max_tokens": max_tokens})]
@@ -137,10 +145,7 @@ def test_killed_worker_fails_requests_fast_then_recovers(ray_local, model, victi
             assert float(outcome["t"]) - killed_at < 10.0
             assert "worker" in str(outcome["details"])
             assert client.health() == "NOT_SERVING"
-            deadline = time.monotonic() + 180
-            while client.health() != "SERVING":
-                assert time.monotonic() < deadline, "workers were not restored"
-                time.sleep(1.0)
+            wait_serving(client, 180)
             prompts = random_prompts(2, 96, [12, 20], seed=15)
             got = [client.generate(token_ids=p, max_tokens=12)["token_ids"] for p in prompts]
             assert got == reference(prompts, 12)
@@ -179,10 +184,7 @@ def test_stalled_worker_is_detected_by_the_step_timeout(ray_local, model) -> Non
             assert "stalled" in err.value.details() and "parallel.step_timeout_s = 3 s" in err.value.details()
             assert 2.5 < time.monotonic() - t0 < 10.0
             assert client.health() == "NOT_SERVING"
-            wait = time.monotonic() + 180
-            while client.health() != "SERVING":
-                assert time.monotonic() < wait, "workers were not restored"
-                time.sleep(1.0)
+            wait_serving(client, 180)
             prompts = random_prompts(2, 96, [12, 20], seed=16)
             got = [client.generate(token_ids=p, max_tokens=12)["token_ids"] for p in prompts]
             assert got == reference(prompts, 12)
