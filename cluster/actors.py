@@ -244,7 +244,7 @@ def build_distributed_engine(cfg: MTPServeConfig) -> LLMEngine:
     target = RemoteTarget(group)
     max_len = max_model_len(cfg, args)
     k = cfg.speculative.num_draft_tokens if load_head(cfg, args) is not None else 0
-    sched = Scheduler(cfg.scheduler, num_blocks_for(cfg, max_len), k, args.eos_ids(), max_len)
+    sched = Scheduler(cfg.scheduler, num_blocks_for(cfg, max_len), k, args.eos_ids(), max_len, cfg.prefix_caching)
     tok = source.tokenizer() if not source.dummy else None
     engine = LLMEngine(cfg, args, sched, target, None, tok)
     engine.health_listeners = target.listeners

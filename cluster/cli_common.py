@@ -48,6 +48,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
     g.add_argument("--max-num-requests", type=int, help="concurrent running requests")
     g.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: sized from max-num-requests)")
+    g.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV (target and draft) of prompt prefixes earlier requests computed (default: on)",
+    )
     g.add_argument("--tp", type=int, help="tensor-parallel size (runs through Ray actors when > 1)")
     g.add_argument("--draft-placement", choices=["separate", "colocated"], help="draft worker on its own device or not")
     g.add_argument("--distributed", action="store_true", default=None, help="use Ray actors even at --tp 1")
@@ -75,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "scheduler.max_num_batched_tokens": a.get("max_num_batched_tokens"),
         "scheduler.max_num_requests": a.get("max_num_requests"),
         "scheduler.num_kv_blocks": a.get("num_kv_blocks"),
+        "scheduler.prefix_caching": a.get("prefix_caching"),
         "parallel.tp_size": a.get("tp"),
         "parallel.draft_placement": a.get("draft_placement"),
         "parallel.distributed": a.get("distributed"),

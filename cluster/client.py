@@ -215,6 +215,10 @@ class MTPServeClient:
             "requests_finished": msg.requests_finished,
             "generated_tokens": msg.generated_tokens,
             "uptime_s": msg.uptime_s,
+            "kv_blocks_cached": msg.kv_blocks_cached,
+            "prefix_cache_query_tokens": msg.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens": msg.prefix_cache_hit_tokens,
+            "prefix_cache_hit_rate": msg.prefix_cache_hit_rate,
         }
 
     def health(self, service: str = "") -> str:

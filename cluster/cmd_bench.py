@@ -1,6 +1,8 @@
-"""`mtpserve bench`: `throughput` (tok/s and step time per batch size) and `acceptance` (draft acceptance).
+"""`mtpserve bench`: `throughput` (tok/s and step time per batch size), `acceptance` (draft acceptance) and
+`prefix-cache` (multi-turn chats with and without prefix caching).
 
-The flags live here; the measurements live in `cluster/bench_throughput.py` and `cluster/bench_acceptance.py`.
+The flags live here; the measurements live in `cluster/bench_throughput.py`, `cluster/bench_acceptance.py`
+and `cluster/bench_prefix.py`.
 """
 
 from __future__ import annotations
@@ -9,14 +11,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster import bench_acceptance, bench_report, bench_throughput
+from cluster import bench_acceptance, bench_prefix, bench_report, bench_throughput
 from cluster.cli_common import add_engine_flags, config_from_args
 from cluster.errors import MTPServeError
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
-    """Register `bench throughput` and `bench acceptance`."""
-    p = sub.add_parser(name, help="measure throughput or draft acceptance", description="Benchmarks.")
+    """Register `bench throughput`, `bench acceptance` and `bench prefix-cache`."""
+    p = sub.add_parser(name, help="measure throughput, draft acceptance or prefix caching", description="Benchmarks.")
     kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
     t = kinds.add_parser(
@@ -65,6 +67,29 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     a.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add_engine_flags(a)
     a.set_defaults(func=run_acceptance)
+
+    c = kinds.add_parser(
+        "prefix-cache",
+        help="multi-turn chats over a shared document, with and without prefix caching",
+        description=(bench_prefix.__doc__ or "").split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument(
+        "--document",
+        action="append",
+        type=Path,
+        metavar="FILE",
+        help="text of the shared document; repeat to join files (default: the checkout's README.md and "
+        "docs/architecture.md)",
+    )
+    c.add_argument("--prefix-len", type=int, default=2000, help="document tokens in the system prompt (default 2000)")
+    c.add_argument("--conversations", type=int, default=8, help="conversations, at least 2 (default 8)")
+    c.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (default 64)")
+    c.add_argument("--json", metavar="OUT", help="write the results, command and environment as JSON")
+    c.add_argument("--quiet", action="store_true", help="no per-request progress lines")
+    c.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_engine_flags(c)
+    c.set_defaults(func=run_prefix_cache)
 
 
 def _int_list(text: str) -> list[int]:
@@ -184,6 +209,49 @@ def run_acceptance(args: argparse.Namespace) -> int:
             "compare": args.compare,
         }
         report = bench_acceptance.acceptance_report(cfg, source.args(), results, settings_json, command)
+        bench_report.write_json(args.json, report)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def run_prefix_cache(args: argparse.Namespace) -> int:
+    """`mtpserve bench prefix-cache`."""
+    from cluster.build import build_engine
+    from modeling.loader import resolve_model
+
+    _set_threads(args.threads)
+    cfg = config_from_args(args)
+    if args.prefix_caching is not None:
+        print(
+            "mtpserve: bench prefix-cache runs with and without caching; --prefix-caching is ignored", file=sys.stderr
+        )
+    command = bench_report.command_line()
+    try:
+        source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
+        if source.dummy:
+            raise bench_report.BenchError(
+                "prefix-cache needs a tokenizer and its chat template, not --load-format dummy"
+            )
+        tok = source.tokenizer()
+        docs = args.document or list(bench_prefix.DEFAULT_DOCUMENTS)
+        document, warmup = bench_prefix.load_documents(docs, tok, args.prefix_len)
+        progress = (lambda line: None) if args.quiet else _err
+        result = bench_prefix.run_prefix_bench(
+            build_engine, cfg, tok, document, warmup, args.conversations, args.max_tokens, progress
+        )
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    print(command)
+    print(bench_prefix.format_prefix_table(result))
+    if args.json:
+        settings = {
+            "documents": [str(d) for d in docs],
+            "prefix_len": args.prefix_len,
+            "conversations": args.conversations,
+            "max_tokens": args.max_tokens,
+        }
+        report = bench_prefix.prefix_report(cfg, source.args(), result, settings, command)
         bench_report.write_json(args.json, report)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0

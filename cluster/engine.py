@@ -131,7 +131,7 @@ class LLMEngine:
         target = build_runner(cfg, model, cache, device, k, max_len)
         if isinstance(draft, MTPEagleChain) and device.startswith("cuda") and cfg.model.cuda_graphs:
             target.fused = build_fused(cfg, target, draft, k, max_len)
-        sched = Scheduler(cfg.scheduler, num_blocks, k, args.eos_ids(), max_len)
+        sched = Scheduler(cfg.scheduler, num_blocks, k, args.eos_ids(), max_len, cfg.prefix_caching)
         return cls(cfg, args, sched, target, draft, tokenizer)
 
     # ---- requests --------------------------------------------------------------------------------

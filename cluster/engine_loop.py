@@ -64,6 +64,9 @@ class LoopSnapshot:
     totals: SpecStats = field(default_factory=SpecStats)
     requests_finished: int = 0
     generated_tokens: int = 0
+    kv_blocks_cached: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 @dataclass
@@ -275,6 +278,9 @@ class EngineLoop:
                 log.exception("abort of %s after an engine failure raised", rid)
             self._record_finish(handle, "error")
             handle.events.put(err)
+        dropped = self.engine.scheduler.forget_cached()  # the KV those keys point at may be gone
+        if dropped:
+            log.info("dropped %d prefix-cache blocks after the failure", dropped)
 
     def _drain_on_stop(self) -> None:
         err = ServerShuttingDown("the server is shutting down")
@@ -325,6 +331,10 @@ class EngineLoop:
             totals=_copy_stats(self._totals),
             requests_finished=self._finished,
             generated_tokens=self._generated,
+            kv_blocks_cached=blocks.num_cached,
+            prefix_query_tokens=sched.prefix_query_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
         )
         if self.metrics is not None:
             self.metrics.observe_load(len(sched.running), sched.num_waiting, used, blocks.num_blocks)
+            self.metrics.observe_prefix_cache(sched.prefix_query_tokens, sched.prefix_hit_tokens, blocks.num_cached)

@@ -51,6 +51,16 @@ class ServerMetrics:
         self.running = Gauge(f"{prefix}_requests_running", "Requests holding a slot", registry=r)
         self.kv_usage = Gauge(f"{prefix}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
         self.kv_blocks_used = Gauge(f"{prefix}_kv_blocks_used", "KV-cache blocks in use", registry=r)
+        self.kv_blocks_cached = Gauge(
+            f"{prefix}_kv_blocks_cached", "KV-cache blocks nobody holds, kept for prefix reuse", registry=r
+        )
+        self.prefix_query_tokens = Counter(
+            f"{prefix}_prefix_cache_query_tokens", "Sequence tokens of admitted requests looked up", registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            f"{prefix}_prefix_cache_hit_tokens", "Looked-up tokens whose KV came from the prefix cache", registry=r
+        )
+        self._prefix_seen = (0, 0)
         self.drafted = Counter(f"{prefix}_spec_drafted_tokens", "Draft tokens proposed and verified", registry=r)
         self.accepted = Counter(f"{prefix}_spec_accepted_tokens", "Draft tokens accepted by the target", registry=r)
         self.verify_steps = Counter(f"{prefix}_spec_verify_steps", "Target verify passes", registry=r)
@@ -86,6 +96,14 @@ class ServerMetrics:
         self.queue_depth.set(waiting)
         self.kv_blocks_used.set(blocks_used)
         self.kv_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
+
+    def observe_prefix_cache(self, query_tokens: int, hit_tokens: int, blocks_cached: int) -> None:
+        """Bring the prefix-cache counters up to the scheduler's running totals, and set the cached gauge."""
+        seen_q, seen_h = self._prefix_seen
+        self.prefix_query_tokens.inc(max(0, query_tokens - seen_q))
+        self.prefix_hit_tokens.inc(max(0, hit_tokens - seen_h))
+        self._prefix_seen = (max(seen_q, query_tokens), max(seen_h, hit_tokens))
+        self.kv_blocks_cached.set(blocks_cached)
 
     def observe_finish(
         self,

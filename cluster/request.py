@@ -51,6 +51,8 @@ class Request:
     num_computed_tokens: int = 0  # context cursor: tokens whose KV is in the cache
     in_context: bool = True  # computing context (prompt, or prompt+output after preemption)
     block_ids: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the first full blocks
+    num_keyed_blocks: int = 0  # leading block_ids that are findable by their keys
     draft_token_ids: list[int] = field(default_factory=list)  # proposals to verify next step
     draft_probs: Any = None  # [K, V] draft distribution when sampling, else None
     finish_reason: str | None = None

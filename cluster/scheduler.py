@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.block_manager import BlockManager
+from cluster.prefix_keys import extend_keys, num_keyable_blocks
 from cluster.request import Request, RequestStatus
 from speculative.messages import DraftOutputs, SeqPlan, StepPlan, TargetOutput
 from speculative.stats import SpecStats
@@ -43,9 +44,13 @@ class Scheduler:
         num_draft_tokens: int,
         eos_token_ids: list[int],
         max_model_len: int,
+        prefix_caching: bool | None = None,
     ) -> None:
         self.cfg = cfg
         self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.prefix_caching = cfg.prefix_caching if prefix_caching is None else prefix_caching
+        self.prefix_query_tokens = 0  # sequence tokens of admitted requests, looked up in the cache
+        self.prefix_hit_tokens = 0  # of those, tokens whose KV came from the cache
         self.k = num_draft_tokens
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
@@ -119,9 +124,13 @@ class Scheduler:
                 budget -= len(plan.token_ids)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_requests:
             req = self.waiting[0]
+            self._attach_cached(req)
             plan = self._chunk_plan(req, budget, scheduled, allow_preempt=False)
             if plan is None:
+                self._release(req)
                 break
+            self.prefix_query_tokens += req.num_tokens
+            self.prefix_hit_tokens += req.num_computed_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -229,10 +238,51 @@ class Scheduler:
                 return False
         return True
 
-    def preempt(self, req: Request) -> None:
-        """Evict a running request: free its blocks; it later recomputes prompt + output from position 0."""
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def _attach_cached(self, req: Request) -> None:
+        """Give a request without blocks the cached blocks of its longest known prefix."""
+        if not self.prefix_caching or req.block_ids:
+            return
+        n = num_keyable_blocks(req.num_tokens, self.cfg.block_size)
+        keys = extend_keys(req.block_keys, req.all_token_ids, self.cfg.block_size, n)
+        req.block_ids = self.blocks.match(keys[:n])
+        req.num_keyed_blocks = len(req.block_ids)
+        req.num_computed_tokens = len(req.block_ids) * self.cfg.block_size
+
+    def _register(self, req: Request) -> None:
+        """Key the request's full blocks whose target and draft KV are final."""
+        if not self.prefix_caching:
+            return
+        size = self.cfg.block_size
+        n = min(req.num_computed_tokens // size, len(req.block_ids), num_keyable_blocks(req.num_tokens, size))
+        if n <= req.num_keyed_blocks:
+            return
+        keys = extend_keys(req.block_keys, req.all_token_ids, size, n)
+        for b in range(req.num_keyed_blocks, n):
+            self.blocks.register(req.block_ids[b], keys[b])
+        req.num_keyed_blocks = n
+
+    def _release(self, req: Request) -> None:
+        """Give back a request's blocks and rewind its context cursor to the start."""
         self.blocks.free(req.block_ids)
+        req.num_keyed_blocks = 0
         req.num_computed_tokens = 0
+
+    def forget_cached(self) -> int:
+        """Drop every prefix-cache key (the workers' KV contents were lost); returns how many there were."""
+        for req in self.running:
+            req.num_keyed_blocks = len(req.block_ids)  # their blocks stay theirs, but are never keyed again
+        return self.blocks.forget()
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of looked-up sequence tokens whose KV came from the cache."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def preempt(self, req: Request) -> None:
+        """Evict a running request: free its blocks; it later recomputes prompt + output from position 0
+        (or from the end of its prefix still in the cache)."""
+        self._release(req)
         req.in_context = True
         req.draft_token_ids = []
         req.draft_probs = None
@@ -253,6 +303,7 @@ class Scheduler:
             if sp.is_context:
                 req.num_computed_tokens = sp.end
                 if not sp.is_final_chunk:
+                    self._register(req)
                     continue
                 req.in_context = False
             else:
@@ -284,6 +335,7 @@ class Scheduler:
                 reason = "length"
             if reason:
                 break
+        self._register(req)
         if reason:
             self._finish(req, reason)
         return RequestOutput(

@@ -182,6 +182,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             requests_finished=snap.requests_finished,
             generated_tokens=snap.generated_tokens,
             uptime_s=time.monotonic() - self.started,
+            kv_blocks_cached=snap.kv_blocks_cached,
+            prefix_cache_query_tokens=snap.prefix_query_tokens,
+            prefix_cache_hit_tokens=snap.prefix_hit_tokens,
+            prefix_cache_hit_rate=snap.prefix_hit_tokens / max(1, snap.prefix_query_tokens),
         )
 
 

@@ -298,3 +298,43 @@ def test_long_dev_prompts_are_at_least_512_tokens_with_the_chat_template() -> No
                 for t in texts[:2]
             ]
         )
+
+
+# ---- prefix cache: multi-turn chats ----------------------------------------------------------------
+def test_prefix_cache_cli_reuses_the_document_and_changes_no_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from helpers_service import write_tiny_model
+
+    model, head = write_tiny_model(tmp_path / "model")
+    out = tmp_path / "prefix.json"
+    argv = ["bench", "prefix-cache", "--model", str(model), "--draft", str(head), "--device", "cpu", "--quiet"]
+    argv += ["--prefix-len", "120", "--conversations", "3", "--max-tokens", "6", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", ["mtpserve", *argv])
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "prefix_cache" and doc["command"].startswith("mtpserve bench prefix-cache")
+    assert doc["equal"] == {"tokens": 1.0, "acceptance": 1.0, "replies": True}
+    assert doc["shared_prefix_tokens"] > 120
+    cached, uncached = doc["modes"]["cached"], doc["modes"]["uncached"]
+    assert cached["prefix_caching"] and not uncached["prefix_caching"]
+    assert uncached["sequential_hit_tokens"] == 0
+    block = cached["engine"]["scheduler"]["block_size"]
+    # conversations 2 and 3 reuse the document's full blocks; every second turn reuses its first turn
+    assert cached["sequential_hit_tokens"] >= 2 * (doc["shared_prefix_tokens"] // block - 1) * block
+    first_turns, second_turns = cached["sequential"]["turn1"], cached["sequential"]["turn2"]
+    assert all(t2["prompt_tokens"] > t1["prompt_tokens"] for t1, t2 in zip(first_turns, second_turns, strict=True))
+    assert all(r["drafted"] > 0 for r in first_turns)
+    ratios = doc["uncached_over_cached_ttft_and_cached_over_uncached_tok_s"]
+    assert set(ratios) >= {"turn1_rest_median", "turn2_median", "concurrent_turn2_tok_per_s"}
+
+
+def test_prefix_cache_cli_refuses_what_it_cannot_measure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "dummy"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+    base = ["bench", "prefix-cache", "--device", "cpu"]
+    assert main([*base, "--model", str(model), "--load-format", "dummy"]) == 2
+    assert "tokenizer" in capsys.readouterr().err
+    assert main([*base, "--document", str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err

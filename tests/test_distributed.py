@@ -77,9 +77,14 @@ def test_actors_match_single_process_and_keep_draft_kv_invariant(ray_local, mode
         assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 20})] == ref
         assert 0 < eng.totals.accepted < eng.totals.drafted
         eng.scheduler.cfg.chunk_size = 512
-        assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 20})] == ref
+        hits = eng.scheduler.prefix_hit_tokens
+        assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 20})] == ref, "with prefix-cache hits"
+        assert eng.scheduler.prefix_hit_tokens - hits >= 16 + 32, "the 23- and 37-token prompts hit 2 and 4 blocks"
+        cached = prefill_kv(eng, prompts[2], 3)
+        eng.scheduler.prefix_caching = False
         kv = {chunk: prefill_kv(eng, prompts[2], chunk) for chunk in (3, 512)}
         assert (kv[3] - kv[512]).abs().max().item() <= 1e-5
+        assert (cached - kv[512]).abs().max().item() <= 1e-5
         hops = eng.target.hops  # type: ignore[attr-defined]
         assert hops["draft_inputs_bytes"] > 0 and hops["plan_bytes"] > 0
     finally:
@@ -121,6 +126,9 @@ def test_killed_worker_fails_requests_fast_then_recovers(ray_local, model, victi
     try:
         with MTPServeClient(server.address, timeout=60) as client:
             assert client.health() == "SERVING"
+            prompts = random_prompts(2, 96, [12, 20], seed=15)
+            for p in prompts:  # their blocks stay cached; the restarted workers do not hold that KV
+                client.generate(token_ids=p, max_tokens=12)
             first = threading.Event()
             outcome: dict[str, object] = {}
 
@@ -146,10 +154,11 @@ def test_killed_worker_fails_requests_fast_then_recovers(ray_local, model, victi
             assert "worker" in str(outcome["details"])
             assert client.health() == "NOT_SERVING"
             wait_serving(client, 180)
-            prompts = random_prompts(2, 96, [12, 20], seed=15)
             got = [client.generate(token_ids=p, max_tokens=12)["token_ids"] for p in prompts]
             assert got == reference(prompts, 12)
-            assert client.stats()["kv_blocks_used"] == 0
+            stats = client.stats()
+            assert stats["kv_blocks_used"] == 0
+            assert stats["prefix_cache_hit_tokens"] < 8, "no hits on blocks the dead workers held"
     finally:
         server.stop()
         eng.shutdown()

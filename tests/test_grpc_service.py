@@ -332,6 +332,23 @@ def test_get_stats_and_prometheus_metrics(client: MTPServeClient, server: ServeP
     assert _metric(text, "mtpserve_queue_depth") == 0 and _metric(text, "mtpserve_kv_cache_usage_ratio") == 0
 
 
+def test_prefix_cache_hits_show_in_get_stats_and_metrics(client: MTPServeClient, server: ServeProcess) -> None:
+    shared = [(7 * i + 3) % 2000 + 10 for i in range(40)]  # 2 full blocks of 16, and 8 tokens
+    before = wait_idle(client)
+    first = client.generate(token_ids=shared, max_tokens=6, ignore_eos=True)
+    again = client.generate(token_ids=shared, max_tokens=6, ignore_eos=True)
+    s = wait_idle(client)
+    assert again["token_ids"] == first["token_ids"]
+    assert s["prefix_cache_query_tokens"] - before["prefix_cache_query_tokens"] == 2 * len(shared)
+    assert s["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == 32, "the second request reuses 2 blocks"
+    assert s["kv_blocks_cached"] >= 2 and 0 < s["prefix_cache_hit_rate"] < 1
+    assert s["prefix_cache_hit_rate"] == pytest.approx(s["prefix_cache_hit_tokens"] / s["prefix_cache_query_tokens"])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    assert _metric(text, "mtpserve_prefix_cache_hit_tokens_total") == s["prefix_cache_hit_tokens"]
+    assert _metric(text, "mtpserve_prefix_cache_query_tokens_total") == s["prefix_cache_query_tokens"]
+    assert _metric(text, "mtpserve_kv_blocks_cached") == s["kv_blocks_cached"]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cluster", *args], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120

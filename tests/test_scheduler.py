@@ -47,8 +47,16 @@ def run(sched: Scheduler, fake: FakeTarget, max_steps: int = 10_000) -> dict[str
     return out
 
 
-def make(budget: int = 16, chunk: int = 5, blocks: int = 64, k: int = 0, max_requests: int = 4) -> Scheduler:
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, chunk_size=chunk, max_num_requests=max_requests, block_size=4)
+def make(
+    budget: int = 16, chunk: int = 5, blocks: int = 64, k: int = 0, max_requests: int = 4, caching: bool = True
+) -> Scheduler:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        chunk_size=chunk,
+        max_num_requests=max_requests,
+        block_size=4,
+        prefix_caching=caching,
+    )
     return Scheduler(cfg, blocks, k, eos_token_ids=[], max_model_len=1000)
 
 
@@ -114,8 +122,9 @@ def test_preemption_frees_blocks_and_resume_recomputes_identically() -> None:
     assert sched.blocks.num_free == 16
 
 
-def test_preempted_context_recomputes_prompt_plus_output() -> None:
-    sched, fake = make(blocks=200, chunk=4), FakeTarget()
+@pytest.mark.parametrize("caching", [False, True])
+def test_preempted_context_recomputes_prompt_plus_output(caching: bool) -> None:
+    sched, fake = make(blocks=200, chunk=4, caching=caching), FakeTarget()
     req = Request("x", list(range(1, 10)), SamplingParams(max_tokens=5))
     sched.add(req)
     while len(req.output_token_ids) < 2:
@@ -125,8 +134,10 @@ def test_preempted_context_recomputes_prompt_plus_output() -> None:
     assert req.block_ids == [] and req.num_computed_tokens == 0 and req.in_context
     plan = sched.schedule()
     (s,) = plan.seqs
-    assert s.is_context and s.start == 0 and s.token_ids == req.all_token_ids[:4]
-    assert s.lookahead_token == req.all_token_ids[4]
+    # 11 known tokens, blocks of 4: with caching the two full blocks (their next tokens known) are reused
+    start = 8 if caching else 0
+    assert s.is_context and s.start == start and s.token_ids == req.all_token_ids[start : start + 4]
+    assert s.is_final_chunk == caching and s.lookahead_token == (-1 if caching else req.all_token_ids[4])
 
 
 def test_speculative_slots_and_drafts_are_planned() -> None:

@@ -69,6 +69,11 @@ class SchedulerConfig(_Strict):
     block_size: int = Field(16, gt=0)
     num_kv_blocks: int | None = Field(None, gt=0, description="None sizes the cache from max_num_requests")
     max_queue: int = Field(1024, gt=0, description="waiting requests before RESOURCE_EXHAUSTED")
+    prefix_caching: bool = Field(
+        True,
+        description="reuse the target and draft KV of full blocks whose tokens (and next token) an earlier "
+        "request computed",
+    )
 
 
 class ParallelConfig(_Strict):
@@ -146,6 +151,12 @@ class MTPServeConfig(_Strict):
         if self.scheduler.max_num_batched_tokens < k + 1:
             raise ValueError("scheduler.max_num_batched_tokens must be at least num_draft_tokens + 1")
         return self
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the scheduler reuses cached blocks. Off under lookahead_source 'sampled': that ablation
+        must reproduce the pre-fix draft cache of each chunking, which shared blocks would hide."""
+        return self.scheduler.prefix_caching and self.speculative.lookahead_source == "prompt"
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> MTPServeConfig:

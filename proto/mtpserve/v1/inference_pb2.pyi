@@ -165,7 +165,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("totals", "requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_total", "requests_finished", "generated_tokens", "uptime_s")
+    __slots__ = ("totals", "requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_total", "requests_finished", "generated_tokens", "uptime_s", "kv_blocks_cached", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate")
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,10 @@ class GetStatsResponse(_message.Message):
     REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     totals: AcceptanceStats
     requests_running: int
     requests_waiting: int
@@ -182,4 +186,8 @@ class GetStatsResponse(_message.Message):
     requests_finished: int
     generated_tokens: int
     uptime_s: float
-    def __init__(self, totals: _Optional[_Union[AcceptanceStats, _Mapping]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_finished: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    kv_blocks_cached: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_hit_rate: float
+    def __init__(self, totals: _Optional[_Union[AcceptanceStats, _Mapping]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_finished: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
