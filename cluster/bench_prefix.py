@@ -166,10 +166,16 @@ def run_mode(
     max_tokens: int,
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
-    """Both passes on one engine (its caching already set); fills each conversation's reply."""
-    for conv in warmup:  # compiles kernels for these shapes; its document differs, so nothing is reused
+    """Both passes on one engine (its caching already set); fills each conversation's reply. The same
+    passes run first on `warmup` (another document, so nothing is reused), to compile kernels and capture
+    graphs for these shapes before anything is timed."""
+    for conv in warmup[:1]:
         conv.reply = engine.decode(run_alone(engine, chat_ids(tokenizer, conv, 1), max_tokens).token_ids)
         run_alone(engine, chat_ids(tokenizer, conv, 2), max_tokens)
+    for conv in warmup[1:]:
+        conv.reply = warmup[0].reply
+    run_batch(engine, [chat_ids(tokenizer, c, 1) for c in warmup], max_tokens)
+    run_batch(engine, [chat_ids(tokenizer, c, 2) for c in warmup], max_tokens)
     engine.scheduler.forget_cached()
     first, second = [], []
     for i, conv in enumerate(convs):
@@ -226,7 +232,7 @@ def run_prefix_bench(
     prefix_tokens = 0
     for name, caching in (("cached", True), ("uncached", False)):
         convs = conversations(document, num_conversations)
-        warm = conversations(warmup_document, 1)
+        warm = conversations(warmup_document, num_conversations)
         longest = len(chat_ids(tokenizer, convs[0], 1)) + 2 * max_tokens + 32
         engine = build(
             bench_config(
