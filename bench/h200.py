@@ -94,7 +94,12 @@ def _engine(
                 "fused_kernels": fused,
                 "max_model_len": args.max_model_len,
             },
-            "scheduler": {"max_num_requests": max_batch, "max_num_batched_tokens": 4096, "chunk_size": 512},
+            "scheduler": {
+                "max_num_requests": max_batch,
+                "max_num_batched_tokens": 4096,
+                "chunk_size": 512,
+                "prefix_caching": False,  # prompts repeat across rows: time prefill, not cache hits
+            },
             "speculative": {"enabled": k > 0, "draft": args.head, "num_draft_tokens": max(k, 1)},
         }
     )

@@ -29,12 +29,18 @@ from cluster import bench_prefix  # noqa: E402
 from cluster.build import build_engine  # noqa: E402
 from cluster.engine import LLMEngine  # noqa: E402
 from modeling.loader import resolve_model  # noqa: E402
+from workers.builders import DEFAULT_HEAD  # noqa: E402
 from workers.config import MTPServeConfig  # noqa: E402
 
 
 def compiled() -> int:
     """Kernels in the fresh Triton cache so far."""
     return len(os.listdir(cache_dir))
+
+
+def kernel_names(dirs: set[str]) -> list[str]:
+    """Names of the kernels compiled into these cache folders (one folder per compiled variant)."""
+    return sorted(f.stem for d in dirs for f in (Path(cache_dir) / d).glob("*.cubin"))
 
 
 def logged_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, log: list[dict[str, Any]]) -> float:
@@ -83,7 +89,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
-    cfg = MTPServeConfig.from_dict({"model": {"path": args.model, "device": "cuda"}})
+    cfg = MTPServeConfig.from_dict(
+        {"model": {"path": args.model, "device": "cuda"}, "speculative": {"draft": str(DEFAULT_HEAD)}}
+    )
     tok = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir).tokenizer()
     document, warm_doc = bench_prefix.load_documents(list(bench_prefix.DEFAULT_DOCUMENTS), tok, args.prefix_len)
     convs = bench_prefix.conversations(document, args.conversations)
@@ -91,6 +99,7 @@ def main() -> int:
     longest = len(bench_prefix.chat_ids(tok, convs[0], 1)) + 2 * args.max_tokens + 32
     engine = build_engine(bench_prefix.bench_config(cfg, args.conversations, longest, args.max_tokens))
     report: dict[str, Any] = {"command": " ".join(sys.argv), "after_build_compiles": compiled(), "passes": []}
+    built = set(os.listdir(cache_dir))
     warm_log: list[dict[str, Any]] = []
     t = logged_batch(engine, [bench_prefix.chat_ids(tok, c, 1) for c in warm], args.max_tokens, warm_log)
     report["passes"].append({"name": "warm-up document", "wall_s": t, "steps": warm_log})
@@ -100,6 +109,7 @@ def main() -> int:
         t = logged_batch(engine, [bench_prefix.chat_ids(tok, c, 1) for c in convs], args.max_tokens, log)
         report["passes"].append({"name": f"document, pass {i + 1}", "wall_s": t, "steps": log})
     engine.shutdown()
+    report["compiled_while_serving"] = kernel_names(set(os.listdir(cache_dir)) - built)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix_steps.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -109,6 +119,7 @@ def main() -> int:
         print(f"{p['name']}: {p['wall_s'] * 1e3:.0f} ms, {len(p['steps'])} steps, compiles {n_compiles}")
         for s in slow[:12]:
             print("   ", json.dumps(s))
+    print("kernel variants compiled after the engine was built:", report["compiled_while_serving"])
     return 0
 
 

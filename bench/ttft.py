@@ -4,7 +4,7 @@ For each engine (target-only and speculative K=3, CUDA graphs, the serving confi
 length, it measures the seconds from `add_request` to the request's first token: alone on an idle engine
 (three repeats after a warm-up), and with `--busy` other requests already decoding (their short prompts
 prefilled first, `ignore_eos`, long enough to outlast the measurement). The KV cache holds all of them,
-so no request is preempted. It also records how many engine
+so no request is preempted, and prefix caching is off (each prompt repeats). It also records how many engine
 steps the prefill took, since chunked prefill spreads a long prompt over several steps. Prints a table and
 writes `ttft.json` under --out.
 
@@ -57,6 +57,7 @@ def build(args: argparse.Namespace, k: int) -> LLMEngine:
                 "chunk_size": args.chunk_size,
                 "block_size": block,
                 "num_kv_blocks": num_blocks,
+                "prefix_caching": False,  # the same prompt repeats: measure its prefill, not a cache hit
             },
             "speculative": {"enabled": k > 0, "draft": args.head, "num_draft_tokens": max(k, 1)},
         }

@@ -81,7 +81,7 @@ def throughput_config(
     return with_sections(cfg, scheduler=update) if update else cfg
 
 
-def warm_up(engine: LLMEngine, prompt_len: int, steps: int, seed: int = 1) -> None:
+def warm_up(engine: LLMEngine, prompt_len: int, steps: int, seed: int = 2**31 - 1) -> None:
     """Run one throw-away request for `steps` engine steps (allocator, kernels, caches)."""
     if steps <= 0:
         return

@@ -75,7 +75,7 @@ if triton is not None:
             mask=valid[:, None],
         )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])
     def _uniform_paged_attn(
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, stat_ptr, count_ptr, scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
@@ -142,7 +142,9 @@ if triton is not None:
                     tl.store(out, (merged / total[:, None]).to(o_ptr.dtype.element_ty), mask=valid[:, None])
                     tl.atomic_xchg(count_ptr + group, 0)
 
-    @triton.jit
+    # The block-table width varies from step to step; specialising on it (Triton's divisible-by-16 and
+    # equal-to-1 variants) compiled new kernels while serving, 0.5-0.65 s each (bench/prefix_steps.py).
+    @triton.jit(do_not_specialize=["stride_bt"])
     def _ragged_paged_attn(
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, qlen_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
