@@ -25,7 +25,8 @@ from workers.builders import (
 from workers.config import MTPServeConfig
 from workers.convert import draft_inputs_from_proto, draft_outputs_to_proto
 from workers.grpc_util import node_ip, start_server
-from workers.target_worker import worker_device
+from workers.message_checks import StepLimits, check_draft_inputs
+from workers.target_worker import step_limits, worker_device
 
 
 class DraftWorker(wpb_grpc.DraftWorkerServicer):
@@ -37,6 +38,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         if self.device == "cpu":
             torch.set_num_threads(1)
         self.method: DraftMethod | None = None
+        self.limits: StepLimits | None = None
         self._lock = threading.Lock()
         self._server, self.port = start_server(lambda s: wpb_grpc.add_DraftWorkerServicer_to_server(self, s))
 
@@ -58,6 +60,8 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         if self.method is None:
             raise ValueError("speculative.draft resolves to no head; the draft worker has nothing to run")
         build_chain_graphs(cfg, self.method, max_len)
+        k = cfg.speculative.num_draft_tokens
+        self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, k)
         return num_blocks
 
     def ready(self) -> int:
@@ -70,10 +74,16 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
 
     def Propose(self, request: wpb.DraftInputs, context: grpc.ServicerContext) -> wpb.DraftOutputs:
         """Copy the step's rows into the draft's buffers, update draft KV, return K proposals per request."""
-        if self.method is None:
+        if self.method is None or self.limits is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draft worker is not set up")
+        try:
+            inputs = draft_inputs_from_proto(request)
+            check_draft_inputs(inputs, self.limits)  # type: ignore[arg-type]
+        except ValueError as exc:  # InvalidStepMessage, or a tensor the codec refuses
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"DraftInputs.{exc}")
+        inputs.hidden_states = inputs.hidden_states.to(self.device)
         with self._lock:
-            out = self.method.propose(draft_inputs_from_proto(request, self.device))  # type: ignore[union-attr]
+            out = self.method.propose(inputs)  # type: ignore[union-attr]
         return draft_outputs_to_proto(out)
 
     def draft_kv(self, block_ids: list[int], n: int) -> torch.Tensor:

@@ -38,7 +38,25 @@ from workers.convert import (
 )
 from workers.distributed import free_port, init_tp_group
 from workers.grpc_util import channel_options, node_ip, start_server
+from workers.message_checks import StepLimits, check_plan
 from workers.runner import TargetRunner
+
+
+def step_limits(
+    cfg: MTPServeConfig, vocab_size: int, hidden_size: int, num_blocks: int, max_len: int, k: int
+) -> StepLimits:
+    """What a worker built from `cfg` can run."""
+    sched = cfg.scheduler
+    return StepLimits(
+        num_blocks=num_blocks,
+        block_size=sched.block_size,
+        max_model_len=max_len,
+        vocab_size=vocab_size,
+        max_num_requests=sched.max_num_requests,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        num_draft_tokens=k,
+        hidden_size=hidden_size,
+    )
 
 
 def worker_device(cfg: MTPServeConfig) -> str:
@@ -59,6 +77,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         self.runner: TargetRunner | None = None
         self.draft: DraftMethod | None = None
         self.draft_stub: wpb_grpc.DraftWorkerStub | None = None
+        self.limits: StepLimits | None = None
         self._lock = threading.Lock()
         self._server, self.port = start_server(lambda s: wpb_grpc.add_TargetWorkerServicer_to_server(self, s))
 
@@ -85,6 +104,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
             model.feature_layers = head.feature_layers  # the target's layer outputs the draft reads
         k = cfg.speculative.num_draft_tokens if head is not None else 0
         self.runner = build_runner(cfg, model, cache, self.device, k, max_len)
+        self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, k)
         if self.rank == 0 and head is not None:
             if draft_address:
                 self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address, channel_options()))
@@ -110,11 +130,16 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
 
     def Execute(self, request: wpb.StepPlan, context: grpc.ServicerContext) -> wpb.TargetOutput:
         """Run one step; rank 0 returns tokens and draft proposals, other ranks an empty result."""
-        if self.runner is None:
+        if self.runner is None or self.limits is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rank {self.rank} is not set up")
+        try:
+            plan = plan_from_proto(request)
+            check_plan(plan, self.limits)  # type: ignore[arg-type]
+        except ValueError as exc:  # InvalidStepMessage, or a tensor the codec refuses
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"StepPlan.{exc}")
         with self._lock:
             t0 = time.perf_counter()
-            out = self.runner.execute(plan_from_proto(request))  # type: ignore[union-attr]
+            out = self.runner.execute(plan)  # type: ignore[union-attr]
             if self.rank != 0:
                 return wpb.TargetOutput(step_id=out.step_id)
             t1 = time.perf_counter()
