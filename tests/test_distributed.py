@@ -139,7 +139,7 @@ def test_killed_worker_fails_requests_fast_then_recovers(ray_local, model, victi
             assert max(load.ended) - killed_at < 5.0, "every stream (running or queued) ends within 5 s"
             assert all("worker" in d for d in load.details)
             assert client.health() == "NOT_SERVING"
-            wait_serving(client, 180)
+            wait_serving(client, 60)
             got = [client.generate(token_ids=p, max_tokens=12)["token_ids"] for p in prompts]
             assert got == reference(prompts, 12)
             stats = client.stats()
@@ -220,7 +220,7 @@ def test_stalled_worker_is_detected_by_the_step_timeout(ray_local, model) -> Non
             assert "stalled" in err.value.details() and "parallel.step_timeout_s = 3 s" in err.value.details()
             assert 2.5 < time.monotonic() - t0 < 10.0
             assert client.health() == "NOT_SERVING"
-            wait_serving(client, 180)
+            wait_serving(client, 60)
             prompts = random_prompts(2, 96, [12, 20], seed=16)
             got = [client.generate(token_ids=p, max_tokens=12)["token_ids"] for p in prompts]
             assert got == reference(prompts, 12)
