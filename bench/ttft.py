@@ -1,7 +1,8 @@
 """Time to first token by prompt length, alone and while other requests decode (one process, one GPU).
 
 For each engine (target-only and speculative K=3, CUDA graphs, the serving configuration) and each prompt
-length, it measures the seconds from `add_request` to the request's first token: alone on an idle engine
+length, it measures the seconds from `add_request` to the request's first token, taken when the server
+would deliver it (`LLMEngine.on_tokens`, before the step's draft runs): alone on an idle engine
 (three repeats after a warm-up), and with `--busy` other requests already decoding (their short prompts
 prefilled first, `ignore_eos`, long enough to outlast the measurement). The KV cache holds all of them,
 so no request is preempted, and prefix caching is off (each prompt repeats). It also records how many engine
@@ -70,13 +71,19 @@ def first_token(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
     sync()
     t0 = time.perf_counter()
     rid = engine.add_request(prompt, {"max_tokens": 1, "ignore_eos": True})
+    seen: list[float] = []
+
+    def first(outs: list[Any]) -> None:  # as the server's engine loop delivers: before the step's draft runs
+        if not seen and any(o.request_id == rid and o.new_token_ids for o in outs):
+            seen.append(time.perf_counter())
+
+    engine.on_tokens = first
     steps = 0
-    while True:
+    while not seen:
         steps += 1
-        if any(o.request_id == rid and o.new_token_ids for o in engine.step()):
-            break
-    sync()
-    return time.perf_counter() - t0, steps
+        first(engine.step())
+    engine.on_tokens = None
+    return seen[0] - t0, steps
 
 
 def start_busy(engine: LLMEngine, n: int, max_tokens: int) -> list[str]:

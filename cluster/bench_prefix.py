@@ -114,23 +114,36 @@ def _sync(engine: LLMEngine) -> None:
         torch.cuda.synchronize()
 
 
+def _drive(engine: LLMEngine, consume: Callable[[list[Any], int], None]) -> None:
+    """Step until idle; outputs reach consume(outputs, step number from 1) as a server's streams get
+    them: a step's tokens before its draft runs (see `LLMEngine.on_tokens`)."""
+    step = [1]
+    engine.on_tokens = lambda outs: consume(outs, step[0])
+    try:
+        while engine.has_unfinished():
+            consume(engine.step(), step[0])
+            step[0] += 1
+    finally:
+        engine.on_tokens = None
+
+
 def run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int) -> RequestRun:
     """One request on an otherwise idle engine, to its end."""
     _sync(engine)
     t0 = time.perf_counter()
     rid = engine.add_request(prompt, {"max_tokens": max_tokens})
-    run, steps = RequestRun(len(prompt), 0.0, 0), 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        steps += 1
+    run = RequestRun(len(prompt), 0.0, 0)
+
+    def consume(outs: list[Any], step: int) -> None:
         for o in outs:
             if o.request_id != rid:
                 continue
             if o.new_token_ids and not run.ttft_ms:
-                _sync(engine)
-                run.ttft_ms, run.prefill_steps = 1e3 * (time.perf_counter() - t0), steps
+                run.ttft_ms, run.prefill_steps = 1e3 * (time.perf_counter() - t0), step
             run.token_ids += o.new_token_ids
             run.drafted, run.accepted = o.stats.drafted, o.stats.accepted
+
+    _drive(engine, consume)
     return run
 
 
@@ -140,20 +153,22 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
     t0 = time.perf_counter()
     rids = [engine.add_request(p, {"max_tokens": max_tokens}) for p in prompts]
     first: dict[str, float] = {}
-    tokens = 0
-    while engine.has_unfinished():
-        outs = engine.step()
+    tokens = [0]
+
+    def consume(outs: list[Any], step: int) -> None:
         now = time.perf_counter()
         for o in outs:
-            tokens += len(o.new_token_ids)
+            tokens[0] += len(o.new_token_ids)
             if o.new_token_ids and o.request_id not in first:
                 first[o.request_id] = now - t0
+
+    _drive(engine, consume)
     _sync(engine)
     wall = time.perf_counter() - t0
     return {
         "wall_s": wall,
-        "output_tokens": tokens,
-        "tok_per_s": tokens / wall,
+        "output_tokens": tokens[0],
+        "tok_per_s": tokens[0] / wall,
         "mean_ttft_ms": 1e3 * sum(first[r] for r in rids) / len(rids),
     }
 

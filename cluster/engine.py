@@ -97,6 +97,9 @@ class LLMEngine:
         if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
             self._overlap_runner = target if isinstance(target, TargetRunner) else None
         self._launched: LaunchedStep | None = None  # a queued step whose tokens are not read yet (see `step`)
+        # Given, a step whose draft runs here after the target hands its tokens to this callback before the
+        # draft proposes (the next step needs the drafts, the client does not), and `step` leaves them out.
+        self.on_tokens: Callable[[list[RequestOutput]], None] | None = None
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -229,10 +232,14 @@ class LLMEngine:
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         out = self.target.execute(plan)
-        drafts = out.draft_outputs or (
-            self.draft.propose(out.draft_inputs) if self.draft and out.draft_inputs else None
-        )
-        return self._apply(plan, out, drafts)
+        if out.draft_outputs is not None or self.draft is None or out.draft_inputs is None:
+            return self._apply(plan, out, out.draft_outputs)
+        outputs = self._apply(plan, out, None)
+        if self.on_tokens is not None and any(o.new_token_ids or o.finished for o in outputs):
+            self.on_tokens(outputs)
+            outputs = []
+        self.scheduler.apply_drafts(self.draft.propose(out.draft_inputs))
+        return outputs
 
     def _apply(self, plan: StepPlan, out: TargetOutput, drafts: DraftOutputs | None) -> list[RequestOutput]:
         outputs = self.scheduler.update(plan, out, drafts)

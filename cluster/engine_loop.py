@@ -108,6 +108,7 @@ class EngineLoop:
         self._totals = SpecStats()  # over every request that ended: finished, aborted or failed
         self.snapshot = LoopSnapshot()
         self._publish()
+        engine.on_tokens = self._deliver  # a step's tokens reach their streams before its draft runs
 
     # ---- called from any thread ------------------------------------------------------------------
     def start(self) -> None:
@@ -204,12 +205,16 @@ class EngineLoop:
             self._fail_all(exc)
             self._publish()
             return
+        self._deliver(outputs)
+        if not self._workers_ok:
+            self._set_workers_ok(True)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Route outputs to their streams, publishing the state first."""
         deliveries = self._route(outputs)
         self._publish()
         for handle, out in deliveries:
             handle.events.put(out)
-        if not self._workers_ok:
-            self._set_workers_ok(True)
 
     def _apply_commands(self, block: bool) -> None:
         try:

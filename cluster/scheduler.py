@@ -313,14 +313,18 @@ class Scheduler:
             req.draft_token_ids, req.draft_probs = [], None
             outputs.append(self._append(req, res.new_token_ids))
         if drafts is not None:
-            proposed = drafts.draft_token_ids.tolist()
-            for i, rid in enumerate(drafts.request_ids):
-                req = self.requests.get(rid)
-                if req is None or req.status is not RequestStatus.RUNNING or req.in_context:
-                    continue
-                req.draft_token_ids = proposed[i]
-                req.draft_probs = None if drafts.draft_probs is None else drafts.draft_probs[i]
+            self.apply_drafts(drafts)
         return outputs
+
+    def apply_drafts(self, drafts: DraftOutputs) -> None:
+        """Store a step's proposals for the next step (requests that finished or left are skipped)."""
+        proposed = drafts.draft_token_ids.tolist()
+        for i, rid in enumerate(drafts.request_ids):
+            req = self.requests.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING or req.in_context:
+                continue
+            req.draft_token_ids = proposed[i]
+            req.draft_probs = None if drafts.draft_probs is None else drafts.draft_probs[i]
 
     def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
         p = req.params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -181,3 +182,43 @@ def test_real_engine_preemption_resume_matches_unpreempted() -> None:
     assert eng.scheduler.num_preemptions > 0
     assert [c.token_ids for c in got] == ref
     assert eng.scheduler.blocks.num_free == 14
+
+
+def test_a_steps_tokens_reach_on_tokens_before_its_draft_proposes() -> None:
+    """With `on_tokens` set (the engine loop sets it), a step's tokens are handed over before the in-process
+    draft runs, and nothing is lost or repeated: the tokens equal those `step()` returns without it."""
+    from tiny import mimic_head, mimic_target
+
+    args, w = mimic_target()
+    prompts = random_prompts(3, args.vocab_size, [9, 14, 21], seed=4)
+    sched = {"chunk_size": 5}
+    ref = [
+        c.token_ids
+        for c in tiny_engine(args, w, mimic_head(args, w), scheduler=sched).generate(prompts, {"max_tokens": 7})
+    ]
+    eng = tiny_engine(args, w, mimic_head(args, w), scheduler=sched)
+    events: list[tuple[str, int]] = []
+    got: dict[str, list[int]] = {}
+
+    def on_tokens(outs: list) -> None:
+        events.append(("tokens", step))
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    propose = eng.draft.propose  # type: ignore[union-attr]
+
+    def observed(inputs: Any) -> Any:
+        events.append(("draft", step))
+        return propose(inputs)
+
+    eng.on_tokens = on_tokens
+    eng.draft.propose = observed  # type: ignore[union-attr,method-assign]
+    rids = [eng.add_request(p, {"max_tokens": 7}) for p in prompts]
+    step = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert not o.new_token_ids, "tokens go to on_tokens"
+        step += 1
+    assert [got[r] for r in rids] == ref
+    with_tokens = {s for kind, s in events if kind == "tokens"}
+    assert with_tokens and all(events.index(("tokens", s)) < events.index(("draft", s)) for s in with_tokens)
