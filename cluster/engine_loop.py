@@ -190,6 +190,8 @@ class EngineLoop:
         finally:
             self._stopping.set()
             self._drain_on_stop()
+            if self.engine.on_tokens == self._deliver:
+                self.engine.on_tokens = None  # the engine may be driven directly again
             if self._on_health_change is not None:
                 self._on_health_change(False)
 
