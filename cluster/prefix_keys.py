@@ -29,11 +29,16 @@ def num_keyable_blocks(num_tokens: int, block_size: int) -> int:
 
 
 def extend_keys(keys: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
-    """Append to `keys` (the keys of the first len(keys) blocks) until it holds `num_blocks` keys."""
-    if num_blocks > num_keyable_blocks(len(token_ids), block_size):
-        raise ValueError(f"{num_blocks} blocks need {num_blocks * block_size + 1} known tokens, have {len(token_ids)}")
+    """Append to `keys` (the keys of the first len(keys) blocks) until it holds `num_blocks` keys;
+    `token_ids` are the sequence's tokens from the first block without a key on."""
+    first = len(keys)
+    need = (num_blocks - first) * block_size + 1
+    if num_blocks > first and len(token_ids) < need:
+        raise ValueError(
+            f"blocks {first}..{num_blocks - 1} need {need} known tokens from the first, have {len(token_ids)}"
+        )
     parent = keys[-1] if keys else ROOT_KEY
-    for b in range(len(keys), num_blocks):
-        parent = block_key(parent, token_ids[b * block_size : (b + 1) * block_size + 1])
+    for j in range(num_blocks - first):
+        parent = block_key(parent, token_ids[j * block_size : (j + 1) * block_size + 1])
         keys.append(parent)
     return keys

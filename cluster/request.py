@@ -67,6 +67,11 @@ class Request:
         """Prompt followed by generated tokens."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """all_token_ids[start:], without copying the part before `start`."""
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - p) :]
+
     @property
     def num_tokens(self) -> int:
         """Length of the known sequence."""

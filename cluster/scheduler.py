@@ -243,11 +243,17 @@ class Scheduler:
         """Give a request without blocks the cached blocks of its longest known prefix."""
         if not self.prefix_caching or req.block_ids:
             return
-        n = num_keyable_blocks(req.num_tokens, self.cfg.block_size)
-        keys = extend_keys(req.block_keys, req.all_token_ids, self.cfg.block_size, n)
+        size = self.cfg.block_size
+        n = num_keyable_blocks(req.num_tokens, size)
+        keys = self._keys(req, n)
         req.block_ids = self.blocks.match(keys[:n])
         req.num_keyed_blocks = len(req.block_ids)
-        req.num_computed_tokens = len(req.block_ids) * self.cfg.block_size
+        req.num_computed_tokens = len(req.block_ids) * size
+
+    def _keys(self, req: Request, n: int) -> list[bytes]:
+        """The request's block keys, computed up to block n (reading only the tokens not yet keyed)."""
+        size = self.cfg.block_size
+        return extend_keys(req.block_keys, req.token_ids_from(len(req.block_keys) * size), size, n)
 
     def _register(self, req: Request) -> None:
         """Key the request's full blocks whose target and draft KV are final."""
@@ -257,7 +263,7 @@ class Scheduler:
         n = min(req.num_computed_tokens // size, len(req.block_ids), num_keyable_blocks(req.num_tokens, size))
         if n <= req.num_keyed_blocks:
             return
-        keys = extend_keys(req.block_keys, req.all_token_ids, size, n)
+        keys = self._keys(req, n)
         for b in range(req.num_keyed_blocks, n):
             self.blocks.register(req.block_ids[b], keys[b])
         req.num_keyed_blocks = n
@@ -273,11 +279,6 @@ class Scheduler:
         for req in self.running:
             req.num_keyed_blocks = len(req.block_ids)  # their blocks stay theirs, but are never keyed again
         return self.blocks.forget()
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Fraction of looked-up sequence tokens whose KV came from the cache."""
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     def preempt(self, req: Request) -> None:
         """Evict a running request: free its blocks; it later recomputes prompt + output from position 0

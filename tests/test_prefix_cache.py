@@ -111,7 +111,7 @@ def test_keys_cover_the_next_token_and_the_whole_prefix() -> None:
     assert extend_keys([], other_next, BLOCK, 1) != keys[:1], "block 0's key depends on token 8"
     other_start = [0, *a[1:]]
     assert extend_keys([], other_start, BLOCK, 2)[1] != keys[1], "block 1's key depends on block 0"
-    assert extend_keys(list(keys[:1]), a, BLOCK, 2) == keys, "extending reuses the keys it has"
+    assert extend_keys(list(keys[:1]), a[8:], BLOCK, 2) == keys, "extending reuses the keys it has"
     with pytest.raises(ValueError, match="known tokens"):
         extend_keys([], a[:16], BLOCK, 2)
 
@@ -203,8 +203,8 @@ def test_a_cache_that_ignores_the_next_token_corrupts_the_last_shared_draft_row(
         return num_tokens // block_size
 
     def naive_keys(keys: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
-        for b in range(len(keys), num_blocks):
-            keys.append(block_key(keys[-1] if keys else ROOT_KEY, token_ids[b * block_size : (b + 1) * block_size]))
+        for j in range(num_blocks - len(keys)):
+            keys.append(block_key(keys[-1] if keys else ROOT_KEY, token_ids[j * block_size : (j + 1) * block_size]))
         return keys
 
     shared = random_prompts(1, ARGS.vocab_size, [2 * BLOCK], seed=21)[0]
