@@ -165,8 +165,16 @@ def mutation(fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[tup
     return st.sampled_from(sorted(fields)).flatmap(lambda f: st.tuples(st.just(f), fields[f]))
 
 
-def call_checked(call: Callable[[Any], Any], msg: Any, message: str, path: str) -> None:
-    """The call answers OK or INVALID_ARGUMENT whose details name the message and the field."""
+def call_mutated(call: Callable[..., Any], valid: Callable[[], Any], message: str, change: tuple[str, Any]) -> None:
+    """Call with a valid message whose field `change[0]` is set to `change[1]`: the answer is OK or
+    INVALID_ARGUMENT whose details name the message and the field. Values protobuf itself refuses (e.g. a
+    non-UTF-8 string) are skipped."""
+    path, value = change
+    msg = valid()
+    try:
+        set_field(msg, path, value)
+    except (ValueError, TypeError):
+        return
     try:
         call(msg, timeout=60)
     except grpc.RpcError as exc:
@@ -181,13 +189,7 @@ def call_checked(call: Callable[[Any], Any], msg: Any, message: str, path: str) 
 def test_fuzzed_step_plans_get_ok_or_invalid_argument(
     target: wpb_grpc.TargetWorkerStub, change: tuple[str, Any]
 ) -> None:
-    path, value = change
-    plan = valid_plan()
-    try:
-        set_field(plan, path, value)
-    except (ValueError, TypeError):  # protobuf itself refuses the value (e.g. a non-UTF-8 string)
-        return
-    call_checked(target.Execute, plan, "StepPlan", path)
+    call_mutated(target.Execute, valid_plan, "StepPlan", change)
     out = target.Execute(valid_plan(), timeout=60)
     assert [len(r.new_token_ids) for r in out.results] and len(out.results) == 2
 
@@ -197,13 +199,7 @@ def test_fuzzed_step_plans_get_ok_or_invalid_argument(
 def test_fuzzed_draft_inputs_get_ok_or_invalid_argument(
     draft: wpb_grpc.DraftWorkerStub, change: tuple[str, Any]
 ) -> None:
-    path, value = change
-    msg = valid_draft_inputs()
-    try:
-        set_field(msg, path, value)
-    except (ValueError, TypeError):
-        return
-    call_checked(draft.Propose, msg, "DraftInputs", path)
+    call_mutated(draft.Propose, valid_draft_inputs, "DraftInputs", change)
     out = draft.Propose(valid_draft_inputs(), timeout=60)
     assert list(out.request_ids) == ["a"] and list(out.draft_token_ids.shape) == [1, K]
 
@@ -218,6 +214,11 @@ def test_fuzzed_draft_inputs_get_ok_or_invalid_argument(
         ("seqs.1.top_p", math.nan, "StepPlan.seqs[1].top_p: nan is not in (0, 1]"),
         ("seqs.1.request_id", "a", "StepPlan.seqs.request_id[1]: repeats request id 'a'"),
         ("num_draft_tokens", K + 1, f"StepPlan.num_draft_tokens: {K + 1} is not in [0, {K}]"),
+        (
+            "seqs.1.draft_probs",
+            encode_tensor(torch.full((K, 96), math.nan)),
+            "StepPlan.seqs[1].draft_probs: must be probabilities in [0, 1]",
+        ),
     ],
 )
 def test_bad_plans_name_field_and_reason(target: wpb_grpc.TargetWorkerStub, path: str, value: Any, needle: str) -> None:

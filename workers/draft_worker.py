@@ -77,11 +77,10 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         if self.method is None or self.limits is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draft worker is not set up")
         try:
-            inputs = draft_inputs_from_proto(request)
+            inputs = draft_inputs_from_proto(request, self.device)
             check_draft_inputs(inputs, self.limits)  # type: ignore[arg-type]
         except ValueError as exc:  # InvalidStepMessage, or a tensor the codec refuses
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"DraftInputs.{exc}")
-        inputs.hidden_states = inputs.hidden_states.to(self.device)
         with self._lock:
             out = self.method.propose(inputs)  # type: ignore[union-attr]
         return draft_outputs_to_proto(out)

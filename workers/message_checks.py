@@ -42,6 +42,8 @@ class StepLimits:
 
 
 def _ids_in_range(field: str, ids: Sequence[int], low: int, high: int) -> None:
+    if not ids or (low <= min(ids) and max(ids) < high):
+        return
     for j, t in enumerate(ids):
         if not low <= t < high:
             raise InvalidStepMessage(f"{field}[{j}]", f"{t} is out of range [{low}, {high})")
@@ -99,8 +101,9 @@ def check_seq(field: str, s: SeqPlan, k: int, lim: StepLimits) -> None:
             raise InvalidStepMessage(
                 f"{field}.draft_probs", f"must be float [{drafts}, {lim.vocab_size}], got {p.dtype} {list(p.shape)}"
             )
-        if not bool(torch.isfinite(p).all()) or bool((p < 0).any()):
-            raise InvalidStepMessage(f"{field}.draft_probs", "must be finite and non-negative")
+        lo, hi = torch.aminmax(p) if p.numel() else (torch.zeros(()), torch.zeros(()))
+        if not (float(lo) >= 0 and float(hi) <= 1):  # one pass; NaN fails both comparisons
+            raise InvalidStepMessage(f"{field}.draft_probs", "must be probabilities in [0, 1]")
 
 
 def check_plan(plan: StepPlan, lim: StepLimits) -> None:
@@ -129,10 +132,10 @@ def _per_request(d: DraftInputs, b: int) -> None:
             raise InvalidStepMessage(name, f"has {n} entries for {b} request_ids")
 
 
-def _tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], integer: bool) -> None:
+def _tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], integer: bool, sized_by: str) -> None:
     if tuple(t.shape) != shape or t.is_floating_point() == integer:
         kind = "integer" if integer else "float"
-        raise InvalidStepMessage(name, f"must be {kind} {list(shape)}, got {t.dtype} {list(t.shape)}")
+        raise InvalidStepMessage(name, f"must be {kind} {list(shape)} (from {sized_by}), got {t.dtype} {list(t.shape)}")
 
 
 def check_draft_inputs(d: DraftInputs, lim: StepLimits) -> None:
@@ -149,22 +152,23 @@ def check_draft_inputs(d: DraftInputs, lim: StepLimits) -> None:
     if any(n < 1 for n in d.seq_lens) or sum(d.seq_lens) > lim.max_num_batched_tokens:
         raise InvalidStepMessage("seq_lens", f"each must be >= 1 and all at most {lim.max_num_batched_tokens} rows")
     t = sum(d.seq_lens)
-    _tensor("token_ids", d.token_ids, (t,), integer=True)
+    _tensor("token_ids", d.token_ids, (t,), integer=True, sized_by="seq_lens")
     _ids_in_range("token_ids", d.token_ids.tolist(), 0, lim.vocab_size)
-    _tensor("positions", d.positions, (t,), integer=True)
-    _ids_in_range("positions", d.positions.tolist(), 0, lim.max_model_len)
-    _tensor("lookahead_tokens", d.lookahead_tokens, (sum(d.is_context),), integer=True)
+    _tensor("positions", d.positions, (t,), integer=True, sized_by="seq_lens")
+    positions = d.positions.tolist()
+    _ids_in_range("positions", positions, 0, lim.max_model_len)
+    _tensor("lookahead_tokens", d.lookahead_tokens, (sum(d.is_context),), integer=True, sized_by="is_context")
     _ids_in_range("lookahead_tokens", d.lookahead_tokens.tolist(), -1, lim.vocab_size)
-    _tensor("sampled_tokens", d.sampled_tokens, (b,), integer=True)
+    _tensor("sampled_tokens", d.sampled_tokens, (b,), integer=True, sized_by="request_ids")
     _ids_in_range("sampled_tokens", d.sampled_tokens.tolist(), 0, lim.vocab_size)
     h = d.hidden_states
     if h.dim() != 2 or h.shape[0] != t or h.shape[1] == 0 or h.shape[1] % lim.hidden_size or not h.is_floating_point():
         raise InvalidStepMessage(
-            "hidden_states", f"must be float [{t}, n*{lim.hidden_size}], got {h.dtype} {list(h.shape)}"
+            "hidden_states", f"must be float [{t}, n*{lim.hidden_size}] (from seq_lens), got {h.dtype} {list(h.shape)}"
         )
     row = 0
     for i, n in enumerate(d.seq_lens):
-        last = int(d.positions[row + n - 1]) + 1
+        last = positions[row + n - 1] + 1
         slots = last + (d.num_draft_tokens if d.propose[i] else 0)
         _blocks(f"block_ids[{i}]", d.block_ids[i], slots, lim)
         _sampling(f"request {i}", d.temperature[i], d.top_p[i], d.top_k[i])
