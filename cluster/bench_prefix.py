@@ -244,11 +244,12 @@ def run_prefix_bench(
         raise BenchError("--conversations must be at least 2 (the first one fills the cache)")
     modes: dict[str, dict[str, Any]] = {}
     replies: dict[str, list[str]] = {}
-    prefix_tokens = 0
+    first, second = (chat_ids(tokenizer, c, 1) for c in conversations(document, 2))
+    prefix_tokens = next((i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y), len(first))
+    longest = len(first) + 2 * max_tokens + 32
     for name, caching in (("cached", True), ("uncached", False)):
-        convs = conversations(document, num_conversations)
+        convs = conversations(document, num_conversations)  # fresh: each mode fills in its own replies
         warm = conversations(warmup_document, num_conversations)
-        longest = len(chat_ids(tokenizer, convs[0], 1)) + 2 * max_tokens + 32
         engine = build(
             bench_config(
                 with_sections(cfg, scheduler={"prefix_caching": caching}), num_conversations, longest, max_tokens
@@ -261,8 +262,6 @@ def run_prefix_bench(
         finally:
             engine.shutdown()
         replies[name] = [c.reply for c in convs]
-        a, b = chat_ids(tokenizer, convs[0], 1), chat_ids(tokenizer, convs[1], 1)
-        prefix_tokens = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     on, off = modes["cached"], modes["uncached"]
 
     def runs(mode: dict[str, Any]) -> list[dict[str, Any]]:
