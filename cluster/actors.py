@@ -18,7 +18,7 @@ from modeling.loader import resolve_model
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from speculative.messages import StepPlan, TargetOutput
-from workers.builders import load_head, max_model_len, num_blocks_for
+from workers.builders import draft_source, max_model_len, num_blocks_for
 from workers.config import MTPServeConfig
 from workers.convert import plan_to_proto, target_output_from_proto
 from workers.grpc_util import channel_options
@@ -243,7 +243,7 @@ def build_distributed_engine(cfg: MTPServeConfig) -> LLMEngine:
         raise
     target = RemoteTarget(group)
     max_len = max_model_len(cfg, args)
-    k = cfg.speculative.num_draft_tokens if load_head(cfg, args) is not None else 0
+    k = cfg.speculative.num_draft_tokens if draft_source(cfg, args) is not None else 0
     sched = Scheduler(cfg.scheduler, num_blocks_for(cfg, max_len), k, args.eos_ids(), max_len, cfg.prefix_caching)
     tok = source.tokenizer() if not source.dummy else None
     engine = LLMEngine(cfg, args, sched, target, None, tok)

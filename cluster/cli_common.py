@@ -36,7 +36,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plain torch ops instead of the fused Triton layer kernels (CUDA only; for debugging)",
     )
-    g.add_argument("--draft", help="draft head: 'default', 'random' (untrained, explicit), or a .safetensors path")
+    g.add_argument(
+        "--draft",
+        help="draft head: 'default' (shipped head, or the checkpoint's MTP modules), 'native' (the checkpoint's "
+        "MTP modules), 'random' (untrained, explicit), or a .safetensors path",
+    )
+    g.add_argument(
+        "--spec-method",
+        choices=["mtp_eagle", "mtp_vanilla"],
+        help="mtp_eagle: one MTP module reused K times (default); mtp_vanilla: one native module per draft position",
+    )
     g.add_argument("--num-draft-tokens", type=int, help="K, draft tokens per step (1-8)")
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     g.add_argument(
@@ -74,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "model.overlap_steps": False if a.get("no_overlap") else None,
         "model.overlap_speculative": False if a.get("no_overlap_speculative") else None,
         "speculative.draft": a.get("draft"),
+        "speculative.method": a.get("spec_method"),
         "speculative.num_draft_tokens": a.get("num_draft_tokens"),
         "speculative.enabled": False if a.get("no_speculation") else None,
         "speculative.lookahead_source": a.get("lookahead_source"),

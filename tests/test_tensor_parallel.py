@@ -7,9 +7,11 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.multiprocessing as mp
+from deepseek_tiny import tiny_deepseek_args, tiny_deepseek_weights
 
 from modeling.attention import AttentionMetadata
-from modeling.model import LlamaArgs, LlamaModel
+from modeling.families import model_class
+from modeling.model import LlamaArgs
 from modeling.parallel import TPContext, split_evenly
 from workers.distributed import free_port, init_tp_group
 
@@ -20,7 +22,7 @@ BS = 8
 
 def _forward(args: LlamaArgs, weights: dict, tp: TPContext, prompts: list[list[int]]) -> torch.Tensor:
     """Prefill two chunks per prompt through the paged model; returns logits of every row."""
-    model = LlamaModel(args, tp)
+    model = model_class(args)(args, tp)
     model.load_hf_state_dict(weights)
     model.eval()
     cache = model.allocate_cache(64, BS, "cpu")
@@ -82,6 +84,17 @@ def test_tp_logits_match_single_rank(world: int, heads: int, kv: int, tol: float
     got = run_tp(world, args, weights, prompts)
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_deepseek_tp_logits_match_single_rank(world: int) -> None:
+    """MLA heads and every expert's intermediate width split over ranks (3 ranks: uneven splits)."""
+    args = tiny_deepseek_args(num_attention_heads=6, num_key_value_heads=6)
+    weights = tiny_deepseek_weights(args)
+    prompts = random_prompts(3, args.vocab_size, [11, 7, 15], seed=3)
+    ref = _forward(args, weights, TPContext(), prompts)
+    got = run_tp(world, args, weights, prompts)
+    assert (got - ref).abs().max().item() <= 1e-4
 
 
 @pytest.mark.slow

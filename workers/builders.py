@@ -7,12 +7,14 @@ build their parts with these functions from one MTPServeConfig.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from modeling.errors import ModelLoadError
+from modeling.families import materialize_dummy, model_class
 from modeling.kv_cache import KVCache
 from modeling.layer_ops import pick_ops
 from modeling.loader import ModelSource, resolve_model
@@ -21,6 +23,8 @@ from speculative.lookahead import LookaheadBuffer
 from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
+from speculative.mtp_native import native_heads, num_native_modules
+from speculative.mtp_vanilla import VanillaMTPChain
 from workers.chain_step import UniformChainStep
 from workers.config import MTPServeConfig
 from workers.fused_step import FusedSpecStep
@@ -59,8 +63,14 @@ def build_target(
     tp: Any = None,
     fused_kernels: bool = True,
 ) -> LlamaModel:
-    """Construct the (sharded) target model, load weights and prepare it for inference."""
-    model = LlamaModel(args, tp)
+    """Construct the (sharded) target model, load weights and prepare it for inference; with no weights
+    (a dummy load), random ones are made in place on the device."""
+    if not weights:  # a dummy load of a family too large for host copies: random weights made on the device
+        with torch.device("meta"):
+            model = model_class(args)(args, tp)
+        materialize_dummy(model, device, dtype)
+        return model.eval().prepare_for_inference(pick_ops(device, fused_kernels))
+    model = model_class(args)(args, tp)
     model.load_hf_state_dict(weights)
     model = model.to(device=device, dtype=dtype).eval()
     return model.prepare_for_inference(pick_ops(device, fused_kernels))
@@ -103,44 +113,94 @@ def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: 
         draft.uniform.capture()
 
 
-def load_head(cfg: MTPServeConfig, args: LlamaArgs) -> MTPEagleHead | None:
-    """The configured draft head: shipped default, explicit path, explicit random, or None."""
+def draft_source(cfg: MTPServeConfig, args: LlamaArgs) -> str | None:
+    """Where the draft comes from: 'random', 'native' (the checkpoint's MTP modules), a head file, or None
+    (no speculation), without loading anything."""
     spec = cfg.speculative
     if not spec.enabled or spec.draft is None:
         return None
-    if spec.draft == "random":
-        log.warning("using an untrained random MTP head (explicitly requested): acceptance will be near zero")
-        head = MTPEagleHead(args)
-        head.init_random(seed=cfg.model.seed)
-        return head
     if spec.draft == "default":
+        if num_native_modules(args):
+            return "native"
         if cfg.model.path is not None or not DEFAULT_HEAD.is_file():
             log.warning("no default draft head for this model; speculation is off (pass --draft PATH)")
             return None
-        path = DEFAULT_HEAD
-    else:
-        path = Path(spec.draft)
+        return str(DEFAULT_HEAD)
+    if spec.method == "mtp_vanilla" and spec.draft != "native":
+        raise ModelLoadError("speculative.method 'mtp_vanilla' needs the checkpoint's MTP modules (--draft native)")
+    return spec.draft
+
+
+def load_heads(
+    cfg: MTPServeConfig, args: LlamaArgs, weights: dict[str, torch.Tensor] | None = None
+) -> list[MTPEagleHead] | None:
+    """The configured draft modules (one for MTP Eagle, K for vanilla MTP), or None. Native modules are
+    read from the target's `weights`."""
+    source = draft_source(cfg, args)
+    if source is None:
+        return None
+    spec = cfg.speculative
+    if source == "native":
+        if weights is None:
+            raise ModelLoadError("native MTP modules are read from the target checkpoint; its weights are needed")
+        count = spec.num_draft_tokens if spec.method == "mtp_vanilla" else 1
+        return native_heads(args, weights, count)
+    if source == "random":
+        log.warning("using an untrained random MTP head (explicitly requested): acceptance will be near zero")
+        head = MTPEagleHead(args)
+        head.init_random(seed=cfg.model.seed)
+        return [head]
+    path = Path(source)
     if not path.is_file():
         raise ModelLoadError(f"speculative.draft '{spec.draft}' is not a file; train one with `mtpserve train-draft`")
     try:
-        return MTPEagleHead.load(path, args)
+        return [MTPEagleHead.load(path, args)]
     except Exception as exc:
         raise ModelLoadError(f"draft head {path} does not fit this target: {exc}") from exc
 
 
+def bind_features(model: LlamaModel, heads: list[MTPEagleHead] | None) -> None:
+    """Make the target return the features the first draft module reads."""
+    if heads:
+        model.feature_layers = heads[0].feature_layers
+        model.normed_features = heads[0].normed_input
+
+
+def _prepared(cfg: MTPServeConfig, head: MTPEagleHead, device: str, dtype: torch.dtype) -> MTPEagleHead:
+    if head.eh_proj.weight.is_meta:  # a dummy native module
+        materialize_dummy(head, device, dtype, seed=cfg.model.seed + 1)
+    head = head.to(device=device, dtype=dtype).eval()
+    prepare_for_inference(head, pick_ops(device, cfg.model.fused_kernels))
+    return head
+
+
 def build_draft(
     cfg: MTPServeConfig,
-    head: MTPEagleHead | None,
+    heads: list[MTPEagleHead] | None,
     shared: LlamaModel,
     num_blocks: int,
     device: str,
     dtype: torch.dtype,
 ) -> DraftMethod | None:
-    """The MTP Eagle chain around `head`, sharing `shared`'s embedding and output head, or None."""
-    if head is None:
+    """The configured draft method around `heads`, sharing `shared`'s embedding and output head, or None."""
+    if not heads:
         return None
-    head = head.to(device=device, dtype=dtype).eval()
-    prepare_for_inference(head, pick_ops(device, cfg.model.fused_kernels))
-    cache = head.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
+    heads = [_prepared(cfg, h, device, dtype) for h in heads]
+    caches = [h.allocate_cache(num_blocks, cfg.scheduler.block_size, device) for h in heads]
     lookahead = LookaheadBuffer(cfg.scheduler.max_num_requests, device)
-    return MTPEagleChain(head, shared, cache, lookahead, device, cfg.scheduler.max_num_batched_tokens)
+    return DRAFT_METHODS[cfg.speculative.method](cfg, heads, shared, caches, lookahead, device)
+
+
+DraftBuilder = Callable[
+    [MTPServeConfig, list[MTPEagleHead], LlamaModel, list[KVCache], LookaheadBuffer, str], DraftMethod
+]
+DRAFT_METHODS: dict[str, DraftBuilder] = {  # speculative.method -> its draft method
+    "mtp_eagle": lambda cfg, heads, shared, caches, look, dev: MTPEagleChain(
+        heads[0], shared, caches[0], look, dev, cfg.scheduler.max_num_batched_tokens
+    ),
+    "mtp_vanilla": lambda cfg, heads, shared, caches, look, dev: (
+        VanillaMTPChain(heads, shared, caches, look, dev)
+        if len(heads) > 1
+        else DRAFT_METHODS["mtp_eagle"](cfg, heads, shared, caches, look, dev)  # one module: the same chain
+    ),
+}

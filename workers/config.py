@@ -52,7 +52,13 @@ class SpeculativeConfig(_Strict):
     enabled: bool = True
     draft: str | None = Field(
         "default",
-        description="'default' (shipped head), 'random' (untrained, tests only), a safetensors path, or None",
+        description="'default' (the shipped head, or the checkpoint's own MTP modules where it has them), "
+        "'native' (the checkpoint's MTP modules), 'random' (untrained, tests only), a safetensors path, or None",
+    )
+    method: Literal["mtp_eagle", "mtp_vanilla"] = Field(
+        "mtp_eagle",
+        description="'mtp_eagle': one MTP module reused for every draft position; 'mtp_vanilla': module j "
+        "drafts position j+1 (needs num_draft_tokens native MTP modules)",
     )
     num_draft_tokens: int = Field(3, ge=1, le=8)
     lookahead_source: Literal["prompt", "sampled"] = Field(
@@ -155,8 +161,14 @@ class MTPServeConfig(_Strict):
     @property
     def prefix_caching(self) -> bool:
         """Whether the scheduler reuses cached blocks. Off under lookahead_source 'sampled': that ablation
-        must reproduce the pre-fix draft cache of each chunking, which shared blocks would hide."""
-        return self.scheduler.prefix_caching and self.speculative.lookahead_source == "prompt"
+        must reproduce the pre-fix draft cache of each chunking, which shared blocks would hide. Off under
+        vanilla MTP with several modules: module j's last rows of a block depend on j+1 tokens after it,
+        more than a block key covers."""
+        return (
+            self.scheduler.prefix_caching
+            and self.speculative.lookahead_source == "prompt"
+            and not (self.speculative.method == "mtp_vanilla" and self.speculative.num_draft_tokens > 1)
+        )
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> MTPServeConfig:

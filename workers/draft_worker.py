@@ -17,7 +17,7 @@ from workers.builders import (
     build_chain_graphs,
     build_draft,
     build_target,
-    load_head,
+    load_heads,
     load_target,
     max_model_len,
     num_blocks_for,
@@ -56,7 +56,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         )
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
-        self.method = build_draft(cfg, load_head(cfg, args), shared, num_blocks, self.device, dtype)
+        self.method = build_draft(cfg, load_heads(cfg, args, weights), shared, num_blocks, self.device, dtype)
         if self.method is None:
             raise ValueError("speculative.draft resolves to no head; the draft worker has nothing to run")
         build_chain_graphs(cfg, self.method, max_len)

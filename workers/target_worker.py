@@ -20,11 +20,12 @@ from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from speculative.messages import TargetOutput
 from speculative.methods import DraftMethod
 from workers.builders import (
+    bind_features,
     build_chain_graphs,
     build_draft,
     build_runner,
     build_target,
-    load_head,
+    load_heads,
     load_target,
     max_model_len,
     num_blocks_for,
@@ -99,13 +100,12 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)
-        head = load_head(cfg, args) if cfg.speculative.enabled else None
-        if head is not None:
-            model.feature_layers = head.feature_layers  # the target's layer outputs the draft reads
-        k = cfg.speculative.num_draft_tokens if head is not None else 0
+        heads = load_heads(cfg, args, weights) if cfg.speculative.enabled else None
+        bind_features(model, heads)
+        k = cfg.speculative.num_draft_tokens if heads else 0
         self.runner = build_runner(cfg, model, cache, self.device, k, max_len)
         self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, k)
-        if self.rank == 0 and head is not None:
+        if self.rank == 0 and heads:
             if draft_address:
                 self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address, channel_options()))
             else:
@@ -116,7 +116,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
                         replace(args, num_hidden_layers=0), weights, dtype, self.device, None, cfg.model.fused_kernels
                     )
                 )
-                self.draft = build_draft(cfg, head, shared, num_blocks, self.device, dtype)
+                self.draft = build_draft(cfg, heads, shared, num_blocks, self.device, dtype)
                 build_chain_graphs(cfg, self.draft, max_len)
         return num_blocks
 

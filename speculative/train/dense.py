@@ -63,6 +63,14 @@ def attention(
     return att.o_proj(out), (k, v)
 
 
+def llama_layer(head: MTPEagleHead) -> DecoderLayer:
+    """The head's decoder layer; training-time unrolling is written for Llama-family layers only."""
+    layer = head.layer
+    if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn, Attention):
+        raise ValueError(f"train-draft trains heads of Llama-family targets, not {type(layer).__name__}")
+    return layer
+
+
 def decoder_layer(
     layer: DecoderLayer,
     rotary: Rotary,
@@ -132,7 +140,7 @@ def head_unrolled(
     for k in range(1, steps + 1):
         x = head.eh_proj(torch.cat([emb, head.hnorm(h_in.to(emb.dtype))], dim=-1))
         mask = None if k == 1 else unroll_mask(length, k, ids.device)
-        out, kv = decoder_layer(head.layer, head.rotary, x, positions, mask, past)
+        out, kv = decoder_layer(llama_layer(head), head.rotary, x, positions, mask, past)
         past.append(kv)
         outs.append(out)
         h_in = F.pad(out[:, :-1], (0, 0, 1, 0))

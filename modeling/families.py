@@ -1,0 +1,84 @@
+"""Model families by config: which hyper-parameters, model class and random weights a checkpoint uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from modeling.deepseek import DeepseekV3Model
+from modeling.deepseek_config import MODEL_TYPES as DEEPSEEK_TYPES
+from modeling.deepseek_config import DeepseekV3Args
+from modeling.deepseek_weights import init_dummy_, random_deepseek_weights
+from modeling.errors import ModelLoadError
+from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
+
+LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+class RandomWeights(Protocol):
+    """Full HF-named random weights for a config."""
+
+    def __call__(self, args: Any, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+        """Weights for `args`."""
+        ...
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: its hyper-parameters, model class and random-weight generator."""
+
+    name: str
+    args_type: type[LlamaArgs]
+    model_type: type[LlamaModel]
+    random_weights: RandomWeights
+
+    host_dummy_weights: bool = True  # dummy loads make host tensors; False: built in place on the device
+
+
+LLAMA = Family("llama", LlamaArgs, LlamaModel, random_llama_weights)
+DEEPSEEK_V3 = Family("deepseek_v3", DeepseekV3Args, DeepseekV3Model, random_deepseek_weights, host_dummy_weights=False)
+
+
+def family_of_config(cfg: dict[str, Any], where: str = "config.json") -> Family:
+    """The family of an HF config.json dict; ModelLoadError naming the model_type otherwise."""
+    model_type = cfg.get("model_type", "llama")
+    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    if model_type in DEEPSEEK_TYPES:
+        return DEEPSEEK_V3
+    if model_type in LLAMA_TYPES or "Llama" in archs[0]:
+        return LLAMA
+    known = sorted(LLAMA_TYPES | DEEPSEEK_TYPES)
+    raise ModelLoadError(f"{where}: model_type '{model_type}' is not supported (known: {', '.join(known)})")
+
+
+def family_of(args: LlamaArgs) -> Family:
+    """The family whose hyper-parameter class `args` is (the most derived one)."""
+    return DEEPSEEK_V3 if isinstance(args, DeepseekV3Args) else LLAMA
+
+
+def args_from_config(cfg: dict[str, Any], where: str = "config.json") -> LlamaArgs:
+    """Hyper-parameters of an HF config.json dict, of its family's class."""
+    fam = family_of_config(cfg, where)
+    try:
+        return fam.args_type.from_hf_dict(cfg)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{where}: {exc}") from exc
+
+
+def model_class(args: LlamaArgs) -> type[LlamaModel]:
+    """The model class serving `args`."""
+    return family_of(args).model_type
+
+
+@torch.no_grad()
+def materialize_dummy(module: nn.Module, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+    """Give a module built on the meta device real storage on `device` with random weights, in place; its
+    RoPE table is rebuilt (the module needs `args` and `rotary`, as models and draft heads have)."""
+    module.to(dtype)
+    module.to_empty(device=device)
+    init_dummy_(module, seed)
+    args: LlamaArgs = module.args  # type: ignore[assignment]
+    module.rotary = model_class(args).rotary_for(args).to(device)
