@@ -17,6 +17,7 @@ import torch
 
 from cluster.engine import LLMEngine
 from cluster.errors import MTPServeError
+from modeling.families import family_of, model_class
 from modeling.loader import resolve_device, to_dtype
 from modeling.model import LlamaArgs
 from workers.config import MTPServeConfig
@@ -35,12 +36,11 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 
 def num_params(args: LlamaArgs) -> int:
-    """Parameter count of a Llama-family target with this shape (embeddings counted once when tied)."""
-    d, hd, inter = args.hidden_size, args.dim_per_head, args.intermediate_size
-    attn = d * hd * (2 * args.num_attention_heads + 2 * args.num_key_value_heads)
-    layer = attn + 3 * d * inter + 2 * d
-    head = 0 if args.tie_word_embeddings else args.vocab_size * d
-    return args.vocab_size * d + head + args.num_hidden_layers * layer + d
+    """Parameter count of a target with this shape (tied embeddings counted once), from the model laid out
+    on the meta device, so any family counts right without allocating its weights."""
+    with torch.device("meta"):
+        model = model_class(args)(args)
+    return sum(p.numel() for p in model.parameters())
 
 
 def model_info(cfg: MTPServeConfig, args: LlamaArgs, label: str | None = None) -> dict[str, Any]:
@@ -58,6 +58,7 @@ def model_info(cfg: MTPServeConfig, args: LlamaArgs, label: str | None = None) -
             "vocab_size": args.vocab_size,
             "tie_word_embeddings": args.tie_word_embeddings,
         },
+        "family": family_of(args).name,
         "num_params": num_params(args),
     }
 

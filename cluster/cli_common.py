@@ -16,7 +16,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--config", help="YAML config file; flags below override it")
     g.add_argument("--model", help="HF Llama directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], help="dummy = random weights")
+    g.add_argument(
+        "--load-format",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="dummy = random weights (DeepSeek-V3: made in place on the device, so real shapes need no host copy)",
+    )
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto)")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")

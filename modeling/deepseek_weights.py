@@ -18,14 +18,28 @@ Take = Callable[[str], torch.Tensor]
 
 
 def taker(weights: dict[str, torch.Tensor]) -> Take:
-    """A lookup raising KeyError that names the missing tensor."""
+    """A lookup raising KeyError that names the missing tensor; FP8 weights stored with a block scale
+    (`<name>_scale_inv`, as DeepSeek-V3 ships them) come back dequantised to fp32."""
 
     def take(name: str) -> torch.Tensor:
         if name not in weights:
             raise KeyError(f"checkpoint has no tensor '{name}'")
-        return weights[name]
+        scale = weights.get(name + "_scale_inv")
+        return weights[name] if scale is None else dequantize_blocks(weights[name], scale, name)
 
     return take
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """fp32 weight [R, C] from a block-quantised one and its per-block scales [ceil(R/b0), ceil(C/b1)]."""
+    if weight.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(f"tensor '{name}': block scales need 2-D weights, got {tuple(weight.shape)}")
+    (rows, cols), (sr, sc) = weight.shape, scale_inv.shape
+    br, bc = -(-rows // sr), -(-cols // sc)
+    if -(-rows // br) != sr or -(-cols // bc) != sc:
+        raise ValueError(f"tensor '{name}': scales {tuple(scale_inv.shape)} do not tile {tuple(weight.shape)}")
+    full = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return weight.float() * full
 
 
 def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

@@ -137,7 +137,9 @@ def resolve_model(path: str | None, load_format: str = "auto", cache_dir: str | 
         return ModelSource(convert_gguf(default_gguf_path(), cache_dir))
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelLoadError(f"model.path '{path}' does not exist; give an HF Llama directory or a .gguf file")
+        raise ModelLoadError(
+            f"model.path '{path}' does not exist; give an HF Llama or DeepSeek-V3 directory or a .gguf file"
+        )
     if p.is_file():
         if p.suffix != ".gguf" and load_format != "gguf":
             raise ModelLoadError(f"model.path '{path}' is a file but not a .gguf; give a directory or a GGUF")

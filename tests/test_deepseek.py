@@ -319,3 +319,35 @@ def test_dummy_load_builds_real_shapes_in_place(tmp_path: Path) -> None:
     assert target.layers[1].mlp.experts.gate_up_proj.std() > 0  # type: ignore[union-attr]
     (out,) = eng.generate([[3, 1, 4, 1, 5]], {"max_tokens": 6})
     assert len(out.token_ids) == 6 and out.stats.drafted > 0
+
+
+def fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a 2-D weight to float8 e4m3 with one scale per block x block tile, as DeepSeek-V3 ships it."""
+    rows, cols = w.shape
+    sr, sc = -(-rows // block), -(-cols // block)
+    pad = torch.nn.functional.pad(w, (0, sc * block - cols, 0, sr * block - rows))
+    tiles = pad.view(sr, block, sc, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (tiles / scale[:, None, :, None]).view(sr * block, sc * block)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def test_fp8_block_quantised_checkpoint_loads_dequantised() -> None:
+    args = tiny_deepseek_args()
+    w = tiny_deepseek_weights(args)
+    quantised, dequantised = dict(w), dict(w)
+    for name, t in w.items():
+        if name.endswith("proj.weight") and t.dim() == 2 and "layers.0." in name:
+            q, scale = fp8_blocks(t, 16)
+            quantised[name], quantised[name + "_scale_inv"] = q, scale
+            dequantised[name] = (
+                q.float() * scale.repeat_interleave(16, 0)[: t.shape[0]].repeat_interleave(16, 1)[:, : t.shape[1]]
+            )
+    assert any(v.dtype == torch.float8_e4m3fn for v in quantised.values())
+    a, b = DeepseekV3Model(args), DeepseekV3Model(args)
+    a.load_hf_state_dict(quantised)
+    b.load_hf_state_dict(dequantised)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert (dequantised[name] - w[name]).abs().max() < 0.1 * w[name].abs().max()  # fp8 keeps the weights

@@ -339,3 +339,30 @@ def test_gpu_check_counts_per_node() -> None:
     with pytest.raises(PlacementError) as err:
         check_gpus(4, node_gpus(nodes), 4, False)
     assert "colocated" not in str(err.value) and "parallel.tp_size=4" in str(err.value)
+
+
+@pytest.mark.parametrize(("placement", "method"), [("separate", "mtp_vanilla"), ("colocated", "mtp_eagle")])
+def test_deepseek_target_with_native_mtp_through_actors(ray_local, tmp_path: Path, placement: str, method: str) -> None:
+    """A DeepSeek-V3-family target over 2 TP ranks (MLA heads and experts split) with its MTP modules drafting:
+    the same tokens as one process without drafting."""
+    from deepseek_tiny import mimic_deepseek_args, save_deepseek_dir, tiny_deepseek_weights
+
+    args = mimic_deepseek_args()
+    w = tiny_deepseek_weights(args, mimic=True)
+    path = save_deepseek_dir(tmp_path / "ds", args, w)
+    prompts = random_prompts(3, args.vocab_size, [15, 4, 30], seed=14)
+    plain = MTPServeConfig.from_dict(
+        {"model": {"path": path, "device": "cpu", "dtype": "float32"}, "speculative": {"enabled": False}}
+    )
+    ref = [
+        c.token_ids for c in LLMEngine.from_config(plain, load_tokenizer=False).generate(prompts, {"max_tokens": 16})
+    ]
+    cfg = dist_config((path, "native"), placement, chunk_size=5)
+    cfg.speculative.method = method  # type: ignore[assignment]
+    cfg.speculative.num_draft_tokens = 2
+    eng = build_engine(cfg)
+    try:
+        assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 16})] == ref
+        assert 0 < eng.totals.accepted < eng.totals.drafted
+    finally:
+        eng.shutdown()

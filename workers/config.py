@@ -21,7 +21,8 @@ class ModelConfig(_Strict):
     """Which target model to load and where it runs."""
 
     path: str | None = Field(
-        None, description="HF Llama directory or .gguf file; None loads the default SmolLM2-135M-Instruct"
+        None,
+        description="HF Llama or DeepSeek-V3 directory, or a .gguf file; None loads the default SmolLM2-135M-Instruct",
     )
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
