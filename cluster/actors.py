@@ -55,7 +55,7 @@ def check_gpus(needed: int, per_node: list[int], tp: int, separate: bool) -> Non
 class WorkerGroup:
     """The target ranks (and a separate draft worker) as Ray actors, with their gRPC addresses."""
 
-    def __init__(self, cfg: MTPServeConfig) -> None:
+    def __init__(self, cfg: MTPServeConfig, pg_name: str = "") -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -72,7 +72,9 @@ class WorkerGroup:
         bundles = [dict(unit) for _ in range(tp + (1 if separate else 0))]
         if use_gpu:
             check_gpus(len(bundles), node_gpus(ray.nodes()), tp, separate)
-        self.pg = placement_group(bundles, strategy="STRICT_PACK" if use_gpu else "PACK")
+        if pg_name:
+            remove_stale_group(pg_name)
+        self.pg = placement_group(bundles, strategy="STRICT_PACK" if use_gpu else "PACK", name=pg_name)
         try:
             ray.get(self.pg.ready(), timeout=120)
         except ray.exceptions.GetTimeoutError:
@@ -230,12 +232,26 @@ class RemoteTarget:
         self.group.shutdown()
 
 
-def build_distributed_engine(cfg: MTPServeConfig) -> LLMEngine:
-    """An LLMEngine whose target (and draft) run in Ray actors connected by gRPC."""
+def remove_stale_group(name: str) -> None:
+    """Remove the placement group called `name` if one is left: a placement group outlives the actor that
+    made it, so a restarted scheduler actor would otherwise hold its crashed incarnation's bundles too."""
+    import ray.util
+
+    try:
+        stale = ray.util.get_placement_group(name)
+    except ValueError:
+        return
+    log.warning("removing placement group %s left by a previous scheduler", name)
+    ray.util.remove_placement_group(stale)
+
+
+def build_distributed_engine(cfg: MTPServeConfig, pg_name: str = "") -> LLMEngine:
+    """An LLMEngine whose target (and draft) run in Ray actors connected by gRPC; `pg_name` names their
+    placement group (a scheduler actor passes one that survives its restarts)."""
     connect_ray(cfg.parallel.ray_address)
     source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
     args = source.args()
-    group = WorkerGroup(cfg)
+    group = WorkerGroup(cfg, pg_name)
     try:
         group.setup()
     except Exception:

@@ -38,7 +38,7 @@ DEFAULTS = {
     "ckpt_every": 200,
     "prefer_margin": 0.01,
 }
-RECIPE_NAMES = ("chat", "magpie", "steered", "math", "code", "long", "multi", "seed", "random")
+RECIPE_NAMES = ("chat", "open", "magpie", "steered", "math", "code", "long", "multi", "seed", "random")
 
 DESCRIPTION = """\
 Train an MTP Eagle draft head for a target model by self-distillation (no dataset downloads).

@@ -16,12 +16,15 @@ class SchedulerActor:
     """Runs on a CPU of the driver's node; creates the TP target and draft worker actors itself."""
 
     def __init__(self, cfg_json: str) -> None:
+        import ray
+
         from cluster.actors import build_distributed_engine
         from cluster.server import MTPServer
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self.cfg = MTPServeConfig.model_validate_json(cfg_json)
-        self.engine = build_distributed_engine(self.cfg)
+        workers = f"mtpserve-workers-{ray.get_runtime_context().get_actor_id()}"  # the same after a restart
+        self.engine = build_distributed_engine(self.cfg, workers)
         self.server = MTPServer(self.engine, self.cfg)
         self.server.start()
 

@@ -238,7 +238,8 @@ def training_templates() -> list[str]:
     """The prompt beginnings and templates the draft-data recipes use, placeholders dropped."""
     from speculative.train import prompt_parts as pp
 
-    starts = [s for s in (*pp.CHAT_STARTS, *pp.LONG_STARTS, *OPENERS) if len(s.split()) >= 4]  # shorter: plain English
+    forms = (*pp.CHAT_STARTS, *pp.TASK_FORMS, *pp.LONG_STARTS, *OPENERS)
+    starts = [s for s in forms if len(s.split()) >= 4]  # shorter: plain English
     return starts + [re.sub(r"\{[a-z]+\}", " ", t) for t in (*pp.MATH_STARTS, *pp.MATH_COMPLETE)]
 
 

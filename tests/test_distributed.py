@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -278,6 +279,7 @@ def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model) -
     cfg = dist_config(model, "colocated", chunk_size=6)
     port = free_port()
     cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"port": port, "metrics_port": 0})})
+    before = live_groups(ray_local)
     actor, address, _ = start_scheduler_actor(cfg)
     try:
         with MTPServeClient(address, timeout=60) as client:
@@ -302,8 +304,15 @@ def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model) -
         prompts = random_prompts(2, 96, [11, 25], seed=17)
         with MTPServeClient(address, timeout=60) as client:
             assert [client.generate(token_ids=p, max_tokens=10)["token_ids"] for p in prompts] == reference(prompts, 10)
+        assert live_groups(ray_local) == before + 1, "the crashed incarnation's placement group is removed"
     finally:
         stop_scheduler_actor(actor)
+    assert live_groups(ray_local) == before
+
+
+def live_groups(ray: Any) -> int:
+    """Placement groups not yet removed."""
+    return sum(g["state"] != "REMOVED" for g in ray.util.placement_group_table().values())
 
 
 def test_too_few_gpus_is_a_clear_error_not_a_hang(ray_local, model) -> None:
@@ -314,15 +323,12 @@ def test_too_few_gpus_is_a_clear_error_not_a_hang(ray_local, model) -> None:
     cfg = dist_config(model, "separate")
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": "cuda"})})
 
-    def live_groups() -> int:
-        return sum(g["state"] != "REMOVED" for g in ray_local.util.placement_group_table().values())
-
-    before = live_groups()
+    before = live_groups(ray_local)
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match=r"need 3 GPUs on one node.*draft_placement=colocated"):
         WorkerGroup(cfg)
     assert time.monotonic() - t0 < 5
-    assert live_groups() == before, "no placement group may be left behind"
+    assert live_groups(ray_local) == before, "no placement group may be left behind"
 
 
 def test_gpu_check_counts_per_node() -> None:

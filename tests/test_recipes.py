@@ -16,7 +16,7 @@ from speculative.train.seed_prompts import SEED_PROMPTS
 from smol import smollm2
 
 pytestmark = pytest.mark.slow
-MIX = {"chat": 1, "steered": 1, "magpie": 1, "math": 1, "code": 1, "long": 1, "multi": 1, "seed": 1}
+MIX = {"chat": 1, "open": 1, "steered": 1, "magpie": 1, "math": 1, "code": 1, "long": 1, "multi": 1, "seed": 1}
 
 
 def test_each_recipe_builds_its_kind_of_sample(tmp_path: Path) -> None:
@@ -45,6 +45,10 @@ def test_each_recipe_builds_its_kind_of_sample(tmp_path: Path) -> None:
                 assert prompt.endswith("<|im_start|>assistant\n")
     assert all(any(u.startswith(s) for s in prompt_parts.CHAT_STARTS) for u in users["chat"])
     assert all(any(u.startswith(s) for s in prompt_parts.LONG_STARTS) for u in users["long"])
+    forms = (*prompt_parts.CHAT_STARTS, *prompt_parts.TASK_FORMS)
+    personas = [f"I'm {p}. " for p in prompt_parts.PERSONAS]
+    openings = [*forms, *(p + f for p in personas for f in forms)]
+    assert all(any(u.startswith(s) for s in openings) for u in users["open"])
     assert all(any(u.startswith(o) for o in OPENERS) for u in users["steered"])
     assert all(any(c.isdigit() for c in u) for u in users["math"])
     assert {u.split("<|im_end|>")[0] for u in users["seed"]} == set(SEED_PROMPTS[:4])

@@ -178,6 +178,40 @@ class SelfWrittenRecipe:
         return ctx.respond(ids, self.name, _int_seed(rng), cap)
 
 
+@dataclass
+class OpenTopicRecipe:
+    """Chat data over topics from anywhere in the vocabulary: the opener pairs a request shape (CHAT_STARTS or
+    TASK_FORMS), sometimes after a persona, with one or two whole-word tokens of the tokenizer, so the
+    subjects are not limited to a list; the target writes the rest of the user turn and answers it."""
+
+    name: str = "open"
+    needs_tokenizer: bool = True
+
+    def build(self, ctx: RecipeContext, part: int, count: int, seed: int) -> list[Sample]:
+        """Write the user turns, then answer them."""
+        rng = _rng(seed, self.name, part)
+        words = vocabulary_words(ctx.tokenizer)
+        opener = SelfWrittenRecipe(self.name, lambda r: open_opener(r, words))
+        texts = opener.prompts(ctx, rng, count)
+        ids = [ctx.chat_ids([{"role": "user", "content": t}]) for t in texts]
+        return ctx.respond(ids, self.name, _int_seed(rng))
+
+
+def vocabulary_words(tokenizer: Any) -> list[str]:
+    """Lower-case alphabetic whole-word tokens (4-12 letters) of a byte-level BPE vocabulary, sorted."""
+    words = {t[1:] for t in tokenizer.get_vocab() if t.startswith("\u0120") and t[1:].isalpha() and t[1:].islower()}
+    return sorted(w for w in words if 4 <= len(w) <= 12)
+
+
+def open_opener(rng: random.Random, words: list[str]) -> str:
+    """A request shape and one or two vocabulary words, a quarter of the time after a persona."""
+    start = rng.choice(pp.CHAT_STARTS + pp.TASK_FORMS)
+    topic = rng.choice(words) if rng.random() < 0.6 else f"{rng.choice(words)} and {rng.choice(words)}"
+    if rng.random() < 0.25:
+        return f"I'm {rng.choice(pp.PERSONAS)}. {start} {topic}"
+    return f"{start} {topic}"
+
+
 def _chat_opener(rng: random.Random) -> str:
     return f"{rng.choice(pp.CHAT_STARTS)} {rng.choice(pp.SUBJECTS)}"
 
@@ -358,6 +392,7 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     "magpie": lambda: SelfWrittenRecipe("magpie", _magpie_opener),
     "steered": lambda: SelfWrittenRecipe("steered", _steered_opener),
     "long": lambda: SelfWrittenRecipe("long", _long_opener, long_answers=True),
+    "open": OpenTopicRecipe,
     "math": MathRecipe,
     "multi": MultiTurnRecipe,
     "code": CodeRecipe,
