@@ -12,6 +12,7 @@ import torch
 from modeling.model import LlamaArgs, Rotary
 
 MODEL_TYPES = frozenset({"deepseek_v3"})
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # RoPE tables that do not change with the length
 
 
 @dataclass
@@ -37,6 +38,13 @@ class DeepseekV3Args(LlamaArgs):
     rope_interleave: bool = True
     attention_bias: bool = False
     rope_parameters: dict[str, Any] = field(default_factory=dict)
+    quantization_config: dict[str, Any] = field(default_factory=dict)  # FP8 checkpoints: weight_block_size
+
+    @property
+    def weight_block(self) -> tuple[int, int]:
+        """Rows and columns per scale of block-quantised (FP8) weights; DeepSeek-V3 ships 128 x 128."""
+        rows, cols = self.quantization_config.get("weight_block_size") or (128, 128)
+        return int(rows), int(cols)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> DeepseekV3Args:
@@ -67,6 +75,10 @@ class DeepseekV3Args(LlamaArgs):
             raise ValueError("num_experts_per_tok exceeds the experts of the selected groups")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            served = ", ".join(STATIC_ROPE_TYPES)
+            raise ValueError(f"rope_parameters.rope_type '{rope_type}' is not served (fixed tables only: {served})")
 
     @property
     def dim_per_head(self) -> int:

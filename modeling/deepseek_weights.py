@@ -17,27 +17,30 @@ from modeling.moe import MoE
 Take = Callable[[str], torch.Tensor]
 
 
-def taker(weights: dict[str, torch.Tensor]) -> Take:
-    """A lookup raising KeyError that names the missing tensor; FP8 weights stored with a block scale
-    (`<name>_scale_inv`, as DeepSeek-V3 ships them) come back dequantised to fp32."""
+def taker(weights: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128)) -> Take:
+    """A lookup raising KeyError that names the missing tensor; FP8 weights stored with one scale per
+    `block` tile (`<name>_scale_inv`, as DeepSeek-V3 ships them) come back dequantised to fp32."""
 
     def take(name: str) -> torch.Tensor:
         if name not in weights:
             raise KeyError(f"checkpoint has no tensor '{name}'")
         scale = weights.get(name + "_scale_inv")
-        return weights[name] if scale is None else dequantize_blocks(weights[name], scale, name)
+        return weights[name] if scale is None else dequantize_blocks(weights[name], scale, block, name)
 
     return take
 
 
-def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> torch.Tensor:
-    """fp32 weight [R, C] from a block-quantised one and its per-block scales [ceil(R/b0), ceil(C/b1)]."""
+def dequantize_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str = "weight"
+) -> torch.Tensor:
+    """fp32 weight [R, C] from a block-quantised one and its scales [ceil(R/block[0]), ceil(C/block[1])]."""
     if weight.dim() != 2 or scale_inv.dim() != 2:
         raise ValueError(f"tensor '{name}': block scales need 2-D weights, got {tuple(weight.shape)}")
-    (rows, cols), (sr, sc) = weight.shape, scale_inv.shape
-    br, bc = -(-rows // sr), -(-cols // sc)
-    if -(-rows // br) != sr or -(-cols // bc) != sc:
-        raise ValueError(f"tensor '{name}': scales {tuple(scale_inv.shape)} do not tile {tuple(weight.shape)}")
+    (rows, cols), (br, bc) = weight.shape, block
+    if scale_inv.shape != (-(-rows // br), -(-cols // bc)):
+        raise ValueError(
+            f"tensor '{name}': scales {tuple(scale_inv.shape)} do not tile {tuple(weight.shape)} in {br} x {bc} blocks"
+        )
     full = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return weight.float() * full
 
@@ -128,7 +131,7 @@ def load_moe(moe: MoE, weights: dict[str, torch.Tensor], take: Take, p: str, arg
 
 def load_layer(layer: nn.Module, weights: dict[str, torch.Tensor], p: str, args: DeepseekV3Args) -> None:
     """One DeepSeek decoder layer (a target layer or an MTP module's) from tensors under prefix `p`."""
-    take = taker(weights)
+    take = taker(weights, args.weight_block)
     load_attention(layer.self_attn, take, p + "self_attn.", args)  # type: ignore[arg-type]
     put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")  # type: ignore[union-attr, arg-type]
     name = p + "post_attention_layernorm.weight"
@@ -142,7 +145,7 @@ def load_layer(layer: nn.Module, weights: dict[str, torch.Tensor], p: str, args:
 def load_deepseek(model: Any, weights: dict[str, torch.Tensor]) -> None:
     """Embedding, final norm, lm_head and every decoder layer of a DeepseekV3Model's shard."""
     args: DeepseekV3Args = model.args
-    take = taker(weights)
+    take = taker(weights, args.weight_block)
     lo, hi = model.embed_tokens.range
     put(model.embed_tokens.weight, take("model.embed_tokens.weight")[lo:hi], "model.embed_tokens.weight")
     if not args.tie_word_embeddings:

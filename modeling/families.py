@@ -18,6 +18,11 @@ from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
 LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
 
+class InPlaceDummy(dict[str, torch.Tensor]):
+    """The (empty) weights of a dummy load whose family makes random weights in place on the device: a
+    marker, so that an empty checkpoint is never mistaken for a dummy load."""
+
+
 class RandomWeights(Protocol):
     """Full HF-named random weights for a config."""
 
@@ -80,5 +85,8 @@ def materialize_dummy(module: nn.Module, device: str | torch.device, dtype: torc
     module.to(dtype)
     module.to_empty(device=device)
     init_dummy_(module, seed)
+    for m in module.modules():
+        if getattr(m, "keep_fp32", False):
+            m.float()
     args: LlamaArgs = module.args  # type: ignore[assignment]
     module.rotary = model_class(args).rotary_for(args).to(device)

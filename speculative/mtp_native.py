@@ -12,6 +12,7 @@ import torch
 from modeling.deepseek_config import DeepseekV3Args
 from modeling.deepseek_weights import load_layer, put, taker
 from modeling.errors import ModelLoadError
+from modeling.families import InPlaceDummy
 from modeling.model import LlamaArgs
 from speculative.mtp_head import MTPEagleHead
 
@@ -24,18 +25,18 @@ def num_native_modules(args: LlamaArgs) -> int:
 @torch.no_grad()
 def native_heads(args: LlamaArgs, weights: dict[str, torch.Tensor], count: int | None = None) -> list[MTPEagleHead]:
     """The first `count` (default all) MTP modules of the checkpoint, as heads; ModelLoadError when absent.
-    Without weights (a dummy load) the heads are built on the meta device."""
+    For an in-place dummy load the heads are built on the meta device."""
     available = num_native_modules(args)
     count = available if count is None else count
     if count < 1 or count > available:
         raise ModelLoadError(f"the checkpoint has {available} MTP module(s); {count} were asked for")
     assert isinstance(args, DeepseekV3Args)
-    if not weights:  # a dummy load: the modules get storage and random weights on their device later
+    if isinstance(weights, InPlaceDummy):  # the modules get storage and random weights on their device later
         return [_meta_head(args) for _ in range(count)]
     heads = []
     for j in range(count):
         p = f"model.layers.{args.num_hidden_layers + j}."
-        take = taker(weights)
+        take = taker(weights, args.weight_block)
         head = MTPEagleHead(args, own_norm=True)
         head.normed_input = True
         try:

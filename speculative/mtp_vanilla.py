@@ -127,7 +127,7 @@ class VanillaMTPChain(DraftMethod):
             carried: list[torch.Tensor | None] = [None] * len(self.heads) if fresh else list(old[b] or [])
             for j in range(len(self.heads)):
                 if p0[b] + n[b] - 1 - j >= 0:
-                    carried[j] = outs[j][b][-1]
+                    carried[j] = outs[j][b][-1].clone()  # not a view that keeps the step's rows
             self.carry[rid] = carried
         return self._chain(inputs, outs, k)
 

@@ -19,7 +19,7 @@ from cluster.engine import LLMEngine
 from cluster.errors import ModelLoadError
 from modeling.attention import AttentionMetadata
 from modeling.deepseek import DeepseekV3Model
-from modeling.families import args_from_config
+from modeling.families import InPlaceDummy, args_from_config
 from modeling.loader import resolve_model
 from modeling.mla import LatentCache
 from speculative.mtp_native import native_heads
@@ -309,7 +309,7 @@ def test_dummy_load_builds_real_shapes_in_place(tmp_path: Path) -> None:
     d.mkdir()
     cfg = {k: getattr(args, k) for k in args.__dataclass_fields__}
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
-    assert resolve_model(str(d), "dummy").weights() == {}
+    assert isinstance(resolve_model(str(d), "dummy").weights(), InPlaceDummy)
     spec = {"draft": "native", "num_draft_tokens": 2, "method": "mtp_vanilla"}
     config = engine_config(speculative=spec)
     config.model.path, config.model.load_format = str(d), "dummy"
@@ -333,11 +333,14 @@ def fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def test_fp8_block_quantised_checkpoint_loads_dequantised() -> None:
-    args = tiny_deepseek_args()
+    """Blocks of the config's `weight_block_size`, also where a weight's rows are not a multiple of it
+    (kv_a_proj_with_mqa: 40 rows in 16-row blocks, whose scales alone would suggest 14-row blocks)."""
+    args = tiny_deepseek_args(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
     w = tiny_deepseek_weights(args)
     quantised, dequantised = dict(w), dict(w)
+    assert w["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape[0] == 40
     for name, t in w.items():
-        if name.endswith("proj.weight") and t.dim() == 2 and "layers.0." in name:
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and t.dim() == 2 and "layers.0." in name:
             q, scale = fp8_blocks(t, 16)
             quantised[name], quantised[name + "_scale_inv"] = q, scale
             dequantised[name] = (
@@ -349,5 +352,43 @@ def test_fp8_block_quantised_checkpoint_loads_dequantised() -> None:
     b.load_hf_state_dict(dequantised)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(x, y), name
-    name = "model.layers.0.self_attn.o_proj.weight"
-    assert (dequantised[name] - w[name]).abs().max() < 0.1 * w[name].abs().max()  # fp8 keeps the weights
+    for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"):
+        assert (dequantised[name] - w[name]).abs().max() < 0.1 * w[name].abs().max(), name  # fp8 keeps them
+    wrong = tiny_deepseek_args(quantization_config={"weight_block_size": [8, 8]})
+    with pytest.raises(ValueError, match="do not tile"):
+        DeepseekV3Model(wrong).load_hf_state_dict(quantised)
+
+
+def test_router_stays_fp32_in_a_bf16_model() -> None:
+    """Expert choice turns on small score gaps, so the router (and its bias) are not rounded to bf16."""
+    args = mimic_deepseek_args()
+    w = tiny_deepseek_weights(args, mimic=True)
+    cfg = engine_config(model={"dtype": "bfloat16"}, speculative={"draft": "native", "num_draft_tokens": 1})
+    eng = LLMEngine.from_weights(cfg, args, w)
+    gate = eng.target.model.layers[0].mlp.gate  # type: ignore[attr-defined]
+    assert gate.weight.dtype == torch.float32 and torch.equal(gate.weight, w["model.layers.0.mlp.gate.weight"])
+    assert torch.equal(gate.e_score_correction_bias, w["model.layers.0.mlp.gate.e_score_correction_bias"])
+    assert eng.target.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.dtype == torch.bfloat16  # type: ignore[attr-defined]
+    (out,) = eng.generate([[3, 1, 4, 1, 5, 9]], {"max_tokens": 6})
+    assert len(out.token_ids) == 6
+
+
+def test_unservable_configs_and_empty_checkpoints_are_refused(tmp_path: Path) -> None:
+    args = tiny_deepseek_args()
+    cfg = {**{k: getattr(args, k) for k in args.__dataclass_fields__}, "model_type": "deepseek_v3"}
+    dynamic = {**cfg, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}
+    with pytest.raises(ModelLoadError, match="rope_type 'dynamic'"):
+        args_from_config(dynamic)
+    d = tmp_path / "empty"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file({}, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="hold no tensors"):
+        resolve_model(str(d)).weights()
+    from workers.builders import draft_source
+
+    llama = engine_config(speculative={"method": "mtp_vanilla", "draft": "random"})
+    from tiny import tiny_args
+
+    with pytest.raises(ModelLoadError, match="needs the checkpoint's own MTP modules"):
+        draft_source(llama, tiny_args())

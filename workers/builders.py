@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from modeling.errors import ModelLoadError
-from modeling.families import materialize_dummy, model_class
+from modeling.families import InPlaceDummy, materialize_dummy, model_class
 from modeling.kv_cache import KVCache
 from modeling.layer_ops import pick_ops
 from modeling.loader import ModelSource, resolve_model
-from modeling.model import LlamaArgs, LlamaModel, prepare_for_inference
+from modeling.model import LlamaArgs, LlamaModel, cast_keeping_fp32, prepare_for_inference
 from speculative.lookahead import LookaheadBuffer
 from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
@@ -63,16 +64,16 @@ def build_target(
     tp: Any = None,
     fused_kernels: bool = True,
 ) -> LlamaModel:
-    """Construct the (sharded) target model, load weights and prepare it for inference; with no weights
-    (a dummy load), random ones are made in place on the device."""
-    if not weights:  # a dummy load of a family too large for host copies: random weights made on the device
+    """Construct the (sharded) target model, load weights and prepare it for inference; for an in-place dummy
+    load, random weights are made on the device."""
+    if isinstance(weights, InPlaceDummy):  # random weights made on the device, no host copy
         with torch.device("meta"):
             model = model_class(args)(args, tp)
         materialize_dummy(model, device, dtype)
         return model.eval().prepare_for_inference(pick_ops(device, fused_kernels))
     model = model_class(args)(args, tp)
     model.load_hf_state_dict(weights)
-    model = model.to(device=device, dtype=dtype).eval()
+    cast_keeping_fp32(model, device, dtype).eval()
     return model.prepare_for_inference(pick_ops(device, fused_kernels))
 
 
@@ -119,16 +120,21 @@ def draft_source(cfg: MTPServeConfig, args: LlamaArgs) -> str | None:
     spec = cfg.speculative
     if not spec.enabled or spec.draft is None:
         return None
-    if spec.draft == "default":
+    source = spec.draft
+    if source == "default":
         if num_native_modules(args):
-            return "native"
-        if cfg.model.path is not None or not DEFAULT_HEAD.is_file():
+            source = "native"
+        elif cfg.model.path is not None or not DEFAULT_HEAD.is_file():
             log.warning("no default draft head for this model; speculation is off (pass --draft PATH)")
             return None
-        return str(DEFAULT_HEAD)
-    if spec.method == "mtp_vanilla" and spec.draft != "native":
-        raise ModelLoadError("speculative.method 'mtp_vanilla' needs the checkpoint's MTP modules (--draft native)")
-    return spec.draft
+        else:
+            source = str(DEFAULT_HEAD)
+    if DRAFT_METHODS[spec.method].needs_native and source != "native":
+        raise ModelLoadError(
+            f"speculative.method '{spec.method}' needs the checkpoint's own MTP modules (speculative.draft "
+            f"'native'); the draft resolves to '{source}'"
+        )
+    return source
 
 
 def load_heads(
@@ -143,8 +149,7 @@ def load_heads(
     if source == "native":
         if weights is None:
             raise ModelLoadError("native MTP modules are read from the target checkpoint; its weights are needed")
-        count = spec.num_draft_tokens if spec.method == "mtp_vanilla" else 1
-        return native_heads(args, weights, count)
+        return native_heads(args, weights, DRAFT_METHODS[spec.method].modules(spec.num_draft_tokens))
     if source == "random":
         log.warning("using an untrained random MTP head (explicitly requested): acceptance will be near zero")
         head = MTPEagleHead(args)
@@ -169,7 +174,9 @@ def bind_features(model: LlamaModel, heads: list[MTPEagleHead] | None) -> None:
 def _prepared(cfg: MTPServeConfig, head: MTPEagleHead, device: str, dtype: torch.dtype) -> MTPEagleHead:
     if head.eh_proj.weight.is_meta:  # a dummy native module
         materialize_dummy(head, device, dtype, seed=cfg.model.seed + 1)
-    head = head.to(device=device, dtype=dtype).eval()
+    else:
+        cast_keeping_fp32(head, device, dtype)
+    head.eval()
     prepare_for_inference(head, pick_ops(device, cfg.model.fused_kernels))
     return head
 
@@ -188,19 +195,44 @@ def build_draft(
     heads = [_prepared(cfg, h, device, dtype) for h in heads]
     caches = [h.allocate_cache(num_blocks, cfg.scheduler.block_size, device) for h in heads]
     lookahead = LookaheadBuffer(cfg.scheduler.max_num_requests, device)
-    return DRAFT_METHODS[cfg.speculative.method](cfg, heads, shared, caches, lookahead, device)
+    return DRAFT_METHODS[cfg.speculative.method].build(cfg, heads, shared, caches, lookahead, device)
 
 
 DraftBuilder = Callable[
     [MTPServeConfig, list[MTPEagleHead], LlamaModel, list[KVCache], LookaheadBuffer, str], DraftMethod
 ]
-DRAFT_METHODS: dict[str, DraftBuilder] = {  # speculative.method -> its draft method
-    "mtp_eagle": lambda cfg, heads, shared, caches, look, dev: MTPEagleChain(
-        heads[0], shared, caches[0], look, dev, cfg.scheduler.max_num_batched_tokens
-    ),
-    "mtp_vanilla": lambda cfg, heads, shared, caches, look, dev: (
-        VanillaMTPChain(heads, shared, caches, look, dev)
-        if len(heads) > 1
-        else DRAFT_METHODS["mtp_eagle"](cfg, heads, shared, caches, look, dev)  # one module: the same chain
+
+
+@dataclass(frozen=True)
+class DraftMethodSpec:
+    """How a `speculative.method` is built: its chain, how many draft modules it runs for K draft tokens,
+    and whether they must be the checkpoint's own MTP modules."""
+
+    build: DraftBuilder
+    modules: Callable[[int], int]
+    needs_native: bool = False
+
+
+def _eagle(
+    cfg: MTPServeConfig,
+    heads: list[MTPEagleHead],
+    shared: LlamaModel,
+    caches: list[KVCache],
+    look: LookaheadBuffer,
+    dev: str,
+) -> DraftMethod:
+    return MTPEagleChain(heads[0], shared, caches[0], look, dev, cfg.scheduler.max_num_batched_tokens)
+
+
+DRAFT_METHODS: dict[str, DraftMethodSpec] = {
+    "mtp_eagle": DraftMethodSpec(_eagle, modules=lambda k: 1),
+    "mtp_vanilla": DraftMethodSpec(
+        lambda cfg, heads, shared, caches, look, dev: (
+            VanillaMTPChain(heads, shared, caches, look, dev)
+            if len(heads) > 1
+            else _eagle(cfg, heads, shared, caches, look, dev)  # one module: the same chain, captured on CUDA
+        ),
+        modules=lambda k: k,
+        needs_native=True,
     ),
 }
