@@ -13,6 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from modeling import triton_attention
 
+SCORE_ELEMENTS = 1 << 26  # fp32 attention scores one pass of one-KV-head attention may hold (256 MB)
+
 
 class Metadata(Protocol):
     """What a layer needs: where to write this step's K/V, and how to attend."""
@@ -233,8 +235,16 @@ def one_kv_head_attention(
 ) -> torch.Tensor:
     """Attention of H query heads over one shared key/value head (MQA, and MLA's latent rows) as two batched
     matrix products over all heads at once: q [B, H, Q, D], k [B, 1, S, D], v [B, 1, S, Dv], mask
-    broadcastable to [B, H, Q, S]; returns [B, H, Q, Dv]. SDPA would first copy the keys to every head."""
+    broadcastable to [B, H, Q, S]; returns [B, H, Q, Dv]. SDPA would first copy the keys to every head. Long
+    queries go in slices of rows, so the fp32 scores stay under SCORE_ELEMENTS."""
     b, h, qn, d = q.shape
+    rows = max(1, SCORE_ELEMENTS // (b * h * k.shape[2]))  # query rows per pass: bounded score memory
+    if qn > rows:
+        parts = [
+            one_kv_head_attention(q[:, :, i : i + rows], k, v, mask[..., i : i + rows, :], scale)
+            for i in range(0, qn, rows)
+        ]
+        return torch.cat(parts, dim=2)
     scores = torch.matmul(q.reshape(b, 1, h * qn, d), k.transpose(-1, -2)).float().view(b, h, qn, -1) * scale
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
     return torch.matmul(probs.view(b, 1, h * qn, -1), v).view(b, h, qn, v.shape[-1])

@@ -392,3 +392,26 @@ def test_unservable_configs_and_empty_checkpoints_are_refused(tmp_path: Path) ->
 
     with pytest.raises(ModelLoadError, match="needs the checkpoint's own MTP modules"):
         draft_source(llama, tiny_args())
+
+
+def test_one_kv_head_attention_matches_sdpa_and_tiles_long_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Latent attention's one shared key head: equal to SDPA over keys copied to every head, also when the
+    queries go in slices to bound the score memory."""
+    from modeling import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 8, 37, 16, generator=g),
+        torch.randn(2, 1, 50, 16, generator=g),
+        torch.randn(2, 1, 50, 12, generator=g),
+    )
+    mask = torch.rand(2, 1, 37, 50, generator=g) > 0.3
+    mask[..., 0] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.expand(-1, 8, -1, -1), v.expand(-1, 8, -1, -1), attn_mask=mask, scale=0.25
+    )
+    whole = attention.one_kv_head_attention(q, k, v, mask, 0.25)
+    monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2 * 8 * 50 * 5)  # five query rows per pass
+    tiled = attention.one_kv_head_attention(q, k, v, mask, 0.25)
+    assert (whole - ref).abs().max().item() <= 1e-5
+    assert torch.equal(tiled, whole)
