@@ -79,14 +79,37 @@ def model_class(args: LlamaArgs) -> type[LlamaModel]:
 
 
 @torch.no_grad()
-def materialize_dummy(module: nn.Module, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> None:
-    """Give a module built on the meta device real storage on `device` with random weights, in place; its
-    RoPE table is rebuilt (the module needs `args` and `rotary`, as models and draft heads have)."""
+def allocate_on_device(module: nn.Module, device: str | torch.device, dtype: torch.dtype) -> None:
+    """Give a module laid out on the meta device storage on `device` in `dtype` (modules marked `keep_fp32`
+    in fp32): parameters hold NaN until loaded, buffers zero, the RoPE table is rebuilt (the module needs
+    `args` and `rotary`, as models and draft heads have)."""
     module.to(dtype)
-    module.to_empty(device=device)
-    init_dummy_(module, seed)
     for m in module.modules():
         if getattr(m, "keep_fp32", False):
             m.float()
+    module.to_empty(device=device)
+    if isinstance(module, LlamaModel):
+        module.tie_weights()
+    for p in module.parameters():
+        p.fill_(float("nan"))
+    for b in module.buffers():
+        b.zero_()
+    _rebuild_rotary(module, device)
+
+
+def unloaded_parameters(module: nn.Module) -> list[str]:
+    """Parameters that still hold NaN after loading (absent from the checkpoint, or NaN in it)."""
+    return [name for name, p in module.named_parameters() if p.is_floating_point() and bool(torch.isnan(p).any())]
+
+
+@torch.no_grad()
+def materialize_dummy(module: nn.Module, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+    """Give a module laid out on the meta device storage on `device` with random weights, in place."""
+    allocate_on_device(module, device, dtype)
+    init_dummy_(module, seed)
+    _rebuild_rotary(module, device)
+
+
+def _rebuild_rotary(module: nn.Module, device: str | torch.device) -> None:
     args: LlamaArgs = module.args  # type: ignore[assignment]
     module.rotary = model_class(args).rotary_for(args).to(device)

@@ -267,6 +267,12 @@ class LlamaModel(nn.Module):
         self.feature_layers: tuple[int, ...] = (args.num_hidden_layers - 1,)  # what the draft head reads
         self.normed_features = False  # the draft reads the final-normed hidden state (DeepSeek's MTP modules)
 
+    def tie_weights(self) -> None:
+        """Share the embedding as the lm_head again where the config ties them (moving a model off the
+        meta device gives every module its own new parameters)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+
     # ---- the architecture's parts, also used to build a draft head of the same family ----------------
     @classmethod
     def decoder_layer(cls, args: LlamaArgs, tp: TPContext, index: int) -> nn.Module:

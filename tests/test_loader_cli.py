@@ -82,3 +82,21 @@ def test_cli_errors_name_the_field(tmp_path: Path) -> None:
     for cmd in ("generate", "serve", "bench", "train-draft"):
         h = run_cli(cmd, "--help")
         assert h.returncode == 0 and "usage" in h.stdout.lower()
+
+
+def test_weights_load_straight_onto_the_device_and_unfilled_ones_are_refused() -> None:
+    """The target is laid out on the meta device and loaded in place (tied embeddings stay one tensor); a
+    parameter the checkpoint leaves unset, or sets to NaN, is refused by name."""
+    from workers.builders import build_target
+
+    args = tiny_args(tie_word_embeddings=True)
+    w = tiny_weights(args)
+    w.pop("lm_head.weight", None)
+    model = build_target(args, w, torch.float32, "cpu")
+    assert model.lm_head_weight is model.embed_tokens.weight
+    assert torch.equal(model.norm.weight, w["model.norm.weight"])
+    w["model.layers.1.input_layernorm.weight"] = torch.full_like(
+        w["model.layers.1.input_layernorm.weight"], float("nan")
+    )
+    with pytest.raises(ModelLoadError, match=r"hold NaN.*layers\.1\.input_layernorm"):
+        build_target(args, w, torch.float32, "cpu")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from modeling.errors import ModelLoadError
-from modeling.families import InPlaceDummy, materialize_dummy, model_class
+from modeling.families import InPlaceDummy, allocate_on_device, materialize_dummy, model_class, unloaded_parameters
 from modeling.kv_cache import KVCache
 from modeling.layer_ops import pick_ops
 from modeling.loader import ModelSource, resolve_model
@@ -64,17 +64,20 @@ def build_target(
     tp: Any = None,
     fused_kernels: bool = True,
 ) -> LlamaModel:
-    """Construct the (sharded) target model, load weights and prepare it for inference; for an in-place dummy
-    load, random weights are made on the device."""
-    if isinstance(weights, InPlaceDummy):  # random weights made on the device, no host copy
-        with torch.device("meta"):
-            model = model_class(args)(args, tp)
+    """Construct the (sharded) target model on `device` in `dtype`, load its weights straight into it (no
+    fp32 copy on the host) and prepare it for inference; for an in-place dummy load, random weights are made
+    on the device."""
+    with torch.device("meta"):
+        model = model_class(args)(args, tp)
+    if isinstance(weights, InPlaceDummy):
         materialize_dummy(model, device, dtype)
-        return model.eval().prepare_for_inference(pick_ops(device, fused_kernels))
-    model = model_class(args)(args, tp)
-    model.load_hf_state_dict(weights)
-    cast_keeping_fp32(model, device, dtype).eval()
-    return model.prepare_for_inference(pick_ops(device, fused_kernels))
+    else:
+        allocate_on_device(model, device, dtype)
+        model.load_hf_state_dict(weights)
+        missing = unloaded_parameters(model)
+        if missing:
+            raise ModelLoadError(f"after loading, {len(missing)} parameter(s) hold NaN, e.g. {missing[:3]}")
+    return model.eval().prepare_for_inference(pick_ops(device, fused_kernels))
 
 
 def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:
