@@ -108,6 +108,7 @@ class RaggedMetadata:
     q_lens: torch.Tensor  # [B] int64, rows (new positions) of each sequence
     seq_lens: torch.Tensor  # [B] int64, KV length after the step
     max_q_len: int
+    host_rows: list[tuple[int, int, int]] | None = None  # (q_start, q_len, seq_len) per sequence, read once
 
     @classmethod
     def build(
@@ -146,10 +147,12 @@ class RaggedMetadata:
     def attend_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """The same attention through masked SDPA, one sequence at a time (eager steps only: reads lengths)."""
         block_size = k_cache.shape[1]
+        if self.host_rows is None:  # once per step, not once per layer
+            self.host_rows = list(
+                zip(self.q_starts.tolist(), self.q_lens.tolist(), self.seq_lens.tolist(), strict=True)
+            )
         outs = []
-        for start, n, end, table in zip(
-            self.q_starts.tolist(), self.q_lens.tolist(), self.seq_lens.tolist(), self.block_tables, strict=True
-        ):
+        for (start, n, end), table in zip(self.host_rows, self.block_tables, strict=True):
             width = -(-end // block_size)
             out = uniform_paged_attention(
                 q[start : start + n], k_cache, v_cache, table[None, :width], self.seq_lens.new_tensor([end]), n, scale

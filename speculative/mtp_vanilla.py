@@ -129,7 +129,7 @@ class VanillaMTPChain(DraftMethod):
                 if p0[b] + n[b] - 1 - j >= 0:
                     carried[j] = outs[j][b][-1].clone()  # not a view that keeps the step's rows
             self.carry[rid] = carried
-        return self._chain(inputs, outs, k)
+        return self._chain(inputs, outs, [p + c - 1 for p, c in zip(p0, n, strict=True)], k)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -142,13 +142,13 @@ class VanillaMTPChain(DraftMethod):
         first = carried if carried is not None else torch.zeros_like(prev[0])
         return torch.cat([first[None].to(prev.dtype), prev[:-1]])
 
-    def _chain(self, inputs: DraftInputs, outs: list[list[torch.Tensor]], k: int) -> DraftOutputs:
+    def _chain(self, inputs: DraftInputs, outs: list[list[torch.Tensor]], ends: list[int], k: int) -> DraftOutputs:
         """Draft 1 from module 0's last row; module j then runs its j speculative rows (drafts 1..j) on
         module j-1's last written and speculative outputs, and drafts token j+1."""
         props = [b for b, p in enumerate(inputs.propose) if p]
         if not props or k == 0:
             return DraftOutputs(inputs.step_id, [], torch.zeros(0, k, dtype=torch.long))
-        last = {b: int(inputs.positions[sum(inputs.seq_lens[: b + 1]) - 1]) for b in props}
+        last = {b: ends[b] for b in props}  # each request's last written position
         prev_last = torch.stack([outs[0][b][-1] for b in props])
         drafts = [self.heads[0].greedy_tokens(self.shared, prev_last)]
         spec: list[torch.Tensor] = [prev_last[:0].new_zeros(len(props), 0, prev_last.shape[-1])]  # module 0: none

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from modeling.deepseek_config import DeepseekV3Args
 from modeling.deepseek_weights import random_deepseek_weights
+
+from tiny import save_model_dir
 
 
 def tiny_deepseek_args(**overrides: Any) -> DeepseekV3Args:
@@ -80,13 +79,7 @@ def tiny_deepseek_weights(args: DeepseekV3Args, seed: int = 0, mimic: bool = Fal
 
 def save_deepseek_dir(path: Any, args: DeepseekV3Args, weights: dict[str, torch.Tensor]) -> str:
     """Write an HF-style DeepSeek-V3 directory (config.json + model.safetensors)."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = {k: v for k, v in asdict(args).items() if v is not None}
-    cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
-    (out / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
-    return str(out)
+    return save_model_dir(path, args, weights, "DeepseekV3ForCausalLM", "deepseek_v3")
 
 
 def write_tiny_deepseek(directory: Path, seed: int = 0) -> Path:

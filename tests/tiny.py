@@ -125,8 +125,14 @@ def mimic_target(seed: int = 0, **overrides: Any) -> tuple[LlamaArgs, dict[str, 
     return args, w
 
 
-def save_model_dir(path: Any, args: LlamaArgs, weights: dict[str, torch.Tensor]) -> str:
-    """Write an HF-style Llama directory (config.json + model.safetensors) that workers can load."""
+def save_model_dir(
+    path: Any,
+    args: LlamaArgs,
+    weights: dict[str, torch.Tensor],
+    arch: str = "LlamaForCausalLM",
+    model_type: str = "llama",
+) -> str:
+    """Write an HF-style directory (config.json + model.safetensors) that workers can load."""
     import json
     from dataclasses import asdict
     from pathlib import Path
@@ -136,7 +142,7 @@ def save_model_dir(path: Any, args: LlamaArgs, weights: dict[str, torch.Tensor])
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     cfg = {k: v for k, v in asdict(args).items() if v is not None}
-    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    cfg.update(architectures=[arch], model_type=model_type)
     (out / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
     return str(out)
