@@ -259,8 +259,10 @@ def build_distributed_engine(cfg: MTPServeConfig, pg_name: str = "") -> LLMEngin
         raise
     target = RemoteTarget(group)
     max_len = max_model_len(cfg, args)
-    k = cfg.speculative.num_draft_tokens if draft_source(cfg, args) is not None else 0
-    sched = Scheduler(cfg.scheduler, num_blocks_for(cfg, max_len), k, args.eos_ids(), max_len, cfg.prefix_caching)
+    spec = cfg.speculative
+    k = spec.proposed_tokens if draft_source(cfg, args) is not None else 0
+    blocks = num_blocks_for(cfg, max_len)
+    sched = Scheduler(cfg.scheduler, blocks, k, args.eos_ids(), max_len, cfg.prefix_caching, spec.scratch_slots)
     tok = source.tokenizer() if not source.dummy else None
     engine = LLMEngine(cfg, args, sched, target, None, tok)
     engine.health_listeners = target.listeners

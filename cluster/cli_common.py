@@ -50,7 +50,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=["mtp_eagle", "mtp_vanilla"],
         help="mtp_eagle: one MTP module reused K times (default); mtp_vanilla: one native module per draft position",
     )
-    g.add_argument("--num-draft-tokens", type=int, help="K, draft tokens per step (1-8)")
+    g.add_argument("--num-draft-tokens", type=int, help="K, draft tokens per step (1-8); with a tree, its depth")
+    g.add_argument(
+        "--spec-tree-budget",
+        type=int,
+        help="draft a tree of N nodes per request and step (EAGLE-2 style, depth K), verified in one target pass; "
+        "0 (default): a linear chain of K drafts. Tree steps run eagerly (no CUDA graphs yet)",
+    )
+    g.add_argument("--spec-tree-width", type=int, help="children per expanded tree node, and nodes per level (1-16)")
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     g.add_argument(
         "--lookahead-source",
@@ -89,6 +96,8 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "speculative.draft": a.get("draft"),
         "speculative.method": a.get("spec_method"),
         "speculative.num_draft_tokens": a.get("num_draft_tokens"),
+        "speculative.tree_budget": a.get("spec_tree_budget"),
+        "speculative.tree_width": a.get("spec_tree_width"),
         "speculative.enabled": False if a.get("no_speculation") else None,
         "speculative.lookahead_source": a.get("lookahead_source"),
         "scheduler.chunk_size": a.get("chunk_size"),

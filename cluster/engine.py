@@ -129,11 +129,15 @@ class LLMEngine:
         heads = load_heads(cfg, args, weights) if head is None else [head]
         bind_features(model, heads)
         draft = build_draft(cfg, heads, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
-        k = cfg.speculative.num_draft_tokens if draft is not None else 0
+        spec = cfg.speculative
+        k = spec.num_draft_tokens if draft is not None else 0
         target = build_runner(cfg, model, cache, device, k, max_len)
         if isinstance(draft, MTPEagleChain) and device.startswith("cuda") and cfg.model.cuda_graphs:
             target.fused = build_fused(cfg, target, draft, k, max_len)
-        sched = Scheduler(cfg.scheduler, num_blocks, k, args.eos_ids(), max_len, cfg.prefix_caching)
+        proposed = spec.proposed_tokens if draft is not None else 0
+        sched = Scheduler(
+            cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, spec.scratch_slots
+        )
         return cls(cfg, args, sched, target, draft, tokenizer)
 
     # ---- requests --------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Request:
     num_keyed_blocks: int = 0  # leading block_ids that are findable by their keys
     draft_token_ids: list[int] = field(default_factory=list)  # proposals to verify next step
     draft_probs: Any = None  # [K, V] draft distribution when sampling, else None
+    draft_parents: list[int] | None = None  # a draft tree's parents (SeqPlan.draft_parents); None: a chain
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0

@@ -45,6 +45,7 @@ class Scheduler:
         eos_token_ids: list[int],
         max_model_len: int,
         prefix_caching: bool | None = None,
+        scratch_slots: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.blocks = BlockManager(num_blocks, cfg.block_size)
@@ -52,6 +53,7 @@ class Scheduler:
         self.prefix_query_tokens = 0  # sequence tokens of admitted requests, looked up in the cache
         self.prefix_hit_tokens = 0  # of those, tokens whose KV came from the cache
         self.k = num_draft_tokens
+        self.scratch_slots = num_draft_tokens if scratch_slots is None else scratch_slots
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -63,8 +65,9 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def slots_needed(self, num_tokens: int) -> int:
-        """KV slots a sequence of `num_tokens` needs, including the draft chain's lookahead writes."""
-        return num_tokens + self.k
+        """KV slots a sequence of `num_tokens` needs, including the draft's writes past it (a chain's next
+        drafts, or a tree's frontier rows)."""
+        return num_tokens + self.scratch_slots
 
     def add(self, req: Request) -> None:
         """Queue a validated request."""
@@ -109,7 +112,7 @@ class Scheduler:
             if not self._reserve(req, self.slots_needed(req.num_computed_tokens + n), scheduled):
                 continue
             tokens = [req.all_token_ids[-1], *req.draft_token_ids]
-            gen.append(self._gen_plan(req, tokens, req.num_computed_tokens, req.draft_probs))
+            gen.append(self._gen_plan(req, tokens, req.num_computed_tokens, req.draft_probs, req.draft_parents))
             scheduled.add(req.request_id)
             budget -= n
         for req in list(self.running):
@@ -208,7 +211,12 @@ class Scheduler:
         )
 
     def _gen_plan(
-        self, req: Request, token_ids: list[int], start: int, draft_probs: torch.Tensor | None = None
+        self,
+        req: Request,
+        token_ids: list[int],
+        start: int,
+        draft_probs: torch.Tensor | None = None,
+        draft_parents: list[int] | None = None,
     ) -> SeqPlan:
         """A generation row: token_ids are the last token (or, planned ahead, its row) and the drafts."""
         p = req.params
@@ -226,6 +234,7 @@ class Scheduler:
             top_k=p.top_k,
             seed=p.seed,
             draft_probs=draft_probs,
+            draft_parents=draft_parents,
         )
 
     def _reserve(self, req: Request, num_slots: int, scheduled: set[str]) -> bool:
@@ -285,8 +294,7 @@ class Scheduler:
         (or from the end of its prefix still in the cache)."""
         self._release(req)
         req.in_context = True
-        req.draft_token_ids = []
-        req.draft_probs = None
+        req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -311,7 +319,7 @@ class Scheduler:
                 req.num_computed_tokens += 1 + res.num_accepted
                 if res.num_drafted:
                     req.stats.record(res.num_drafted, res.num_accepted)
-            req.draft_token_ids, req.draft_probs = [], None
+            req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
             outputs.append(self._append(req, res.new_token_ids))
         if drafts is not None:
             self.apply_drafts(drafts)
@@ -320,12 +328,14 @@ class Scheduler:
     def apply_drafts(self, drafts: DraftOutputs) -> None:
         """Store a step's proposals for the next step (requests that finished or left are skipped)."""
         proposed = drafts.draft_token_ids.tolist()
+        parents = None if drafts.draft_parents is None else drafts.draft_parents.tolist()
         for i, rid in enumerate(drafts.request_ids):
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING or req.in_context:
                 continue
             req.draft_token_ids = proposed[i]
             req.draft_probs = None if drafts.draft_probs is None else drafts.draft_probs[i]
+            req.draft_parents = None if parents is None else parents[i]
 
     def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
         p = req.params

@@ -50,8 +50,13 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        row_masks: list[torch.Tensor | None] | None = None,
     ) -> AttentionMetadata:
-        """Build metadata for sequences whose new tokens occupy positions [start, start + n)."""
+        """Build metadata for sequences whose new tokens occupy positions [start, start + n).
+
+        Attention is causal, unless `row_masks[b]` is given: a bool [n, m] mask (m >= n) saying which of
+        the sequence's last m key positions [start + n - m, start + n) each new row sees, as draft trees
+        need; the keys before those stay visible to every row."""
         bsz = len(seq_starts)
         q_max = max(seq_num_tokens)
         s_max = max(s + n for s, n in zip(seq_starts, seq_num_tokens, strict=True))
@@ -61,6 +66,7 @@ class AttentionMetadata:
         kv_slots = torch.zeros(bsz, s_max, dtype=torch.long)
         seq_len = torch.zeros(bsz, dtype=torch.long)
         slot_rows, out_rows = [], []
+        custom: list[tuple[int, int, int, torch.Tensor]] = []  # (sequence, rows, first masked key, mask)
         row = 0
         for b, (start, n, table) in enumerate(zip(seq_starts, seq_num_tokens, block_tables, strict=True)):
             end = start + n
@@ -74,11 +80,20 @@ class AttentionMetadata:
             q_valid[b, :n] = True
             q_pos[b, :n] = torch.arange(start, end)
             seq_len[b] = end
+            rm = None if row_masks is None else row_masks[b]
+            if rm is not None:
+                if rm.shape[0] != n or not n <= rm.shape[1] <= end:
+                    raise ValueError(
+                        f"row mask of sequence {b} is {tuple(rm.shape)}; needs [{n}, m], {n} <= m <= {end}"
+                    )
+                custom.append((b, n, end - rm.shape[1], rm.to(torch.bool)))
             slot_rows.append(slots[start:end])
             out_rows.append(torch.arange(n) + b * q_max)
             row += n
         key_pos = torch.arange(s_max)
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_len[:, None, None])
+        for b, n, first, rm in custom:
+            mask[b, :n, first : first + rm.shape[1]] = rm
         mask &= q_valid[:, :, None]
         mask[:, :, 0] |= ~q_valid  # pad rows attend to one key so softmax stays finite
         return cls(

@@ -48,6 +48,12 @@ class KVCache:
         v = self.values[layer].view(-1, *self.values[layer].shape[2:])[slots]
         return k, v
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's keys and values at slots `src` [N] to slots `dst` [N] (all sources read first)."""
+        for t in self.keys + self.values:
+            flat = t.view(-1, *t.shape[2:])
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+
     def nbytes(self) -> int:
         """Total bytes held."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

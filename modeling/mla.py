@@ -41,6 +41,12 @@ class LatentCache(KVCache):
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(keys, [k[..., : args.kv_lora_rank] for k in keys], block_size)
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's latent rows at slots `src` to slots `dst` (the values follow: they are views)."""
+        for t in self.keys:
+            flat = t.view(-1, *t.shape[2:])
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+
     def nbytes(self) -> int:
         """Bytes held (the value views share the key storage)."""
         return sum(t.numel() * t.element_size() for t in self.keys)

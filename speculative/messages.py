@@ -28,6 +28,8 @@ class SeqPlan:
     top_k: int = 0
     seed: int | None = None
     draft_probs: torch.Tensor | None = None  # [num_draft_tokens, V] when sampling
+    draft_parents: list[int] | None = None  # [num_draft_tokens] node each draft continues (0 = token_ids[0],
+    # j = token_ids[j]); None: a chain, each draft continuing the one before
 
     @property
     def end(self) -> int:
@@ -41,7 +43,7 @@ class StepPlan:
 
     step_id: int
     seqs: list[SeqPlan]
-    num_draft_tokens: int  # K for proposals this step (0 disables drafting)
+    num_draft_tokens: int  # K for proposals this step (0 disables drafting); a tree's node budget
     finished_request_ids: list[str] = field(default_factory=list)  # workers drop their per-request state
 
     @property
@@ -94,6 +96,8 @@ class DraftOutputs:
     request_ids: list[str]  # [B'] proposing requests
     draft_token_ids: torch.Tensor  # [B', K] int64
     draft_probs: torch.Tensor | None = None  # [B', K, V] float32 when any request samples
+    draft_parents: torch.Tensor | None = None  # [B', K] int64 trees: node each draft continues (0 = the root,
+    # j = draft j); None for chains
 
 
 @dataclass

@@ -103,6 +103,28 @@ class MTPEagleChain(DraftMethod):
         if bucket is not None:
             self.lookahead.write(inputs.lookahead_tokens)
             return DraftOutputs(inputs.step_id, list(inputs.request_ids), self.uniform.run(inputs, bucket))
+        out, positions = self.rerun(inputs)
+        rows = [i for i, p in enumerate(inputs.propose) if p]
+        if not rows or k == 0:
+            return DraftOutputs(inputs.step_id, [], torch.zeros(0, k, dtype=torch.long))
+        ends = last_rows(torch.tensor(inputs.seq_lens, dtype=torch.long))[rows].to(dev)
+        h = out[ends]
+        pos = positions[ends]
+        tables = [inputs.block_ids[i] for i in rows]
+        tok = self.head.greedy_tokens(self.shared, h)
+        drafts = [tok]
+        for _ in range(k - 1):
+            pos = pos + 1
+            meta = ragged_metadata(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, dev)
+            h = self.head.step(self.shared, tok, h, pos, self.cache, meta)
+            tok = self.head.greedy_tokens(self.shared, h)
+            drafts.append(tok)
+        return DraftOutputs(inputs.step_id, [inputs.request_ids[i] for i in rows], torch.stack(drafts, 1).cpu())
+
+    def rerun(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write draft KV for this step's rows (eagerly); returns the head's outputs [T, d] and the rows'
+        positions [T] on the device."""
+        dev = self.device
         seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long)
         ctx_index = torch.full((len(inputs.seq_lens),), -1, dtype=torch.long)
         ctx_pos = [i for i, c in enumerate(inputs.is_context) if c]
@@ -128,21 +150,4 @@ class MTPEagleChain(DraftMethod):
         host_pos = inputs.positions
         starts = [int(host_pos[int(e) - int(n) + 1]) for e, n in zip(last_rows(seq_lens), seq_lens, strict=True)]
         meta = ragged_metadata(starts, inputs.seq_lens, inputs.block_ids, self.cache.block_size, dev)
-        out = self.head.step(self.shared, ids, hidden, positions, self.cache, meta)
-
-        rows = [i for i, p in enumerate(inputs.propose) if p]
-        if not rows or k == 0:
-            return DraftOutputs(inputs.step_id, [], torch.zeros(0, k, dtype=torch.long))
-        ends = last_rows(seq_lens)[rows].to(dev)
-        h = out[ends]
-        pos = positions[ends]
-        tables = [inputs.block_ids[i] for i in rows]
-        tok = self.head.greedy_tokens(self.shared, h)
-        drafts = [tok]
-        for _ in range(k - 1):
-            pos = pos + 1
-            meta = ragged_metadata(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, dev)
-            h = self.head.step(self.shared, tok, h, pos, self.cache, meta)
-            tok = self.head.greedy_tokens(self.shared, h)
-            drafts.append(tok)
-        return DraftOutputs(inputs.step_id, [inputs.request_ids[i] for i in rows], torch.stack(drafts, 1).cpu())
+        return self.head.step(self.shared, ids, hidden, positions, self.cache, meta), positions

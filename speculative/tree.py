@@ -8,8 +8,9 @@ Terms:
 - Verify: the target runs all N nodes in one pass. Node i sits at position start + depth[i] and attends
   to the whole prefix and to its own ancestors (and itself), never to other branches: `ancestor_mask`.
 - Sampling: `sample_accept`, recursive rejection sampling over each node's children drawn without
-  replacement from the draft (as in recursive speculative decoding); the output follows the target's
-  distribution.
+  replacement from the draft (as in recursive speculative decoding); `sample_accept_candidates`, the same
+  for children chosen deterministically (the draft's top tokens, as the engine's trees are). Either way
+  the output follows the target's distribution.
 - Greedy acceptance: from the root, the target's argmax at node i is the token that follows it. If a
   child of i carries that token, the walk moves there and the token is accepted; otherwise the walk stops
   and the argmax is the bonus token. With a chain (each node one child) this is the longest matching
@@ -46,6 +47,12 @@ class DraftTree:
         pairs = {(int(p), int(t)) for p, t in zip(self.parents[1:], self.tokens[1:], strict=True)}
         if len(pairs) != n - 1:
             raise ValueError("siblings must carry distinct tokens")
+
+    @classmethod
+    def from_drafts(cls, token_ids: list[int], draft_parents: list[int]) -> DraftTree:
+        """The tree of a generation row: token_ids = [root, d1..dN], draft_parents[j] = the node draft j+1
+        continues (0 = the root)."""
+        return cls(torch.tensor(token_ids, dtype=torch.long), torch.tensor([-1, *draft_parents], dtype=torch.long))
 
     @property
     def size(self) -> int:
@@ -121,6 +128,35 @@ def sample_accept(
             q /= q.sum()
         if chosen is None:
             return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(chosen)
+        node = chosen
+
+
+def sample_accept_candidates(
+    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator
+) -> tuple[list[int], int]:
+    """(accepted node indices, bonus token) by recursive rejection sampling over children that the draft
+    chose deterministically (each a one-hot draft distribution).
+
+    target_probs [N, V]: the target's next-token distribution at each node's row. At a node, child x_j is
+    accepted with probability p(x_j), where p is the target's distribution with the children rejected
+    before it removed and renormalised (the residual of a one-hot draft); when every child is rejected,
+    the bonus is drawn from that residual. The emitted tokens are distributed as the target's sampling.
+    """
+    path: list[int] = []
+    node = 0
+    while True:
+        p = target_probs[node].double().clone()
+        chosen = None
+        for c in tree.children(node):
+            x = int(tree.tokens[c])
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u * float(p.sum()) < float(p[x]):
+                chosen = c
+                break
+            p[x] = 0.0  # a child holding all the remaining mass is always accepted, so some mass is left
+        if chosen is None:
+            return path, int(torch.multinomial(p / p.sum(), 1, generator=generator))
         path.append(chosen)
         node = chosen
 

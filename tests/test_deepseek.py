@@ -13,7 +13,6 @@ import pytest
 import torch
 from deepseek_tiny import mimic_deepseek_args, tiny_deepseek_args, tiny_deepseek_weights, write_tiny_deepseek
 from safetensors.torch import load_file, save_file
-from scipy.stats import chi2_contingency
 
 from cluster.engine import LLMEngine
 from cluster.errors import ModelLoadError
@@ -25,7 +24,7 @@ from modeling.mla import LatentCache
 from speculative.mtp_native import native_heads
 from speculative.mtp_vanilla import VanillaMTPChain
 
-from tiny import engine_config, random_prompts, slots_of
+from tiny import engine_config, random_prompts, same_distribution_pvalue, second_token_counts, slots_of
 
 ROOT = Path(__file__).resolve().parent.parent
 YARN = {
@@ -223,18 +222,10 @@ def test_sampling_distribution_is_unchanged_by_drafting() -> None:
     counts = []
     for enabled in (False, True):
         eng = _engine(args, w, "mtp_vanilla", 2, enabled=enabled)
-        ids = {eng.add_request(prompt, {"max_tokens": 2, "temperature": 1.0, "seed": s}): s for s in range(600)}
-        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-        while eng.has_unfinished():
-            for o in eng.step():
-                tokens[o.request_id].extend(o.new_token_ids)
-        counts.append(torch.bincount(torch.tensor([t[1] for t in tokens.values()]), minlength=args.vocab_size))
+        counts.append(second_token_counts(eng, prompt, 600, args.vocab_size))
         if enabled:
             assert eng.totals.accepted > 0
-    table = torch.stack(counts)
-    table = table[:, table.sum(0) >= 10]
-    _, pvalue, _, _ = chi2_contingency(table.numpy())
-    assert pvalue > 1e-3
+    assert same_distribution_pvalue(counts) > 1e-3
 
 
 def test_vanilla_needs_enough_modules_and_keeps_prefix_caching_honest() -> None:

@@ -106,6 +106,21 @@ def prefill_kv(eng: LLMEngine, prompt: list[int], chunk: int) -> torch.Tensor:
     return kv
 
 
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_draft_trees_through_actors(ray_local, model, placement: str) -> None:
+    """Trees travel in the plans to every rank and back from the draft worker: same tokens as target-only."""
+    prompts = random_prompts(3, 96, [15, 4, 30], seed=15)
+    cfg = dist_config(model, placement, chunk_size=5)
+    cfg.speculative.tree_budget, cfg.speculative.tree_width = 8, 3
+    eng = build_engine(cfg)
+    try:
+        assert eng.scheduler.k == 8, "proposals are trees of 8 nodes"
+        assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 16})] == reference(prompts, 16)
+        assert 0 < eng.totals.accepted < eng.totals.drafted
+    finally:
+        eng.shutdown()
+
+
 def test_colocated_draft_matches(ray_local, model) -> None:
     prompts = random_prompts(3, 96, [15, 4, 30], seed=14)
     eng = build_engine(dist_config(model, "colocated", chunk_size=5))

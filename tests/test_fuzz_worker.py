@@ -214,6 +214,8 @@ def test_fuzzed_draft_inputs_get_ok_or_invalid_argument(
         ("seqs.1.top_p", math.nan, "StepPlan.seqs[1].top_p: nan is not in (0, 1]"),
         ("seqs.1.request_id", "a", "StepPlan.seqs.request_id[1]: repeats request id 'a'"),
         ("num_draft_tokens", K + 1, f"StepPlan.num_draft_tokens: {K + 1} is not in [0, {K}]"),
+        ("seqs.1.draft_parents", [0, 0], "StepPlan.seqs[1].draft_parents: has 2 entries for 3 drafts"),
+        ("seqs.1.draft_parents", [0, 2, 1], "StepPlan.seqs[1].draft_parents[1]: 2 is not in [0, 1]"),
         (
             "seqs.1.draft_probs",
             encode_tensor(torch.full((K, 96), math.nan)),
@@ -233,6 +235,10 @@ def test_bad_plans_name_field_and_reason(target: wpb_grpc.TargetWorkerStub, path
 def test_the_valid_messages_run(target: wpb_grpc.TargetWorkerStub, draft: wpb_grpc.DraftWorkerStub) -> None:
     out = target.Execute(valid_plan(), timeout=60)
     assert len(out.results[0].new_token_ids) == 1 and out.draft_outputs.request_ids == ["a", "b"]
+    tree = valid_plan()
+    set_field(tree, "seqs.1.draft_parents", [0, 0, 1])  # two candidates after the last token, one below the first
+    out = target.Execute(tree, timeout=60)
+    assert 1 <= len(out.results[1].new_token_ids) <= 3
     assert list(draft.Propose(valid_draft_inputs(), timeout=60).draft_token_ids.shape) == [1, K]
 
 

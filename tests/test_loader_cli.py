@@ -72,11 +72,17 @@ def test_generate_local_json(tmp_path: Path) -> None:
     assert json.loads(plain.stdout)["token_ids"] == got["token_ids"], "speculation must be lossless"
     raw = run_cli(*base, "--no-speculation", "--max-tokens", "4", "--raw")
     assert raw.returncode == 0 and len(json.loads(raw.stdout)["token_ids"]) <= 4
+    tree_flags = ["--spec-tree-budget", "6", "--spec-tree-width", "2"]
+    tree = run_cli(*base, "--draft", str(head), "--max-tokens", "12", *tree_flags)
+    assert tree.returncode == 0, tree.stderr
+    assert json.loads(tree.stdout)["token_ids"] == got["token_ids"], "tree drafting must be lossless"
 
 
 def test_cli_errors_name_the_field(tmp_path: Path) -> None:
     bad = run_cli("generate", "--local", "--prompt", "x", "--chunk-size", "0")
     assert bad.returncode == 2 and "scheduler.chunk_size" in bad.stderr
+    tree = run_cli("generate", "--local", "--prompt", "x", "--spec-tree-budget", "99")
+    assert tree.returncode == 2 and "speculative.tree_budget" in tree.stderr
     missing = run_cli("generate", "--local", "--prompt", "x", "--model", str(tmp_path / "none"), "--device", "cpu")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     for cmd in ("generate", "serve", "bench", "train-draft"):

@@ -11,7 +11,7 @@ import torch
 
 from modeling.model import DecoderLayer, LlamaModel
 from speculative.train.dense import decoder_layer
-from speculative.tree import DraftTree, expand_topk, greedy_accept, sample_accept
+from speculative.tree import DraftTree, expand_topk, greedy_accept, sample_accept, sample_accept_candidates
 
 from tiny import random_prompts, tiny_args, tiny_weights
 
@@ -229,4 +229,54 @@ def test_a_wrong_residual_would_be_caught() -> None:
         x = int(torch.multinomial(q, 1, generator=g))
         accept = float(torch.rand((), generator=g)) * float(q[x]) < float(p[x])
         counts[x if accept else int(torch.multinomial(p, 1, generator=g))] += 1
+    assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue < 1e-6
+
+
+def candidate_counts(p: torch.Tensor, kids: list[int], trials: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """Counts of the first emitted token over `trials` draws with fixed candidate children `kids` of the root,
+    and how often each child was accepted."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = p.numel()
+    tree = DraftTree(torch.tensor([0, *kids]), torch.tensor([-1] + [0] * len(kids)))
+    target = torch.stack([p] + [torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)] * len(kids))
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    hits = [0] * len(kids)
+    for _ in range(trials):
+        path, bonus = sample_accept_candidates(tree, target, g)
+        if path:
+            hits[path[0] - 1] += 1
+        counts[int(tree.tokens[path[0]]) if path else bonus] += 1
+    return counts, hits
+
+
+@pytest.mark.parametrize(("kids", "seed"), [([3], 0), ([3, 0, 5], 1), ([6, 5, 4, 3, 2], 2)])
+def test_fixed_candidates_keep_the_target_distribution(kids: list[int], seed: int) -> None:
+    """Children chosen deterministically (the engine's top-k trees): the first emitted token follows the
+    target's distribution (chi-square, 20,000 trials), and every candidate gets accepted sometimes."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(200 + seed)
+    p = torch.softmax(1.5 * torch.randn(7, generator=g, dtype=torch.float64), dim=0)
+    trials = 20_000
+    counts, hits = candidate_counts(p, kids, trials, seed)
+    assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue > 1e-3, (counts / trials, p)
+    assert all(h > 0 for h in hits)
+    assert hits[0] == pytest.approx(trials * float(p[kids[0]]), rel=0.05)  # the first child: accepted w.p. p(x)
+
+
+def test_fixed_candidates_without_the_residual_would_be_caught() -> None:
+    """The check can fail: accepting each later candidate with its unrenormalised target probability (no
+    residual) skews the first token."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(9)
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    trials, counts = 20_000, torch.zeros(4)
+    for _ in range(trials):
+        out = None
+        for x in (0, 1):
+            if float(torch.rand((), generator=g)) < float(p[x]):
+                out = x
+                break
+        counts[out if out is not None else int(torch.multinomial(p, 1, generator=g))] += 1
     assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue < 1e-6

@@ -155,3 +155,24 @@ def with_uniform(eng: LLMEngine, k: int, max_blocks: int = 8) -> UniformTargetSt
     uniform = UniformTargetStep(runner.model, runner.cache, k + 1, 8, max_blocks, "cpu", use_graphs=False)  # type: ignore[attr-defined]
     runner.uniform = uniform  # type: ignore[attr-defined]
     return uniform
+
+
+def second_token_counts(eng: LLMEngine, prompt: list[int], n: int, vocab: int) -> torch.Tensor:
+    """How often each token comes second (the first token a verification decides) over `n` requests
+    sampled at temperature 1 with seeds 0..n-1."""
+    ids = [eng.add_request(prompt, {"max_tokens": 2, "temperature": 1.0, "seed": s}) for s in range(n)]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+    return torch.bincount(torch.tensor([t[1] for t in tokens.values()]), minlength=vocab)
+
+
+def same_distribution_pvalue(counts: list[torch.Tensor]) -> float:
+    """Chi-square contingency p-value that the count vectors come from one distribution (tokens seen fewer
+    than 10 times in all are left out)."""
+    from scipy.stats import chi2_contingency
+
+    table = torch.stack(counts)
+    table = table[:, table.sum(0) >= 10]
+    return float(chi2_contingency(table.numpy())[1])

@@ -25,6 +25,7 @@ from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
 from speculative.mtp_native import native_heads, num_native_modules
+from speculative.mtp_tree import MTPEagleTree
 from speculative.mtp_vanilla import VanillaMTPChain
 from workers.chain_step import UniformChainStep
 from workers.config import MTPServeConfig
@@ -52,7 +53,8 @@ def num_blocks_for(cfg: MTPServeConfig, max_model_len: int) -> int:
     if sc.num_kv_blocks:
         return sc.num_kv_blocks
     per_request = -(-256 // sc.block_size)
-    full = -(-(max_model_len + 2 * cfg.speculative.num_draft_tokens) // sc.block_size)
+    spec = cfg.speculative
+    full = -(-(max_model_len + spec.proposed_tokens + spec.scratch_slots) // sc.block_size)
     return max(sc.max_num_requests * per_request, full) + 1
 
 
@@ -88,8 +90,11 @@ def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:
 def build_runner(
     cfg: MTPServeConfig, model: LlamaModel, cache: KVCache, device: str, k: int, max_len: int
 ) -> TargetRunner:
-    """The target runner, with captured generation steps (Q = K+1 rows per request) on CUDA."""
+    """The target runner, with captured generation steps (Q = K+1 rows per request) on CUDA; draft trees
+    are verified eagerly, so with trees only target-only steps (Q = 1) are captured."""
     uniform = None
+    if cfg.speculative.tree_budget:
+        k = 0
     if device.startswith("cuda") and cfg.model.cuda_graphs:
         max_blocks = graph_max_blocks(cfg, k, max_len)
         uniform = UniformTargetStep(model, cache, k + 1, cfg.scheduler.max_num_requests, max_blocks, device)
@@ -198,7 +203,11 @@ def build_draft(
     heads = [_prepared(cfg, h, device, dtype) for h in heads]
     caches = [h.allocate_cache(num_blocks, cfg.scheduler.block_size, device) for h in heads]
     lookahead = LookaheadBuffer(cfg.scheduler.max_num_requests, device)
-    return DRAFT_METHODS[cfg.speculative.method].build(cfg, heads, shared, caches, lookahead, device)
+    method = DRAFT_METHODS[cfg.speculative.method].build(cfg, heads, shared, caches, lookahead, device)
+    spec = cfg.speculative
+    if spec.tree_budget and isinstance(method, MTPEagleChain):
+        return MTPEagleTree(method, spec.num_draft_tokens, spec.tree_width, spec.tree_budget)
+    return method
 
 
 DraftBuilder = Callable[

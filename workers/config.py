@@ -61,10 +61,46 @@ class SpeculativeConfig(_Strict):
         description="'mtp_eagle': one MTP module reused for every draft position; 'mtp_vanilla': module j "
         "drafts position j+1 (needs num_draft_tokens native MTP modules)",
     )
-    num_draft_tokens: int = Field(3, ge=1, le=8)
+    num_draft_tokens: int = Field(3, ge=1, le=8, description="draft tokens per step; with trees, the tree depth")
     lookahead_source: Literal["prompt", "sampled"] = Field(
         "prompt", description="'sampled' reproduces the pre-fix chunked-prefill bug, for ablation only"
     )
+    tree_budget: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="draft-tree nodes per request and step (EAGLE-2 style, depth num_draft_tokens); 0: a linear chain",
+    )
+    tree_width: int = Field(4, ge=1, le=16, description="children per expanded tree node, and nodes expanded per level")
+
+    @model_validator(mode="after")
+    def _check_tree(self) -> SpeculativeConfig:
+        if self.tree_budget:
+            if self.method != "mtp_eagle":
+                raise ValueError("tree_budget: draft trees reuse one MTP module (speculative.method 'mtp_eagle')")
+            if self.tree_budget > self.tree_candidates:
+                raise ValueError(
+                    f"tree_budget: {self.tree_budget} exceeds the {self.tree_candidates} nodes a tree of depth "
+                    f"{self.num_draft_tokens} and width {self.tree_width} grows"
+                )
+        return self
+
+    @property
+    def tree_candidates(self) -> int:
+        """Nodes a tree grows before it is pruned to its budget."""
+        return self.tree_width + (self.num_draft_tokens - 1) * self.tree_width**2
+
+    @property
+    def proposed_tokens(self) -> int:
+        """Draft tokens one proposal carries: the tree budget, or the chain's K."""
+        return self.tree_budget or self.num_draft_tokens
+
+    @property
+    def scratch_slots(self) -> int:
+        """KV slots past a request's tokens that drafting writes: a chain's next drafts, a tree's frontier rows."""
+        if self.tree_budget:
+            return max(1, (self.num_draft_tokens - 1) * self.tree_width)
+        return self.num_draft_tokens
 
 
 class SchedulerConfig(_Strict):

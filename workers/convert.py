@@ -30,6 +30,8 @@ def plan_to_proto(plan: StepPlan) -> wpb.StepPlan:
             m.seed = s.seed
         if s.draft_probs is not None:
             m.draft_probs.CopyFrom(encode_tensor(s.draft_probs))
+        if s.draft_parents is not None:
+            m.draft_parents.extend(s.draft_parents)
         seqs.append(m)
     return wpb.StepPlan(
         step_id=plan.step_id,
@@ -56,6 +58,7 @@ def plan_from_proto(m: wpb.StepPlan) -> StepPlan:
             top_k=s.top_k,
             seed=s.seed if s.HasField("seed") else None,
             draft_probs=decode_tensor(s.draft_probs) if s.HasField("draft_probs") else None,
+            draft_parents=list(s.draft_parents) or None,
         )
         for s in m.seqs
     ]
@@ -116,13 +119,16 @@ def draft_outputs_to_proto(d: DraftOutputs) -> wpb.DraftOutputs:
     m = wpb.DraftOutputs(step_id=d.step_id, request_ids=d.request_ids, draft_token_ids=encode_tensor(d.draft_token_ids))
     if d.draft_probs is not None:
         m.draft_probs.CopyFrom(encode_tensor(d.draft_probs))
+    if d.draft_parents is not None:
+        m.draft_parents.CopyFrom(encode_tensor(d.draft_parents))
     return m
 
 
 def draft_outputs_from_proto(m: wpb.DraftOutputs) -> DraftOutputs:
     """Wire -> DraftOutputs."""
     probs = decode_tensor(m.draft_probs) if m.HasField("draft_probs") else None
-    return DraftOutputs(m.step_id, list(m.request_ids), decode_tensor(m.draft_token_ids), probs)
+    parents = decode_tensor(m.draft_parents) if m.HasField("draft_parents") else None
+    return DraftOutputs(m.step_id, list(m.request_ids), decode_tensor(m.draft_token_ids), probs, parents)
 
 
 def target_output_to_proto(o: TargetOutput) -> wpb.TargetOutput:

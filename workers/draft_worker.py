@@ -60,7 +60,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         if self.method is None:
             raise ValueError("speculative.draft resolves to no head; the draft worker has nothing to run")
         build_chain_graphs(cfg, self.method, max_len)
-        k = cfg.speculative.num_draft_tokens
+        k = cfg.speculative.proposed_tokens
         self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, k)
         return num_blocks
 

@@ -75,7 +75,7 @@ class FusedSpecStep:
         """A bucket when every request is generation with exactly K one-hot drafts and fits; else None."""
         q = self.k + 1
         for s in plan.seqs:
-            if s.is_context or len(s.token_ids) != q or s.draft_probs is not None:
+            if s.is_context or len(s.token_ids) != q or s.draft_probs is not None or s.draft_parents is not None:
                 return None
             if len(s.block_ids) > self.buffers.max_blocks:
                 return None

@@ -37,8 +37,9 @@ class StepLimits:
     vocab_size: int
     max_num_requests: int
     max_num_batched_tokens: int
-    num_draft_tokens: int  # K the worker was built with (0: no draft)
+    num_draft_tokens: int  # K the worker was built with (a tree's node budget; 0: no draft)
     hidden_size: int
+    scratch_slots: int = 0  # KV slots past a proposing request's rows that drafting writes
 
 
 def _ids_in_range(field: str, ids: Sequence[int], low: int, high: int) -> None:
@@ -93,7 +94,9 @@ def check_seq(field: str, s: SeqPlan, k: int, lim: StepLimits) -> None:
         raise InvalidStepMessage(f"{field}.lookahead_token", "must be -1 on a final chunk")
     if not s.is_final_chunk:
         _ids_in_range(f"{field}.lookahead_token", [s.lookahead_token], 0, lim.vocab_size)
-    _blocks(f"{field}.block_ids", s.block_ids, s.end + (k if s.is_final_chunk else 0), lim)
+    _blocks(f"{field}.block_ids", s.block_ids, s.end + (lim.scratch_slots if s.is_final_chunk else 0), lim)
+    if s.draft_parents is not None:
+        _parents(f"{field}.draft_parents", s.draft_parents, drafts)
     _sampling(field, s.temperature, s.top_p, s.top_k)
     if s.draft_probs is not None:
         p = s.draft_probs
@@ -104,6 +107,15 @@ def check_seq(field: str, s: SeqPlan, k: int, lim: StepLimits) -> None:
         lo, hi = torch.aminmax(p) if p.numel() else (torch.zeros(()), torch.zeros(()))
         if not (float(lo) >= 0 and float(hi) <= 1):  # one pass; NaN fails both comparisons
             raise InvalidStepMessage(f"{field}.draft_probs", "must be probabilities in [0, 1]")
+
+
+def _parents(field: str, parents: Sequence[int], drafts: int) -> None:
+    if len(parents) != drafts:
+        raise InvalidStepMessage(field, f"has {len(parents)} entries for {drafts} drafts")
+    for j, p in enumerate(parents):
+        if not 0 <= p <= j:
+            why = f"{p} is not in [0, {j}]: a draft continues the root or an earlier draft"
+            raise InvalidStepMessage(f"{field}[{j}]", why)
 
 
 def check_plan(plan: StepPlan, lim: StepLimits) -> None:
@@ -169,7 +181,7 @@ def check_draft_inputs(d: DraftInputs, lim: StepLimits) -> None:
     row = 0
     for i, n in enumerate(d.seq_lens):
         last = positions[row + n - 1] + 1
-        slots = last + (d.num_draft_tokens if d.propose[i] else 0)
+        slots = last + (lim.scratch_slots if d.propose[i] else 0)
         _blocks(f"block_ids[{i}]", d.block_ids[i], slots, lim)
         _sampling(f"request {i}", d.temperature[i], d.top_p[i], d.top_k[i])
         row += n

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from modeling.attention import UniformMetadata, ragged_metadata
+from modeling.attention import AttentionMetadata, UniformMetadata, ragged_metadata
 from modeling.kv_cache import KVCache
 from modeling.model import LlamaModel
 from speculative.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
@@ -23,6 +23,7 @@ from speculative.sampling import (
 from speculative.verify import verify, verify_greedy, verify_step
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
 from workers.step_buffers import StepBuffers
+from workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
 
 
 class UniformTargetStep:
@@ -66,7 +67,10 @@ class UniformTargetStep:
         q = self.q_len
         if not plan.seqs or any(s.is_context or len(s.token_ids) != q for s in plan.seqs):
             return None
-        if any(len(s.block_ids) > self.buffers.max_blocks or s.draft_probs is not None for s in plan.seqs):
+        if any(
+            len(s.block_ids) > self.buffers.max_blocks or s.draft_probs is not None or s.draft_parents is not None
+            for s in plan.seqs
+        ):
             return None
         return pick_bucket(len(plan.seqs), self.steps.sizes)
 
@@ -168,17 +172,24 @@ class TargetRunner:
 
     @torch.no_grad()
     def forward_features(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states [T, d] and the draft's features [T, n*d] for every scheduled row (writes the KV)."""
+        """Hidden states [T, d] and the draft's features [T, n*d] for every scheduled row (writes the KV);
+        rows of a draft tree attend along their branches."""
         dev = self.device
         ids = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.long, device=dev)
-        positions = torch.cat([torch.arange(s.start, s.end) for s in plan.seqs]).to(dev)
-        meta = ragged_metadata(
+        trees = plan_trees(plan.seqs)
+        args = (
             [s.start for s in plan.seqs],
             [len(s.token_ids) for s in plan.seqs],
             [s.block_ids for s in plan.seqs],
             self.cache.block_size,
             dev,
         )
+        meta: Any
+        if any(t is not None for t in trees):
+            meta = AttentionMetadata.build(*args, [None if t is None else t.ancestor_mask() for t in trees])
+        else:
+            meta = ragged_metadata(*args)
+        positions = tree_positions(plan.seqs, trees).to(dev)
         return self.model.forward_features(ids, positions, self.cache, meta)
 
     def _launch_bucket(self, plan: StepPlan) -> int | None:
@@ -253,20 +264,22 @@ class TargetRunner:
         tokens: list[list[int]] = [[] for _ in plan.seqs]
         accepted = [0] * len(plan.seqs)
         last_token = [0] * len(plan.seqs)
+        paths: dict[int, list[int]] = {}  # accepted nodes of each tree, by sequence
         if bucket is not None:
             features, packed = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
             starts = [i * q_len for i in range(len(plan.seqs))]
             read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token)
         else:
             hidden, features = self.forward_features(plan)
-            starts = self._eager_verify(plan, hidden, tokens, accepted, last_token)
-        results = [
-            SeqResult(s.request_id, tokens[i], s.num_draft_tokens if not s.is_context else 0, accepted[i])
-            for i, s in enumerate(plan.seqs)
-        ]
+            starts = self._eager_verify(plan, hidden, tokens, accepted, last_token, paths)
+        drafted = [0 if s.is_context else s.num_draft_tokens for s in plan.seqs]
+        for i, tree in enumerate(plan_trees(plan.seqs)):
+            if tree is not None:
+                drafted[i] = int(tree.depth().max())  # one branch is checked: stats count tree depth
+        results = [SeqResult(s.request_id, tokens[i], drafted[i], accepted[i]) for i, s in enumerate(plan.seqs)]
         draft_inputs = None
         if plan.num_draft_tokens > 0:
-            draft_inputs = self._draft_inputs(plan, features, starts, accepted, last_token)
+            draft_inputs = self._draft_inputs(plan, features, starts, accepted, last_token, paths)
         return TargetOutput(plan.step_id, results, draft_inputs)
 
     def _eager_verify(
@@ -276,9 +289,11 @@ class TargetRunner:
         tokens: list[list[int]],
         accepted: list[int],
         last_token: list[int],
+        paths: dict[int, list[int]],
     ) -> list[int]:
-        """Sample final context rows and verify generation rows of a ragged step (fills the lists in
-        place); returns each sequence's first hidden row."""
+        """Sample final context rows and verify generation rows of a ragged step (fills the lists, and
+        the accepted nodes of each draft tree in `paths`, in place); returns each sequence's first hidden
+        row."""
         starts: list[int] = []  # first hidden row of each sequence
         spans: list[tuple[int, int]] = []  # each sequence's rows in `logits`
         logit_rows: list[int] = []
@@ -291,8 +306,12 @@ class TargetRunner:
             logit_rows.extend(picked)
             off += n
         logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        trees = plan_trees(plan.seqs)
+        self._verify_trees(plan, trees, logits, spans, tokens, accepted, last_token, paths)
         groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
         for i, s in enumerate(plan.seqs):
+            if trees[i] is not None:
+                continue
             groups[(s.temperature <= 0, -1 if s.is_context else s.num_draft_tokens)].append(i)
         for (greedy, k), members in groups.items():
             lg = logits[torch.tensor([list(range(*spans[i])) for i in members], device=self.device)]
@@ -309,6 +328,32 @@ class TargetRunner:
                 n_acc, out = self._verify_sampling(plan, members, lg, drafts)
             read_verified(pack_verified(n_acc, out), members, tokens, accepted, last_token)
         return starts
+
+    def _verify_trees(
+        self,
+        plan: StepPlan,
+        trees: list[Any],
+        logits: torch.Tensor,
+        spans: list[tuple[int, int]],
+        tokens: list[list[int]],
+        accepted: list[int],
+        last_token: list[int],
+        paths: dict[int, list[int]],
+    ) -> None:
+        """Accept along one branch of each draft tree, and move the accepted branches' KV into place."""
+        moves = []
+        for i, tree in enumerate(trees):
+            if tree is None:
+                continue
+            s, lg = plan.seqs[i], logits[spans[i][0] : spans[i][1]]
+            greedy = s.temperature <= 0
+            probs = None if greedy else self._probs([s], lg)
+            path, bonus = accept(tree, lg, probs, None if greedy else self._gen(s))
+            paths[i] = path
+            tokens[i] = [s.token_ids[n] for n in path] + [bonus]
+            accepted[i], last_token[i] = len(path), bonus
+            moves.append(branch_moves(s, path, self.cache.block_size))
+        move_branches(self.cache, moves, self.device)
 
     def uniforms(self, plan: StepPlan, q_len: int) -> torch.Tensor | None:
         """Verify uniforms [m, Q] for a uniform step from each sampling request's generator (the same
@@ -358,6 +403,7 @@ class TargetRunner:
         starts: list[int],
         accepted: list[int],
         last_token: list[int],
+        paths: dict[int, list[int]],
     ) -> DraftInputs:
         rows: list[int] = []
         seq_lens: list[int] = []
@@ -365,10 +411,11 @@ class TargetRunner:
         token_ids: list[int] = []
         for i, s in enumerate(plan.seqs):
             n = len(s.token_ids) if s.is_context else accepted[i] + 1
-            rows.extend(range(starts[i], starts[i] + n))
+            picked = [0, *paths[i]] if i in paths else list(range(n))  # a tree: its accepted branch
+            rows.extend(starts[i] + r for r in picked)
             seq_lens.append(n)
             positions.extend(range(s.start, s.start + n))
-            token_ids.extend(s.token_ids[:n])
+            token_ids.extend(s.token_ids[r] for r in picked)
         ctx = [s for s in plan.seqs if s.is_context]
         return DraftInputs(
             step_id=plan.step_id,

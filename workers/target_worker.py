@@ -57,6 +57,7 @@ def step_limits(
         max_num_batched_tokens=sched.max_num_batched_tokens,
         num_draft_tokens=k,
         hidden_size=hidden_size,
+        scratch_slots=cfg.speculative.scratch_slots if k else 0,
     )
 
 
@@ -104,7 +105,8 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         bind_features(model, heads)
         k = cfg.speculative.num_draft_tokens if heads else 0
         self.runner = build_runner(cfg, model, cache, self.device, k, max_len)
-        self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, k)
+        proposed = cfg.speculative.proposed_tokens if heads else 0
+        self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, proposed)
         if self.rank == 0 and heads:
             if draft_address:
                 self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address, channel_options()))

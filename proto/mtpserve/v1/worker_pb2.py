@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtpserve/v1/worker.proto\x12\x0bmtpserve.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xaa\x02\n\x07SeqPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x11\n\tblock_ids\x18\x04 \x03(\x03\x12\x12\n\nis_context\x18\x05 \x01(\x08\x12\x16\n\x0eis_final_chunk\x18\x06 \x01(\x08\x12\x17\n\x0flookahead_token\x18\x07 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\x05\x12\x13\n\x0btemperature\x18\t \x01(\x02\x12\r\n\x05top_p\x18\n \x01(\x02\x12\r\n\x05top_k\x18\x0b \x01(\x05\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12(\n\x0b\x64raft_probs\x18\r \x01(\x0b\x32\x13.mtpserve.v1.TensorB\x07\n\x05_seed\"w\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\"\n\x04seqs\x18\x02 \x03(\x0b\x32\x14.mtpserve.v1.SeqPlan\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\"a\n\tSeqResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x03\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\x05\"\x9c\x04\n\x0b\x44raftInputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12&\n\tpositions\x18\x04 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12\x10\n\x08seq_lens\x18\x05 \x03(\x05\x12\x12\n\nis_context\x18\x06 \x03(\x08\x12-\n\x10lookahead_tokens\x18\x07 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12+\n\x0esampled_tokens\x18\x08 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\rhidden_states\x18\t \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\tblock_ids\x18\n \x03(\x0b\x32\x17.mtpserve.v1.BlockTable\x12\x0f\n\x07propose\x18\x0b \x03(\x08\x12\x13\n\x0btemperature\x18\x0c \x03(\x02\x12\r\n\x05top_p\x18\r \x03(\x02\x12\r\n\x05top_k\x18\x0e \x03(\x05\x12\'\n\x04seed\x18\x0f \x03(\x0b\x32\x19.mtpserve.v1.OptionalSeed\x12\x18\n\x10num_draft_tokens\x18\x10 \x01(\x05\x12\x18\n\x10lookahead_source\x18\x11 \x01(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x12 \x03(\t\"\x19\n\nBlockTable\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0cOptionalSeed\x12\x12\n\x05value\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_value\"\x8c\x01\n\x0c\x44raftOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12,\n\x0f\x64raft_token_ids\x18\x03 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12(\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\"l\n\nStepTiming\x12\x10\n\x08target_s\x18\x01 \x01(\x01\x12\x13\n\x0b\x64raft_hop_s\x18\x02 \x01(\x01\x12\x1a\n\x12\x64raft_inputs_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13\x64raft_outputs_bytes\x18\x04 \x01(\x03\"\xa3\x01\n\x0cTargetOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.mtpserve.v1.SeqResult\x12\x30\n\rdraft_outputs\x18\x03 \x01(\x0b\x32\x19.mtpserve.v1.DraftOutputs\x12\'\n\x06timing\x18\x04 \x01(\x0b\x32\x17.mtpserve.v1.StepTiming\"\r\n\x0bPingRequest\")\n\x0cPingResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x32\x88\x01\n\x0cTargetWorker\x12;\n\x07\x45xecute\x12\x15.mtpserve.v1.StepPlan\x1a\x19.mtpserve.v1.TargetOutput\x12;\n\x04Ping\x12\x18.mtpserve.v1.PingRequest\x1a\x19.mtpserve.v1.PingResponse2\x8a\x01\n\x0b\x44raftWorker\x12>\n\x07Propose\x12\x18.mtpserve.v1.DraftInputs\x1a\x19.mtpserve.v1.DraftOutputs\x12;\n\x04Ping\x12\x18.mtpserve.v1.PingRequest\x1a\x19.mtpserve.v1.PingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtpserve/v1/worker.proto\x12\x0bmtpserve.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc1\x02\n\x07SeqPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x11\n\tblock_ids\x18\x04 \x03(\x03\x12\x12\n\nis_context\x18\x05 \x01(\x08\x12\x16\n\x0eis_final_chunk\x18\x06 \x01(\x08\x12\x17\n\x0flookahead_token\x18\x07 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\x05\x12\x13\n\x0btemperature\x18\t \x01(\x02\x12\r\n\x05top_p\x18\n \x01(\x02\x12\r\n\x05top_k\x18\x0b \x01(\x05\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12(\n\x0b\x64raft_probs\x18\r \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12\x15\n\rdraft_parents\x18\x0e \x03(\x05\x42\x07\n\x05_seed\"w\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\"\n\x04seqs\x18\x02 \x03(\x0b\x32\x14.mtpserve.v1.SeqPlan\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\"a\n\tSeqResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x03\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\x05\"\x9c\x04\n\x0b\x44raftInputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12&\n\tpositions\x18\x04 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12\x10\n\x08seq_lens\x18\x05 \x03(\x05\x12\x12\n\nis_context\x18\x06 \x03(\x08\x12-\n\x10lookahead_tokens\x18\x07 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12+\n\x0esampled_tokens\x18\x08 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\rhidden_states\x18\t \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\tblock_ids\x18\n \x03(\x0b\x32\x17.mtpserve.v1.BlockTable\x12\x0f\n\x07propose\x18\x0b \x03(\x08\x12\x13\n\x0btemperature\x18\x0c \x03(\x02\x12\r\n\x05top_p\x18\r \x03(\x02\x12\r\n\x05top_k\x18\x0e \x03(\x05\x12\'\n\x04seed\x18\x0f \x03(\x0b\x32\x19.mtpserve.v1.OptionalSeed\x12\x18\n\x10num_draft_tokens\x18\x10 \x01(\x05\x12\x18\n\x10lookahead_source\x18\x11 \x01(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x12 \x03(\t\"\x19\n\nBlockTable\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0cOptionalSeed\x12\x12\n\x05value\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_value\"\xb8\x01\n\x0c\x44raftOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12,\n\x0f\x64raft_token_ids\x18\x03 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12(\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\rdraft_parents\x18\x05 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\"l\n\nStepTiming\x12\x10\n\x08target_s\x18\x01 \x01(\x01\x12\x13\n\x0b\x64raft_hop_s\x18\x02 \x01(\x01\x12\x1a\n\x12\x64raft_inputs_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13\x64raft_outputs_bytes\x18\x04 \x01(\x03\"\xa3\x01\n\x0cTargetOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.mtpserve.v1.SeqResult\x12\x30\n\rdraft_outputs\x18\x03 \x01(\x0b\x32\x19.mtpserve.v1.DraftOutputs\x12\'\n\x06timing\x18\x04 \x01(\x0b\x32\x17.mtpserve.v1.StepTiming\"\r\n\x0bPingRequest\")\n\x0cPingResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x32\x88\x01\n\x0cTargetWorker\x12;\n\x07\x45xecute\x12\x15.mtpserve.v1.StepPlan\x1a\x19.mtpserve.v1.TargetOutput\x12;\n\x04Ping\x12\x18.mtpserve.v1.PingRequest\x1a\x19.mtpserve.v1.PingResponse2\x8a\x01\n\x0b\x44raftWorker\x12>\n\x07Propose\x12\x18.mtpserve.v1.DraftInputs\x1a\x19.mtpserve.v1.DraftOutputs\x12;\n\x04Ping\x12\x18.mtpserve.v1.PingRequest\x1a\x19.mtpserve.v1.PingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=41
   _globals['_TENSOR']._serialized_end=93
   _globals['_SEQPLAN']._serialized_start=96
-  _globals['_SEQPLAN']._serialized_end=394
-  _globals['_STEPPLAN']._serialized_start=396
-  _globals['_STEPPLAN']._serialized_end=515
-  _globals['_SEQRESULT']._serialized_start=517
-  _globals['_SEQRESULT']._serialized_end=614
-  _globals['_DRAFTINPUTS']._serialized_start=617
-  _globals['_DRAFTINPUTS']._serialized_end=1157
-  _globals['_BLOCKTABLE']._serialized_start=1159
-  _globals['_BLOCKTABLE']._serialized_end=1184
-  _globals['_OPTIONALSEED']._serialized_start=1186
-  _globals['_OPTIONALSEED']._serialized_end=1230
-  _globals['_DRAFTOUTPUTS']._serialized_start=1233
-  _globals['_DRAFTOUTPUTS']._serialized_end=1373
-  _globals['_STEPTIMING']._serialized_start=1375
-  _globals['_STEPTIMING']._serialized_end=1483
-  _globals['_TARGETOUTPUT']._serialized_start=1486
-  _globals['_TARGETOUTPUT']._serialized_end=1649
-  _globals['_PINGREQUEST']._serialized_start=1651
-  _globals['_PINGREQUEST']._serialized_end=1664
-  _globals['_PINGRESPONSE']._serialized_start=1666
-  _globals['_PINGRESPONSE']._serialized_end=1707
-  _globals['_TARGETWORKER']._serialized_start=1710
-  _globals['_TARGETWORKER']._serialized_end=1846
-  _globals['_DRAFTWORKER']._serialized_start=1849
-  _globals['_DRAFTWORKER']._serialized_end=1987
+  _globals['_SEQPLAN']._serialized_end=417
+  _globals['_STEPPLAN']._serialized_start=419
+  _globals['_STEPPLAN']._serialized_end=538
+  _globals['_SEQRESULT']._serialized_start=540
+  _globals['_SEQRESULT']._serialized_end=637
+  _globals['_DRAFTINPUTS']._serialized_start=640
+  _globals['_DRAFTINPUTS']._serialized_end=1180
+  _globals['_BLOCKTABLE']._serialized_start=1182
+  _globals['_BLOCKTABLE']._serialized_end=1207
+  _globals['_OPTIONALSEED']._serialized_start=1209
+  _globals['_OPTIONALSEED']._serialized_end=1253
+  _globals['_DRAFTOUTPUTS']._serialized_start=1256
+  _globals['_DRAFTOUTPUTS']._serialized_end=1440
+  _globals['_STEPTIMING']._serialized_start=1442
+  _globals['_STEPTIMING']._serialized_end=1550
+  _globals['_TARGETOUTPUT']._serialized_start=1553
+  _globals['_TARGETOUTPUT']._serialized_end=1716
+  _globals['_PINGREQUEST']._serialized_start=1718
+  _globals['_PINGREQUEST']._serialized_end=1731
+  _globals['_PINGRESPONSE']._serialized_start=1733
+  _globals['_PINGRESPONSE']._serialized_end=1774
+  _globals['_TARGETWORKER']._serialized_start=1777
+  _globals['_TARGETWORKER']._serialized_end=1913
+  _globals['_DRAFTWORKER']._serialized_start=1916
+  _globals['_DRAFTWORKER']._serialized_end=2054
 # @@protoc_insertion_point(module_scope)

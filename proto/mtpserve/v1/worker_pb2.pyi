@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SeqPlan(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start", "block_ids", "is_context", "is_final_chunk", "lookahead_token", "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "draft_probs")
+    __slots__ = ("request_id", "token_ids", "start", "block_ids", "is_context", "is_final_chunk", "lookahead_token", "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "draft_probs", "draft_parents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class SeqPlan(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
@@ -44,7 +45,8 @@ class SeqPlan(_message.Message):
     top_k: int
     seed: int
     draft_probs: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., is_context: _Optional[bool] = ..., is_final_chunk: _Optional[bool] = ..., lookahead_token: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., is_context: _Optional[bool] = ..., is_final_chunk: _Optional[bool] = ..., lookahead_token: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "seqs", "num_draft_tokens", "finished_request_ids")
@@ -123,16 +125,18 @@ class OptionalSeed(_message.Message):
     def __init__(self, value: _Optional[int] = ...) -> None: ...
 
 class DraftOutputs(_message.Message):
-    __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs")
+    __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs", "draft_parents")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     draft_token_ids: Tensor
     draft_probs: Tensor
-    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    draft_parents: Tensor
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_parents: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("target_s", "draft_hop_s", "draft_inputs_bytes", "draft_outputs_bytes")

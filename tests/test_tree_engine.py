@@ -1,0 +1,139 @@
+"""Draft trees in the engine: the draft grows each branch as the chain would, verification over the tree is
+lossless in greedy decoding and in sampling, and a width-1 tree is the chain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from cluster.engine import LLMEngine
+from modeling.attention import ragged_metadata
+from speculative.mtp_tree import MTPEagleTree
+from speculative.tree import DraftTree
+from workers.config import MTPServeConfig
+
+from tiny import mimic_head, mimic_target, random_prompts, same_distribution_pvalue, second_token_counts, tiny_engine
+
+TREES = [
+    {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3},
+    {"num_draft_tokens": 4, "tree_budget": 24, "tree_width": 4},
+    {"num_draft_tokens": 1, "tree_budget": 3, "tree_width": 4},
+]
+
+
+def tree_engine(spec: dict[str, int], chunk: int = 512, **sections: dict[str, object]) -> LLMEngine:
+    """A tiny mimic engine drafting trees."""
+    args, w = mimic_target()
+    scheduler = {"chunk_size": chunk, "max_num_batched_tokens": 128, **sections.pop("scheduler", {})}
+    return tiny_engine(args, w, mimic_head(args, w), scheduler=scheduler, speculative=spec, **sections)
+
+
+def path_tokens(tree: DraftTree, node: int) -> list[int]:
+    """Drafted tokens from below the root down to `node`."""
+    out = []
+    while node > 0:
+        out.append(int(tree.tokens[node]))
+        node = int(tree.parents[node])
+    return out[::-1]
+
+
+@torch.no_grad()
+def test_every_branch_scores_as_the_sequential_chain() -> None:
+    """Each kept node's cumulative draft log-probability equals that of running the head one token at a time
+    down its branch (fp32, 1e-4): the tree's masks, positions and parent outputs are right."""
+    eng = tree_engine({"num_draft_tokens": 4, "tree_budget": 30, "tree_width": 3})
+    drafter = eng.draft
+    assert isinstance(drafter, MTPEagleTree)
+    args = eng.args
+    prompts = random_prompts(2, args.vocab_size, [13, 7], seed=5)
+    rids = [eng.add_request(p, {"max_tokens": 8}) for p in prompts]
+    plan = eng.scheduler.schedule()
+    assert all(s.is_final_chunk for s in plan.seqs)
+    inputs = eng.target.execute(plan).draft_inputs
+    assert inputs is not None
+    out, _ = drafter.chain.rerun(inputs)
+    ends = torch.cumsum(torch.tensor(inputs.seq_lens), 0) - 1
+    roots = inputs.positions[ends].tolist()
+    tokens, parents, scores = drafter.grow(out[ends], roots, inputs.block_ids)
+    head, shared, cache = drafter.chain.head, drafter.chain.shared, drafter.chain.cache
+    checked = 0
+    for b, rid in enumerate(rids):
+        tree = DraftTree.from_drafts([0, *tokens[b].tolist()], parents[b].tolist())
+        table = eng.scheduler.requests[rid].block_ids
+        assert int(tree.depth().max()) == 4
+        for node in range(1, tree.size):
+            h, score = out[ends[b]][None], 0.0
+            for j, tok in enumerate(path_tokens(tree, node)):
+                score += float(torch.log_softmax(head.logits(shared, h), -1)[0, tok])
+                pos = roots[b] + 1 + j
+                meta = ragged_metadata([pos], [1], [table], cache.block_size)
+                h = head.step(shared, torch.tensor([tok]), h, torch.tensor([pos]), cache, meta)
+            assert score == pytest.approx(float(scores[b, node - 1]), abs=1e-4)
+            checked += 1
+    assert checked == 60
+
+
+@pytest.mark.parametrize("spec", TREES)
+@pytest.mark.parametrize("chunk", [4, 512])
+def test_tree_greedy_is_lossless(spec: dict[str, int], chunk: int) -> None:
+    args, w = mimic_target()
+    prompts = random_prompts(5, args.vocab_size, [21, 1, 40, 9, 13], seed=3)
+    ref = [c.token_ids for c in tiny_engine(args, w).generate(prompts, {"max_tokens": 30})]
+    eng = tree_engine(spec, chunk)
+    out = eng.generate(prompts, {"max_tokens": 30})
+    assert [c.token_ids for c in out] == ref
+    s = eng.totals
+    assert 0 < s.accepted < s.drafted, "both the accept and the reject paths must be exercised"
+    assert s.acceptance_length > 1.3
+    blocks = eng.scheduler.blocks
+    assert blocks.num_free == blocks.num_blocks, "every KV block comes back"
+
+
+def test_a_width_one_tree_is_the_chain() -> None:
+    args, _ = mimic_target()
+    prompts = random_prompts(4, args.vocab_size, [17, 3, 25, 9], seed=4)
+    stats = []
+    for spec in ({"num_draft_tokens": 3}, {"num_draft_tokens": 3, "tree_budget": 3, "tree_width": 1}):
+        eng = tree_engine(spec, 4)
+        eng.generate(prompts, {"max_tokens": 24})
+        stats.append(eng.totals.to_dict())
+    assert stats[0] == stats[1]
+    assert stats[0]["accepted"] > 0
+
+
+def test_wider_trees_accept_more() -> None:
+    """On the same prompts, a tree of budget 24 accepts more per step than the chain of its depth."""
+    args, _ = mimic_target()
+    prompts = random_prompts(6, args.vocab_size, [17, 3, 25, 9, 30, 12], seed=6)
+    lengths = []
+    for spec in ({"num_draft_tokens": 4}, {"num_draft_tokens": 4, "tree_budget": 24, "tree_width": 4}):
+        eng = tree_engine(spec)
+        eng.generate(prompts, {"max_tokens": 40, "ignore_eos": True})
+        lengths.append(eng.totals.acceptance_length)
+    assert lengths[1] > lengths[0]
+
+
+def test_tree_sampling_keeps_the_target_distribution() -> None:
+    """The second generated token (the first one a tree verification decides) has the target's distribution
+    at temperature 1 (chi-square over 600 requests against target-only sampling)."""
+    args, w = mimic_target()
+    prompt = random_prompts(1, args.vocab_size, [10], seed=2)[0]
+    counts = []
+    for spec in (None, {"num_draft_tokens": 2, "tree_budget": 6, "tree_width": 3}):
+        eng = tiny_engine(args, w) if spec is None else tree_engine(spec)
+        counts.append(second_token_counts(eng, prompt, 600, args.vocab_size))
+        if spec is not None:
+            assert eng.totals.accepted > 0
+    assert same_distribution_pvalue(counts) > 1e-3
+
+
+def test_tree_settings_are_checked() -> None:
+    with pytest.raises(ValidationError, match="tree_budget: 30 exceeds the 20 nodes"):
+        MTPServeConfig.model_validate({"speculative": {"num_draft_tokens": 2, "tree_budget": 30, "tree_width": 4}})
+    with pytest.raises(ValidationError, match="tree_budget: draft trees reuse one MTP module"):
+        MTPServeConfig.model_validate({"speculative": {"method": "mtp_vanilla", "tree_budget": 4}})
+    with pytest.raises(ValidationError, match="tree_budget"):
+        MTPServeConfig.model_validate({"speculative": {"tree_budget": 65}})
+    spec = MTPServeConfig.model_validate({"speculative": {"num_draft_tokens": 3, "tree_budget": 16}}).speculative
+    assert (spec.proposed_tokens, spec.scratch_slots) == (16, 8)
