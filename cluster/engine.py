@@ -18,6 +18,7 @@ from modeling.model import LlamaArgs
 from speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
+from speculative.mtp_tree import MTPEagleTree
 from speculative.stats import SpecStats
 from workers.builders import (
     bind_features,
@@ -25,6 +26,7 @@ from workers.builders import (
     build_fused,
     build_runner,
     build_target,
+    build_tree_step,
     load_heads,
     load_target,
     max_model_len,
@@ -132,8 +134,11 @@ class LLMEngine:
         spec = cfg.speculative
         k = spec.num_draft_tokens if draft is not None else 0
         target = build_runner(cfg, model, cache, device, k, max_len)
-        if isinstance(draft, MTPEagleChain) and device.startswith("cuda") and cfg.model.cuda_graphs:
-            target.fused = build_fused(cfg, target, draft, k, max_len)
+        if device.startswith("cuda") and cfg.model.cuda_graphs:
+            if isinstance(draft, MTPEagleChain):
+                target.fused = build_fused(cfg, target, draft, k, max_len)
+            elif isinstance(draft, MTPEagleTree):
+                target.tree_step = build_tree_step(cfg, target, draft, max_len)
         proposed = spec.proposed_tokens if draft is not None else 0
         sched = Scheduler(
             cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, spec.scratch_slots

@@ -200,18 +200,22 @@ class UniformMetadata:
     block_tables: torch.Tensor  # [B, M] int64, M = max blocks per sequence
     seq_lens: torch.Tensor  # [B] int64, KV length after this step (padding: Q)
     q_len: int  # Q
+    tree_mask: torch.Tensor | None = None  # [B, Q, W] bool, W >= Q: which of the last W keys each row sees
+    # (draft trees; the keys before them stay visible); None: causal
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of the last Q positions of each sequence over its blocks; returns [B*Q, H*D]."""
-        if q.is_cuda and triton_attention.available():
+        if q.is_cuda and triton_attention.available() and self.tree_mask is None:
             return triton_attention.triton_uniform_attention(
                 q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale
             )
-        return uniform_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale)
+        return self.attend_sdpa(q, k_cache, v_cache, scale)
 
     def attend_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """The reference static-shape path on any device (safe to capture)."""
-        return uniform_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale)
+        return uniform_paged_attention(
+            q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale, self.tree_mask
+        )
 
 
 def uniform_paged_attention(
@@ -222,8 +226,10 @@ def uniform_paged_attention(
     seq_lens: torch.Tensor,
     q_len: int,
     scale: float,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference static-shape kernel: gather every block of the table, mask by position. q [B*Q, H, D]."""
+    """Reference static-shape kernel: gather every block of the table, mask by position (and, with
+    `tree_mask` [B, Q, W], by row over each sequence's last W keys). q [B*Q, H, D]."""
     bsz, max_blocks = block_tables.shape
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     heads, v_dim = q.shape[1], v_cache.shape[-1]
@@ -233,6 +239,12 @@ def uniform_paged_attention(
     key_pos = torch.arange(max_blocks * block_size, device=q.device)
     q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]  # [B, Q]
     mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    if tree_mask is not None:
+        width = tree_mask.shape[-1]
+        rel = key_pos[None, None, :] - (seq_lens[:, None, None] - width)  # [B, 1, S] index into the last W keys
+        inside = (rel >= 0) & (rel < width)
+        picked = tree_mask.gather(2, rel.clamp(0, width - 1).expand(bsz, q_len, -1))
+        mask &= ~inside | picked
     out = masked_sdpa(qp, keys.to(q.dtype), vals.to(q.dtype), mask[:, None], scale)
     return out.transpose(1, 2).reshape(bsz * q_len, heads * v_dim)
 

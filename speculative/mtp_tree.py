@@ -19,9 +19,11 @@ positions the target accepts, and nothing reads the others.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from modeling.attention import AttentionMetadata
+from modeling.attention import AttentionMetadata, Metadata
 from speculative.draft_inputs import last_rows
 from speculative.messages import DraftInputs, DraftOutputs
 from speculative.methods import DraftMethod
@@ -36,6 +38,9 @@ def tree_candidates(width: int, depth: int) -> int:
 def tree_scratch_slots(width: int, depth: int) -> int:
     """Draft KV slots past the root that a tree's frontier rows write."""
     return (depth - 1) * width
+
+
+MetaFor = Callable[[int, torch.Tensor], Metadata]  # (round r, visibility [B, w, r*w]) -> the round's metadata
 
 
 class MTPEagleTree(DraftMethod):
@@ -67,15 +72,31 @@ class MTPEagleTree(DraftMethod):
             return DraftOutputs(inputs.step_id, [], empty, draft_parents=empty.clone())
         ends = last_rows(torch.tensor(inputs.seq_lens, dtype=torch.long))[rows]
         roots = inputs.positions[ends].tolist()
-        tokens, parents, _ = self.grow(out[ends.to(out.device)], roots, [inputs.block_ids[i] for i in rows])
-        return DraftOutputs(inputs.step_id, [inputs.request_ids[i] for i in rows], tokens, draft_parents=parents)
+        tokens, parents, _ = self.grow_eager(out[ends.to(out.device)], roots, [inputs.block_ids[i] for i in rows])
+        return DraftOutputs(
+            inputs.step_id, [inputs.request_ids[i] for i in rows], tokens.cpu(), draft_parents=parents.cpu()
+        )
 
-    def grow(
+    def grow_eager(
         self, h0: torch.Tensor, roots: list[int], tables: list[list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Trees for B requests whose root rows (at positions `roots`) produced head outputs h0 [B, d]; returns
-        draft tokens [B, budget], their parents [B, budget] (0 = the root, j = draft j) and cumulative draft
-        log-probabilities [B, budget], on the host."""
+        """`grow` for B requests whose root rows sit at host positions `roots`, with per-step metadata."""
+        w, dev, block_size = self.width, h0.device, self.chain.cache.block_size
+
+        def meta_for(r: int, visible: torch.Tensor) -> Metadata:
+            first = [p + 1 + (r - 1) * w for p in roots]
+            masks: list[torch.Tensor | None] = list(visible.cpu())
+            return AttentionMetadata.build(first, [w] * len(roots), tables, block_size, dev, masks)
+
+        return self.grow(h0, torch.tensor(roots, device=dev), meta_for)
+
+    def grow(
+        self, h0: torch.Tensor, roots: torch.Tensor, meta_for: MetaFor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Trees for B requests whose root rows (at positions `roots` [B]) produced head outputs h0 [B, d], in
+        fixed shapes (safe to capture); `meta_for` gives each round's attention metadata. Returns draft tokens
+        [B, budget], their parents [B, budget] (0 = the root, j = draft j) and cumulative draft
+        log-probabilities [B, budget], on the device."""
         head, shared, cache, w = self.chain.head, self.chain.shared, self.chain.cache, self.width
         bsz, dev = h0.shape[0], h0.device
         score, index = torch.log_softmax(head.logits(shared, h0), dim=-1).topk(w, dim=-1)  # [B, w]
@@ -91,10 +112,8 @@ class MTPEagleTree(DraftMethod):
         next_id = w + 1
         for r in range(1, self.depth):
             visible[:, :, (r - 1) * w : r * w] |= eye
-            first = [p + 1 + (r - 1) * w for p in roots]
-            masks: list[torch.Tensor | None] = list(visible[:, :, : r * w].cpu())
-            meta = AttentionMetadata.build(first, [w] * bsz, tables, cache.block_size, dev, masks)
-            pos = torch.tensor(roots, device=dev).repeat_interleave(w) + r
+            meta = meta_for(r, visible[:, :, : r * w])
+            pos = roots.repeat_interleave(w) + r
             h = head.step(shared, frontier_tok.reshape(-1), frontier_h.reshape(bsz * w, -1), pos, cache, meta)
             lp, idx = torch.log_softmax(head.logits(shared, h), dim=-1).topk(w, dim=-1)  # [B*w, w]
             child_score = (frontier_score[:, :, None] + lp.view(bsz, w, w)).reshape(bsz, w * w)
@@ -114,14 +133,14 @@ class MTPEagleTree(DraftMethod):
 def prune(
     tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, budget: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keep each tree's `budget` best nodes. tokens / parents / scores [B, M] describe nodes 1..M in creation
-    order (parents [B, M] in 0..M, 0 = the root); returns tokens, renumbered parents and scores [B, budget]
-    on the host, the kept nodes in creation order."""
+    """Keep each tree's `budget` best nodes, in fixed shapes. tokens / parents / scores [B, M] describe nodes
+    1..M in creation order (parents [B, M] in 0..M, 0 = the root); returns tokens, renumbered parents and
+    scores [B, budget], the kept nodes in creation order."""
     bsz, m = scores.shape
-    scores = scores.float().cpu()
+    scores = scores.float()
     order = torch.sort(-scores, dim=1, stable=True).indices[:, :budget]  # ties: earlier node
     kept = torch.sort(order, dim=1).values  # [B, budget] node index - 1, creation order
-    renumber = torch.zeros(bsz, m + 1, dtype=torch.long)  # old node id -> new node id (root stays 0)
-    renumber.scatter_(1, kept + 1, torch.arange(1, budget + 1).expand(bsz, budget))
-    old_parents = parents.cpu().gather(1, kept)
-    return tokens.cpu().gather(1, kept), renumber.gather(1, old_parents), scores.gather(1, kept)
+    renumber = torch.zeros(bsz, m + 1, dtype=torch.long, device=scores.device)  # old node id -> new (root: 0)
+    new_ids = torch.arange(1, budget + 1, device=scores.device).expand(bsz, budget)
+    renumber.scatter_(1, kept + 1, new_ids)
+    return tokens.gather(1, kept), renumber.gather(1, parents.gather(1, kept)), scores.gather(1, kept)

@@ -96,6 +96,30 @@ def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[in
         node = nxt
 
 
+def greedy_walk(
+    tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`greedy_accept` for B trees at once, in fixed shapes (safe to capture).
+
+    tokens / parents / target_argmax [B, N] (node 0 the root; parents[:, 0] is ignored), `depth` at least
+    the deepest tree's. Returns (accepted counts [B], accepted node indices [B, depth], padded with 0,
+    bonus tokens [B])."""
+    bsz = tokens.shape[0]
+    node = torch.zeros(bsz, dtype=torch.long, device=tokens.device)
+    alive = torch.ones(bsz, dtype=torch.bool, device=tokens.device)
+    path = []
+    is_child = torch.ones_like(parents, dtype=torch.bool)
+    is_child[:, 0] = False
+    for _ in range(depth):
+        want = target_argmax.gather(1, node[:, None])
+        match = is_child & (parents == node[:, None]) & (tokens == want) & alive[:, None]
+        alive = match.any(dim=1)
+        node = torch.where(alive, match.long().argmax(dim=1), node)
+        path.append(torch.where(alive, node, 0))
+    n_acc = (torch.stack(path, dim=1) > 0).sum(dim=1)
+    return n_acc, torch.stack(path, dim=1), target_argmax.gather(1, node[:, None])[:, 0]
+
+
 def sample_accept(
     tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator
 ) -> tuple[list[int], int]:

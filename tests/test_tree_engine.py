@@ -12,6 +12,7 @@ from modeling.attention import ragged_metadata
 from speculative.mtp_tree import MTPEagleTree
 from speculative.tree import DraftTree
 from workers.config import MTPServeConfig
+from workers.tree_step import FusedTreeStep
 
 from tiny import mimic_head, mimic_target, random_prompts, same_distribution_pvalue, second_token_counts, tiny_engine
 
@@ -55,7 +56,7 @@ def test_every_branch_scores_as_the_sequential_chain() -> None:
     out, _ = drafter.chain.rerun(inputs)
     ends = torch.cumsum(torch.tensor(inputs.seq_lens), 0) - 1
     roots = inputs.positions[ends].tolist()
-    tokens, parents, scores = drafter.grow(out[ends], roots, inputs.block_ids)
+    tokens, parents, scores = drafter.grow_eager(out[ends], roots, inputs.block_ids)
     head, shared, cache = drafter.chain.head, drafter.chain.shared, drafter.chain.cache
     checked = 0
     for b, rid in enumerate(rids):
@@ -137,3 +138,34 @@ def test_tree_settings_are_checked() -> None:
         MTPServeConfig.model_validate({"speculative": {"tree_budget": 65}})
     spec = MTPServeConfig.model_validate({"speculative": {"num_draft_tokens": 3, "tree_budget": 16}}).speculative
     assert (spec.proposed_tokens, spec.scratch_slots) == (16, 8)
+
+
+def with_tree_step(eng: LLMEngine, max_blocks: int = 16) -> FusedTreeStep:
+    """Attach the fixed-shape tree step to a tree engine (eager off CUDA, the function CUDA captures)."""
+    drafter = eng.draft
+    assert isinstance(drafter, MTPEagleTree)
+    runner = eng.target
+    step = FusedTreeStep(runner.model, runner.cache, drafter, 8, max_blocks, "cpu", use_graphs=False)
+    runner.tree_step = step  # type: ignore[attr-defined]
+    return step
+
+
+@pytest.mark.parametrize("spec", TREES)
+def test_the_fixed_shape_tree_step_matches_the_eager_one(spec: dict[str, int]) -> None:
+    """The step CUDA captures (tree verify, branch KV moves, draft re-run, next trees in fixed shapes) gives
+    the eager tree path's tokens and acceptance, and target-only tokens; sampled requests stay eager."""
+    args, w = mimic_target()
+    prompts = random_prompts(5, args.vocab_size, [21, 1, 40, 9, 13], seed=8)
+    ref = [c.token_ids for c in tiny_engine(args, w).generate(prompts, {"max_tokens": 30})]
+    eager = tree_engine(spec)
+    assert [c.token_ids for c in eager.generate(prompts, {"max_tokens": 30})] == ref
+    fixed = tree_engine(spec)
+    step = with_tree_step(fixed)
+    assert [c.token_ids for c in fixed.generate(prompts, {"max_tokens": 30})] == ref
+    assert step.runs >= 5
+    assert fixed.totals.to_dict() == eager.totals.to_dict()
+    runs = step.runs
+    fixed.generate(prompts[:2], {"max_tokens": 6, "temperature": 0.8, "seed": 1})
+    assert step.runs == runs, "sampling steps run eagerly"
+    blocks = fixed.scheduler.blocks
+    assert blocks.num_free == blocks.num_blocks

@@ -31,6 +31,7 @@ from workers.chain_step import UniformChainStep
 from workers.config import MTPServeConfig
 from workers.fused_step import FusedSpecStep
 from workers.runner import TargetRunner, UniformTargetStep
+from workers.tree_step import FusedTreeStep
 
 log = logging.getLogger(__name__)
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"
@@ -84,7 +85,9 @@ def build_target(
 
 def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:
     """Blocks per request the captured steps' block tables hold: a full-length request plus draft slots."""
-    return -(-(max_len + 2 * k) // cfg.scheduler.block_size)
+    spec = cfg.speculative
+    extra = 2 * k if not spec.tree_budget else spec.proposed_tokens + 1 + spec.scratch_slots
+    return -(-(max_len + extra) // cfg.scheduler.block_size)
 
 
 def build_runner(
@@ -110,6 +113,16 @@ def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain,
     )
     fused.steps.capture()
     return fused
+
+
+def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagleTree, max_len: int) -> FusedTreeStep:
+    """Greedy tree steps with the colocated drafter, captured per batch bucket."""
+    max_blocks = graph_max_blocks(cfg, drafter.depth, max_len)
+    step = FusedTreeStep(
+        target.model, target.cache, drafter, cfg.scheduler.max_num_requests, max_blocks, target.device
+    )
+    step.steps.try_capture()
+    return step
 
 
 def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: int) -> None:

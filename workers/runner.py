@@ -153,6 +153,7 @@ class TargetRunner:
         self.model = model
         self.uniform = uniform
         self.fused: Any = None  # FusedSpecStep when the draft is colocated in this process
+        self.tree_step: Any = None  # FusedTreeStep when a tree drafter is colocated in this process
         self.cache = cache
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
@@ -257,6 +258,9 @@ class TargetRunner:
         if not plan.seqs:
             return TargetOutput(plan.step_id, [])
         q_len = len(plan.seqs[0].token_ids)
+        tree_bucket = self.tree_step.bucket_for(plan) if self.tree_step is not None else None
+        if tree_bucket is not None:
+            return self.tree_step.run(plan, tree_bucket)  # type: ignore[no-any-return]
         fused_bucket = self.fused.bucket_for(plan) if self.fused is not None else None
         if fused_bucket is not None:
             return self.fused.run(plan, fused_bucket, self.uniforms(plan, q_len))

@@ -1,0 +1,160 @@
+"""A greedy draft-tree step as one fixed-shape function: tree verify, branch KV moves, draft re-run, new trees.
+
+For B generation requests each carrying a tree of N drafted nodes, everything stays on the device:
+
+1. the target runs the N + 1 nodes of every tree (node i in the slot of position start + i, rotated for
+   start + depth(i), attending to the prefix and its ancestors: `UniformMetadata.tree_mask`);
+2. `greedy_walk` accepts along one branch; the accepted nodes' target KV moves to positions start + 1..;
+3. the draft re-runs over rows start..start + D (row i reads emitted token i and the target features of
+   the branch's i-th node; rows past the accepted ones write draft KV that nothing reads before it is
+   rewritten);
+4. `MTPEagleTree.grow` grows each request's next tree from its last accepted row.
+
+One CUDA graph per batch bucket (greedy steps only; a step that samples runs eagerly), and one host copy of
+the results per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from modeling.attention import Metadata, UniformMetadata
+from modeling.kv_cache import KVCache
+from modeling.model import LlamaModel
+from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
+from speculative.mtp_chain import chain_slots
+from speculative.mtp_tree import MetaFor, MTPEagleTree
+from speculative.tree import DraftTree, greedy_walk
+from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
+from workers.step_buffers import StepBuffers
+
+
+class TreeBuffers:
+    """Fixed-address tree inputs: each row's depth and parent, and each tree's ancestor mask, sent in one copy."""
+
+    def __init__(self, max_batch: int, q_len: int, device: torch.device) -> None:
+        self.max_batch, self.q_len = max_batch, q_len
+        rows = max_batch * q_len
+        self.packed = torch.zeros(2 * rows + rows * q_len, dtype=torch.long, device=device)
+        self.staging = torch.zeros_like(self.packed, device="cpu").pin_memory() if device.type == "cuda" else None
+        depth, parents, mask = self.packed.split([rows, rows, rows * q_len])
+        self.depth = depth.view(max_batch, q_len)  # [B_max, Q]
+        self.parents = parents.view(max_batch, q_len)  # [B_max, Q], -1 at the root
+        self.mask = mask.view(max_batch, q_len, q_len)  # [B_max, Q, Q] 0/1, row i sees node j
+        self.fill([], max_batch)
+
+    def fill(self, trees: list[DraftTree], bucket: int) -> None:
+        """Copy n trees of Q nodes into the first rows; padding rows (up to `bucket`) see only themselves."""
+        q, rows = self.q_len, self.max_batch * self.q_len
+        host = torch.zeros_like(self.packed, device="cpu")
+        depth, parents, mask = host.split([rows, rows, rows * q])
+        depth, parents, mask = depth.view(-1, q), parents.view(-1, q), mask.view(-1, q, q)
+        mask[:bucket] = torch.eye(q, dtype=torch.long)
+        parents[:bucket, 0] = -1
+        for b, t in enumerate(trees):
+            depth[b] = t.depth()
+            parents[b] = t.parents
+            mask[b] = t.ancestor_mask().long()
+        if self.staging is None:
+            self.packed.copy_(host)
+        else:
+            self.staging.copy_(host)
+            self.packed.copy_(self.staging, non_blocking=True)
+
+
+class FusedTreeStep:
+    """Target + colocated tree drafter for greedy generation steps with trees of `drafter.budget` nodes
+    (TP=1, draft in process)."""
+
+    def __init__(
+        self,
+        target: LlamaModel,
+        cache: KVCache,
+        drafter: MTPEagleTree,
+        max_batch: int,
+        max_blocks: int,
+        device: torch.device | str,
+        use_graphs: bool = True,
+    ) -> None:
+        self.target, self.cache, self.drafter = target, cache, drafter
+        self.q_len = drafter.budget + 1
+        self.depth = min(drafter.depth, drafter.budget)  # the deepest a tree of this budget can be
+        dev = torch.device(device)
+        self.buffers = StepBuffers.allocate(
+            max_batch, self.q_len, max_blocks, cache.block_size, cache.scratch_block, dev
+        )
+        self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
+        self.trees = TreeBuffers(max_batch, self.q_len, dev)
+        self.steps = CapturedSteps(self._forward, capture_sizes(max_batch), dev, use_graphs)
+        self.runs = 0  # steps run, captured or not
+
+    @torch.no_grad()
+    def _forward(self, bucket: int) -> torch.Tensor:
+        b, t, q, d = self.buffers, self.trees, self.q_len, self.depth
+        n = bucket * q
+        tables, slots = b.block_tables[:bucket], b.slot_mapping[:n].view(bucket, q)
+        ids = b.input_ids[:n]
+        start = b.positions[:n].view(bucket, q)[:, 0]
+        rope = (start[:, None] + t.depth[:bucket]).reshape(-1)
+        meta = UniformMetadata(b.slot_mapping[:n], tables, b.seq_lens[:bucket], q, t.mask[:bucket].bool())
+        hidden, features = self.target.forward_features(ids, rope, self.cache, meta)
+        tokens = ids.view(bucket, q)
+        argmax = self.target.greedy_tokens(hidden).view(bucket, q)
+        n_acc, path, bonus = greedy_walk(tokens, t.parents[:bucket], argmax, d)
+        steps = torch.arange(1, d + 1, device=ids.device)
+        dst = slots[:, 1 : d + 1]
+        src = torch.where(steps[None, :] <= n_acc[:, None], slots.gather(1, path), dst)
+        self.cache.move(src.reshape(-1), dst.reshape(-1))
+        branch = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # [bucket, D+1] nodes, the root first
+        emitted = torch.cat([tokens.gather(1, path), bonus[:, None]], dim=1)
+        emitted = emitted.scatter(1, n_acc[:, None], bonus[:, None])  # the bonus right after the accepted drafts
+        rows = (branch + torch.arange(bucket, device=ids.device)[:, None] * q).reshape(-1)
+        pos = (start[:, None] + torch.arange(d + 1, device=ids.device)[None, :]).reshape(-1)
+        chain = self.drafter.chain
+        rerun = UniformMetadata(slots[:, : d + 1].reshape(-1), tables, start + d + 1, d + 1)
+        dh = chain.head.step(chain.shared, emitted.reshape(-1), features[rows], pos, chain.cache, rerun)
+        roots = start + n_acc
+        h0 = dh.view(bucket, d + 1, -1).gather(1, n_acc[:, None, None].expand(-1, 1, dh.shape[-1]))[:, 0]
+        drafts, parents, _ = self.drafter.grow(h0, roots, self._round_meta(tables, roots))
+        columns = [emitted, n_acc[:, None], drafts, parents, (roots + 1)[:, None]]
+        return torch.cat([c.to(torch.long) for c in columns], dim=1)
+
+    def _round_meta(self, tables: torch.Tensor, roots: torch.Tensor) -> MetaFor:
+        """Metadata of each expansion round: its frontier rows' slots past the roots, and their visibility."""
+        w, block_size = self.drafter.width, self.cache.block_size
+        _, slots = chain_slots(roots, tables, block_size, max(1, (self.drafter.depth - 1) * w))  # [rounds*w, B]
+
+        def meta_for(r: int, visible: torch.Tensor) -> Metadata:
+            rows = slots[(r - 1) * w : r * w].t().reshape(-1)
+            return UniformMetadata(rows, tables, roots + 1 + r * w, w, visible)
+
+        return meta_for
+
+    def bucket_for(self, plan: StepPlan) -> int | None:
+        """A bucket when every request is a greedy generation row with a tree of exactly the budget that fits."""
+        if not plan.seqs:
+            return None
+        for s in plan.seqs:
+            if s.is_context or s.draft_parents is None or len(s.token_ids) != self.q_len or s.temperature > 0:
+                return None
+            if len(s.block_ids) > self.buffers.max_blocks:
+                return None
+        return pick_bucket(len(plan.seqs), self.steps.sizes)
+
+    def run(self, plan: StepPlan, bucket: int) -> TargetOutput:
+        """Fill the buffers, replay, and read back tokens, accept counts and the next trees in one copy."""
+        seqs = plan.seqs
+        trees = [DraftTree.from_drafts(s.token_ids, s.draft_parents or []) for s in seqs]
+        self.buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
+        self.trees.fill(trees, bucket)
+        host = self.steps.run(bucket)[: len(seqs)].cpu()
+        self.runs += 1
+        d, n = self.depth, self.q_len - 1
+        rows = host[:, : d + 2].tolist()
+        results = [
+            SeqResult(s.request_id, row[: row[d + 1] + 1], int(t.depth().max()), row[d + 1])
+            for s, t, row in zip(seqs, trees, rows, strict=True)
+        ]
+        tokens, parents = host[:, d + 2 : d + 2 + n].clone(), host[:, d + 2 + n : d + 2 + 2 * n].clone()
+        proposals = DraftOutputs(plan.step_id, [s.request_id for s in seqs], tokens, draft_parents=parents)
+        return TargetOutput(plan.step_id, results, None, proposals)
