@@ -16,6 +16,7 @@ the results per step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from modeling.attention import Metadata, UniformMetadata
@@ -24,7 +25,7 @@ from modeling.model import LlamaModel
 from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import chain_slots
 from speculative.mtp_tree import MetaFor, MTPEagleTree
-from speculative.tree import DraftTree, greedy_walk
+from speculative.tree import greedy_walk
 from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
 from workers.step_buffers import StepBuffers
 
@@ -41,25 +42,30 @@ class TreeBuffers:
         self.depth = depth.view(max_batch, q_len)  # [B_max, Q]
         self.parents = parents.view(max_batch, q_len)  # [B_max, Q], -1 at the root
         self.mask = mask.view(max_batch, q_len, q_len)  # [B_max, Q, Q] 0/1, row i sees node j
-        self.fill([], max_batch)
+        self.fill(np.zeros((0, q_len), dtype=np.int64), max_batch)
 
-    def fill(self, trees: list[DraftTree], bucket: int) -> None:
-        """Copy n trees of Q nodes into the first rows; padding rows (up to `bucket`) see only themselves."""
-        q, rows = self.q_len, self.max_batch * self.q_len
-        host = torch.zeros_like(self.packed, device="cpu")
-        depth, parents, mask = host.split([rows, rows, rows * q])
-        depth, parents, mask = depth.view(-1, q), parents.view(-1, q), mask.view(-1, q, q)
-        mask[:bucket] = torch.eye(q, dtype=torch.long)
-        parents[:bucket, 0] = -1
-        for b, t in enumerate(trees):
-            depth[b] = t.depth()
-            parents[b] = t.parents
-            mask[b] = t.ancestor_mask().long()
+    def fill(self, parents: np.ndarray, bucket: int) -> np.ndarray:
+        """Copy the trees of n sequences (parents [n, Q] int64, -1 at the root, parents[:, i] < i) into the
+        first rows; padding rows (up to `bucket`) see only themselves. Returns the depths [n, Q]."""
+        n, q = parents.shape[0], self.q_len
+        rows = self.max_batch * q
+        host = np.zeros(self.packed.numel(), dtype=np.int64)
+        depth = host[:rows].reshape(-1, q)
+        par = host[rows : 2 * rows].reshape(-1, q)
+        mask = host[2 * rows :].reshape(-1, q, q)
+        mask[:bucket] = np.eye(q, dtype=np.int64)
+        par[:bucket, 0] = -1
+        par[:n] = parents
+        seqs = np.arange(n)
+        for i in range(1, q):  # parents precede children: one pass over the node columns
+            depth[:n, i] = depth[seqs, parents[:, i]] + 1
+            mask[:n, i] |= mask[seqs, parents[:, i]]
         if self.staging is None:
-            self.packed.copy_(host)
+            self.packed.copy_(torch.from_numpy(host))
         else:
-            self.staging.copy_(host)
+            self.staging.copy_(torch.from_numpy(host))
             self.packed.copy_(self.staging, non_blocking=True)
+        return depth[:n].copy()
 
 
 class FusedTreeStep:
@@ -144,16 +150,16 @@ class FusedTreeStep:
     def run(self, plan: StepPlan, bucket: int) -> TargetOutput:
         """Fill the buffers, replay, and read back tokens, accept counts and the next trees in one copy."""
         seqs = plan.seqs
-        trees = [DraftTree.from_drafts(s.token_ids, s.draft_parents or []) for s in seqs]
+        parents = np.array([[-1, *(s.draft_parents or [])] for s in seqs], dtype=np.int64)
         self.buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
-        self.trees.fill(trees, bucket)
+        depths = self.trees.fill(parents, bucket).max(axis=1).tolist()
         host = self.steps.run(bucket)[: len(seqs)].cpu()
         self.runs += 1
         d, n = self.depth, self.q_len - 1
         rows = host[:, : d + 2].tolist()
         results = [
-            SeqResult(s.request_id, row[: row[d + 1] + 1], int(t.depth().max()), row[d + 1])
-            for s, t, row in zip(seqs, trees, rows, strict=True)
+            SeqResult(s.request_id, row[: row[d + 1] + 1], depth, row[d + 1])
+            for s, depth, row in zip(seqs, depths, rows, strict=True)
         ]
         tokens, parents = host[:, d + 2 : d + 2 + n].clone(), host[:, d + 2 + n : d + 2 + 2 * n].clone()
         proposals = DraftOutputs(plan.step_id, [s.request_id for s in seqs], tokens, draft_parents=parents)
