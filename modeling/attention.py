@@ -205,10 +205,17 @@ class UniformMetadata:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of the last Q positions of each sequence over its blocks; returns [B*Q, H*D]."""
-        if q.is_cuda and triton_attention.available() and self.tree_mask is None:
-            return triton_attention.triton_uniform_attention(
-                q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale
-            )
+        tree = self.tree_mask
+        if q.is_cuda and triton_attention.available():
+            if tree is None:
+                return triton_attention.triton_uniform_attention(
+                    q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale
+                )
+            if tree.shape[-1] <= triton_attention.TREE_BITS:
+                bits = triton_attention.tree_mask_bits(tree)
+                return triton_attention.triton_uniform_attention(
+                    q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale, bits, tree.shape[-1]
+                )
         return self.attend_sdpa(q, k_cache, v_cache, scale)
 
     def attend_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -29,11 +29,13 @@ if triton is not None:
     @triton.jit
     def _attend_range(
         q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt,
-        b, kvh, q_pos, kv_start, kv_end,
+        b, kvh, q_pos, kv_start, kv_end, tree_bits, tree_start,
         ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
+        TREE: tl.constexpr,
     ):  # fmt: skip
         # online softmax of query rows q [ROWS, DIM] over keys [kv_start, kv_end) of sequence b (kv_start a
-        # multiple of TILE); returns the unnormalised (acc [ROWS, DIM], running max [ROWS], denominator [ROWS])
+        # multiple of TILE); returns the unnormalised (acc [ROWS, DIM], running max [ROWS], denominator [ROWS]).
+        # TREE: key tree_start + j is seen by a row only where bit j of its tree_bits [ROWS] is set.
         d = tl.arange(0, DIM)
         m = tl.full((ROWS,), -1.0e30, tl.float32)
         den = tl.zeros((ROWS,), tl.float32)
@@ -47,7 +49,12 @@ if triton is not None:
             k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
             v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
+            seen = kpos[None, :] <= q_pos[:, None]
+            if TREE:
+                rel = kpos - tree_start
+                bit = (tree_bits[:, None] >> tl.where(rel >= 0, rel, 0).to(tl.int64)[None, :]) & 1
+                seen = seen & ((rel[None, :] < 0) | (bit != 0))
+            scores = tl.where(seen, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
@@ -68,7 +75,8 @@ if triton is not None:
             q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=valid[:, None], other=0.0
         )
         acc, _, den = _attend_range(q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt,
-                                    b, kvh, q_pos, 0, kv_end, ROWS, BLOCK, DIM, TILE, STAGES)  # fmt: skip
+                                    b, kvh, q_pos, 0, kv_end, q_pos, 0, ROWS, BLOCK, DIM, TILE, STAGES,
+                                    False)  # fmt: skip
         tl.store(
             o_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
             (acc / den[:, None]).to(o_ptr.dtype.element_ty),
@@ -77,10 +85,11 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["stride_bt"])
     def _uniform_paged_attn(
-        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, stat_ptr, count_ptr, scale,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, stat_ptr, count_ptr, bits_ptr, scale,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, tree_width,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
         TILE: tl.constexpr, STAGES: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
+        TREE: tl.constexpr,
     ):  # fmt: skip
         # program (b, kvh, split): a sequence's keys are cut into up to MAX_SPLITS ranges of at least
         # SPLIT_TILES tiles, so a long sequence is read by several programs at once. One range: it stores
@@ -107,10 +116,13 @@ if triton is not None:
                 mask=valid[:, None],
                 other=0.0,
             )
+            bits = qi.to(tl.int64)
+            if TREE:
+                bits = tl.load(bits_ptr + row, mask=valid, other=0)
             acc, m, den = _attend_range(
                 q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt, b, kvh,
                 seq_len - Q_LEN + qi, split * per * TILE, tl.minimum(seq_len, (split + 1) * per * TILE),
-                ROWS, BLOCK, DIM, TILE, STAGES,
+                bits, seq_len - tree_width, ROWS, BLOCK, DIM, TILE, STAGES, TREE,
             )  # fmt: skip
             if splits == 1:
                 tl.store(out, (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=valid[:, None])
@@ -234,8 +246,12 @@ def triton_uniform_attention(
     seq_lens: torch.Tensor,
     q_len: int,
     scale: float,
+    tree_bits: torch.Tensor | None = None,
+    tree_width: int = 0,
 ) -> torch.Tensor:
-    """Same contract as `attention.uniform_paged_attention`: q [B*Q, H, D] -> [B*Q, H*D]."""
+    """Same contract as `attention.uniform_paged_attention`: q [B*Q, H, D] -> [B*Q, H*D]. With `tree_bits`
+    [B*Q] int64, row i sees key seq_len - tree_width + j of the last tree_width (<= 64) only where bit j is
+    set (`tree_mask_bits`)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     bsz = block_tables.shape[0]
@@ -248,13 +264,26 @@ def triton_uniform_attention(
     tile = kv_tile(block, UNIFORM_TILE)
     splits = split_cap(bsz, kv_heads)
     part, stat, count = _Scratch.get(q.device, bsz * kv_heads, splits, rows * dim, rows)
+    tree = tree_bits is not None
     _uniform_paged_attn[(bsz, kv_heads, splits)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, part, stat, count, scale,
+        q, k_cache, v_cache, out, block_tables, seq_lens, part, stat, count, tree_bits if tree else seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim, TILE=tile, STAGES=UNIFORM_STAGES,
-        MAX_SPLITS=splits, SPLIT_TILES=max(1, SPLIT_KEYS // tile),
+        tree_width, Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim, TILE=tile, STAGES=UNIFORM_STAGES,
+        MAX_SPLITS=splits, SPLIT_TILES=max(1, SPLIT_KEYS // tile), TREE=tree,
     )  # fmt: skip
     return out.reshape(bsz * q_len, heads * dim)
+
+
+TREE_BITS = 64  # widest tree mask the kernel reads: one int64 per row
+
+
+def tree_mask_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tree mask [B, Q, W] (W <= 64) as one int64 per row [B*Q]: bit j set where the row sees key j."""
+    width = mask.shape[-1]
+    if width > TREE_BITS:
+        raise ValueError(f"tree masks of {width} keys exceed the kernel's {TREE_BITS}")
+    weights = torch.ones(width, dtype=torch.long, device=mask.device) << torch.arange(width, device=mask.device)
+    return (mask.long() * weights).sum(-1).reshape(-1)
 
 
 def triton_ragged_attention(

@@ -60,6 +60,27 @@ def test_split_key_ranges_match_float64_reference(
     assert not counters.any()
 
 
+@pytest.mark.parametrize(("q_len", "width", "lens"), [(5, 5, [5, 40, 77]), (3, 9, [12, 70]), (4, 64, [64, 90])])
+def test_tree_masks_match_float64_reference(q_len: int, width: int, lens: list[int]) -> None:
+    """A random mask over each sequence's last `width` keys (its own row always seen) gives the reference's
+    masked result, through the int64 bit rows the kernel reads."""
+    g = torch.Generator().manual_seed(q_len * width)
+    bs, dim, heads, kv_heads, nb, max_blocks = 16, 32, 6, 3, 40, 7
+    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    tables = torch.randperm(nb, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens) * q_len, heads, dim, generator=g)
+    mask = torch.rand(len(lens), q_len, width, generator=g) < 0.5
+    mask[:, torch.arange(q_len), width - q_len + torch.arange(q_len)] = True
+    bits = triton_attention.tree_mask_bits(mask)
+    got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5, bits, width)
+    ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5, mask)
+    assert (got.double() - ref).abs().max().item() < 1e-4
+    causal = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
+    assert (causal - ref).abs().max().item() > 1e-2, "the mask must matter"
+
+
 def test_split_cap_fills_the_gpu_only_for_small_batches() -> None:
     """Up to 16 ranges for one sequence, fewer as the batch grows, none once the batch fills the GPU."""
     caps = [triton_attention.split_cap(b, 3) for b in (1, 8, 16, 32, 64, 128)]

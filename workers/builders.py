@@ -118,9 +118,7 @@ def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain,
 def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagleTree, max_len: int) -> FusedTreeStep:
     """Greedy tree steps with the colocated drafter, captured per batch bucket."""
     max_blocks = graph_max_blocks(cfg, drafter.depth, max_len)
-    step = FusedTreeStep(
-        target.model, target.cache, drafter, cfg.scheduler.max_num_requests, max_blocks, target.device
-    )
+    step = FusedTreeStep(target.model, target.cache, drafter, cfg.scheduler.max_num_requests, max_blocks, target.device)
     step.steps.try_capture()
     return step
 
