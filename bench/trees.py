@@ -46,6 +46,7 @@ def build(args: argparse.Namespace, spec: dict[str, int] | None, max_batch: int)
         {
             "model": {
                 "path": args.model,
+                "load_format": args.load_format,
                 "device": args.device,
                 "dtype": args.dtype,
                 "max_model_len": args.max_model_len,
@@ -79,7 +80,8 @@ def measure(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="target model path (the GGUF, or an HF directory); default: SmolLM2")
-    ap.add_argument("--head", default=str(DEFAULT_HEAD), help="draft head (default: the shipped one)")
+    ap.add_argument("--head", default=str(DEFAULT_HEAD), help="draft head (default: the shipped one; 'random')")
+    ap.add_argument("--load-format", default="auto", help="'dummy' for random weights of the --model config's shape")
     ap.add_argument("--out", default="out", help="directory for trees_bench.json")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -98,7 +100,10 @@ def main() -> int:
         if name.endswith(EAGER_SUFFIX):
             engine.target.tree_step = None  # type: ignore[attr-defined]
         built = time.perf_counter() - t0
-        prompts = [engine.encode_prompt(p) for p in (PROMPTS * 8)[: args.num_prompts]]
+        if engine.tokenizer is None:  # dummy weights: token-id prompts of a chat prompt's length
+            prompts = [[(7 * i + 3 * j) % 1000 + 10 for j in range(40)] for i in range(args.num_prompts)]
+        else:
+            prompts = [engine.encode_prompt(p) for p in (PROMPTS * 8)[: args.num_prompts]]
         for batch in batches:
             decode_run(engine, prompts[:batch], 8)  # warm-up: first-use kernels compile here
             row = {"config": name, "build_s": built, **measure(engine, prompts, batch, args.max_tokens)}

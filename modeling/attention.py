@@ -3,7 +3,7 @@ static-shape path for uniform generation steps (fixed buffers, safe to capture i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -202,6 +202,7 @@ class UniformMetadata:
     q_len: int  # Q
     tree_mask: torch.Tensor | None = None  # [B, Q, W] bool, W >= Q: which of the last W keys each row sees
     # (draft trees; the keys before them stay visible); None: causal
+    _tree_bits: torch.Tensor | None = field(default=None, repr=False)  # the mask as the Triton kernel reads it
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of the last Q positions of each sequence over its blocks; returns [B*Q, H*D]."""
@@ -212,9 +213,18 @@ class UniformMetadata:
                     q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale
                 )
             if tree.shape[-1] <= triton_attention.TREE_BITS:
-                bits = triton_attention.tree_mask_bits(tree)
+                if self._tree_bits is None:  # once per step, not once per layer
+                    self._tree_bits = triton_attention.tree_mask_bits(tree)
                 return triton_attention.triton_uniform_attention(
-                    q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale, bits, tree.shape[-1]
+                    q,
+                    k_cache,
+                    v_cache,
+                    self.block_tables,
+                    self.seq_lens,
+                    self.q_len,
+                    scale,
+                    self._tree_bits,
+                    tree.shape[-1],
                 )
         return self.attend_sdpa(q, k_cache, v_cache, scale)
 

@@ -14,6 +14,8 @@ class KVCache:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     block_size: int
+    stacked: torch.Tensor | None = None  # [2, layers, num_blocks + 1, block_size, kv_heads, head_dim]: every
+    # layer's keys and values are views of it (so one copy moves slots in all layers); None: separate tensors
 
     @classmethod
     def allocate(
@@ -26,11 +28,12 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> KVCache:
-        """Allocate zeroed caches once (plus one scratch block for padding rows); addresses never change."""
-        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        return cls(keys, values, block_size)
+        """Allocate zeroed caches once (plus one scratch block for padding rows), every layer a view of one
+        tensor; addresses never change."""
+        stacked = torch.zeros(
+            2, num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        return cls(list(stacked[0].unbind(0)), list(stacked[1].unbind(0)), block_size, stacked)
 
     @property
     def num_blocks(self) -> int:
@@ -50,6 +53,10 @@ class KVCache:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's keys and values at slots `src` [N] to slots `dst` [N] (all sources read first)."""
+        if self.stacked is not None:
+            flat = self.stacked.view(2 * len(self.keys), -1, *self.stacked.shape[4:])
+            flat.index_copy_(1, dst, flat.index_select(1, src))
+            return
         for t in self.keys + self.values:
             flat = t.view(-1, *t.shape[2:])
             flat.index_copy_(0, dst, flat.index_select(0, src))
