@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.engine import LLMEngine
+from speculative.sampling import SamplingMode
 from workers.builders import DEFAULT_HEAD
 from workers.config import MTPServeConfig
 
@@ -56,12 +57,12 @@ def main() -> int:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     original = step.steps.run
 
-    def timed_run(bucket: int) -> torch.Tensor:
+    def timed_run(bucket: int, mode: SamplingMode) -> torch.Tensor:
         torch.cuda.synchronize()
         times["fill"] += time.perf_counter() - fill_started[0]
         t0 = time.perf_counter()
         start.record()
-        out = original(bucket)
+        out = original(bucket, mode)
         end.record()
         torch.cuda.synchronize()
         times["replay_wall"] += time.perf_counter() - t0
@@ -88,7 +89,7 @@ def main() -> int:
     bucket = 1
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            step._forward(bucket)
+            step._forward(bucket, SamplingMode.GREEDY)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     out_dir = Path(args.out)

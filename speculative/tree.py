@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.sampling import sample_from_uniform
+
 
 @dataclass
 class DraftTree:
@@ -118,6 +120,59 @@ def greedy_walk(
         path.append(torch.where(alive, node, 0))
     n_acc = (torch.stack(path, dim=1) > 0).sum(dim=1)
     return n_acc, torch.stack(path, dim=1), target_argmax.gather(1, node[:, None])[:, 0]
+
+
+def walk_uniforms(depth: int, width: int) -> int:
+    """Uniform draws `sample_walk` reads per tree: one per candidate child, one per bonus draw."""
+    return depth * width + depth + 1
+
+
+def sample_walk(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    depth: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample_accept_candidates` for B trees at once, in fixed shapes (safe to capture).
+
+    tokens / parents [B, N] as in `greedy_walk`; probs [B, N, V] the target's distribution at each node (a
+    one-hot row walks as greedy); uniforms [B, walk_uniforms(depth, width)]; no node has more than `width`
+    children. Returns (accepted counts [B], accepted node indices [B, depth] padded with 0, bonus tokens [B]).
+    """
+    bsz = tokens.shape[0]
+    rows = torch.arange(bsz, device=tokens.device)
+    node = torch.zeros(bsz, dtype=torch.long, device=tokens.device)
+    alive = torch.ones(bsz, dtype=torch.bool, device=tokens.device)
+    bonus = torch.zeros_like(node)
+    is_child = torch.ones_like(parents, dtype=torch.bool)
+    is_child[:, 0] = False
+    path = []
+    for level in range(depth):
+        p = probs[rows, node].clone()  # the residual: unnormalised, rejected children removed
+        kids = is_child & (parents == node[:, None])
+        rank = kids.long().cumsum(dim=1) - 1
+        found = torch.zeros_like(alive)
+        chosen = torch.zeros_like(node)
+        for j in range(width):
+            pick = kids & (rank == j)
+            tried = pick.any(dim=1) & alive & ~found
+            child = pick.long().argmax(dim=1)
+            x = tokens.gather(1, child[:, None])
+            px = p.gather(1, x)[:, 0]
+            take = tried & (uniforms[:, level * width + j] * p.sum(dim=-1) < px)
+            chosen = torch.where(take, child, chosen)
+            found |= take
+            p = p.scatter(1, x, torch.where((tried & ~take)[:, None], torch.zeros_like(px[:, None]), px[:, None]))
+        stops = alive & ~found
+        bonus = torch.where(stops, sample_from_uniform(p, uniforms[:, depth * width + level]), bonus)
+        alive &= found
+        node = torch.where(alive, chosen, node)
+        path.append(torch.where(alive, node, 0))
+    last = sample_from_uniform(probs[rows, node], uniforms[:, depth * width + depth])
+    bonus = torch.where(alive, last, bonus)
+    return (torch.stack(path, dim=1) > 0).sum(dim=1), torch.stack(path, dim=1), bonus
 
 
 def sample_accept(

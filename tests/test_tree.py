@@ -11,7 +11,16 @@ import torch
 
 from modeling.model import DecoderLayer, LlamaModel
 from speculative.train.dense import decoder_layer
-from speculative.tree import DraftTree, expand_topk, greedy_accept, sample_accept, sample_accept_candidates
+from speculative.tree import (
+    DraftTree,
+    expand_topk,
+    greedy_accept,
+    greedy_walk,
+    sample_accept,
+    sample_accept_candidates,
+    sample_walk,
+    walk_uniforms,
+)
 
 from tiny import random_prompts, tiny_args, tiny_weights
 
@@ -280,3 +289,64 @@ def test_fixed_candidates_without_the_residual_would_be_caught() -> None:
                 break
         counts[out if out is not None else int(torch.multinomial(p, 1, generator=g))] += 1
     assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue < 1e-6
+
+
+def test_batched_walks_match_the_per_tree_rules() -> None:
+    """greedy_walk equals greedy_accept on random trees; sample_walk with one-hot distributions walks the same
+    way (the greedy rule inside a sampling step)."""
+    rng = random.Random(3)
+    vocab, n, depth, width = 12, 9, 4, 3
+    trees, argmaxes = [], []
+    for _ in range(64):
+        parents, tokens, kids = [-1], [rng.randrange(vocab)], {0: []}
+        for i in range(1, n):
+            options = [p for p in range(i) if len(kids[p]) < width and depth_of(parents, p) < depth]
+            parent = rng.choice(options)
+            used = {tokens[c] for c in kids[parent]}
+            tokens.append(rng.choice([t for t in range(vocab) if t not in used]))
+            parents.append(parent)
+            kids[parent].append(i)
+            kids[i] = []
+        trees.append(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
+        want = torch.tensor([tokens[rng.choice(kids[i])] if kids[i] and rng.random() < 0.7 else 0 for i in range(n)])
+        argmaxes.append(want)
+    tok = torch.stack([t.tokens for t in trees])
+    par = torch.stack([t.parents for t in trees])
+    am = torch.stack(argmaxes)
+    n_acc, path, bonus = greedy_walk(tok, par, am, depth)
+    onehot = torch.nn.functional.one_hot(am, vocab).double()
+    u = torch.rand(64, walk_uniforms(depth, width), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    s_acc, s_path, s_bonus = sample_walk(tok, par, onehot, u, depth, width)
+    for b, tree in enumerate(trees):
+        ref_path, ref_bonus = greedy_accept(tree, am[b])
+        assert n_acc[b] == len(ref_path) == s_acc[b]
+        assert path[b, : len(ref_path)].tolist() == ref_path == s_path[b, : len(ref_path)].tolist()
+        assert bonus[b] == ref_bonus == s_bonus[b]
+    assert 0 < int(n_acc.sum()) < 64 * depth
+
+
+def depth_of(parents: list[int], node: int) -> int:
+    """Distance of `node` from the root."""
+    d = 0
+    while parents[node] >= 0:
+        node, d = parents[node], d + 1
+    return d
+
+
+@pytest.mark.parametrize(("kids", "seed"), [([3], 0), ([3, 0, 5], 1), ([6, 5, 4, 3], 2)])
+def test_batched_sampling_walk_keeps_the_target_distribution(kids: list[int], seed: int) -> None:
+    """sample_walk over 20,000 copies of a tree with fixed root children: the first emitted token follows the
+    target's distribution (chi-square), as `sample_accept_candidates` does."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(300 + seed)
+    vocab, trials, width = 7, 20_000, 4
+    p = torch.softmax(1.5 * torch.randn(vocab, generator=g, dtype=torch.float64), dim=0)
+    tok = torch.tensor([0, *kids]).expand(trials, -1)
+    par = torch.tensor([-1] + [0] * len(kids)).expand(trials, -1)
+    probs = torch.stack([p] + [torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)] * len(kids))
+    u = torch.rand(trials, walk_uniforms(1, width), generator=g, dtype=torch.float64)
+    n_acc, path, bonus = sample_walk(tok, par, probs.expand(trials, -1, -1), u, 1, width)
+    first = torch.where(n_acc > 0, tok.gather(1, path[:, :1])[:, 0], bonus)
+    counts = torch.bincount(first, minlength=vocab).double()
+    assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue > 1e-3, (counts / trials, p)

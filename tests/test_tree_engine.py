@@ -156,7 +156,7 @@ def with_tree_step(eng: LLMEngine, max_blocks: int = 16) -> FusedTreeStep:
 @pytest.mark.parametrize("spec", TREES)
 def test_the_fixed_shape_tree_step_matches_the_eager_one(spec: dict[str, int]) -> None:
     """The step CUDA captures (tree verify, branch KV moves, draft re-run, next trees in fixed shapes) gives
-    the eager tree path's tokens and acceptance, and target-only tokens; sampled requests stay eager."""
+    the eager tree path's tokens and acceptance, and target-only tokens; sampled requests run in it too."""
     args, w = mimic_target()
     prompts = random_prompts(5, args.vocab_size, [21, 1, 40, 9, 13], seed=8)
     ref = [c.token_ids for c in tiny_engine(args, w).generate(prompts, {"max_tokens": 30})]
@@ -168,10 +168,23 @@ def test_the_fixed_shape_tree_step_matches_the_eager_one(spec: dict[str, int]) -
     assert step.runs >= 5
     assert fixed.totals.to_dict() == eager.totals.to_dict()
     runs = step.runs
-    fixed.generate(prompts[:2], {"max_tokens": 6, "temperature": 0.8, "seed": 1})
-    assert step.runs == runs, "sampling steps run eagerly"
+    fixed.generate(prompts[:2], {"max_tokens": 6, "temperature": 0.8, "top_p": 0.9, "seed": 1})
+    assert step.runs > runs, "the top-k/top-p variant runs in the fixed-shape step"
     blocks = fixed.scheduler.blocks
     assert blocks.num_free == blocks.num_blocks
+
+
+def test_the_fixed_shape_tree_step_samples_the_target_distribution() -> None:
+    """Sampling in the fixed-shape tree step (temperature-only variant): the second generated token has the
+    target's distribution at temperature 1 (chi-square over 600 requests against target-only)."""
+    args, w = mimic_target()
+    prompt = random_prompts(1, args.vocab_size, [10], seed=2)[0]
+    eng = tree_engine({"num_draft_tokens": 2, "tree_budget": 6, "tree_width": 3})
+    step = with_tree_step(eng)
+    counts = [second_token_counts(tiny_engine(args, w), prompt, 600, args.vocab_size)]
+    counts.append(second_token_counts(eng, prompt, 600, args.vocab_size))
+    assert step.runs >= 50 and eng.totals.accepted > 0
+    assert same_distribution_pvalue(counts) > 1e-3
 
 
 @pytest.mark.slow

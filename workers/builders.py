@@ -116,7 +116,7 @@ def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain,
 
 
 def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagleTree, max_len: int) -> FusedTreeStep:
-    """Greedy tree steps with the colocated drafter, captured per batch bucket."""
+    """Tree steps with the colocated drafter, captured per batch bucket and sampling mode."""
     max_blocks = graph_max_blocks(cfg, drafter.depth, max_len)
     step = FusedTreeStep(target.model, target.cache, drafter, cfg.scheduler.max_num_requests, max_blocks, target.device)
     step.steps.try_capture()

@@ -144,6 +144,14 @@ class GreedyAndSampledSteps:
     def capture(self) -> None:
         """Capture every variant for every bucket (CUDA only), all in one memory pool."""
         self.greedy.capture()
+        self._capture_sampling()
+
+    def try_capture(self) -> None:
+        """`capture`, where a greedy variant that cannot be captured leaves every variant eager (logged)."""
+        if self.greedy.try_capture():
+            self._capture_sampling()
+
+    def _capture_sampling(self) -> None:
         pool = self.greedy.pool
         for mode, steps in self.variants.items():
             if mode is not SamplingMode.GREEDY and steps.try_capture(pool):

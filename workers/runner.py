@@ -260,7 +260,8 @@ class TargetRunner:
         q_len = len(plan.seqs[0].token_ids)
         tree_bucket = self.tree_step.bucket_for(plan) if self.tree_step is not None else None
         if tree_bucket is not None:
-            return self.tree_step.run(plan, tree_bucket)  # type: ignore[no-any-return]
+            uniforms = self.uniforms(plan, self.tree_step.num_uniforms)
+            return self.tree_step.run(plan, tree_bucket, uniforms)  # type: ignore[no-any-return]
         fused_bucket = self.fused.bucket_for(plan) if self.fused is not None else None
         if fused_bucket is not None:
             return self.fused.run(plan, fused_bucket, self.uniforms(plan, q_len))

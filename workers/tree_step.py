@@ -10,14 +10,16 @@ For B generation requests each carrying a tree of N drafted nodes, everything st
    rewritten);
 4. `MTPEagleTree.grow` grows each request's next tree from its last accepted row.
 
-One CUDA graph per batch bucket (greedy steps only; a step that samples runs eagerly), and one host copy of
-the results per step.
+Steps that sample walk each tree by rejection sampling over its fixed candidates (`sample_walk`, with the
+requests' temperature/top-k/top-p and uniforms in fixed buffers). One CUDA graph per batch bucket and
+sampling mode, and one host copy of the results per step.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from modeling.attention import Metadata, UniformMetadata
 from modeling.kv_cache import KVCache
@@ -25,16 +27,18 @@ from modeling.model import LlamaModel
 from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import chain_slots
 from speculative.mtp_tree import MetaFor, MTPEagleTree
-from speculative.tree import greedy_walk
-from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
+from speculative.sampling import SamplingMode, processed_probs, sampling_mode
+from speculative.tree import greedy_walk, sample_walk, walk_uniforms
+from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
 from workers.step_buffers import StepBuffers
 
 
 class TreeBuffers:
     """Fixed-address tree inputs: each row's depth and parent, and each tree's ancestor mask, sent in one copy."""
 
-    def __init__(self, max_batch: int, q_len: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, q_len: int, num_uniforms: int, device: torch.device) -> None:
         self.max_batch, self.q_len = max_batch, q_len
+        self.uniforms = torch.zeros(max_batch, num_uniforms, dtype=torch.float32, device=device)  # sampling walks
         rows = max_batch * q_len
         self.packed = torch.zeros(2 * rows + rows * q_len, dtype=torch.long, device=device)
         self.staging = torch.zeros_like(self.packed, device="cpu").pin_memory() if device.type == "cuda" else None
@@ -67,10 +71,16 @@ class TreeBuffers:
             self.packed.copy_(self.staging, non_blocking=True)
         return depth[:n].copy()
 
+    def fill_uniforms(self, uniforms: torch.Tensor, bucket: int) -> None:
+        """Copy the sampling walk's uniforms [n, U] of n sequences; padding rows (up to `bucket`) get zeros."""
+        host = torch.zeros(bucket, self.uniforms.shape[1])
+        host[: uniforms.shape[0]] = uniforms
+        self.uniforms[:bucket].copy_(host)
+
 
 class FusedTreeStep:
-    """Target + colocated tree drafter for greedy generation steps with trees of `drafter.budget` nodes
-    (TP=1, draft in process)."""
+    """Target + colocated tree drafter for generation steps with trees of `drafter.budget` nodes (TP=1, draft
+    in process)."""
 
     def __init__(
         self,
@@ -90,12 +100,13 @@ class FusedTreeStep:
             max_batch, self.q_len, max_blocks, cache.block_size, cache.scratch_block, dev
         )
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
-        self.trees = TreeBuffers(max_batch, self.q_len, dev)
-        self.steps = CapturedSteps(self._forward, capture_sizes(max_batch), dev, use_graphs)
+        self.num_uniforms = walk_uniforms(self.depth, drafter.width)
+        self.trees = TreeBuffers(max_batch, self.q_len, self.num_uniforms, dev)
+        self.steps = GreedyAndSampledSteps(self._forward, capture_sizes(max_batch), dev, use_graphs)
         self.runs = 0  # steps run, captured or not
 
     @torch.no_grad()
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def _forward(self, bucket: int, mode: SamplingMode) -> torch.Tensor:
         b, t, q, d = self.buffers, self.trees, self.q_len, self.depth
         n = bucket * q
         tables, slots = b.block_tables[:bucket], b.slot_mapping[:n].view(bucket, q)
@@ -103,14 +114,11 @@ class FusedTreeStep:
         start = b.positions[:n].view(bucket, q)[:, 0]
         rope = (start[:, None] + t.depth[:bucket]).reshape(-1)
         meta = UniformMetadata(b.slot_mapping[:n], tables, b.seq_lens[:bucket], q, t.mask[:bucket].bool())
-        hidden, features = self.target.forward_features(ids, rope, self.cache, meta)
-        tokens = ids.view(bucket, q)
-        argmax = self.target.greedy_tokens(hidden).view(bucket, q)
-        n_acc, path, bonus = greedy_walk(tokens, t.parents[:bucket], argmax, d)
-        steps = torch.arange(1, d + 1, device=ids.device)
-        dst = slots[:, 1 : d + 1]
-        src = torch.where(steps[None, :] <= n_acc[:, None], slots.gather(1, path), dst)
-        self.cache.move(src.reshape(-1), dst.reshape(-1))
+        with record_function("tree:target"):
+            hidden, features = self.target.forward_features(ids, rope, self.cache, meta)
+        with record_function("tree:accept"):
+            tokens = ids.view(bucket, q)
+            n_acc, path, bonus = self._accept(tokens, hidden, slots, bucket, mode)
         branch = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # [bucket, D+1] nodes, the root first
         emitted = torch.cat([tokens.gather(1, path), bonus[:, None]], dim=1)
         emitted = emitted.scatter(1, n_acc[:, None], bonus[:, None])  # the bonus right after the accepted drafts
@@ -118,12 +126,40 @@ class FusedTreeStep:
         pos = (start[:, None] + torch.arange(d + 1, device=ids.device)[None, :]).reshape(-1)
         chain = self.drafter.chain
         rerun = UniformMetadata(slots[:, : d + 1].reshape(-1), tables, start + d + 1, d + 1)
-        dh = chain.head.step(chain.shared, emitted.reshape(-1), features[rows], pos, chain.cache, rerun)
+        with record_function("tree:draft_rerun"):
+            dh = chain.head.step(chain.shared, emitted.reshape(-1), features[rows], pos, chain.cache, rerun)
         roots = start + n_acc
         h0 = dh.view(bucket, d + 1, -1).gather(1, n_acc[:, None, None].expand(-1, 1, dh.shape[-1]))[:, 0]
-        drafts, parents, _ = self.drafter.grow(h0, roots, self._round_meta(tables, roots))
+        with record_function("tree:grow"):
+            drafts, parents, _ = self.drafter.grow(h0, roots, self._round_meta(tables, roots))
         columns = [emitted, n_acc[:, None], drafts, parents, (roots + 1)[:, None]]
         return torch.cat([c.to(torch.long) for c in columns], dim=1)
+
+    def _accept(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, bucket: int, mode: SamplingMode
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The walk over the trees (greedy, or rejection sampling with the buffers' parameters and uniforms),
+        then the accepted branches' target KV moved to consecutive slots."""
+        d, q, parents = self.depth, self.q_len, self.trees.parents[:bucket]
+        if mode is SamplingMode.GREEDY:
+            argmax = self.target.greedy_tokens(hidden).view(bucket, q)
+            n_acc, path, bonus = greedy_walk(tokens, parents, argmax, d)
+        else:
+            temperature, top_k, top_p, _ = self.buffers.sampling(bucket)
+            probs = processed_probs(
+                self.target.logits(hidden),
+                temperature.repeat_interleave(q),
+                top_k.long().repeat_interleave(q),
+                top_p.repeat_interleave(q),
+                mode is SamplingMode.FILTERED,
+            ).view(bucket, q, -1)
+            uniforms = self.trees.uniforms[:bucket]
+            n_acc, path, bonus = sample_walk(tokens, parents, probs, uniforms, d, self.drafter.width)
+        steps = torch.arange(1, d + 1, device=tokens.device)
+        dst = slots[:, 1 : d + 1]
+        src = torch.where(steps[None, :] <= n_acc[:, None], slots.gather(1, path), dst)
+        self.cache.move(src.reshape(-1), dst.reshape(-1))
+        return n_acc, path, bonus
 
     def _round_meta(self, tables: torch.Tensor, roots: torch.Tensor) -> MetaFor:
         """Metadata of each expansion round: its frontier rows' slots past the roots, and their visibility."""
@@ -137,23 +173,32 @@ class FusedTreeStep:
         return meta_for
 
     def bucket_for(self, plan: StepPlan) -> int | None:
-        """A bucket when every request is a greedy generation row with a tree of exactly the budget that fits."""
+        """A bucket when every request is a generation row with a tree of exactly the budget that fits."""
         if not plan.seqs:
             return None
         for s in plan.seqs:
-            if s.is_context or s.draft_parents is None or len(s.token_ids) != self.q_len or s.temperature > 0:
+            if s.is_context or s.draft_parents is None or len(s.token_ids) != self.q_len or s.draft_probs is not None:
                 return None
             if len(s.block_ids) > self.buffers.max_blocks:
                 return None
         return pick_bucket(len(plan.seqs), self.steps.sizes)
 
-    def run(self, plan: StepPlan, bucket: int) -> TargetOutput:
-        """Fill the buffers, replay, and read back tokens, accept counts and the next trees in one copy."""
+    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
+        """Fill the buffers, replay, and read back tokens, accept counts and the next trees in one copy.
+        `uniforms` [m, num_uniforms] are the sampling walk's random numbers; None for an all-greedy step."""
         seqs = plan.seqs
         parents = np.array([[-1, *(s.draft_parents or [])] for s in seqs], dtype=np.int64)
         self.buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
         depths = self.trees.fill(parents, bucket).max(axis=1).tolist()
-        host = self.steps.run(bucket)[: len(seqs)].cpu()
+        mode = SamplingMode.GREEDY
+        if uniforms is not None:
+            unused = torch.zeros(len(seqs), self.q_len)  # the chain's verify uniforms; trees read their own
+            self.buffers.fill_sampling(
+                [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], unused, bucket
+            )
+            self.trees.fill_uniforms(uniforms, bucket)
+            mode = sampling_mode(seqs)
+        host = self.steps.run(bucket, mode)[: len(seqs)].cpu()
         self.runs += 1
         d, n = self.depth, self.q_len - 1
         rows = host[:, : d + 2].tolist()
