@@ -73,8 +73,9 @@ def throughput_config(
     if size_slots and sched.max_num_requests < largest:
         update["max_num_requests"] = largest
     if size_cache:
-        k = cfg.speculative.num_draft_tokens if cfg.speculative.enabled else 0
-        per_request = math.ceil((prompt_len + output_len + 2 * k + 1) / sched.block_size)
+        spec = cfg.speculative
+        extra = spec.proposed_tokens + spec.scratch_slots if spec.enabled else 0
+        per_request = math.ceil((prompt_len + output_len + extra + 1) / sched.block_size)
         need = largest * per_request + 1
         if need > num_blocks_for(with_sections(cfg, scheduler=update), prompt_len + output_len):
             update["num_kv_blocks"] = need

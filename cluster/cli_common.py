@@ -55,7 +55,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--spec-tree-budget",
         type=int,
         help="draft a tree of N nodes per request and step (EAGLE-2 style, depth K), verified in one target pass; "
-        "0 (default): a linear chain of K drafts. Tree steps run eagerly (no CUDA graphs yet)",
+        "0 (default): a linear chain of K drafts. Trees accept more per step, but on SmolLM2 a tree step costs "
+        "more than it gains (bench/README.md)",
     )
     g.add_argument("--spec-tree-width", type=int, help="children per expanded tree node, and nodes per level (1-16)")
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding")

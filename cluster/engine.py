@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -139,10 +140,8 @@ class LLMEngine:
                 target.fused = build_fused(cfg, target, draft, k, max_len)
             elif isinstance(draft, MTPEagleTree):
                 target.tree_step = build_tree_step(cfg, target, draft, max_len)
-        proposed = spec.proposed_tokens if draft is not None else 0
-        sched = Scheduler(
-            cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, spec.scratch_slots
-        )
+        proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
+        sched = Scheduler(cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch)
         return cls(cfg, args, sched, target, draft, tokenizer)
 
     # ---- requests --------------------------------------------------------------------------------
@@ -171,7 +170,7 @@ class LLMEngine:
                 raise InvalidRequestError("stop_token_ids", f"token id {t} is outside [0, {vocab})")
         total = min(n + params.max_tokens, self.max_model_len)
         sched = self.scheduler
-        if sched.blocks.blocks_for(sched.slots_needed(total)) > sched.blocks.num_blocks:
+        if sched.blocks.blocks_for(sched.slots_needed(total + sched.k)) > sched.blocks.num_blocks:
             raise InvalidRequestError(
                 "max_tokens",
                 f"prompt + max_tokens = {total} tokens do not fit in the KV cache; lower max_tokens",
@@ -191,6 +190,9 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"'{rid}' is already in flight")
+        if params.seed is None and params.temperature > 0:
+            # every TP rank then draws the same numbers: a tree's accepted branch decides which KV moves
+            params = params.model_copy(update={"seed": secrets.randbits(62)})
         self.scheduler.add(Request(rid, list(prompt_token_ids), params))
         return rid
 

@@ -93,7 +93,7 @@ class AttentionMetadata:
         key_pos = torch.arange(s_max)
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_len[:, None, None])
         for b, n, first, rm in custom:
-            mask[b, :n, first : first + rm.shape[1]] = rm
+            mask[b, :n, first : first + rm.shape[1]] &= rm
         mask &= q_valid[:, :, None]
         mask[:, :, 0] |= ~q_valid  # pad rows attend to one key so softmax stays finite
         return cls(
@@ -124,6 +124,9 @@ class RaggedMetadata:
     seq_lens: torch.Tensor  # [B] int64, KV length after the step
     max_q_len: int
     host_rows: list[tuple[int, int, int]] | None = None  # (q_start, q_len, seq_len) per sequence, read once
+    row_masks: list[torch.Tensor | None] | None = None  # [B] draft trees' masks, as `AttentionMetadata.build`
+    tree_bits: torch.Tensor | None = None  # [T] int64 the same masks as the kernel reads them (-1: causal)
+    tree_width: int = 0  # keys the masks cover, the last of each sequence
 
     @classmethod
     def build(
@@ -133,8 +136,10 @@ class RaggedMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        row_masks: list[torch.Tensor | None] | None = None,
     ) -> RaggedMetadata:
-        """Metadata for sequences whose new tokens occupy positions [start, start + n)."""
+        """Metadata for sequences whose new tokens occupy positions [start, start + n); `row_masks` as in
+        `AttentionMetadata.build`, all of one width (at most 64 keys)."""
         starts = np.asarray(seq_starts, dtype=np.int64)
         counts = np.asarray(seq_num_tokens, dtype=np.int64)
         ends = starts + counts
@@ -151,13 +156,19 @@ class RaggedMetadata:
         packed = torch.from_numpy(np.concatenate([slots, q_starts, counts, ends, table.reshape(-1)])).to(device)
         n, b = len(slots), len(counts)
         s, qs, ql, sl, tb = packed.split([n, b, b, b, table.size])
-        return cls(s, tb.view(b, width), qs, ql, sl, int(counts.max()))
+        meta = cls(s, tb.view(b, width), qs, ql, sl, int(counts.max()))
+        if row_masks is not None and any(m is not None for m in row_masks):
+            meta.row_masks = row_masks
+            meta.tree_width, bits = _tree_bits(row_masks, seq_num_tokens)
+            meta.tree_bits = bits.to(device)
+        return meta
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Ragged paged attention (Triton; CUDA, or CPU under TRITON_INTERPRET)."""
         return triton_attention.triton_ragged_attention(
-            q, k_cache, v_cache, self.block_tables, self.q_starts, self.q_lens, self.seq_lens, self.max_q_len, scale
-        )
+            q, k_cache, v_cache, self.block_tables, self.q_starts, self.q_lens, self.seq_lens, self.max_q_len, scale,
+            tree_bits=self.tree_bits, tree_width=self.tree_width,
+        )  # fmt: skip
 
     def attend_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """The same attention through masked SDPA, one sequence at a time (eager steps only: reads lengths)."""
@@ -167,13 +178,29 @@ class RaggedMetadata:
                 zip(self.q_starts.tolist(), self.q_lens.tolist(), self.seq_lens.tolist(), strict=True)
             )
         outs = []
-        for (start, n, end), table in zip(self.host_rows, self.block_tables, strict=True):
+        masks = self.row_masks or [None] * len(self.host_rows)
+        for (start, n, end), table, rm in zip(self.host_rows, self.block_tables, masks, strict=True):
             width = -(-end // block_size)
+            tree = None if rm is None else rm[None].to(q.device)
             out = uniform_paged_attention(
-                q[start : start + n], k_cache, v_cache, table[None, :width], self.seq_lens.new_tensor([end]), n, scale
-            )
+                q[start : start + n], k_cache, v_cache, table[None, :width], self.seq_lens.new_tensor([end]), n, scale,
+                tree,
+            )  # fmt: skip
             outs.append(out)
         return torch.cat(outs)
+
+
+def _tree_bits(row_masks: list[torch.Tensor | None], counts: list[int]) -> tuple[int, torch.Tensor]:
+    """(the masks' common width, one int64 of visibility bits per row [T], -1 for rows without a mask)."""
+    widths = {m.shape[1] for m in row_masks if m is not None}
+    if len(widths) != 1 or max(widths) > triton_attention.TREE_BITS:
+        raise ValueError(f"row masks of one step need one width of at most 64 keys, got {sorted(widths)}")
+    width = widths.pop()
+    rows = [
+        torch.full((n,), -1, dtype=torch.long) if m is None else triton_attention.tree_mask_bits(m.bool()[None])
+        for m, n in zip(row_masks, counts, strict=True)
+    ]
+    return width, torch.cat(rows)
 
 
 def ragged_metadata(
@@ -182,11 +209,13 @@ def ragged_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    row_masks: list[torch.Tensor | None] | None = None,
 ) -> Metadata:
-    """Metadata for a ragged step: the Triton kernel's on CUDA, the masked-SDPA path elsewhere."""
+    """Metadata for a ragged step: the Triton kernel's on CUDA, the masked-SDPA path elsewhere (`row_masks`:
+    draft trees, see `AttentionMetadata.build`)."""
     if torch.device(device).type == "cuda" and triton_attention.available():
-        return RaggedMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device)
-    return AttentionMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device)
+        return RaggedMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device, row_masks)
+    return AttentionMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device, row_masks)
 
 
 @dataclass

@@ -35,7 +35,7 @@ if triton is not None:
     ):  # fmt: skip
         # online softmax of query rows q [ROWS, DIM] over keys [kv_start, kv_end) of sequence b (kv_start a
         # multiple of TILE); returns the unnormalised (acc [ROWS, DIM], running max [ROWS], denominator [ROWS]).
-        # TREE: key tree_start + j is seen by a row only where bit j of its tree_bits [ROWS] is set.
+        # TREE: key tree_start + j (0 <= j < 64) is seen by a row only where bit j of its tree_bits [ROWS] is set.
         d = tl.arange(0, DIM)
         m = tl.full((ROWS,), -1.0e30, tl.float32)
         den = tl.zeros((ROWS,), tl.float32)
@@ -52,8 +52,9 @@ if triton is not None:
             seen = kpos[None, :] <= q_pos[:, None]
             if TREE:
                 rel = kpos - tree_start
-                bit = (tree_bits[:, None] >> tl.where(rel >= 0, rel, 0).to(tl.int64)[None, :]) & 1
-                seen = seen & ((rel[None, :] < 0) | (bit != 0))
+                covered = (rel >= 0) & (rel < 64)
+                bit = (tree_bits[:, None] >> tl.where(covered, rel, 0).to(tl.int64)[None, :]) & 1
+                seen = seen & (~covered[None, :] | (bit != 0))
             scores = tl.where(seen, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
@@ -66,8 +67,9 @@ if triton is not None:
     @triton.jit
     def _attend_rows(
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-        stride_bt, b, kvh, row, head, valid, q_pos, kv_end,
+        stride_bt, b, kvh, row, head, valid, q_pos, kv_end, tree_bits, tree_start,
         ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
+        TREE: tl.constexpr,
     ):  # fmt: skip
         # attention of query rows (flat row, head) of sequence b over its first kv_end keys, stored to o
         d = tl.arange(0, DIM)
@@ -75,8 +77,8 @@ if triton is not None:
             q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=valid[:, None], other=0.0
         )
         acc, _, den = _attend_range(q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt,
-                                    b, kvh, q_pos, 0, kv_end, q_pos, 0, ROWS, BLOCK, DIM, TILE, STAGES,
-                                    False)  # fmt: skip
+                                    b, kvh, q_pos, 0, kv_end, tree_bits, tree_start, ROWS, BLOCK, DIM, TILE, STAGES,
+                                    TREE)  # fmt: skip
         tl.store(
             o_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
             (acc / den[:, None]).to(o_ptr.dtype.element_ty),
@@ -158,10 +160,10 @@ if triton is not None:
     # equal-to-1 variants) compiled new kernels while serving, 0.5-0.65 s each (bench/prefix_steps.py).
     @triton.jit(do_not_specialize=["stride_bt"])
     def _ragged_paged_attn(
-        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, qlen_ptr, lens_ptr, scale,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, qlen_ptr, lens_ptr, bits_ptr, scale,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, tree_width,
         GROUP: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
-        TILE: tl.constexpr, STAGES: tl.constexpr,
+        TILE: tl.constexpr, STAGES: tl.constexpr, TREE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -173,10 +175,14 @@ if triton is not None:
             qi = tile * QB + r // GROUP
             row = (tl.load(qstart_ptr + b) + qi).to(tl.int64)
             kv_end = seq_len - q_len + tl.minimum((tile + 1) * QB, q_len)  # past the tile's last position
+            valid = (r < QB * GROUP) & (qi < q_len)
+            bits = row
+            if TREE:
+                bits = tl.load(bits_ptr + row, mask=valid, other=-1)
             _attend_rows(
                 q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks,
-                stride_kh, stride_bt, b, kvh, row, kvh * GROUP + r % GROUP, (r < QB * GROUP) & (qi < q_len),
-                seq_len - q_len + qi, kv_end, ROWS, BLOCK, DIM, TILE, STAGES,
+                stride_kh, stride_bt, b, kvh, row, kvh * GROUP + r % GROUP, valid,
+                seq_len - q_len + qi, kv_end, bits, seq_len - tree_width, ROWS, BLOCK, DIM, TILE, STAGES, TREE,
             )  # fmt: skip
 
 
@@ -297,9 +303,12 @@ def triton_ragged_attention(
     max_q_len: int,
     scale: float,
     q_block: int = 16,
+    tree_bits: torch.Tensor | None = None,
+    tree_width: int = 0,
 ) -> torch.Tensor:
     """Causal attention of ragged rows q [T, H, D]: sequence b owns rows [q_starts[b], + q_lens[b]), which
-    are its last q_lens[b] positions of seq_lens[b]. Returns [T, H*D]."""
+    are its last q_lens[b] positions of seq_lens[b]. Returns [T, H*D]. With `tree_bits` [T] int64, a row sees
+    key seq_len - tree_width + j (j < 64) only where bit j is set (-1: every key, as plain causal rows)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     bsz = block_tables.shape[0]
@@ -310,10 +319,11 @@ def triton_ragged_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     if t and bsz:
+        tree = tree_bits is not None
         _ragged_paged_attn[(bsz, kv_heads, triton.cdiv(max_q_len, q_block))](
-            q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens, scale,
+            q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens, tree_bits if tree else q_lens, scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            GROUP=group, QB=q_block, ROWS=rows, BLOCK=block, DIM=dim,
-            TILE=kv_tile(block, RAGGED_TILE), STAGES=RAGGED_STAGES,
+            tree_width, GROUP=group, QB=q_block, ROWS=rows, BLOCK=block, DIM=dim,
+            TILE=kv_tile(block, RAGGED_TILE), STAGES=RAGGED_STAGES, TREE=tree,
         )  # fmt: skip
     return out.reshape(t, heads * dim)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from modeling.attention import AttentionMetadata, Metadata
+from modeling.attention import Metadata, ragged_metadata
 from speculative.draft_inputs import last_rows
 from speculative.messages import DraftInputs, DraftOutputs
 from speculative.methods import DraftMethod
@@ -48,6 +48,7 @@ class MTPEagleTree(DraftMethod):
     head of `chain`; proposals carry each node's parent (`DraftOutputs.draft_parents`)."""
 
     def __init__(self, chain: MTPEagleChain, depth: int, width: int, budget: int) -> None:
+        width = min(width, chain.head.draft_vocab_size)
         if depth < 1 or width < 1 or not 1 <= budget <= tree_candidates(width, depth):
             raise ValueError(
                 f"tree of depth {depth}, width {width} grows {tree_candidates(width, depth)} nodes; "
@@ -55,7 +56,7 @@ class MTPEagleTree(DraftMethod):
             )
         self.chain = chain
         self.depth = depth
-        self.width = min(width, chain.head.draft_vocab_size)
+        self.width = width
         self.budget = budget
 
     def release(self, request_ids: list[str]) -> None:
@@ -86,7 +87,7 @@ class MTPEagleTree(DraftMethod):
         def meta_for(r: int, visible: torch.Tensor) -> Metadata:
             first = [p + 1 + (r - 1) * w for p in roots]
             masks: list[torch.Tensor | None] = list(visible.cpu())
-            return AttentionMetadata.build(first, [w] * len(roots), tables, block_size, dev, masks)
+            return ragged_metadata(first, [w] * len(roots), tables, block_size, dev, masks)
 
         return self.grow(h0, torch.tensor(roots, device=dev), meta_for)
 

@@ -216,6 +216,7 @@ def test_fuzzed_draft_inputs_get_ok_or_invalid_argument(
         ("num_draft_tokens", K + 1, f"StepPlan.num_draft_tokens: {K + 1} is not in [0, {K}]"),
         ("seqs.1.draft_parents", [0, 0], "StepPlan.seqs[1].draft_parents: has 2 entries for 3 drafts"),
         ("seqs.1.draft_parents", [0, 2, 1], "StepPlan.seqs[1].draft_parents[1]: 2 is not in [0, 1]"),
+        ("seqs.1.token_ids", [7, 8, 8, 10], "StepPlan.seqs[1].draft_parents[1]: repeats token 8 among the children"),
         (
             "seqs.1.draft_probs",
             encode_tensor(torch.full((K, 96), math.nan)),
@@ -225,6 +226,8 @@ def test_fuzzed_draft_inputs_get_ok_or_invalid_argument(
 )
 def test_bad_plans_name_field_and_reason(target: wpb_grpc.TargetWorkerStub, path: str, value: Any, needle: str) -> None:
     plan = valid_plan()
+    if "draft_parents" in needle:
+        set_field(plan, "seqs.1.draft_parents", [0, 0, 1])
     set_field(plan, path, value)
     with pytest.raises(grpc.RpcError) as err:
         target.Execute(plan, timeout=60)

@@ -138,7 +138,13 @@ def test_tree_settings_are_checked() -> None:
     with pytest.raises(ValidationError, match="tree_budget: draft trees reuse one MTP module"):
         MTPServeConfig.model_validate({"speculative": {"method": "mtp_vanilla", "tree_budget": 4}})
     with pytest.raises(ValidationError, match="tree_budget"):
-        MTPServeConfig.model_validate({"speculative": {"tree_budget": 65}})
+        MTPServeConfig.model_validate({"speculative": {"tree_budget": 64}})
+    with pytest.raises(ValidationError, match=r"tree_width: .* = 80 frontier rows"):
+        MTPServeConfig.model_validate({"speculative": {"num_draft_tokens": 6, "tree_width": 16, "tree_budget": 8}})
+    with pytest.raises(ValidationError, match=r"max_num_batched_tokens must be at least speculative\.tree_budget"):
+        MTPServeConfig.model_validate(
+            {"speculative": {"num_draft_tokens": 4, "tree_budget": 40}, "scheduler": {"max_num_batched_tokens": 16}}
+        )
     spec = MTPServeConfig.model_validate({"speculative": {"num_draft_tokens": 3, "tree_budget": 16}}).speculative
     assert (spec.proposed_tokens, spec.scratch_slots) == (16, 8)
 
@@ -185,6 +191,18 @@ def test_the_fixed_shape_tree_step_samples_the_target_distribution() -> None:
     counts.append(second_token_counts(eng, prompt, 600, args.vocab_size))
     assert step.runs >= 50 and eng.totals.accepted > 0
     assert same_distribution_pvalue(counts) > 1e-3
+
+
+def test_sampled_requests_get_a_seed_every_rank_shares() -> None:
+    """A sampling request without a seed gets one at admission, so every TP rank walks a tree the same way
+    and moves the same KV; greedy requests and given seeds are left alone."""
+    eng = tree_engine(TREES[0])
+    prompt = [1, 2, 3]
+    sampled = eng.add_request(prompt, {"temperature": 0.7})
+    seeded = eng.add_request(prompt, {"temperature": 0.7, "seed": 5})
+    greedy = eng.add_request(prompt, {})
+    seeds = [eng.scheduler.requests[r].params.seed for r in (sampled, seeded, greedy)]
+    assert seeds[0] is not None and seeds[1:] == [5, None]
 
 
 @pytest.mark.slow

@@ -133,6 +133,49 @@ def test_ragged_kernel_matches_float64_reference(
     assert (got.double() - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize(
+    ("starts", "counts", "width", "trees"),
+    [
+        ([0, 30, 11], [20, 5, 5], 5, [False, True, True]),  # a prompt chunk beside two tree verifies
+        ([12, 40], [3, 3], 9, [True, True]),  # draft-tree rounds: 3 frontier rows over the last 9 keys
+    ],
+)
+def test_ragged_tree_masks_match_the_dense_path(
+    starts: list[int], counts: list[int], width: int, trees: list[bool]
+) -> None:
+    """Tree rows in a ragged step (the kernel's bit rows, and the per-sequence SDPA path) give the dense
+    masked path's result in float64; rows without a mask stay causal."""
+    g = torch.Generator().manual_seed(width)
+    bs, dim, nb, heads, kv_heads = 8, 32, 40, 6, 3
+    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for s, n in zip(starts, counts, strict=True):
+        need = -(-(s + n) // bs)
+        tables.append(perm[used : used + need])
+        used += need
+    masks: list[torch.Tensor | None] = []
+    for n, tree in zip(counts, trees, strict=True):
+        m = None
+        if tree:  # each row sees itself and a random subset of the keys before it, as a tree's rows do
+            own = width - n + torch.arange(n)
+            m = (torch.rand(n, width, generator=g) < 0.5) & (torch.arange(width)[None, :] < own[:, None])
+            m[torch.arange(n), own] = True
+        masks.append(m)
+    q = torch.randn(sum(counts), heads, dim, generator=g)
+    ragged = RaggedMetadata.build(starts, counts, tables, bs, "cpu", masks)
+    dense = AttentionMetadata.build(starts, counts, tables, bs, "cpu", masks)
+    ref = dense.attend(q.double(), kc.double(), vc.double(), dim**-0.5)
+    for got in (
+        ragged.attend(q, kc, vc, dim**-0.5),
+        ragged.attend_sdpa(q.double(), kc.double(), vc.double(), dim**-0.5),
+    ):
+        assert (got.double() - ref).abs().max().item() < 1e-4
+    causal = AttentionMetadata.build(starts, counts, tables, bs).attend(q.double(), kc.double(), vc.double(), dim**-0.5)
+    assert (causal - ref).abs().max().item() > 1e-2, "the masks must matter"
+
+
 def test_ragged_metadata_is_used_on_cuda_only() -> None:
     """CPU keeps the masked-SDPA path; the Triton metadata is built only for CUDA devices."""
     meta = ragged_metadata([0], [3], [[0]], 4, "cpu")

@@ -68,7 +68,7 @@ class SpeculativeConfig(_Strict):
     tree_budget: int = Field(
         0,
         ge=0,
-        le=64,
+        le=63,
         description="draft-tree nodes per request and step (EAGLE-2 style, depth num_draft_tokens); 0: a linear chain",
     )
     tree_width: int = Field(4, ge=1, le=16, description="children per expanded tree node, and nodes expanded per level")
@@ -78,6 +78,11 @@ class SpeculativeConfig(_Strict):
         if self.tree_budget:
             if self.method != "mtp_eagle":
                 raise ValueError("tree_budget: draft trees reuse one MTP module (speculative.method 'mtp_eagle')")
+            if (self.num_draft_tokens - 1) * self.tree_width > 64:
+                raise ValueError(
+                    f"tree_width: (num_draft_tokens - 1) x tree_width = {(self.num_draft_tokens - 1) * self.tree_width}"
+                    " frontier rows; the attention kernels' tree masks cover at most 64"
+                )
             if self.tree_budget > self.tree_candidates:
                 raise ValueError(
                     f"tree_budget: {self.tree_budget} exceeds the {self.tree_candidates} nodes a tree of depth "
@@ -190,9 +195,10 @@ class MTPServeConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_budget(self) -> MTPServeConfig:
-        k = self.speculative.num_draft_tokens if self.speculative.enabled else 0
+        k = self.speculative.proposed_tokens if self.speculative.enabled else 0
         if self.scheduler.max_num_batched_tokens < k + 1:
-            raise ValueError("scheduler.max_num_batched_tokens must be at least num_draft_tokens + 1")
+            what = "tree_budget" if self.speculative.tree_budget else "num_draft_tokens"
+            raise ValueError(f"scheduler.max_num_batched_tokens must be at least speculative.{what} + 1")
         return self
 
     @property

@@ -82,8 +82,9 @@ def check_seq(field: str, s: SeqPlan, k: int, lim: StepLimits) -> None:
     if not s.token_ids:
         raise InvalidStepMessage(f"{field}.token_ids", "is empty")
     _ids_in_range(f"{field}.token_ids", s.token_ids, 0, lim.vocab_size)
-    if s.start < 0 or s.end > lim.max_model_len:
-        raise InvalidStepMessage(f"{field}.start", f"rows [{s.start}, {s.end}) leave [0, {lim.max_model_len})")
+    last = s.end if s.draft_parents is None else s.start + 1 + _tree_depth(s.draft_parents)  # past the last position
+    if s.start < 0 or last > lim.max_model_len:
+        raise InvalidStepMessage(f"{field}.start", f"rows [{s.start}, {last}) leave [0, {lim.max_model_len})")
     if not s.is_context and not s.is_final_chunk:
         raise InvalidStepMessage(f"{field}.is_final_chunk", "a generation row is always final")
     drafts = 0 if s.is_context else len(s.token_ids) - 1
@@ -96,7 +97,9 @@ def check_seq(field: str, s: SeqPlan, k: int, lim: StepLimits) -> None:
         _ids_in_range(f"{field}.lookahead_token", [s.lookahead_token], 0, lim.vocab_size)
     _blocks(f"{field}.block_ids", s.block_ids, s.end + (lim.scratch_slots if s.is_final_chunk else 0), lim)
     if s.draft_parents is not None:
-        _parents(f"{field}.draft_parents", s.draft_parents, drafts)
+        _parents(f"{field}.draft_parents", s.draft_parents, s.token_ids, drafts)
+        if s.draft_probs is not None:
+            raise InvalidStepMessage(f"{field}.draft_probs", "draft trees carry one-hot drafts; send no draft_probs")
     _sampling(field, s.temperature, s.top_p, s.top_k)
     if s.draft_probs is not None:
         p = s.draft_probs
@@ -109,13 +112,27 @@ def check_seq(field: str, s: SeqPlan, k: int, lim: StepLimits) -> None:
             raise InvalidStepMessage(f"{field}.draft_probs", "must be probabilities in [0, 1]")
 
 
-def _parents(field: str, parents: Sequence[int], drafts: int) -> None:
+def _parents(field: str, parents: Sequence[int], token_ids: Sequence[int], drafts: int) -> None:
     if len(parents) != drafts:
         raise InvalidStepMessage(field, f"has {len(parents)} entries for {drafts} drafts")
+    siblings: set[tuple[int, int]] = set()
     for j, p in enumerate(parents):
         if not 0 <= p <= j:
             why = f"{p} is not in [0, {j}]: a draft continues the root or an earlier draft"
             raise InvalidStepMessage(f"{field}[{j}]", why)
+        if (p, token_ids[j + 1]) in siblings:
+            raise InvalidStepMessage(
+                f"{field}[{j}]", f"repeats token {token_ids[j + 1]} among the children of node {p}"
+            )
+        siblings.add((p, token_ids[j + 1]))
+
+
+def _tree_depth(parents: Sequence[int]) -> int:
+    """Depth of a tree given its drafts' parents (entries already range-checked or not: clamped here)."""
+    depth = [0]
+    for j, p in enumerate(parents):
+        depth.append(depth[min(max(p, 0), j)] + 1)
+    return max(depth)
 
 
 def check_plan(plan: StepPlan, lim: StepLimits) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from modeling.attention import AttentionMetadata, UniformMetadata, ragged_metadata
+from modeling.attention import UniformMetadata, ragged_metadata
 from modeling.kv_cache import KVCache
 from modeling.model import LlamaModel
 from speculative.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
@@ -185,11 +185,8 @@ class TargetRunner:
             self.cache.block_size,
             dev,
         )
-        meta: Any
-        if any(t is not None for t in trees):
-            meta = AttentionMetadata.build(*args, [None if t is None else t.ancestor_mask() for t in trees])
-        else:
-            meta = ragged_metadata(*args)
+        masks = [None if t is None else t.ancestor_mask() for t in trees] if any(t is not None for t in trees) else None
+        meta = ragged_metadata(*args, masks)
         positions = tree_positions(plan.seqs, trees).to(dev)
         return self.model.forward_features(ids, positions, self.cache, meta)
 
@@ -352,7 +349,7 @@ class TargetRunner:
                 continue
             s, lg = plan.seqs[i], logits[spans[i][0] : spans[i][1]]
             greedy = s.temperature <= 0
-            probs = None if greedy else self._probs([s], lg)
+            probs = None if greedy else self._probs([s], lg).cpu()  # the walk draws from the request's CPU generator
             path, bonus = accept(tree, lg, probs, None if greedy else self._gen(s))
             paths[i] = path
             tokens[i] = [s.token_ids[n] for n in path] + [bonus]
