@@ -101,6 +101,22 @@ def test_kernel_ignores_blocks_past_the_sequence() -> None:
     assert torch.equal(a, b)
 
 
+def ragged_case(
+    starts: list[int], counts: list[int], kv_heads: int, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """Random paged K/V caches (8-slot blocks of 40, head size 32) and a block table per sequence."""
+    bs, dim, nb = 8, 32, 40
+    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for s, n in zip(starts, counts, strict=True):
+        need = -(-(s + n) // bs)
+        tables.append(perm[used : used + need])
+        used += need
+    return kc, vc, tables
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "starts", "counts"),
     [
@@ -114,15 +130,8 @@ def test_ragged_kernel_matches_float64_reference(
 ) -> None:
     """Ragged batches (chunks, decode and verify rows together) against the masked-SDPA path in float64."""
     g = torch.Generator().manual_seed(heads + len(starts))
-    bs, dim, nb = 8, 32, 40
-    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
-    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, used = [], 0
-    for s, n in zip(starts, counts, strict=True):
-        need = -(-(s + n) // bs)
-        tables.append(perm[used : used + need])
-        used += need
+    bs, dim = 8, 32
+    kc, vc, tables = ragged_case(starts, counts, kv_heads, g)
     q = torch.randn(sum(counts), heads, dim, generator=g)
     ragged = RaggedMetadata.build(starts, counts, tables, bs)
     dense = AttentionMetadata.build(starts, counts, tables, bs)
@@ -146,15 +155,8 @@ def test_ragged_tree_masks_match_the_dense_path(
     """Tree rows in a ragged step (the kernel's bit rows, and the per-sequence SDPA path) give the dense
     masked path's result in float64; rows without a mask stay causal."""
     g = torch.Generator().manual_seed(width)
-    bs, dim, nb, heads, kv_heads = 8, 32, 40, 6, 3
-    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
-    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, used = [], 0
-    for s, n in zip(starts, counts, strict=True):
-        need = -(-(s + n) // bs)
-        tables.append(perm[used : used + need])
-        used += need
+    bs, dim, heads = 8, 32, 6
+    kc, vc, tables = ragged_case(starts, counts, 3, g)
     masks: list[torch.Tensor | None] = []
     for n, tree in zip(counts, trees, strict=True):
         m = None
