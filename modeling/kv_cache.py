@@ -33,7 +33,8 @@ class KVCache:
         stacked = torch.zeros(
             2, num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
-        return cls(list(stacked[0].unbind(0)), list(stacked[1].unbind(0)), block_size, stacked)
+        layers = range(num_layers)  # one view each (not `unbind`, whose views autograd will not let us write)
+        return cls([stacked[0, i] for i in layers], [stacked[1, i] for i in layers], block_size, stacked)
 
     @property
     def num_blocks(self) -> int:
