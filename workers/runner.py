@@ -20,6 +20,7 @@ from speculative.sampling import (
     sample_from_uniform,
     sampling_mode,
 )
+from speculative.tree import DraftTree
 from speculative.verify import verify, verify_greedy, verify_step
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
 from workers.step_buffers import StepBuffers
@@ -172,12 +173,14 @@ class TargetRunner:
         return self.forward_features(plan)[0]
 
     @torch.no_grad()
-    def forward_features(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_features(
+        self, plan: StepPlan, trees: list[DraftTree | None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [T, d] and the draft's features [T, n*d] for every scheduled row (writes the KV);
-        rows of a draft tree attend along their branches."""
+        rows of a draft tree (`plan_trees`, computed here when not given) attend along their branches."""
         dev = self.device
         ids = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.long, device=dev)
-        trees = plan_trees(plan.seqs)
+        trees = plan_trees(plan.seqs) if trees is None else trees
         args = (
             [s.start for s in plan.seqs],
             [len(s.token_ids) for s in plan.seqs],
@@ -267,15 +270,16 @@ class TargetRunner:
         accepted = [0] * len(plan.seqs)
         last_token = [0] * len(plan.seqs)
         paths: dict[int, list[int]] = {}  # accepted nodes of each tree, by sequence
+        trees = plan_trees(plan.seqs)
         if bucket is not None:
             features, packed = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
             starts = [i * q_len for i in range(len(plan.seqs))]
             read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token)
         else:
-            hidden, features = self.forward_features(plan)
-            starts = self._eager_verify(plan, hidden, tokens, accepted, last_token, paths)
+            hidden, features = self.forward_features(plan, trees)
+            starts = self._eager_verify(plan, trees, hidden, tokens, accepted, last_token, paths)
         drafted = [0 if s.is_context else s.num_draft_tokens for s in plan.seqs]
-        for i, tree in enumerate(plan_trees(plan.seqs)):
+        for i, tree in enumerate(trees):
             if tree is not None:
                 drafted[i] = int(tree.depth().max())  # one branch is checked: stats count tree depth
         results = [SeqResult(s.request_id, tokens[i], drafted[i], accepted[i]) for i, s in enumerate(plan.seqs)]
@@ -287,6 +291,7 @@ class TargetRunner:
     def _eager_verify(
         self,
         plan: StepPlan,
+        trees: list[DraftTree | None],
         hidden: torch.Tensor,
         tokens: list[list[int]],
         accepted: list[int],
@@ -308,7 +313,6 @@ class TargetRunner:
             logit_rows.extend(picked)
             off += n
         logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        trees = plan_trees(plan.seqs)
         self._verify_trees(plan, trees, logits, spans, tokens, accepted, last_token, paths)
         groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
         for i, s in enumerate(plan.seqs):
@@ -334,7 +338,7 @@ class TargetRunner:
     def _verify_trees(
         self,
         plan: StepPlan,
-        trees: list[Any],
+        trees: list[DraftTree | None],
         logits: torch.Tensor,
         spans: list[tuple[int, int]],
         tokens: list[list[int]],
