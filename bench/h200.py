@@ -262,15 +262,8 @@ def main() -> int:
     ap.add_argument("--main-only", action="store_true", help="only the serving configuration (no ablations)")
     ap.add_argument("--gemv-rows", type=int, default=TritonOps.small_rows, help="TritonOps.small_rows")
     ap.add_argument("--gemv-block-n", type=int, default=fused_kernels.GEMV_BLOCK_N, help="fused_kernels.GEMV_BLOCK_N")
-    ap.add_argument(
-        "--mma-rows",
-        default="{},{}".format(*TritonOps.mma_rows),
-        help="TritonOps.mma_rows: LOW,HIGH rows project on tensor cores (0,0: never)",
-    )
     args = ap.parse_args()
     TritonOps.small_rows, fused_kernels.GEMV_BLOCK_N = args.gemv_rows, args.gemv_block_n
-    low, high = (int(v) for v in args.mma_rows.split(","))
-    TritonOps.mma_rows = (low, high)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -281,7 +274,6 @@ def main() -> int:
         "head": args.head,
         "gemv_rows": args.gemv_rows,
         "gemv_block_n": args.gemv_block_n,
-        "mma_rows": [low, high],
         "max_tokens": args.max_tokens,
         "weight_floor_ms": WEIGHT_FLOOR_MS,
         "runs": [],

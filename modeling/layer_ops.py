@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from modeling import argmax_kernels, draft_kernels, fused_kernels, mma_kernels
+from modeling import argmax_kernels, draft_kernels, fused_kernels
 from modeling.attention import write_kv
 from modeling.draft_kernels import DraftInputWeights
 from modeling.kv_cache import KVWrite
@@ -110,16 +110,9 @@ class TritonOps(TorchOps):
     name = "triton"
     small_rows = fused_kernels.GEMV_MAX_ROWS  # 0 turns off the matrix-vector, greedy-token and MTP-input kernels
 
-    mma_rows = (2, mma_kernels.MMA_MAX_ROWS)  # steps of this many rows project on tensor cores
-
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether rows x go through a matrix-vector kernel against `weight`."""
         return x.shape[0] <= self.small_rows and fused_kernels.gemv_takes(x, weight)
-
-    def _mma(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether rows x go through a tensor-core projection against `weight`."""
-        low, high = self.mma_rows
-        return bool(self.small_rows) and low <= x.shape[0] <= high and mma_kernels.mma_takes(x, weight)
 
     add_rms_norm = staticmethod(fused_kernels.add_rms_norm)
     rope_write_kv = staticmethod(fused_kernels.rope_write_kv)
@@ -133,17 +126,13 @@ class TritonOps(TorchOps):
         eps: float,
         weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One matrix-vector or tensor-core kernel for small steps; add_rms_norm plus cuBLAS otherwise."""
-        if self._mma(x, weight):
-            return mma_kernels.norm_linear(x, residual, norm_weight, eps, weight)
+        """One matrix-vector kernel for small steps; add_rms_norm plus cuBLAS otherwise."""
         if not self._small(x, weight):
             return super().norm_linear(x, residual, norm_weight, eps, weight)
         return fused_kernels.norm_linear(x, residual, norm_weight, eps, weight)
 
     def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One matrix-vector or tensor-core kernel for small steps; silu_mul plus cuBLAS otherwise."""
-        if self._mma(gate_up, weight):
-            return mma_kernels.swiglu_linear(gate_up, weight)
+        """One matrix-vector kernel for small steps; silu_mul plus cuBLAS otherwise."""
         if not self._small(gate_up, weight):
             return super().swiglu_linear(gate_up, weight)
         return fused_kernels.swiglu_linear(gate_up, weight)
@@ -178,9 +167,7 @@ class TritonOps(TorchOps):
         return draft_kernels.draft_input(tokens, hidden, w)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The matrix-vector or tensor-core kernel for small steps; cuBLAS otherwise."""
-        if self._mma(x, weight):
-            return mma_kernels.linear(x, weight)
+        """The matrix-vector kernel for small steps; cuBLAS otherwise."""
         if not self._small(x, weight):
             return F.linear(x, weight)
         return fused_kernels.linear(x, weight)
