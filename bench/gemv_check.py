@@ -1,7 +1,9 @@
 """The matrix-vector kernels against what they replace, per call, on the GPU: norm + q/k/v, norm + gate/up,
-SwiGLU + down and the attention output projection at SmolLM2-135M's shapes, for 1-4 rows and two
-column-block sizes. Each variant runs 50
-times inside one CUDA graph, so the figures are GPU time per call including the launch gaps a graph has.
+SwiGLU + down and the attention output projection at SmolLM2-135M's shapes, for 1-8 rows, two
+column-block sizes, both reduction orders (all rows at once, row by row) and two warp counts. Each
+variant runs 50 times inside one CUDA graph, so the figures are GPU time per call including the launch
+gaps a graph has. The calls cycle through 32 copies of the weight (more than the L2 cache holds), so
+each reads its weight from memory, as a model's layers do.
 
 python bench/gemv_check.py --out $OUT      # one GPU; writes gemv_check.json
 """
@@ -9,6 +11,7 @@ python bench/gemv_check.py --out $OUT      # one GPU; writes gemv_check.json
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -22,6 +25,8 @@ from modeling import fused_kernels
 from modeling.layer_ops import TORCH_OPS, TritonOps
 
 REPS = 50
+COPIES = 32  # weight copies the timed calls cycle through
+ROWS = (1, 2, 4, 8)
 SHAPES = {"norm+qkv": (960, 576), "norm+gate_up": (3072, 576), "swiglu+down": (576, 1536), "o_proj": (576, 576)}
 
 
@@ -51,67 +56,87 @@ def graph_us(fn: Callable[[], object]) -> float:
     return best
 
 
+def variants(name: str) -> tuple[Callable[..., object], Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """(what the kernel replaces, the kernel, the fp32 reference) for one shape, each f(x, r, nw, w)."""
+    triton_ops = TritonOps()
+    if name == "swiglu+down":
+        return (
+            lambda x, r, nw, w: torch.nn.functional.linear(triton_ops.silu_mul(x), w),
+            lambda x, r, nw, w: fused_kernels.swiglu_linear(x, w),
+            lambda x, r, nw, w: TORCH_OPS.swiglu_linear(x.float(), w.float()),
+        )
+    if name == "o_proj":
+        return (
+            lambda x, r, nw, w: torch.nn.functional.linear(x, w),
+            lambda x, r, nw, w: fused_kernels.linear(x, w),
+            lambda x, r, nw, w: torch.nn.functional.linear(x.float(), w.float()),
+        )
+    return (
+        lambda x, r, nw, w: torch.nn.functional.linear(triton_ops.add_rms_norm(x, r, nw, 1e-5)[0], w),
+        lambda x, r, nw, w: fused_kernels.norm_linear(x, r, nw, 1e-5, w)[0],
+        lambda x, r, nw, w: TORCH_OPS.norm_linear(x.float(), r.float(), nw.float(), 1e-5, w.float())[0],
+    )
+
+
+def cycled_us(fn: Callable[..., object], x: torch.Tensor, r: torch.Tensor, nw: torch.Tensor, copies: list) -> float:
+    """graph_us of fn(x, r, nw, w) with successive calls reading successive weight copies."""
+    pick = itertools.cycle(copies)
+    return graph_us(lambda: fn(x, r, nw, next(pick)))
+
+
+KNOBS = ("GEMV_BLOCK_N", "GEMV_ROW_LOOP_FROM", "GEMV_WIDE_WARPS", "GEMV_MAX_ROWS")
+
+
+def kernel_configs(rows: int) -> dict[str, tuple[int, int, int]]:
+    """Named (block_n, row_loop_from, wide_warps) settings of the matrix-vector kernels for this many rows."""
+    configs = {f"n{n}": (n, 99, 4) for n in (8, 16)}
+    if rows > 1:
+        configs |= {f"n{n}_rowloop_w{w}": (n, 2, w) for n in (8, 16) for w in (4, 8)}
+        configs |= {f"n{n}_w8": (n, 99, 8) for n in (8,)}
+    return configs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    triton_ops = TritonOps()
-    report: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "reps_per_graph": REPS, "rows": {}}
-    for rows in (1, 2, 4):
+    report: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "reps_per_graph": REPS,
+                                 "weight_copies": COPIES, "rows": {}}  # fmt: skip
+    defaults = {k: getattr(fused_kernels, k) for k in KNOBS}
+    for rows in ROWS:
         per_rows: dict[str, object] = {}
         for name, (n, k) in SHAPES.items():
-            w = (0.05 * torch.randn(n, k, device=dev, generator=g)).to(dt)
-            if name == "swiglu+down":
-                x = torch.randn(rows, 2 * k, device=dev, generator=g).to(dt)
-                ref = TORCH_OPS.swiglu_linear(x.float(), w.float())
-
-                def separate(x: torch.Tensor = x, w: torch.Tensor = w) -> object:
-                    return torch.nn.functional.linear(triton_ops.silu_mul(x), w)
-
-                def fused(x: torch.Tensor = x, w: torch.Tensor = w) -> torch.Tensor:
-                    return fused_kernels.swiglu_linear(x, w)
-            elif name == "o_proj":
-                x = torch.randn(rows, k, device=dev, generator=g).to(dt)
-                ref = torch.nn.functional.linear(x.float(), w.float())
-
-                def separate(x: torch.Tensor = x, w: torch.Tensor = w) -> object:
-                    return torch.nn.functional.linear(x, w)
-
-                def fused(x: torch.Tensor = x, w: torch.Tensor = w) -> torch.Tensor:
-                    return fused_kernels.linear(x, w)
-            else:
-                x = torch.randn(rows, k, device=dev, generator=g).to(dt)
-                r = torch.randn(rows, k, device=dev, generator=g).to(dt)
-                nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(dt)
-                ref = TORCH_OPS.norm_linear(x.float(), r.float(), nw.float(), 1e-5, w.float())[0]
-
-                def separate(
-                    x: torch.Tensor = x, r: torch.Tensor = r, nw: torch.Tensor = nw, w: torch.Tensor = w
-                ) -> object:
-                    h, _ = triton_ops.add_rms_norm(x, r, nw, 1e-5)
-                    return torch.nn.functional.linear(h, w)
-
-                def fused(
-                    x: torch.Tensor = x, r: torch.Tensor = r, nw: torch.Tensor = nw, w: torch.Tensor = w
-                ) -> torch.Tensor:
-                    return fused_kernels.norm_linear(x, r, nw, 1e-5, w)[0]
-
-            entry: dict[str, float] = {"separate_us": graph_us(separate)}
-            default_block = fused_kernels.GEMV_BLOCK_N
-            for block_n in (8, 16):
-                fused_kernels.GEMV_BLOCK_N = block_n
+            copies = [(0.05 * torch.randn(n, k, device=dev, generator=g)).to(dt) for _ in range(COPIES)]
+            width = 2 * k if name == "swiglu+down" else k
+            x = torch.randn(rows, width, device=dev, generator=g).to(dt)
+            r = torch.randn(rows, k, device=dev, generator=g).to(dt)
+            nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(dt)
+            separate, kernel, reference = variants(name)
+            ref = reference(x, r, nw, copies[0])
+            entry: dict[str, float | str] = {"separate_us": cycled_us(separate, x, r, nw, copies)}
+            for label, (block_n, row_loop_from, warps) in kernel_configs(rows).items():
+                fused_kernels.GEMV_BLOCK_N, fused_kernels.GEMV_ROW_LOOP_FROM = block_n, row_loop_from
+                fused_kernels.GEMV_WIDE_WARPS, fused_kernels.GEMV_MAX_ROWS = warps, max(ROWS)
                 try:
-                    entry[f"fused_n{block_n}_us"] = graph_us(fused)
-                    entry[f"fused_n{block_n}_max_abs_err"] = (fused().float() - ref).abs().max().item()
+                    entry[f"{label}_us"] = cycled_us(kernel, x, r, nw, copies)
+                    entry[f"{label}_max_abs_err"] = (kernel(x, r, nw, copies[0]).float() - ref).abs().max().item()
                 except Exception as exc:  # a block the compiler cannot fit is reported, not fatal
-                    entry[f"fused_n{block_n}_error"] = repr(exc)[:300]  # type: ignore[assignment]
+                    entry[f"{label}_error"] = repr(exc)[:300]
                 finally:
-                    fused_kernels.GEMV_BLOCK_N = default_block
+                    for knob, value in defaults.items():
+                        setattr(fused_kernels, knob, value)
             per_rows[name] = entry
-            print(rows, name, json.dumps(entry), flush=True)
+            del copies
         report["rows"][rows] = per_rows  # type: ignore[index]
+    print("rows  shape          cuBLAS  all rows (n8)  best (setting)")
+    for rows, per_rows in report["rows"].items():  # type: ignore[attr-defined]
+        for name, entry in per_rows.items():
+            timed = {k[:-3]: v for k, v in entry.items() if k.endswith("_us") and k != "separate_us"}
+            best = min(timed, key=timed.__getitem__)
+            print(f"{rows:>4}  {name:<13} {entry['separate_us']:7.2f}  {timed.get('n8', float('nan')):13.2f}  "
+                  f"{timed[best]:6.2f} ({best})")  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gemv_check.json").write_text(json.dumps(report, indent=2))
     return 0
