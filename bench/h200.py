@@ -262,16 +262,8 @@ def main() -> int:
     ap.add_argument("--main-only", action="store_true", help="only the serving configuration (no ablations)")
     ap.add_argument("--gemv-rows", type=int, default=TritonOps.small_rows, help="TritonOps.small_rows")
     ap.add_argument("--gemv-block-n", type=int, default=fused_kernels.GEMV_BLOCK_N, help="fused_kernels.GEMV_BLOCK_N")
-    ap.add_argument(
-        "--gemv-row-loop-from",
-        type=int,
-        default=fused_kernels.GEMV_ROW_LOOP_FROM,
-        help="fused_kernels.GEMV_ROW_LOOP_FROM (99: every step reduces all rows at once)",
-    )
-    ap.add_argument("--gemv-wide-warps", type=int, default=fused_kernels.GEMV_WIDE_WARPS)
     args = ap.parse_args()
     TritonOps.small_rows, fused_kernels.GEMV_BLOCK_N = args.gemv_rows, args.gemv_block_n
-    fused_kernels.GEMV_ROW_LOOP_FROM, fused_kernels.GEMV_WIDE_WARPS = args.gemv_row_loop_from, args.gemv_wide_warps
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -282,8 +274,6 @@ def main() -> int:
         "head": args.head,
         "gemv_rows": args.gemv_rows,
         "gemv_block_n": args.gemv_block_n,
-        "gemv_row_loop_from": args.gemv_row_loop_from,
-        "gemv_wide_warps": args.gemv_wide_warps,
         "max_tokens": args.max_tokens,
         "weight_floor_ms": WEIGHT_FLOOR_MS,
         "runs": [],

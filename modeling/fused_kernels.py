@@ -132,18 +132,9 @@ if triton is not None:
         return tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=mask, other=0.0)
 
     @triton.jit
-    def _matvec(x, w, ROW_LOOP: tl.constexpr):
-        # rows x [BLOCK_M, BLOCK_K] (fp32) times a weight tile w [BLOCK_N, BLOCK_K], reduced in registers:
-        # all rows at once ([BLOCK_M, BLOCK_N, BLOCK_K] products), or row by row from the loaded tiles
-        wf = w.to(tl.float32)
-        if ROW_LOOP:
-            rows = tl.arange(0, x.shape[0])[:, None]
-            y = tl.zeros((x.shape[0], w.shape[0]), tl.float32)
-            for m in tl.static_range(x.shape[0]):
-                xm = tl.sum(tl.where(rows == m, x, 0.0), 0)
-                y = tl.where(rows == m, tl.sum(wf * xm[None, :], 1)[None, :], y)
-            return y
-        return tl.sum(x[:, None, :] * wf[None, :, :], 2)
+    def _matvec(x, w):
+        # rows x [BLOCK_M, BLOCK_K] (fp32) times a weight tile w [BLOCK_N, BLOCK_K], reduced in registers
+        return tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
 
     @triton.jit
     def _store_rows(y_ptr, y, rows, cols, stride_y, M, N):
@@ -156,14 +147,14 @@ if triton is not None:
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, res_ptr, M, N, K, eps,
         stride_x, stride_r, stride_w, stride_y, stride_res,
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_LOOP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # every load is issued up front (one memory round trip); the product is reduced in registers
         pid, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
         x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
                      HAS_NORM, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
-        _store_rows(y_ptr, _matvec(x, w, ROW_LOOP), rows, cols, stride_y, M, N)
+        _store_rows(y_ptr, _matvec(x, w), rows, cols, stride_y, M, N)
 
     @triton.jit
     def _norm_qkv_rope(
@@ -171,7 +162,6 @@ if triton is not None:
         M, K, eps, stride_x, stride_r, stride_w, stride_res, stride_cos, stride_q,
         HAS_RES: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
         HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        ROW_LOOP: tl.constexpr,
     ):  # fmt: skip
         # each program owns PAIRS rotation pairs (columns j and j + HALF) of one q, k or v head, so it can
         # rotate its own outputs and store them: q to q_ptr, k and v straight into the paged caches. It
@@ -188,8 +178,8 @@ if triton is not None:
         x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
                      True, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
         dt = q_ptr.dtype.element_ty
-        y1 = _matvec(x, w1, ROW_LOOP).to(dt).to(tl.float32)  # [BLOCK_M, PAIRS]
-        y2 = _matvec(x, w2, ROW_LOOP).to(dt).to(tl.float32)
+        y1 = _matvec(x, w1).to(dt).to(tl.float32)  # [BLOCK_M, PAIRS]
+        y2 = _matvec(x, w2).to(dt).to(tl.float32)
         ok = (rows < M)[:, None] & (j < HALF)[None, :]
         if h < HEADS + KV_HEADS:
             c = tl.load(cos_ptr + rows[:, None] * stride_cos + j[None, :], mask=ok, other=0.0)
@@ -214,7 +204,7 @@ if triton is not None:
     def _swiglu_linear(
         x_ptr, w_ptr, y_ptr, M, N, K,
         stride_x, stride_w, stride_y,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_LOOP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         _, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         inside = (rows[:, None] < M) & (ks[None, :] < K)
@@ -223,7 +213,7 @@ if triton is not None:
         w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
         act = (g / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)
         a = (act * u).to(w_ptr.dtype.element_ty).to(tl.float32)
-        _store_rows(y_ptr, _matvec(a, w, ROW_LOOP), rows, cols, stride_y, M, N)
+        _store_rows(y_ptr, _matvec(a, w), rows, cols, stride_y, M, N)
 
 
 def available() -> bool:
@@ -299,8 +289,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 GEMV_MAX_K = 2048  # widest input row the matrix-vector kernels hold in one tile
 GEMV_MAX_ROWS = 4  # beyond this, cuBLAS wins (bench/gemv_check.py on an H200)
 GEMV_BLOCK_N = 8  # output columns per program
-GEMV_ROW_LOOP_FROM = 2  # steps of this many rows or more reduce row by row (bench/gemv_check.py)
-GEMV_WIDE_WARPS = 4  # warps per program for steps of more than one row (8 for inputs wider than 1024)
 
 
 def gemv_fits(rows: int, k: int) -> bool:
@@ -319,14 +307,13 @@ def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
     if not gemv_fits(m, k):
         raise ValueError(f"matrix-vector kernels take 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K}, got {m} x {k}")
     block_k = triton.next_power_of_2(k)
-    meta = {"BLOCK_M": triton.next_power_of_2(m), "BLOCK_N": GEMV_BLOCK_N, "BLOCK_K": block_k, **_row_meta(m, k)}
+    meta = {
+        "BLOCK_M": triton.next_power_of_2(m),
+        "BLOCK_N": GEMV_BLOCK_N,
+        "BLOCK_K": block_k,
+        "num_warps": 4 if block_k <= 1024 else 8,
+    }
     return (triton.cdiv(n, GEMV_BLOCK_N),), meta
-
-
-def _row_meta(m: int, k: int) -> dict[str, int]:
-    """The reduction order and warp count of the matrix-vector kernels for m rows of width k."""
-    warps = 4 if m == 1 else GEMV_WIDE_WARPS
-    return {"ROW_LOOP": int(m >= GEMV_ROW_LOOP_FROM), "num_warps": warps if k <= 1024 else 2 * warps}
 
 
 def _rows_and_residual(
@@ -422,6 +409,6 @@ def norm_qkv_rope(
         x, r, norm_weight, weight, res, cos, sin, kv.slot_mapping, q, kv.k_cache, kv.v_cache,
         m, k, eps, x.stride(0), r.stride(0), weight.stride(0), res.stride(0), cos.stride(0), q.stride(0),
         HAS_RES=residual is not None, HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=half, PAIRS=ROPE_PAIRS,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, **_row_meta(m, k),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8,
     )  # fmt: skip
     return q, res

@@ -107,24 +107,6 @@ def test_swiglu_linear_matches_reference(dtype: torch.dtype) -> None:
     assert _close(got, ref, dtype)
 
 
-@pytest.mark.parametrize("row_loop_from", [1, 99])
-@pytest.mark.parametrize("rows", [1, 2, 4])
-def test_both_reduction_orders_match_reference(
-    monkeypatch: pytest.MonkeyPatch, row_loop_from: int, rows: int
-) -> None:
-    """All rows at once and row by row: the norm + projection and SwiGLU + down kernels agree with torch
-    whichever reduction order a step of 1, 2 or 4 rows takes."""
-    monkeypatch.setattr(fused_kernels, "GEMV_ROW_LOOP_FROM", row_loop_from)
-    g = torch.Generator().manual_seed(10 + rows)
-    x, res = torch.randn(rows, 200, generator=g), torch.randn(rows, 200, generator=g)
-    nw, w = 1.0 + 0.1 * torch.randn(200, generator=g), 0.05 * torch.randn(44, 200, generator=g)
-    got, got_res = fused_kernels.norm_linear(x, res, nw, 1e-5, w)
-    ref, ref_res = TORCH_OPS.norm_linear(x, res, nw, 1e-5, w)
-    assert _close(got, ref, torch.float32) and _close(got_res, ref_res, torch.float32)
-    gate_up = 2 * torch.randn(rows, 400, generator=g)
-    assert _close(fused_kernels.swiglu_linear(gate_up, w), TORCH_OPS.swiglu_linear(gate_up, w), torch.float32)
-
-
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "rows", "with_residual", "dtype"),
     [(9, 3, 64, 1, True, torch.float32), (4, 2, 16, 3, False, torch.float32), (9, 3, 64, 4, True, torch.bfloat16)],
