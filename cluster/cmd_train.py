@@ -180,9 +180,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     g = p.add_argument_group("stages and outputs")
     g.add_argument(
         "--stage",
-        choices=["all", "data", "train", "eval"],
+        choices=["all", "data", "train", "eval", "vocab"],
         default="all",
-        help="all: build data if --data-dir has none, then train (default); data/train/eval: one stage",
+        help="all: build data if --data-dir has none, then train (default); data/train/eval: one stage; vocab: "
+        "write --head to --out with a reduced draft vocabulary (--draft-vocab most frequent response tokens of "
+        "the training split), no training",
     )
     g.add_argument(
         "--out",
@@ -191,7 +193,13 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     )
     g.add_argument("--model-card", help="model card path (default: MODEL_CARD.md beside --out)")
     g.add_argument("--results", help="results JSON (default: <out stem>.results.json beside --out)")
-    g.add_argument("--head", help="--stage eval: head to score (default: --out)")
+    g.add_argument("--head", help="--stage eval: head to score (default: --out); --stage vocab: head to restrict")
+    g.add_argument(
+        "--draft-vocab",
+        type=pos_int,
+        default=16384,
+        help="--stage vocab: rows of the reduced draft lm_head (default %(default)s)",
+    )
 
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", help="dataset folder (default: $MTPSERVE_CACHE/draft-data/<target>)")
@@ -425,6 +433,7 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
         model_card=args.model_card,
         results=args.results,
         head=args.head,
+        draft_vocab=args.draft_vocab,
         shard=args.shard,
         export_dtype=args.export_dtype,
         command=command_line(args),
@@ -460,4 +469,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if opts.stage in {"all", "train"}:
         print(f"wrote {opts.out}")
+    if opts.stage == "vocab":
+        print(f"wrote {res['head']}: draft vocabulary {res['draft_vocab']}, {100 * res['coverage']:.2f}% of the "
+              f"training responses' tokens")  # fmt: skip
     return 0

@@ -367,3 +367,36 @@ def test_padding_to_a_width_multiple_leaves_the_loss_unchanged(data_dir: Path) -
             loss, metrics = unrolled_loss(head, shared, batch, [1.0, 0.7, 0.5])
         losses.append((float(loss), metrics["acc1"]))
     assert abs(losses[0][0] - losses[1][0]) < 1e-5 and losses[0][1] == losses[1][1]
+
+
+def test_vocab_stage_keeps_the_head_and_its_most_frequent_tokens(
+    target_dir: Path, data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--stage vocab` writes the same head with the 64 tokens the training responses use most as its draft
+    vocabulary (counted here independently), and refuses a missing head, an in-place rewrite and a size
+    that is not smaller than the target's vocabulary, naming the flag."""
+    src, out = tmp_path / "head.safetensors", tmp_path / "head-v64.safetensors"
+    head = MTPEagleHead(ARGS)
+    head.init_random(seed=3)
+    head.save(src)
+    base = ["train-draft", "--stage", "vocab", "--target", target_dir, "--device", "cpu", "--data-dir", data_dir,
+            "--dev-fraction", DEV_FRACTION]  # fmt: skip
+    assert cli(*base, "--head", src, "--out", out, "--draft-vocab", 64) == 0
+    assert "draft vocabulary 64" in capsys.readouterr().out
+    got = MTPEagleHead.load(out, ARGS)
+    assert got.draft_vocab_size == 64 and got.feature_layers == head.feature_layers
+    data = load_dataset(data_dir)
+    train, _ = data.split(float(DEV_FRACTION), 0)
+    counts = torch.zeros(ARGS.vocab_size, dtype=torch.long)
+    for i in train:
+        for t in data.ids[i][data.response_start[i] :].tolist():
+            counts[t] += 1
+    assert got.vocab_ids is not None
+    kept = set(got.vocab_ids.tolist())
+    assert min(int(counts[t]) for t in kept) >= max(int(counts[t]) for t in range(ARGS.vocab_size) if t not in kept)
+    for name, value in head.state_dict().items():
+        assert torch.equal(got.state_dict()[name], value), name
+    for extra, flag in (([], "--head"), (["--head", src, "--out", src], "--out"),
+                        (["--head", src, "--out", out, "--draft-vocab", 256], "--draft-vocab")):  # fmt: skip
+        assert cli(*base, *extra) == 2
+        assert flag in capsys.readouterr().err

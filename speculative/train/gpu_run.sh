@@ -3,11 +3,14 @@
 #   bash speculative/train/gpu_run.sh data  SECONDS   build (or continue) the dataset: 4 engine processes share the GPU
 #   bash speculative/train/gpu_run.sh train SECONDS   finish the data if needed, then train the ablation heads side by side
 #   bash speculative/train/gpu_run.sh eval  [HEAD...]  online acceptance on the held-apart sets, throughput, data export
+#   bash speculative/train/gpu_run.sh vocab SECONDS SIZES  a small dataset (MIX), the shipped head restricted to each
+#        draft-vocabulary size (e.g. 8192,16384), and every head's online acceptance
 # Run from the checkout root after staging the model in /root/model and the wheels in /tmp/site. Writes under $OUT.
 set -uo pipefail
 MODEL=/root/model/SmolLM2-135M-Instruct.Q4_1.gguf
 DATA=/root/mtpdata
 HEADS=/root/heads
+SHIPPED=speculative/heads/smollm2-135m-mtp.safetensors
 OUT=${OUT:-/tmp/mtpserve-out}
 MIX=${MIX:-chat=10,steered=3,magpie=3,math=5,code=5,long=3,multi=5,seed=1}
 SHARDS=${SHARDS:-4}
@@ -68,9 +71,20 @@ evaluate() {  # heads: the trained ones and any given
   done
 }
 
+vocab() {  # $1: seconds for the data; $2: comma-separated draft-vocabulary sizes
+  [ -f "$DATA/meta.json" ] || data "$1"
+  for n in ${2//,/ }; do
+    python3 -m cluster train-draft --stage vocab --device cuda --target "$MODEL" --data-dir "$DATA" --seed 0 \
+      --holdout-source seed --dev-fraction 0.006 --head "$SHIPPED" --draft-vocab "$n" \
+      --out "$HEADS/smollm2-135m-mtp-v$n.safetensors" 2>&1 | tail -n 2
+  done
+  evaluate "$SHIPPED"
+}
+
 case "${1:-}" in
   data) data "${2:-540}" ;;
   train) train "${2:-560}" ;;
   eval) shift; evaluate "$@" ;;
-  *) echo "usage: $0 data|train SECONDS | eval [HEAD...]" >&2; exit 2 ;;
+  vocab) vocab "${2:-120}" "${3:-16384}" ;;
+  *) echo "usage: $0 data|train SECONDS | eval [HEAD...] | vocab SECONDS SIZES" >&2; exit 2 ;;
 esac

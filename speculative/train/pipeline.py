@@ -50,9 +50,10 @@ class TrainDraftOptions:
     out: str = "mtp-head.safetensors"
     model_card: str | None = None  # default: MODEL_CARD.md beside the head
     results: str | None = None  # default: <head stem>.results.json beside the head
-    head: str | None = None  # eval stage: the head to score (default: out)
+    head: str | None = None  # eval stage: the head to score (default: out); vocab stage: the head to restrict
     shard: tuple[int, int] = (0, 1)  # data stage: build parts w, w+n, ... of the plan
     export_dtype: str = "float32"  # float32 or bfloat16 (half the file; the engine casts to its dtype anyway)
+    draft_vocab: int = 16384  # vocab stage: rows of the reduced draft lm_head
     command: str = ""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -195,6 +196,17 @@ def run_eval_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDat
     return {"head": str(path), "dev": res, "command": opts.command}
 
 
+def run_vocab_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDataset, out: Path) -> dict[str, Any]:
+    """Restrict `--head`'s draft vocabulary to the training split's most frequent response tokens."""
+    from speculative.train.draft_vocab import restrict_vocab
+
+    if opts.head is None:
+        raise TrainSetupError("--head", "--stage vocab needs the head to restrict")
+    cfg = opts.train
+    train, _ = data.split(cfg.dev_fraction, cfg.seed, cfg.holdout_sources)
+    return restrict_vocab(Path(opts.head), out, opts.draft_vocab, target.args, data, train, opts.command)
+
+
 def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory | None = None) -> dict[str, Any]:
     """Run the requested stage(s); returns the results dict (also written as JSON for train/eval).
     `engine_generator` builds the `engine` data generator (needed only when the dataset is built with it)."""
@@ -205,6 +217,8 @@ def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory 
         return {"data": build_data(opts, target, engine_generator)}
     data = ensure_dataset(opts, target, engine_generator) if opts.stage == "all" else load_dataset(opts.data_dir)
     out, card, results_path = _paths(opts)
+    if opts.stage == "vocab":
+        return run_vocab_stage(opts, target, data, out)
     if opts.stage == "eval":
         res = run_eval_stage(opts, target, data)
         results_path.parent.mkdir(parents=True, exist_ok=True)
