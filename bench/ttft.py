@@ -30,7 +30,7 @@ from h200 import sync
 
 from cluster.engine import LLMEngine
 from workers.builders import DEFAULT_HEAD
-from workers.config import MTPServeConfig
+from workers.config import MTPServeConfig, SchedulerConfig
 
 BUSY_PROMPT = 32  # tokens in each busy request's prompt
 
@@ -133,8 +133,14 @@ def main() -> int:
     ap.add_argument("--busy", type=int, default=63, help="requests decoding during the busy measurement")
     ap.add_argument("--busy-tokens", type=int, default=1024, help="max_tokens of each busy request (outlasts a run)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chunk-size", type=int, default=256, help="scheduler.chunk_size (default: the serving default)")
-    ap.add_argument("--max-batched-tokens", type=int, default=512, help="scheduler.max_num_batched_tokens")
+    sched = SchedulerConfig()
+    ap.add_argument("--chunk-size", type=int, default=sched.chunk_size, help="scheduler.chunk_size (serving default)")
+    ap.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=sched.max_num_batched_tokens,
+        help="scheduler.max_num_batched_tokens (serving default)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu for a quick dry run")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()

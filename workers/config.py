@@ -112,7 +112,7 @@ class SchedulerConfig(_Strict):
     """Context-chunk scheduling and KV-cache limits."""
 
     max_num_batched_tokens: int = Field(512, gt=0)
-    chunk_size: int = Field(256, gt=0, description="max prompt tokens one request computes per step")
+    chunk_size: int = Field(512, gt=0, description="max prompt tokens one request computes per step")
     max_num_requests: int = Field(64, gt=0, description="concurrent running requests (slots)")
     block_size: int = Field(16, gt=0)
     num_kv_blocks: int | None = Field(None, gt=0, description="None sizes the cache from max_num_requests")
