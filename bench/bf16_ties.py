@@ -12,6 +12,7 @@ in fp32 (HF transformers on the same weights): the logits of the two tokens chos
 fp32 winner. Prints a table and writes `bf16_ties.json` under --out.
 
     python3 bench/bf16_ties.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+    python3 bench/bf16_ties.py --model ... --trees "tree K=3 N=8 w=3,tree K=4 N=16 w=4" --out $OUT   # draft trees
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from h200 import PROMPTS, decode_run, engine_for
+from trees import CONFIGS as TREE_CONFIGS
+from trees import build as tree_engine
 
+from cluster.engine import LLMEngine
 from modeling.loader import resolve_model
 from workers.builders import DEFAULT_HEAD
 
@@ -93,7 +98,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu for a quick dry run")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the benchmark prompts")
+    ap.add_argument("--trees", help="comma-separated tree configurations of bench/trees.py instead of the chains")
     args = ap.parse_args()
+    args.load_format = "auto"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -102,8 +109,13 @@ def main() -> int:
     ref = [decode_run(base, [p], args.max_tokens)["outputs"][0] for p in prompts]
     del base
     outputs: dict[str, list[list[int]]] = {}
-    for label, k, graphs, fused in CONFIGS:
-        eng = engine_for(args, k, graphs, 1, fused)
+    builders: list[tuple[str, Callable[[], LLMEngine]]]
+    if args.trees:
+        builders = [(n, lambda n=n: tree_engine(args, TREE_CONFIGS[n], 1)) for n in args.trees.split(",")]
+    else:
+        builders = [(c[0], lambda c=c: engine_for(args, c[1], c[2], 1, c[3])) for c in CONFIGS]
+    for label, make in builders:
+        eng = make()
         outputs[label] = [decode_run(eng, [p], args.max_tokens)["outputs"][0] for p in prompts]
         del eng
         if torch.cuda.is_available():
