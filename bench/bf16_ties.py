@@ -99,8 +99,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the benchmark prompts")
     ap.add_argument("--trees", help="comma-separated tree configurations of bench/trees.py instead of the chains")
+    ap.add_argument("--load-format", default="auto", help="model.load_format of the tree engines")
     args = ap.parse_args()
-    args.load_format = "auto"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 

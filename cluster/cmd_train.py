@@ -15,7 +15,8 @@ from speculative.train.errors import TrainSetupError
 if TYPE_CHECKING:
     from speculative.train.pipeline import TrainDraftOptions
 
-# Flag defaults (kept literal so `mtpserve --help` does not import torch); they mirror DataConfig/TrainConfig.
+# Flag defaults (kept literal so `mtpserve --help` does not import torch); they mirror DataConfig/TrainConfig
+# (and TrainDraftOptions).
 DEFAULTS = {
     "mix": "chat=2,steered=1,magpie=1,math=1,code=1,long=1,multi=1,seed=1",
     "part_size": 64,
@@ -37,6 +38,7 @@ DEFAULTS = {
     "eval_batch_size": 16,
     "ckpt_every": 200,
     "prefer_margin": 0.01,
+    "draft_vocab": 16384,
 }
 RECIPE_NAMES = ("chat", "open", "magpie", "steered", "math", "code", "long", "multi", "seed", "random")
 
@@ -197,7 +199,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     g.add_argument(
         "--draft-vocab",
         type=pos_int,
-        default=16384,
+        default=d.draft_vocab,
         help="--stage vocab: rows of the reduced draft lm_head (default %(default)s)",
     )
 

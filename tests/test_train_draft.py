@@ -30,6 +30,7 @@ from speculative.train.data import DataConfig, load_dataset
 from speculative.train.dense import head_unrolled, target_hidden, unroll_mask
 from speculative.train.eval import evaluate
 from speculative.train.generators import GenSettings, HFGenerator
+from speculative.train.pipeline import TrainDraftOptions
 from speculative.train.recipes import RecipeSettings
 from speculative.train.trainer import TrainConfig, build_shared, next_replan
 
@@ -274,11 +275,11 @@ def test_help_describes_the_stages(capsys: pytest.CaptureFixture[str]) -> None:
         assert needle in text
     for needle in ("--mix", "--shard", "--head-spec", "raw Python completion", "second turns"):
         assert needle in text
-    data, settings, train = DataConfig(), RecipeSettings(), TrainConfig()
+    data, settings, train, opts = DataConfig(), RecipeSettings(), TrainConfig(), TrainDraftOptions()
     for name, value in DEFAULTS.items():  # the parser's literal defaults mirror the dataclasses
         if name == "mix":
             value = _mix(str(value))
-        want = getattr(data, name, getattr(settings, name, getattr(train, name, None)))
+        want = getattr(data, name, getattr(settings, name, getattr(train, name, getattr(opts, name, None))))
         assert want == value, name
 
 

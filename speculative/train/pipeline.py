@@ -69,15 +69,20 @@ class LoadedTarget:
     tokenizer: Any
 
 
-def load_target(opts: TrainDraftOptions) -> LoadedTarget:
-    """Resolve `--target`; a missing path raises TrainSetupError naming --target."""
+def _target_source(opts: TrainDraftOptions) -> Any:
+    """The `--target` model source; a missing path raises TrainSetupError naming --target."""
     from modeling.loader import resolve_model
 
     if opts.target is not None and not Path(opts.target).expanduser().exists():
         raise TrainSetupError(
             "--target", f"'{opts.target}' does not exist; give an HF Llama directory, a .gguf file, or omit it"
         )
-    source = resolve_model(opts.target, opts.load_format)
+    return resolve_model(opts.target, opts.load_format)
+
+
+def load_target(opts: TrainDraftOptions) -> LoadedTarget:
+    """Resolve `--target` and load its weights and tokenizer."""
+    source = _target_source(opts)
     args = source.args()
     if source.dummy:
         weights = random_llama_weights(args, seed=opts.train.seed, std=opts.dummy_std)
@@ -196,15 +201,18 @@ def run_eval_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDat
     return {"head": str(path), "dev": res, "command": opts.command}
 
 
-def run_vocab_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDataset, out: Path) -> dict[str, Any]:
-    """Restrict `--head`'s draft vocabulary to the training split's most frequent response tokens."""
+def run_vocab_stage(opts: TrainDraftOptions) -> dict[str, Any]:
+    """Restrict `--head`'s draft vocabulary to the training split's most frequent response tokens (reads
+    the target's shape only, not its weights)."""
     from speculative.train.draft_vocab import restrict_vocab
 
     if opts.head is None:
         raise TrainSetupError("--head", "--stage vocab needs the head to restrict")
+    args = _target_source(opts).args()
+    data = load_dataset(opts.data_dir)
     cfg = opts.train
     train, _ = data.split(cfg.dev_fraction, cfg.seed, cfg.holdout_sources)
-    return restrict_vocab(Path(opts.head), out, opts.draft_vocab, target.args, data, train, opts.command)
+    return restrict_vocab(Path(opts.head), _paths(opts)[0], opts.draft_vocab, args, data, train, opts.command)
 
 
 def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory | None = None) -> dict[str, Any]:
@@ -212,13 +220,13 @@ def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory 
     `engine_generator` builds the `engine` data generator (needed only when the dataset is built with it)."""
     t0 = time.time()
     opts.train.start_time = t0
+    if opts.stage == "vocab":
+        return run_vocab_stage(opts)
     target = load_target(opts)
     if opts.stage == "data":
         return {"data": build_data(opts, target, engine_generator)}
     data = ensure_dataset(opts, target, engine_generator) if opts.stage == "all" else load_dataset(opts.data_dir)
     out, card, results_path = _paths(opts)
-    if opts.stage == "vocab":
-        return run_vocab_stage(opts, target, data, out)
     if opts.stage == "eval":
         res = run_eval_stage(opts, target, data)
         results_path.parent.mkdir(parents=True, exist_ok=True)
