@@ -216,7 +216,10 @@ def test_time_budget_cuts_the_schedule_to_fit(target_dir: Path, data_dir: Path, 
     assert train["stopped_by"] == "time budget" and 50 < train["steps"] < 100000
     # The cosine schedule was sized from measured step times; on a busy CPU the last steps may run slower.
     assert 0.6 * train["schedule_steps"] <= train["steps"] <= train["schedule_steps"]
-    assert train["warmup_steps"] <= max(24, train["steps"] // 20)
+    # The default warmup is 5% of the schedule planned while it runs and is kept once passed, so a later,
+    # shorter plan (slow steps near the end) can leave it just above 5% of the final one; never near 5% of
+    # the 100,000 steps requested.
+    assert train["warmup_steps"] <= max(24, int(train["steps"] / 0.6) // 20)
 
 
 def test_resumed_runs_replan_from_their_own_start() -> None:
