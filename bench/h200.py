@@ -56,6 +56,7 @@ VARIANTS = {
     "no-overlap-spec": "speculative steps read before the next is queued (model.overlap_speculative off)",
     "temperature-only": "sampling requests with top-p off (the captured variant that skips sorting the vocabulary); "
     "other sampling rows use top-p 0.95",
+    "no-pdl": "small-step Triton kernels launched without programmatic dependent launch (model.pdl off)",
     "chain-graphs": "draft chain captured on its own (UniformChainStep, as on a separate draft worker or Ray "
     "rank 0) instead of inside the fused speculative step",
 }
@@ -70,7 +71,16 @@ def engine_for(
     if variant == "no-gemv":
         TritonOps.small_rows = 0
     try:
-        eng = _engine(args, k, graphs, max_batch, fused, variant != "no-overlap", variant != "no-overlap-spec")
+        eng = _engine(
+            args,
+            k,
+            graphs,
+            max_batch,
+            fused,
+            variant != "no-overlap",
+            variant != "no-overlap-spec",
+            variant != "no-pdl",
+        )
     finally:
         TritonOps.small_rows = small_rows
     if variant == "chain-graphs":
@@ -80,7 +90,14 @@ def engine_for(
 
 
 def _engine(
-    args: argparse.Namespace, k: int, graphs: bool, max_batch: int, fused: bool, overlap: bool, overlap_spec: bool
+    args: argparse.Namespace,
+    k: int,
+    graphs: bool,
+    max_batch: int,
+    fused: bool,
+    overlap: bool,
+    overlap_spec: bool,
+    pdl: bool,
 ) -> LLMEngine:
     cfg = MTPServeConfig.from_dict(
         {
@@ -92,6 +109,7 @@ def _engine(
                 "overlap_steps": overlap,
                 "overlap_speculative": overlap_spec,
                 "fused_kernels": fused,
+                "pdl": pdl,
                 "max_model_len": args.max_model_len,
             },
             "scheduler": {
@@ -260,6 +278,11 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--main-only", action="store_true", help="only the serving configuration (no ablations)")
+    ap.add_argument(
+        "--variants",
+        help="with --main-only: the comma-separated variants to run beside the serving configuration "
+        "(default: no-overlap,no-overlap-spec,no-pdl)",
+    )
     ap.add_argument("--gemv-rows", type=int, default=TritonOps.small_rows, help="TritonOps.small_rows")
     ap.add_argument("--gemv-block-n", type=int, default=fused_kernels.GEMV_BLOCK_N, help="fused_kernels.GEMV_BLOCK_N")
     args = ap.parse_args()
@@ -303,13 +326,15 @@ def main() -> int:
     plan = [(True, True, k, batches, 0.0, "") for k in [0, *ks]]
     plan += [(True, True, k, ends, 0.7, v) for k in (0, 3) for v in ("", "temperature-only")]  # sampling requests
     plan += [(True, True, 0, batches, 0.0, "no-overlap")]
-    plan += [(True, True, k, batches, 0.0, "no-overlap-spec") for k in (1, 3)]
+    plan += [(True, True, k, batches, 0.0, "no-overlap-spec") for k in (1, 3) if k in ks]
+    plan += [(True, True, k, batches, 0.0, "no-pdl") for k in (0, 1, 3) if k in [0, *ks]]
     plan += [(True, True, k, ends, 0.0, "no-gemv") for k in (0, 3)]
     plan += [(True, True, 3, ends, t, "chain-graphs") for t in (0.0, 0.7)]
     plan += [(True, False, k, ends, 0.0, "") for k in (0, 3)]
     plan += [(False, True, k, [batches[0]], 0.0, "") for k in (0, 3)]
-    if args.main_only:  # greedy, graphs and fused kernels: with and without overlap
-        plan = [p for p in plan if p[0] and p[1] and p[4] == 0.0 and p[5] in ("", "no-overlap", "no-overlap-spec")]
+    if args.main_only:  # greedy, graphs and fused kernels: with and without overlap and PDL
+        keep = {"", *(args.variants or "no-overlap,no-overlap-spec,no-pdl").split(",")}
+        plan = [p for p in plan if p[0] and p[1] and p[4] == 0.0 and p[5] in keep]
     for graphs, fused, k, bs, temp, variant in plan:
         label = f"k={k} graphs={graphs} fused={fused} {variant}".rstrip()
         eng = (

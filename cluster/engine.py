@@ -125,7 +125,9 @@ class LLMEngine:
         """Build from in-memory weights; `head` overrides the configured draft head."""
         device = resolve_device(cfg.model.device)
         dtype = to_dtype(cfg.model.dtype, device)
-        model = build_target(args, weights, dtype, device, fused_kernels=cfg.model.fused_kernels)
+        model = build_target(
+            args, weights, dtype, device, fused_kernels=cfg.model.fused_kernels, pdl_launch=cfg.model.pdl
+        )
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)

@@ -16,12 +16,15 @@ import logging
 
 import torch
 
+from modeling import pdl
 from modeling.fused_kernels import GEMV_MAX_K, _need_triton
 
 try:
     import triton
     import triton.language as tl
     from triton.runtime.errors import OutOfResources
+
+    from modeling.pdl import wait_for_inputs
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
@@ -39,8 +42,9 @@ if triton is not None:
     def _norm_argmax_tiles(
         x_ptr, nw_ptr, w_ptr, val_ptr, idx_ptr, M, N, K, eps, stride_x, stride_w, stride_p,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL_K: tl.constexpr,
-        STAGES: tl.constexpr,
+        STAGES: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        wait_for_inputs(PDL)
         # the best (rounded logit, lowest token) of this program's BLOCK_N vocabulary rows, per input row
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
@@ -67,7 +71,8 @@ if triton is not None:
         tl.store(idx_ptr + rows * stride_p + pid, token, mask=rows < M)
 
     @triton.jit
-    def _argmax_of_tiles(val_ptr, idx_ptr, out_ptr, T, N, stride_p, BLOCK_T: tl.constexpr):
+    def _argmax_of_tiles(val_ptr, idx_ptr, out_ptr, T, N, stride_p, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         row = tl.program_id(0)
         t = tl.arange(0, BLOCK_T)
         v = tl.load(val_ptr + row * stride_p + t, mask=t < T, other=float("-inf"))
@@ -118,15 +123,18 @@ def norm_argmax(
     vals = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
     idx = torch.empty(m, tiles, dtype=torch.int32, device=x.device)
     out = torch.empty(m, dtype=torch.long, device=x.device)
+    on = pdl.active(x)
     try:
         _norm_argmax_tiles[(tiles,)](
             x, norm_weight, weight, vals, idx, m, n, k, eps, x.stride(0), weight.stride(0), vals.stride(0),
             BLOCK_M=ARGMAX_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, FULL_K=triton.next_power_of_2(k),
-            STAGES=ARGMAX_STAGES, num_warps=4,
+            STAGES=ARGMAX_STAGES, num_warps=4, PDL=on, **pdl.launch_args(on),
         )  # fmt: skip
     except OutOfResources as exc:
         _UNFIT.add(x.dtype)
         log.warning("greedy-token kernel does not fit this GPU in %s (%s); using separate kernels", x.dtype, exc)
         raise TileDoesNotFit(str(exc)) from exc
-    _argmax_of_tiles[(m,)](vals, idx, out, tiles, n, vals.stride(0), BLOCK_T=triton.next_power_of_2(tiles))
+    _argmax_of_tiles[(m,)](
+        vals, idx, out, tiles, n, vals.stride(0), BLOCK_T=triton.next_power_of_2(tiles), PDL=on, **pdl.launch_args(on)
+    )
     return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from modeling import pdl
 from modeling.fused_kernels import GEMV_MAX_K, GEMV_MAX_ROWS, _need_triton
 
 try:
@@ -21,6 +22,7 @@ try:
     import triton.language as tl
 
     from modeling.fused_kernels import _matvec, _store_rows, _tile_indices, _weight_tile
+    from modeling.pdl import wait_for_inputs
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
@@ -40,11 +42,12 @@ if triton is not None:
     def _draft_input(
         ids_ptr, emb_ptr, enw_ptr, hid_ptr, hnw_ptr, w_ptr, y_ptr, M, N, K, eps,
         stride_e, stride_h, stride_w, stride_y,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         _, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         w_e = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
         w_h = _weight_tile(w_ptr + K, cols, ks, stride_w, N, K)
+        wait_for_inputs(PDL)
         valid = rows < M
         ids = tl.load(ids_ptr + rows, mask=valid, other=0).to(tl.int64)
         dtype = w_ptr.dtype.element_ty
@@ -100,10 +103,11 @@ def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights
     tokens = tokens.contiguous()
     y = torch.empty(m, n, dtype=w.eh_proj.dtype, device=hidden.device)
     block_k = triton.next_power_of_2(d)
+    on = pdl.active(hidden)
     _draft_input[(triton.cdiv(n, DRAFT_BLOCK_N),)](
         tokens, w.embed, w.enorm, hidden, w.hnorm, w.eh_proj, y, m, n, d, w.eps,
         w.embed.stride(0), hidden.stride(0), w.eh_proj.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=DRAFT_BLOCK_N, BLOCK_K=block_k,
-        num_warps=4 if block_k <= 1024 else 8,
+        num_warps=4 if block_k <= 1024 else 8, PDL=on, **pdl.launch_args(on),
     )  # fmt: skip
     return y

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from modeling import pdl
 from modeling.kv_cache import KVWrite
 
 try:
@@ -33,6 +34,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 
 
 if triton is not None:
+    from modeling.pdl import wait_for_inputs
 
     @triton.jit
     def _add_rms_norm(
@@ -147,11 +149,12 @@ if triton is not None:
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, res_ptr, M, N, K, eps,
         stride_x, stride_r, stride_w, stride_y, stride_res,
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # every load is issued up front (one memory round trip); the product is reduced in registers
         pid, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
+        wait_for_inputs(PDL)
         x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
                      HAS_NORM, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
         _store_rows(y_ptr, _matvec(x, w), rows, cols, stride_y, M, N)
@@ -161,7 +164,7 @@ if triton is not None:
         x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         M, K, eps, stride_x, stride_r, stride_w, stride_res, stride_cos, stride_q,
         HAS_RES: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
-        HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # each program owns PAIRS rotation pairs (columns j and j + HALF) of one q, k or v head, so it can
         # rotate its own outputs and store them: q to q_ptr, k and v straight into the paged caches. It
@@ -175,6 +178,7 @@ if triton is not None:
         n = (HEADS + 2 * KV_HEADS) * DIM
         w1 = _weight_tile(w_ptr, c1, ks, stride_w, n, K)
         w2 = _weight_tile(w_ptr, c1 + HALF, ks, stride_w, n, K)
+        wait_for_inputs(PDL)
         x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
                      True, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
         dt = q_ptr.dtype.element_ty
@@ -204,13 +208,14 @@ if triton is not None:
     def _swiglu_linear(
         x_ptr, w_ptr, y_ptr, M, N, K,
         stride_x, stride_w, stride_y,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         _, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
+        w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
+        wait_for_inputs(PDL)
         inside = (rows[:, None] < M) & (ks[None, :] < K)
         g = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=inside, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + rows[:, None] * stride_x + K + ks[None, :], mask=inside, other=0.0).to(tl.float32)
-        w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
         act = (g / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)
         a = (act * u).to(w_ptr.dtype.element_ty).to(tl.float32)
         _store_rows(y_ptr, _matvec(a, w), rows, cols, stride_y, M, N)
@@ -351,10 +356,11 @@ def _norm_linear_call(
     grid, meta = _gemv_launch(m, n, k)
     x, r, res = _rows_and_residual(x, residual)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    on = pdl.active(x)
     _norm_linear[grid](
         x, r, weight if norm_weight is None else norm_weight, weight, y, res, m, n, k, eps,
         x.stride(0), r.stride(0), weight.stride(0), y.stride(0), res.stride(0),
-        HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, **meta,
+        HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, PDL=on, **meta, **pdl.launch_args(on),
     )  # fmt: skip
     return y, res
 
@@ -371,7 +377,11 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     grid, meta = _gemv_launch(m, n, k)
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     y = torch.empty(m, n, dtype=gate_up.dtype, device=gate_up.device)
-    _swiglu_linear[grid](gate_up, weight, y, m, n, k, gate_up.stride(0), weight.stride(0), y.stride(0), **meta)
+    on = pdl.active(gate_up)
+    _swiglu_linear[grid](
+        gate_up, weight, y, m, n, k, gate_up.stride(0), weight.stride(0), y.stride(0),
+        PDL=on, **meta, **pdl.launch_args(on),
+    )  # fmt: skip
     return y
 
 
@@ -405,10 +415,12 @@ def norm_qkv_rope(
     cos, sin, q = _rope_outputs(kv, m, x)
     half = head_dim // 2
     block_k = triton.next_power_of_2(k)
+    on = pdl.active(x)
     _norm_qkv_rope[((heads + 2 * kv_heads) * (half // ROPE_PAIRS),)](
         x, r, norm_weight, weight, res, cos, sin, kv.slot_mapping, q, kv.k_cache, kv.v_cache,
         m, k, eps, x.stride(0), r.stride(0), weight.stride(0), res.stride(0), cos.stride(0), q.stride(0),
         HAS_RES=residual is not None, HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=half, PAIRS=ROPE_PAIRS,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8,
+        PDL=on, **pdl.launch_args(on),
     )  # fmt: skip
     return q, res

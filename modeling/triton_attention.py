@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import torch
 
+from modeling import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -25,6 +27,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 
 
 if triton is not None:
+    from modeling.pdl import wait_for_inputs
 
     @triton.jit
     def _attend_range(
@@ -91,8 +94,9 @@ if triton is not None:
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, tree_width,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
         TILE: tl.constexpr, STAGES: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
-        TREE: tl.constexpr,
+        TREE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        wait_for_inputs(PDL)
         # program (b, kvh, split): a sequence's keys are cut into up to MAX_SPLITS ranges of at least
         # SPLIT_TILES tiles, so a long sequence is read by several programs at once. One range: it stores
         # the output itself. Several: each stores its partial softmax, and the last to finish (counted
@@ -271,11 +275,12 @@ def triton_uniform_attention(
     splits = split_cap(bsz, kv_heads)
     part, stat, count = _Scratch.get(q.device, bsz * kv_heads, splits, rows * dim, rows)
     tree = tree_bits is not None
+    on = pdl.active(q)
     _uniform_paged_attn[(bsz, kv_heads, splits)](
         q, k_cache, v_cache, out, block_tables, seq_lens, part, stat, count, tree_bits if tree else seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         tree_width, Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim, TILE=tile, STAGES=UNIFORM_STAGES,
-        MAX_SPLITS=splits, SPLIT_TILES=max(1, SPLIT_KEYS // tile), TREE=tree,
+        MAX_SPLITS=splits, SPLIT_TILES=max(1, SPLIT_KEYS // tile), TREE=tree, PDL=on, **pdl.launch_args(on),
     )  # fmt: skip
     return out.reshape(bsz * q_len, heads * dim)
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from modeling import pdl
 from modeling.errors import ModelLoadError
 from modeling.families import InPlaceDummy, allocate_on_device, materialize_dummy, model_class, unloaded_parameters
 from modeling.kv_cache import KVCache
@@ -66,10 +67,13 @@ def build_target(
     device: str,
     tp: Any = None,
     fused_kernels: bool = True,
+    pdl_launch: bool = True,
 ) -> LlamaModel:
     """Construct the (sharded) target model on `device` in `dtype`, load its weights straight into it (no
     fp32 copy on the host) and prepare it for inference; for an in-place dummy load, random weights are made
-    on the device."""
+    on the device. `pdl_launch` sets whether this process's small-step kernels launch with PDL
+    (`modeling/pdl.py`)."""
+    pdl.set_enabled(pdl_launch)
     with torch.device("meta"):
         model = model_class(args)(args, tp)
     if isinstance(weights, InPlaceDummy):
@@ -81,6 +85,15 @@ def build_target(
         if missing:
             raise ModelLoadError(f"after loading, {len(missing)} parameter(s) hold NaN, e.g. {missing[:3]}")
     return model.eval().prepare_for_inference(pick_ops(device, fused_kernels))
+
+
+def build_shared(
+    cfg: MTPServeConfig, args: LlamaArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str
+) -> LlamaModel:
+    """The target's embedding, final norm and lm_head without its layers, for a draft on another worker."""
+    return build_target(
+        replace(args, num_hidden_layers=0), weights, dtype, device, None, cfg.model.fused_kernels, cfg.model.pdl
+    )
 
 
 def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:

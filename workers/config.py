@@ -45,6 +45,11 @@ class ModelConfig(_Strict):
         description="fused Triton kernels (CUDA only): norm+residual, RoPE+KV write, SwiGLU, and for small steps "
         "matrix-vector projections, greedy tokens without logits and the MTP head's input in one launch",
     )
+    pdl: bool = Field(
+        True,
+        description="launch the small-step Triton kernels with programmatic dependent launch (Hopper and newer): "
+        "each kernel reads its weights while the previous one finishes; process-wide",
+    )
 
 
 class SpeculativeConfig(_Strict):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import replace
 
 import grpc
 import torch
@@ -16,7 +15,7 @@ from speculative.methods import DraftMethod
 from workers.builders import (
     build_chain_graphs,
     build_draft,
-    build_target,
+    build_shared,
     load_heads,
     load_target,
     max_model_len,
@@ -51,9 +50,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         cfg = self.cfg
         _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
-        shared = build_target(
-            replace(args, num_hidden_layers=0), weights, dtype, self.device, None, cfg.model.fused_kernels
-        )
+        shared = build_shared(cfg, args, weights, dtype, self.device)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         self.method = build_draft(cfg, load_heads(cfg, args, weights), shared, num_blocks, self.device, dtype)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import replace
 
 import grpc
 import torch
@@ -24,6 +23,7 @@ from workers.builders import (
     build_chain_graphs,
     build_draft,
     build_runner,
+    build_shared,
     build_target,
     load_heads,
     load_target,
@@ -97,7 +97,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         tp = init_tp_group(self.rank, self.world, master, self.device)
         _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
-        model = build_target(args, weights, dtype, self.device, tp, cfg.model.fused_kernels)
+        model = build_target(args, weights, dtype, self.device, tp, cfg.model.fused_kernels, cfg.model.pdl)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)
@@ -111,13 +111,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
             if draft_address:
                 self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address, channel_options()))
             else:
-                shared = (
-                    model
-                    if self.world == 1
-                    else build_target(
-                        replace(args, num_hidden_layers=0), weights, dtype, self.device, None, cfg.model.fused_kernels
-                    )
-                )
+                shared = model if self.world == 1 else build_shared(cfg, args, weights, dtype, self.device)
                 self.draft = build_draft(cfg, heads, shared, num_blocks, self.device, dtype)
                 build_chain_graphs(cfg, self.draft, max_len)
         return num_blocks

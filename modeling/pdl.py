@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of small steps, on Hopper GPUs and newer.
+
+A kernel launched with PDL may start while the kernel before it in the stream is still running. Each such
+kernel first loads what no kernel of the step writes (its weights), then waits until its predecessor has
+finished and its writes are visible (`wait_for_inputs`), and only then reads activations or writes
+anything. So a small step's chain of matrix-vector kernels reads each weight while the previous kernel is
+still working, instead of paying a launch and a memory round trip per kernel on the critical path.
+
+Order is kept by induction: every PDL kernel waits for the whole previous grid before it writes, and that
+grid waited for its own predecessor, so all earlier kernels are done too. Kernels without PDL (cuBLAS,
+torch) start after their predecessor ends, as always. CUDA graphs keep the launch attribute.
+
+The switch is process-wide (`set_enabled`, from `model.pdl` when a model is built); on CPU, under Triton's
+interpreter and before compute capability 9.0 it is always off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+_enabled = [True]
+
+
+def set_enabled(flag: bool) -> None:
+    """Turn PDL launches on or off for kernels launched from now on (captured graphs keep theirs)."""
+    _enabled[0] = bool(flag)
+
+
+def enabled() -> bool:
+    """Whether PDL launches are switched on (they still need a capable CUDA device)."""
+    return _enabled[0]
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def active(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with PDL: switched on, CUDA, compute capability >= 9.0, and not
+    Triton's CPU interpreter."""
+    if not (_enabled[0] and t.is_cuda and triton is not None) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch_args(on: bool) -> dict[str, bool]:
+    """Keyword arguments of a Triton launch: the PDL launch attribute when `on`, nothing otherwise."""
+    return {"launch_pdl": True} if on else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait_for_inputs(PDL: tl.constexpr):
+        # past this point the previous kernel's writes are visible; the next kernel may start loading
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
