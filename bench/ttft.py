@@ -2,12 +2,14 @@
 
 For each engine (target-only and speculative K=3, CUDA graphs, the serving configuration) and each prompt
 length, it measures the seconds from `add_request` to the request's first token, taken when the server
-would deliver it (`LLMEngine.on_tokens`, before the step's draft runs): alone on an idle engine
+would deliver it (`LLMEngine.on_tokens`, before the step's draft runs where the draft runs apart; the
+captured prefill step drafts inside the same graph): alone on an idle engine
 (three repeats after a warm-up), and with `--busy` other requests already decoding (their short prompts
 prefilled first, `ignore_eos`, long enough to outlast the measurement). The KV cache holds all of them,
 so no request is preempted, and prefix caching is off (each prompt repeats). It also records how many engine
-steps the prefill took, since chunked prefill spreads a long prompt over several steps. Prints a table and
-writes `ttft.json` under --out.
+steps the prefill took, since chunked prefill spreads a long prompt over several steps, and how many of
+them replayed the captured prefill step (`model.prefill_graphs`; `--compare-eager-prefill` measures each
+K without it too). Prints a table and writes `ttft.json` under --out.
 
     python3 bench/ttft.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
 """
@@ -35,9 +37,9 @@ from workers.config import MTPServeConfig, SchedulerConfig
 BUSY_PROMPT = 32  # tokens in each busy request's prompt
 
 
-def build(args: argparse.Namespace, k: int) -> LLMEngine:
-    """The serving configuration, with KV blocks for the longest prompt and every busy request at its end
-    (a smaller cache measures preemption, not prefill)."""
+def build(args: argparse.Namespace, k: int, prefill_graphs: bool = True) -> LLMEngine:
+    """The serving configuration (`prefill_graphs` off: every prefill step eager), with KV blocks for the
+    longest prompt and every busy request at its end (a smaller cache measures preemption, not prefill)."""
     block = 16
 
     def blocks(n: int) -> int:
@@ -51,6 +53,7 @@ def build(args: argparse.Namespace, k: int) -> LLMEngine:
                 "device": args.device,
                 "dtype": args.dtype,
                 "max_model_len": max(args.lengths) + 256,
+                "prefill_graphs": prefill_graphs,
             },
             "scheduler": {
                 "max_num_requests": args.busy + 1,
@@ -97,21 +100,35 @@ def start_busy(engine: LLMEngine, n: int, max_tokens: int) -> list[str]:
     return ids
 
 
-def measure(args: argparse.Namespace, k: int) -> list[dict[str, Any]]:
+def prefill_replays(engine: LLMEngine) -> int | None:
+    """CUDA-graph replays of the captured prefill step so far (None without one)."""
+    step = getattr(engine.target, "prefill", None)
+    if step is None:
+        return None
+    return sum(s.replays for s in (step.final, step.partial) if s is not None)
+
+
+def measure(args: argparse.Namespace, k: int, prefill_graphs: bool) -> list[dict[str, Any]]:
     """Rows for one engine: every length, alone and busy."""
-    engine = build(args, k)
+    engine = build(args, k, prefill_graphs)
+    tag = {"k": k, "prefill_graphs": prefill_graphs}
     g = torch.Generator().manual_seed(1)
     rows = []
     first_token(engine, torch.randint(10, 1000, (64,), generator=g).tolist())  # warm-up
     for n in args.lengths:
         prompt = torch.randint(10, 1000, (n,), generator=g).tolist()
         first_token(engine, prompt)  # the first prompt of a length pays one-off costs
+        before = prefill_replays(engine)
         alone = [first_token(engine, prompt) for _ in range(args.repeats)]
-        rows.append({"k": k, "prompt_tokens": n, "busy": 0, "ms": [1e3 * t for t, _ in alone], "steps": alone[0][1]})
+        replays = None if before is None else prefill_replays(engine) - before  # type: ignore[operator]
+        rows.append(
+            {**tag, "prompt_tokens": n, "busy": 0, "ms": [1e3 * t for t, _ in alone], "steps": alone[0][1],
+             "prefill_replays": replays}
+        )  # fmt: skip
         if args.busy:
             busy_ids = start_busy(engine, args.busy, args.busy_tokens)
             t, steps = first_token(engine, prompt)
-            rows.append({"k": k, "prompt_tokens": n, "busy": args.busy, "ms": [1e3 * t], "steps": steps})
+            rows.append({**tag, "prompt_tokens": n, "busy": args.busy, "ms": [1e3 * t], "steps": steps})
             for r in busy_ids:
                 engine.abort(r)
             while engine.has_unfinished():
@@ -141,18 +158,27 @@ def main() -> int:
         default=sched.max_num_batched_tokens,
         help="scheduler.max_num_batched_tokens (serving default)",
     )
+    ap.add_argument(
+        "--compare-eager-prefill",
+        action="store_true",
+        help="also measure every K with model.prefill_graphs off (each prefill step eager)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu for a quick dry run")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [row for k in args.ks for row in measure(args, k)]
+    modes = [True, False] if args.compare_eager_prefill else [True]
+    rows = [row for k in args.ks for graphs in modes for row in measure(args, k, graphs)]
     report = {"command": " ".join(sys.argv), "settings": vars(args), "rows": rows}
     (out_dir / "ttft.json").write_text(json.dumps(report, indent=1))
-    print(f"{'K':>2} {'prompt':>7} {'busy':>5} {'TTFT ms (each)':>28} {'steps':>6}")
+    print(f"{'K':>2} {'graphs':>6} {'prompt':>7} {'busy':>5} {'TTFT ms (each)':>28} {'steps':>6} {'replays':>7}")
     for r in rows:
         ms = " / ".join(f"{x:.1f}" for x in r["ms"])
-        print(f"{r['k']:>2} {r['prompt_tokens']:>7} {r['busy']:>5} {ms:>28} {r['steps']:>6}")
+        print(
+            f"{r['k']:>2} {r['prefill_graphs']!s:>6} {r['prompt_tokens']:>7} {r['busy']:>5} {ms:>28} "
+            f"{r['steps']:>6} {r.get('prefill_replays')!s:>7}"
+        )
     return 0
 
 

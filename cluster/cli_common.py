@@ -41,6 +41,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="plain torch ops instead of the fused Triton layer kernels (CUDA only; for debugging)",
     )
     g.add_argument(
+        "--no-prefill-graphs",
+        action="store_true",
+        help="run every prefill step eagerly, also a lone request's prompt chunk (CUDA graphs; for debugging)",
+    )
+    g.add_argument(
         "--no-pdl",
         action="store_true",
         help="launch the small-step kernels without programmatic dependent launch (Hopper and newer; for debugging)",
@@ -98,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "model.cuda_graphs": False if a.get("enforce_eager") else None,
         "model.fused_kernels": False if a.get("no_fused_kernels") else None,
         "model.pdl": False if a.get("no_pdl") else None,
+        "model.prefill_graphs": False if a.get("no_prefill_graphs") else None,
         "model.overlap_steps": False if a.get("no_overlap") else None,
         "model.overlap_speculative": False if a.get("no_overlap_speculative") else None,
         "speculative.draft": a.get("draft"),

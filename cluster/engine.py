@@ -25,6 +25,7 @@ from workers.builders import (
     bind_features,
     build_draft,
     build_fused,
+    build_prefill,
     build_runner,
     build_target,
     build_tree_step,
@@ -142,6 +143,7 @@ class LLMEngine:
                 target.fused = build_fused(cfg, target, draft, k, max_len)
             elif isinstance(draft, MTPEagleTree):
                 target.tree_step = build_tree_step(cfg, target, draft, max_len)
+            target.prefill = build_prefill(cfg, target, draft, k, max_len)
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
         sched = Scheduler(cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch)
         return cls(cfg, args, sched, target, draft, tokenizer)

@@ -53,6 +53,8 @@ class DeepseekDecoderLayer(DecoderLayer):
 class DeepseekV3Model(LlamaModel):
     """Decoder stack of a DeepSeek-V3-family checkpoint (its MTP modules are draft heads, not layers here)."""
 
+    ragged_capture = False  # latent attention reads a ragged step's lengths on the host
+
     @classmethod
     def decoder_layer(cls, args: LlamaArgs, tp: TPContext, index: int) -> nn.Module:
         """An MLA layer, with experts from `first_k_dense_replace` on (MTP modules included)."""

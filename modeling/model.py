@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -250,6 +250,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class LlamaModel(nn.Module):
     """Decoder stack returning pre-final-norm hidden states; `logits` applies norm + lm_head."""
+
+    ragged_capture: ClassVar[bool] = True  # a ragged step over fixed buffers reads its lengths on the device
 
     def __init__(self, args: LlamaArgs, tp: TPContext | None = None) -> None:
         super().__init__()

@@ -35,19 +35,32 @@ def propose_from_rows(
     rows, the scratch block). The chain starts from row num_accepted[b]. Returns drafts [B, K].
     """
     bsz, q = num_accepted.shape[0], meta.q_len
-    tables = meta.block_tables
     dh = head.step(shared, row_tokens, hidden, positions, cache, meta)
     last = torch.arange(bsz, device=row_tokens.device) * q + num_accepted
-    h = dh[last]
+    return chain_from(head, shared, cache, dh[last], positions[last], meta.block_tables, k)
+
+
+def chain_from(
+    head: MTPEagleHead,
+    shared: LlamaModel,
+    cache: KVCache,
+    h: torch.Tensor,
+    last_positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """K greedy proposals [B, K] in fixed shapes from the head's outputs h [B, d] at each sequence's last
+    row (positions [B]); draft k+1 reads draft k at the next position, whose KV it writes."""
+    bsz = h.shape[0]
     tok = head.greedy_tokens(shared, h)
     drafts = [tok]
     if k > 1:
-        pos, slots = chain_slots(positions[last], tables, cache.block_size, k - 1)
+        pos, slots = chain_slots(last_positions, block_tables, cache.block_size, k - 1)
         cos, sin = head.rotary.table(pos.reshape(-1))
         seq_lens = pos + 1
         for j in range(k - 1):
             rows = slice(j * bsz, (j + 1) * bsz)
-            step_meta = UniformMetadata(slots[j], tables, seq_lens[j], 1)
+            step_meta = UniformMetadata(slots[j], block_tables, seq_lens[j], 1)
             h = head.step(shared, tok, h, pos[j], cache, step_meta, (cos[rows], sin[rows]))
             tok = head.greedy_tokens(shared, h)
             drafts.append(tok)

@@ -31,6 +31,7 @@ from speculative.mtp_vanilla import VanillaMTPChain
 from workers.chain_step import UniformChainStep
 from workers.config import MTPServeConfig
 from workers.fused_step import FusedSpecStep
+from workers.prefill_step import CapturedPrefill
 from workers.runner import TargetRunner, UniformTargetStep
 from workers.tree_step import FusedTreeStep
 
@@ -126,6 +127,26 @@ def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain,
     )
     fused.steps.capture()
     return fused
+
+
+def build_prefill(
+    cfg: MTPServeConfig, target: TargetRunner, draft: DraftMethod | None, k: int, max_len: int
+) -> CapturedPrefill | None:
+    """A lone greedy prompt chunk's step, target and colocated chain together, captured per chunk-length
+    bucket; None where it does not apply (config, a latent-attention model, `sampled` lookahead, another
+    draft method)."""
+    chain = draft if isinstance(draft, MTPEagleChain) else None
+    if not cfg.model.prefill_graphs or not target.model.ragged_capture or (draft is not None and chain is None):
+        return None
+    if cfg.speculative.lookahead_source != "prompt":
+        return None
+    sc = cfg.scheduler
+    max_tokens = min(sc.chunk_size, sc.max_num_batched_tokens)
+    step = CapturedPrefill(
+        target.model, target.cache, chain, k, max_tokens, graph_max_blocks(cfg, k, max_len), target.device
+    )
+    step.capture()
+    return step
 
 
 def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagleTree, max_len: int) -> FusedTreeStep:

@@ -45,6 +45,11 @@ class ModelConfig(_Strict):
         description="fused Triton kernels (CUDA only): norm+residual, RoPE+KV write, SwiGLU, and for small steps "
         "matrix-vector projections, greedy tokens without logits and the MTP head's input in one launch",
     )
+    prefill_graphs: bool = Field(
+        True,
+        description="capture a step that holds one greedy prompt chunk, target and colocated draft chain "
+        "together, per chunk-length bucket up to scheduler.chunk_size (CUDA graphs, TP=1, in process)",
+    )
     pdl: bool = Field(
         True,
         description="launch the small-step Triton kernels with programmatic dependent launch (Hopper and newer): "

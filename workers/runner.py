@@ -155,6 +155,7 @@ class TargetRunner:
         self.uniform = uniform
         self.fused: Any = None  # FusedSpecStep when the draft is colocated in this process
         self.tree_step: Any = None  # FusedTreeStep when a tree drafter is colocated in this process
+        self.prefill: Any = None  # CapturedPrefill: a lone request's prompt chunk in fixed shapes
         self.cache = cache
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
@@ -257,6 +258,9 @@ class TargetRunner:
             self._generators.pop(rid, None)
         if not plan.seqs:
             return TargetOutput(plan.step_id, [])
+        prefill_bucket = self.prefill.bucket_for(plan) if self.prefill is not None else None
+        if prefill_bucket is not None:
+            return self.prefill.run(plan, prefill_bucket)  # type: ignore[no-any-return]
         q_len = len(plan.seqs[0].token_ids)
         tree_bucket = self.tree_step.bucket_for(plan) if self.tree_step is not None else None
         if tree_bucket is not None:
