@@ -69,11 +69,12 @@ def build(args: argparse.Namespace, k: int, prefill_graphs: bool = True) -> LLME
     return LLMEngine.from_config(cfg)
 
 
-def first_token(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
+def first_token(engine: LLMEngine, prompt: list[int], temperature: float = 0.0) -> tuple[float, int]:
     """(seconds, engine steps) from add_request to the request's first generated token."""
     sync()
     t0 = time.perf_counter()
-    rid = engine.add_request(prompt, {"max_tokens": 1, "ignore_eos": True})
+    params = {"max_tokens": 1, "ignore_eos": True, "temperature": temperature, "top_p": 0.95 if temperature else 1.0}
+    rid = engine.add_request(prompt, params)
     seen: list[float] = []
 
     def first(outs: list[Any]) -> None:  # as the server's engine loop delivers: before the step's draft runs
@@ -103,9 +104,7 @@ def start_busy(engine: LLMEngine, n: int, max_tokens: int) -> list[str]:
 def prefill_replays(engine: LLMEngine) -> int | None:
     """CUDA-graph replays of the captured prefill step so far (None without one)."""
     step = getattr(engine.target, "prefill", None)
-    if step is None:
-        return None
-    return sum(s.replays for s in (step.final, step.partial) if s is not None)
+    return None if step is None else int(step.replays)
 
 
 def measure(args: argparse.Namespace, k: int, prefill_graphs: bool) -> list[dict[str, Any]]:
@@ -117,9 +116,9 @@ def measure(args: argparse.Namespace, k: int, prefill_graphs: bool) -> list[dict
     first_token(engine, torch.randint(10, 1000, (64,), generator=g).tolist())  # warm-up
     for n in args.lengths:
         prompt = torch.randint(10, 1000, (n,), generator=g).tolist()
-        first_token(engine, prompt)  # the first prompt of a length pays one-off costs
+        first_token(engine, prompt, args.temperature)  # the first prompt of a length pays one-off costs
         before = prefill_replays(engine)
-        alone = [first_token(engine, prompt) for _ in range(args.repeats)]
+        alone = [first_token(engine, prompt, args.temperature) for _ in range(args.repeats)]
         replays = None if before is None else prefill_replays(engine) - before  # type: ignore[operator]
         rows.append(
             {**tag, "prompt_tokens": n, "busy": 0, "ms": [1e3 * t for t, _ in alone], "steps": alone[0][1],
@@ -127,7 +126,7 @@ def measure(args: argparse.Namespace, k: int, prefill_graphs: bool) -> list[dict
         )  # fmt: skip
         if args.busy:
             busy_ids = start_busy(engine, args.busy, args.busy_tokens)
-            t, steps = first_token(engine, prompt)
+            t, steps = first_token(engine, prompt, args.temperature)
             rows.append({**tag, "prompt_tokens": n, "busy": args.busy, "ms": [1e3 * t], "steps": steps})
             for r in busy_ids:
                 engine.abort(r)
@@ -157,6 +156,12 @@ def main() -> int:
         type=int,
         default=sched.max_num_batched_tokens,
         help="scheduler.max_num_batched_tokens (serving default)",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the measured prompts sample at this temperature with top-p 0.95 (0: greedy); busy requests stay greedy",
     )
     ap.add_argument(
         "--compare-eager-prefill",

@@ -23,16 +23,23 @@ def with_prefill(eng: LLMEngine, k: int) -> tuple[CapturedPrefill, list[tuple[in
     (rows, bucket, final) per use."""
     runner = eng.target
     step = CapturedPrefill(
-        runner.model, runner.cache, eng.draft, k, CHUNK, 16, "cpu", use_graphs=False  # type: ignore[attr-defined,arg-type]
+        runner.model,
+        runner.cache,
+        eng.draft,
+        k,
+        CHUNK,
+        16,
+        "cpu",
+        use_graphs=False,  # type: ignore[attr-defined,arg-type]
     )
     runner.prefill = step  # type: ignore[attr-defined]
     log: list[tuple[int, int, bool]] = []
     orig = step.run
 
-    def spy(plan: StepPlan, bucket: int) -> Any:
+    def spy(plan: StepPlan, bucket: int, uniform: float | None = None) -> Any:
         s = plan.seqs[0]
         log.append((len(s.token_ids), bucket, s.is_final_chunk))
-        return orig(plan, bucket)
+        return orig(plan, bucket, uniform)
 
     step.run = spy  # type: ignore[method-assign]
     return step, log
@@ -107,12 +114,34 @@ def test_generation_through_the_prefill_step_is_unchanged() -> None:
     assert log
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampling_prompts_alone_draw_as_the_eager_path(k: int) -> None:
+    """Seeded sampling requests, one at a time (temperature only, and with top-k/top-p), get the eager
+    path's first token and completion: the same draw from the request's generator, in fixed buffers."""
+    args, w = mimic_target(seed=4)
+    head = mimic_head(args, w) if k else None
+    sched = {"chunk_size": CHUNK}
+    prompts = random_prompts(4, args.vocab_size, [12, 30, 3, 21], seed=3)
+    params: list[dict[str, Any]] = [
+        {"max_tokens": 10, "temperature": 0.9, "seed": 1},
+        {"max_tokens": 10, "temperature": 1.3, "top_k": 4, "seed": 2},
+        {"max_tokens": 10, "temperature": 0.7, "top_p": 0.8, "seed": 3},
+        {"max_tokens": 10, "temperature": 1.0, "seed": 4},
+    ]
+    ref = tiny_engine(args, w, head, scheduler=sched)
+    eng = tiny_engine(args, w, head, scheduler=sched)
+    _, log = with_prefill(eng, max(k, 1) if k else 0)
+    for p, q in zip(prompts, params, strict=True):
+        assert eng.generate([p], q)[0].token_ids == ref.generate([p], q)[0].token_ids
+    assert sum(final for *_, final in log) == len(prompts)
+
+
 def test_padding_rows_write_only_the_scratch_block_and_stay_finite() -> None:
     """A 3-token chunk in a 16-row bucket: the 13 padding rows leave every other block untouched and the
     scratch block finite, in the target's cache and the draft's."""
     args, w = mimic_target()
     eng = tiny_engine(args, w, mimic_head(args, w), scheduler={"chunk_size": CHUNK})
-    step, log = with_prefill(eng, 3)
+    _, log = with_prefill(eng, 3)
     held: list[int] = []
     assert eng.scheduler.blocks.grow(held, 24)  # the first blocks belong to someone else
     caches = [eng.target.cache.stacked, eng.draft.cache.stacked]  # type: ignore[attr-defined]
@@ -148,8 +177,8 @@ def chunk(n: int, **over: Any) -> SeqPlan:
 
 
 def test_which_steps_take_the_prefill_step() -> None:
-    """One greedy prompt chunk that fits takes the smallest bucket that holds it; anything else (two
-    requests, generation rows, sampling, a draft tree, too many rows or blocks) runs eagerly."""
+    """One prompt chunk that fits (greedy or sampling) takes the smallest bucket that holds it; anything
+    else (two requests, generation rows, a draft tree, too many rows or blocks) does not."""
     assert prefill_sizes(512) == [16, 32, 64, 128, 256, 512] and prefill_sizes(20) == [16, 20]
     assert prefill_sizes(6) == [6]
     args, w = mimic_target()
@@ -159,7 +188,7 @@ def test_which_steps_take_the_prefill_step() -> None:
     assert step.bucket_for(plan_of(chunk(21))) is None
     assert step.bucket_for(plan_of(chunk(4), chunk(4, request_id="s"))) is None
     assert step.bucket_for(plan_of(chunk(4, is_context=False))) is None
-    assert step.bucket_for(plan_of(chunk(4, temperature=0.8))) is None
+    assert step.bucket_for(plan_of(chunk(4, temperature=0.8, top_p=0.9))) == 16
     assert step.bucket_for(plan_of(chunk(4, draft_parents=[-1, 0, 0, 1]))) is None
     assert step.bucket_for(plan_of(chunk(4, block_ids=list(range(17))))) is None
 

@@ -10,15 +10,18 @@ a CUDA graph captured per bucket.
   the device. Padding rows run as rows past the chunk: their KV goes to the scratch block, and the block
   table is padded with the scratch block far enough that they read only real or scratch keys, so every
   value stays finite. Real rows never see them (causal order).
-- The greedy first token is taken from the last real row on the device.
+- The first token is taken from the last real row on the device: greedy, or sampled with the request's
+  temperature, top-k and top-p and a uniform drawn from its generator (the eager path's draw), in fixed
+  buffers; one graph per sampling mode, as for generation steps.
 - With a colocated MTP chain the draft re-runs over the chunk in the same graph. Row i reads token i+1;
   the last row reads the worker's fixed-address lookahead tensor (the next prompt token for a non-final
   chunk) and, where that is -1 (a final chunk), the first token. So the draft KV is what the eager path
   writes, and stays independent of the chunk size. A final chunk then chains K drafts; a non-final chunk
   has its own graph without the chain, which would write past the blocks a non-final chunk holds.
 
-Requests that sample, draft trees, `sampled` lookahead, latent-attention models and steps that mix
-requests run eagerly (`TargetRunner.execute`). Elsewhere than on CUDA the same function runs eagerly over
+A step that mixes one such chunk with generation rows runs as this step plus the captured generation
+step (`TargetRunner.run_split`). Steps with several prompt chunks, draft trees, `sampled` lookahead and
+latent-attention models run eagerly (`TargetRunner.execute`). Elsewhere than on CUDA the same function runs eagerly over
 the same buffers, so CPU tests cover it.
 """
 
@@ -36,7 +39,8 @@ from modeling.model import LlamaModel
 from speculative.draft_inputs import draft_input_tokens
 from speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain, chain_from
-from workers.graph_runner import CapturedSteps, pick_bucket
+from speculative.sampling import SamplingMode, processed_probs, sample_from_uniform, sampling_mode
+from workers.graph_runner import CapturedSteps, GreedyAndSampledSteps, pick_bucket
 
 SMALLEST_BUCKET = 16  # the ragged kernel's query tile
 
@@ -66,6 +70,8 @@ class PrefillBuffers:
     seq_len: torch.Tensor  # [1] start + T
     real_len: torch.Tensor  # [1] the chunk's rows n
     last_row: torch.Tensor  # [1] n - 1
+    fpacked: torch.Tensor  # device float32 [temperature | top-k | top-p | uniform] of a sampling final chunk
+    fstaging: torch.Tensor  # its host twin
     block_size: int
     scratch_block: int
     max_blocks: int  # blocks a request may hold
@@ -80,10 +86,17 @@ class PrefillBuffers:
         packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         staging = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
         ids, pos, slots, table, q_start, q_len, seq_len, real_len, last = packed.split(sizes)
+        fpacked = torch.zeros(4, dtype=torch.float32, device=device)
+        fstaging = torch.zeros(4, dtype=torch.float32, pin_memory=device.type == "cuda")
         return cls(
             packed, staging, ids, pos, slots, table.view(1, width), q_start, q_len, seq_len, real_len, last,
-            block_size, scratch_block, max_blocks,
+            fpacked, fstaging, block_size, scratch_block, max_blocks,
         )  # fmt: skip
+
+    def sampling(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature, top_k, top_p, uniform) views, one row each."""
+        t, k, p, u = self.fpacked.split(1)
+        return t, k, p, u
 
     @property
     def max_tokens(self) -> int:
@@ -112,10 +125,16 @@ class PrefillBuffers:
         host[3 * t_max + width :] = [0, bucket, seq.start + bucket, n, n - 1]
         self.packed.copy_(self.staging, non_blocking=True)
 
+    def fill_sampling(self, seq: SeqPlan, uniform: float) -> None:
+        """Copy a sampling chunk's temperature, top-k, top-p and uniform draw."""
+        self.fstaging.copy_(torch.tensor([seq.temperature, seq.top_k, seq.top_p, uniform]))
+        self.fpacked.copy_(self.fstaging, non_blocking=True)
+
 
 class CapturedPrefill:
-    """The prompt chunk of a step that holds one request, in fixed shapes, one CUDA graph per chunk-length
-    bucket (two with a draft chain: final and non-final chunks)."""
+    """The prompt chunk of a step that holds one request, in fixed shapes: one CUDA graph per chunk-length
+    bucket and sampling mode for final chunks, and with a draft chain one per bucket for non-final chunks
+    (which sample nothing and chain no drafts)."""
 
     def __init__(
         self,
@@ -135,21 +154,36 @@ class CapturedPrefill:
         self.buffers = PrefillBuffers.allocate(max_tokens, max_blocks, cache.block_size, cache.scratch_block, dev)
         self._first_context = torch.zeros(1, dtype=torch.long, device=dev)  # the chunk is context request 0
         sizes = prefill_sizes(max_tokens)
-        self.final = CapturedSteps(partial(self._forward, final=True), sizes, dev, use_graphs)
-        self.partial = CapturedSteps(partial(self._forward, final=False), sizes, dev, use_graphs) if chain else None
+        self.final = GreedyAndSampledSteps(partial(self._forward, final=True), sizes, dev, use_graphs)
+        self.partial = (
+            CapturedSteps(partial(self._forward, mode=SamplingMode.GREEDY, final=False), sizes, dev, use_graphs)
+            if chain
+            else None
+        )
 
     @property
     def sizes(self) -> list[int]:
         """The chunk-length buckets."""
         return self.final.sizes
 
+    @property
+    def replays(self) -> int:
+        """CUDA-graph replays so far, every variant."""
+        return self.final.replays + (self.partial.replays if self.partial is not None else 0)
+
     @torch.no_grad()
-    def _forward(self, bucket: int, final: bool) -> torch.Tensor:
+    def _forward(self, bucket: int, mode: SamplingMode, final: bool) -> torch.Tensor:
         b = self.buffers
         meta = RaggedMetadata(b.slot_mapping[:bucket], b.block_table, b.q_start, b.q_len, b.seq_len, bucket)
         ids, pos = b.input_ids[:bucket], b.positions[:bucket]
         hidden, features = self.model.forward_features(ids, pos, self.cache, meta)
-        token = self.model.greedy_tokens(hidden.index_select(0, b.last_row))  # [1]
+        last_hidden = hidden.index_select(0, b.last_row)
+        if mode is SamplingMode.GREEDY:
+            token = self.model.greedy_tokens(last_hidden)  # [1]
+        else:
+            t, k, p, u = b.sampling()
+            probs = processed_probs(self.model.logits(last_hidden), t, k, p, mode is SamplingMode.FILTERED)
+            token = sample_from_uniform(probs, u)
         c = self.chain
         if c is None:
             return token[:, None]
@@ -163,28 +197,32 @@ class CapturedPrefill:
         return torch.cat([token[:, None], drafts], dim=1)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
-        """A bucket when the step is one greedy prompt chunk that fits (with `prompt` lookahead, no
-        draft tree); else None."""
+        """A bucket when the step is one prompt chunk that fits; else None."""
         if len(plan.seqs) != 1:
             return None
         s = plan.seqs[0]
-        if not s.is_context or s.temperature > 0 or s.draft_parents is not None:
+        if not s.is_context or s.draft_parents is not None:
             return None
         if len(s.block_ids) > self.buffers.max_blocks:
             return None
         return pick_bucket(len(s.token_ids), self.sizes)
 
-    def run(self, plan: StepPlan, bucket: int) -> TargetOutput:
-        """Fill, replay and read the first token (final chunks) and, with a chain, the drafts."""
+    def run(self, plan: StepPlan, bucket: int, uniform: float | None = None) -> TargetOutput:
+        """Fill, replay and read the first token (final chunks) and, with a chain, the drafts. `uniform` is
+        the draw of a sampling final chunk, from its request's generator."""
         s = plan.seqs[0]
         self.buffers.fill(s, bucket)
-        steps = self.final
+        mode = sampling_mode([s]) if s.is_final_chunk else SamplingMode.GREEDY
+        if mode is not SamplingMode.GREEDY:
+            if uniform is None:
+                raise ValueError("a sampling final chunk needs its uniform draw")
+            self.buffers.fill_sampling(s, uniform)
         if self.chain is not None:
             self.chain.lookahead.write([s.lookahead_token])
-            if not s.is_final_chunk:
-                assert self.partial is not None
-                steps = self.partial
-        row = steps.run(bucket)[0].tolist()
+        if self.partial is not None and not s.is_final_chunk:
+            row = self.partial.run(bucket)[0].tolist()
+        else:
+            row = self.final.run(bucket, mode)[0].tolist()
         result = SeqResult(s.request_id, row[:1] if s.is_final_chunk else [], 0, 0)
         drafts = None
         if self.chain is not None:
@@ -194,9 +232,8 @@ class CapturedPrefill:
         return TargetOutput(plan.step_id, [result], None, drafts)
 
     def capture(self) -> None:
-        """Capture every bucket (CUDA only), the variants in one memory pool; a variant that cannot be
+        """Capture every bucket and variant (CUDA only) in one memory pool; a variant that cannot be
         captured runs eagerly over the same buffers (logged)."""
-        pool = None
-        for steps in (self.final, self.partial):
-            if steps is not None and steps.try_capture(pool):
-                pool = steps.pool
+        self.final.try_capture()
+        if self.partial is not None:
+            self.partial.try_capture(self.final.greedy.pool)

@@ -12,7 +12,7 @@ import torch
 from modeling.attention import UniformMetadata, ragged_metadata
 from modeling.kv_cache import KVCache
 from modeling.model import LlamaModel
-from speculative.messages import DraftInputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from speculative.sampling import (
     SamplingMode,
     processed_probs,
@@ -94,6 +94,17 @@ class UniformTargetStep:
         hidden, packed = self.steps.run(bucket, mode)
         m = len(seqs)
         return hidden[: m * self.q_len], packed[:m]
+
+
+def token_results(plan: StepPlan, rows: list[list[int]]) -> TargetOutput:
+    """A target-only step's output from its packed verify rows (`pack_verified`), one token per request."""
+    results = [SeqResult(s.request_id, [r[1]], 0, 0) for s, r in zip(plan.seqs, rows, strict=True)]
+    return TargetOutput(plan.step_id, results)
+
+
+def _sub_plan(plan: StepPlan, seqs: list[SeqPlan]) -> StepPlan:
+    """The same step restricted to some of its rows."""
+    return StepPlan(plan.step_id, seqs, plan.num_draft_tokens)
 
 
 def fill_step(buffers: StepBuffers, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None) -> SamplingMode:
@@ -246,10 +257,7 @@ class TargetRunner:
             step.ready.synchronize()
         if self.fused is not None:
             return self.fused.read(step.plan, step.host)  # type: ignore[no-any-return]
-        results = [
-            SeqResult(s.request_id, [row[1]], 0, 0) for s, row in zip(step.plan.seqs, step.host.tolist(), strict=True)
-        ]
-        return TargetOutput(step.plan.step_id, results)
+        return token_results(step.plan, step.host.tolist())
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> TargetOutput:
@@ -258,9 +266,13 @@ class TargetRunner:
             self._generators.pop(rid, None)
         if not plan.seqs:
             return TargetOutput(plan.step_id, [])
-        prefill_bucket = self.prefill.bucket_for(plan) if self.prefill is not None else None
-        if prefill_bucket is not None:
-            return self.prefill.run(plan, prefill_bucket)  # type: ignore[no-any-return]
+        if self.prefill is not None:
+            split = self.split_buckets(plan)
+            if split is not None:
+                return self.run_split(plan, *split)
+            bucket = self.prefill.bucket_for(plan)
+            if bucket is not None:
+                return self.prefill.run(plan, bucket, self._context_uniform(plan.seqs[0]))  # type: ignore[no-any-return]
         q_len = len(plan.seqs[0].token_ids)
         tree_bucket = self.tree_step.bucket_for(plan) if self.tree_step is not None else None
         if tree_bucket is not None:
@@ -291,6 +303,43 @@ class TargetRunner:
         if plan.num_draft_tokens > 0:
             draft_inputs = self._draft_inputs(plan, features, starts, accepted, last_token, paths)
         return TargetOutput(plan.step_id, results, draft_inputs)
+
+    def split_buckets(self, plan: StepPlan) -> tuple[int, int, int] | None:
+        """(row of the prompt chunk, its prefill bucket, the generation rows' bucket) when a step mixes one
+        prompt chunk with generation rows that the captured steps take; else None."""
+        ctx = [i for i, s in enumerate(plan.seqs) if s.is_context]
+        if len(ctx) != 1 or len(plan.seqs) < 2:
+            return None
+        i = ctx[0]
+        prefill_bucket = self.prefill.bucket_for(_sub_plan(plan, [plan.seqs[i]]))
+        gen_bucket = self._launch_bucket(_sub_plan(plan, plan.seqs[:i] + plan.seqs[i + 1 :]))
+        return None if prefill_bucket is None or gen_bucket is None else (i, prefill_bucket, gen_bucket)
+
+    def run_split(self, plan: StepPlan, i: int, prefill_bucket: int, gen_bucket: int) -> TargetOutput:
+        """A mixed step as two fixed-shape steps: the prompt chunk (row i) through the captured prefill
+        step, then the generation rows through the captured generation step; results in the plan's order."""
+        ctx = plan.seqs[i]
+        gen = _sub_plan(plan, plan.seqs[:i] + plan.seqs[i + 1 :])
+        first = self.prefill.run(_sub_plan(plan, [ctx]), prefill_bucket, self._context_uniform(ctx))
+        if self.fused is not None:
+            rest = self.fused.run(gen, gen_bucket, self.uniforms(gen, plan.num_draft_tokens + 1))
+        else:
+            assert self.uniform is not None
+            rest = token_results(gen, self.uniform.run(gen, gen_bucket, self.uniforms(gen, 1))[1].tolist())
+        results = [*rest.results[:i], first.results[0], *rest.results[i:]]
+        drafts = [d for d in (first.draft_outputs, rest.draft_outputs) if d is not None]
+        if not drafts:
+            return TargetOutput(plan.step_id, results)
+        ids = [r for d in drafts for r in d.request_ids]
+        tokens = torch.cat([d.draft_token_ids.view(-1, plan.num_draft_tokens) for d in drafts])
+        return TargetOutput(plan.step_id, results, None, DraftOutputs(plan.step_id, ids, tokens))
+
+    def _context_uniform(self, s: SeqPlan) -> float | None:
+        """The draw a sampling final chunk's first token takes from its request's generator (as the eager
+        path draws it); None for other chunks."""
+        if s.temperature <= 0 or not s.is_final_chunk:
+            return None
+        return float(torch.rand(1, generator=self._gen(s)))
 
     def _eager_verify(
         self,
