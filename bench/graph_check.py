@@ -20,7 +20,8 @@ from modeling.kv_cache import KVCache
 from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
 from speculative.messages import SeqPlan, StepPlan
 from workers.builders import build_target
-from workers.runner import TargetRunner, UniformTargetStep
+from workers.runner import TargetRunner
+from workers.uniform_step import UniformTargetStep
 
 ARGS = LlamaArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                  num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, max_position_embeddings=2048,

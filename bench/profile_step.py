@@ -96,7 +96,7 @@ def host_split(engine: LLMEngine, steps: int) -> dict[str, float]:
     the GPU, reading results and applying them."""
     import workers.fused_step
     import workers.graph_runner
-    import workers.runner
+    import workers.uniform_step
 
     timer = HostTimer()
     runner = engine.target
@@ -107,7 +107,7 @@ def host_split(engine: LLMEngine, steps: int) -> dict[str, float]:
     timer.wrap(runner, "collect", "collect")
     timer.wrap(runner, "execute", "execute")
     timer.wrap(workers.fused_step, "fill_step", "fill_step")
-    timer.wrap(workers.runner, "fill_step", "fill_step")
+    timer.wrap(workers.uniform_step, "fill_step", "fill_step")
     timer.wrap(workers.graph_runner.GreedyAndSampledSteps, "run", "graph_replay")
     if torch.cuda.is_available():
         timer.wrap(torch.cuda.Event, "synchronize", "wait_gpu")

@@ -11,7 +11,9 @@ grid waited for its own predecessor, so all earlier kernels are done too. Kernel
 torch) start after their predecessor ends, as always. CUDA graphs keep the launch attribute.
 
 The switch is process-wide (`set_enabled`, from `model.pdl` when a model is built); on CPU, under Triton's
-interpreter and before compute capability 9.0 it is always off.
+interpreter and before compute capability 9.0 it is always off. It applies to steps of at most
+`SMALL_STEP_ROWS` rows: larger steps run their projections through cuBLAS, which never releases the next
+kernel early, so there PDL only adds the wait to the kernels that have it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
 _enabled = [True]
+SMALL_STEP_ROWS = 4  # the matrix-vector kernels' row limit (GEMV_MAX_ROWS); larger steps use cuBLAS
 
 
 def set_enabled(flag: bool) -> None:
@@ -46,7 +49,13 @@ def _capable(index: int) -> bool:
 
 
 def active(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device launch with PDL: switched on, CUDA, compute capability >= 9.0, and not
+    """Whether a kernel over the activations t (rows first) launches with PDL: switched on, a step of at most
+    SMALL_STEP_ROWS rows, and a device that supports it."""
+    return t.shape[0] <= SMALL_STEP_ROWS and device_supports(t)
+
+
+def device_supports(t: torch.Tensor) -> bool:
+    """Whether PDL is switched on and t's device can use it: CUDA, compute capability >= 9.0, and not
     Triton's CPU interpreter."""
     if not (_enabled[0] and t.is_cuda and triton is not None) or os.environ.get("TRITON_INTERPRET") == "1":
         return False

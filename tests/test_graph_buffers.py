@@ -10,8 +10,8 @@ import torch
 from cluster.engine import LLMEngine
 from speculative.sampling import SamplingMode
 from workers.graph_runner import CapturedSteps, pick_bucket
-from workers.runner import UniformTargetStep
 from workers.step_buffers import StepBuffers
+from workers.uniform_step import UniformTargetStep
 
 from tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_uniform
 

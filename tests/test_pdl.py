@@ -108,6 +108,15 @@ def test_pdl_is_off_on_cpu_and_under_the_interpreter(monkeypatch: pytest.MonkeyP
     assert pdl.launch_args(True) == {"launch_pdl": True} and pdl.launch_args(False) == {}
 
 
+def test_pdl_only_for_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a capable device, kernels over at most SMALL_STEP_ROWS rows launch with PDL and larger steps
+    (whose projections run through cuBLAS) do not."""
+    monkeypatch.setattr(pdl, "device_supports", lambda t: True)
+    rows = pdl.SMALL_STEP_ROWS
+    assert pdl.active(torch.zeros(1, 8)) and pdl.active(torch.zeros(rows, 3, 8))
+    assert not pdl.active(torch.zeros(rows + 1, 8)) and not pdl.active(torch.zeros(64, 3, 8))
+
+
 def test_model_pdl_flag_reaches_the_process_switch() -> None:
     """`--no-pdl` sets model.pdl false, and building a target with it turns the process-wide switch off;
     the default turns it back on."""

@@ -13,7 +13,7 @@ from speculative.messages import StepPlan
 from tests.tiny import mimic_head, mimic_target, random_prompts, tiny_engine
 from workers.fused_step import FusedSpecStep
 from workers.prefill_step import CapturedPrefill
-from workers.runner import UniformTargetStep
+from workers.uniform_step import UniformTargetStep
 
 CHUNK = 20
 

@@ -10,7 +10,7 @@ from cluster.engine import LLMEngine
 from modeling.model import LlamaArgs, random_llama_weights
 from speculative.mtp_head import MTPEagleHead
 from workers.config import MTPServeConfig
-from workers.runner import UniformTargetStep
+from workers.uniform_step import UniformTargetStep
 
 
 def tiny_args(**overrides: Any) -> LlamaArgs:

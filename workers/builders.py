@@ -32,8 +32,9 @@ from workers.chain_step import UniformChainStep
 from workers.config import MTPServeConfig
 from workers.fused_step import FusedSpecStep
 from workers.prefill_step import CapturedPrefill
-from workers.runner import TargetRunner, UniformTargetStep
+from workers.runner import TargetRunner
 from workers.tree_step import FusedTreeStep
+from workers.uniform_step import UniformTargetStep
 
 log = logging.getLogger(__name__)
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"

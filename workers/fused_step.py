@@ -27,8 +27,8 @@ from speculative.sampling import SamplingMode
 from speculative.verify import verify_step
 from workers import step_kernels
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
-from workers.runner import fill_step
 from workers.step_buffers import StepBuffers
+from workers.uniform_step import fill_step
 
 
 class FusedSpecStep:

@@ -127,7 +127,7 @@ class PrefillBuffers:
 
     def fill_sampling(self, seq: SeqPlan, uniform: float) -> None:
         """Copy a sampling chunk's temperature, top-k, top-p and uniform draw."""
-        self.fstaging.copy_(torch.tensor([seq.temperature, seq.top_k, seq.top_p, uniform]))
+        self.fstaging.numpy()[:] = (seq.temperature, seq.top_k, seq.top_p, uniform)
         self.fpacked.copy_(self.fstaging, non_blocking=True)
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from modeling.attention import UniformMetadata, ragged_metadata
+from modeling.attention import ragged_metadata
 from modeling.kv_cache import KVCache
 from modeling.model import LlamaModel
 from speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
@@ -21,124 +20,14 @@ from speculative.sampling import (
     sampling_mode,
 )
 from speculative.tree import DraftTree
-from speculative.verify import verify, verify_greedy, verify_step
-from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
-from workers.step_buffers import StepBuffers
+from speculative.verify import verify, verify_greedy
 from workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
-
-
-class UniformTargetStep:
-    """The target forward and verify of a generation step (B sequences x Q rows) over fixed buffers,
-    captured per batch bucket on CUDA, once for all-greedy steps and once for steps that sample (their
-    temperature, top-k, top-p and uniforms are fixed buffers too). Returns the draft's features (the
-    hidden states, or the concatenated outputs of the model's `feature_layers`), accept counts and emitted
-    tokens."""
-
-    def __init__(
-        self,
-        model: LlamaModel,
-        cache: KVCache,
-        q_len: int,
-        max_batch: int,
-        max_blocks: int,
-        device: torch.device | str,
-        use_graphs: bool = True,
-    ) -> None:
-        self.model = model
-        self.cache = cache
-        self.q_len = q_len
-        dev = torch.device(device)
-        sizes = capture_sizes(max_batch)
-        self.buffers = StepBuffers.allocate(max_batch, q_len, max_blocks, cache.block_size, cache.scratch_block, dev)
-        self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
-        self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
-
-    @torch.no_grad()
-    def _forward(self, bucket: int, mode: SamplingMode) -> tuple[torch.Tensor, torch.Tensor]:
-        b, n = self.buffers, bucket * self.q_len
-        meta = UniformMetadata(b.slot_mapping[:n], b.block_tables[:bucket], b.seq_lens[:bucket], self.q_len)
-        hidden, features = self.model.forward_features(b.input_ids[:n], b.positions[:n], self.cache, meta)
-        sampling = None if mode is SamplingMode.GREEDY else b.sampling(bucket)
-        filtered = mode is SamplingMode.FILTERED
-        n_acc, tokens = verify_step(self.model, hidden, b.input_ids[:n], self.q_len, sampling, filtered)
-        return features, pack_verified(n_acc, tokens)
-
-    def bucket_for(self, plan: StepPlan) -> int | None:
-        """The batch bucket when every request is a generation row with Q tokens and fits; else None."""
-        q = self.q_len
-        if not plan.seqs or any(s.is_context or len(s.token_ids) != q for s in plan.seqs):
-            return None
-        if any(
-            len(s.block_ids) > self.buffers.max_blocks or s.draft_probs is not None or s.draft_parents is not None
-            for s in plan.seqs
-        ):
-            return None
-        return pick_bucket(len(plan.seqs), self.steps.sizes)
-
-    def run(
-        self,
-        plan: StepPlan,
-        bucket: int,
-        uniforms: torch.Tensor | None,
-        tokens_from: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the buffers and replay; returns (features [m*Q, n*d], packed verify results [m, 1+Q], see
-        `pack_verified`) of the real rows, valid until the next run. `uniforms` [m, Q] is None for an
-        all-greedy step. With `tokens_from` (a device tensor of the previous step's tokens, Q = 1), each
-        sequence's token_ids hold a row of it instead of a token, and the token is gathered on the device."""
-        seqs = plan.seqs
-        mode = fill_step(self.buffers, plan, bucket, uniforms)
-        if tokens_from is not None:
-            ids = self.buffers.input_ids[: len(seqs)]
-            ids.copy_(tokens_from.index_select(0, ids))
-        hidden, packed = self.steps.run(bucket, mode)
-        m = len(seqs)
-        return hidden[: m * self.q_len], packed[:m]
-
-
-def token_results(plan: StepPlan, rows: list[list[int]]) -> TargetOutput:
-    """A target-only step's output from its packed verify rows (`pack_verified`), one token per request."""
-    results = [SeqResult(s.request_id, [r[1]], 0, 0) for s, r in zip(plan.seqs, rows, strict=True)]
-    return TargetOutput(plan.step_id, results)
+from workers.uniform_step import UniformTargetStep, pack_verified, read_verified, token_results
 
 
 def _sub_plan(plan: StepPlan, seqs: list[SeqPlan]) -> StepPlan:
     """The same step restricted to some of its rows."""
     return StepPlan(plan.step_id, seqs, plan.num_draft_tokens)
-
-
-def fill_step(buffers: StepBuffers, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None) -> SamplingMode:
-    """Copy a uniform step's inputs (and, when it samples, its sampling parameters) into `buffers`; returns
-    the captured variant the step runs (greedy when there are no uniforms)."""
-    seqs = plan.seqs
-    buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
-    if uniforms is None:
-        return SamplingMode.GREEDY
-    buffers.fill_sampling(
-        [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], uniforms, bucket
-    )
-    return sampling_mode(seqs)
-
-
-def pack_verified(n_acc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Verify results (accepted [m], tokens [m, K+1]) as one tensor [m, 1 + K+1]: accepted, then tokens."""
-    return torch.cat([n_acc[:, None].to(out.dtype), out], dim=1)
-
-
-def read_verified(
-    packed: torch.Tensor,
-    members: Iterable[int],
-    tokens: list[list[int]],
-    accepted: list[int],
-    last_token: list[int],
-) -> None:
-    """Copy packed verify results (`pack_verified`) to the host in one transfer and record each member
-    request's emitted tokens, accept count and last token in the given lists."""
-    host = packed.tolist()
-    for row, i in zip(host, members, strict=True):
-        accepted[i] = row[0]
-        tokens[i] = row[1 : row[0] + 2]
-        last_token[i] = tokens[i][-1]
 
 
 @dataclass
