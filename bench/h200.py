@@ -57,6 +57,8 @@ VARIANTS = {
     "temperature-only": "sampling requests with top-p off (the captured variant that skips sorting the vocabulary); "
     "other sampling rows use top-p 0.95",
     "no-pdl": "small-step Triton kernels launched without programmatic dependent launch (model.pdl off)",
+    "adaptive": "adaptive speculation (speculative.adaptive): each step's depth in 0..K from the batch size, the "
+    "step costs timed at start-up and the running acceptance per position",
     "chain-graphs": "draft chain captured on its own (UniformChainStep, as on a separate draft worker or Ray "
     "rank 0) instead of inside the fused speculative step",
 }
@@ -80,6 +82,7 @@ def engine_for(
             variant != "no-overlap",
             variant != "no-overlap-spec",
             variant != "no-pdl",
+            variant == "adaptive",
         )
     finally:
         TritonOps.small_rows = small_rows
@@ -98,6 +101,7 @@ def _engine(
     overlap: bool,
     overlap_spec: bool,
     pdl: bool,
+    adaptive: bool = False,
 ) -> LLMEngine:
     cfg = MTPServeConfig.from_dict(
         {
@@ -117,8 +121,14 @@ def _engine(
                 "max_num_batched_tokens": 4096,
                 "chunk_size": 512,
                 "prefix_caching": False,  # prompts repeat across rows: time prefill, not cache hits
+                "num_kv_blocks": getattr(args, "num_kv_blocks", None),
             },
-            "speculative": {"enabled": k > 0, "draft": args.head, "num_draft_tokens": max(k, 1)},
+            "speculative": {
+                "enabled": k > 0,
+                "draft": args.head,
+                "num_draft_tokens": max(k, 1),
+                "adaptive": adaptive and k > 0,
+            },
         }
     )
     return LLMEngine.from_config(cfg)
@@ -134,6 +144,8 @@ def decode_run(
     while any(r.in_context for r in reqs):
         engine.step()
     sync()
+    policy = engine.scheduler.depth
+    depths_before = list(policy.steps_per_depth) if policy is not None else []
     t0 = time.perf_counter()
     steps = tokens = 0
     emitted: dict[str, list[int]] = {r: [] for r in ids}
@@ -162,6 +174,10 @@ def decode_run(
         "uniform_replays": replays(getattr(engine.target, "uniform", None)),
         "chain_replays": replays(getattr(engine.draft, "uniform", None)),
         "outputs": [emitted[r] for r in ids],
+        "steps_per_depth": None
+        if policy is None
+        else [a - b for a, b in zip(policy.steps_per_depth, depths_before, strict=True)],
+        "acceptance_rates": None if policy is None else [round(r, 4) for r in policy.tracker.rates()],
     }
 
 
@@ -170,12 +186,13 @@ def sampled_graphs(engine: LLMEngine) -> bool | None:
     step = getattr(engine.target, "fused", None) or getattr(engine.target, "uniform", None)
     if step is None:
         return None
-    return all(v.graphs for m, v in step.steps.variants.items() if m is not SamplingMode.GREEDY)
+    steps = step.by_depth[step.k].steps if hasattr(step, "by_depth") else step.steps
+    return all(v.graphs for m, v in steps.variants.items() if m is not SamplingMode.GREEDY)
 
 
 def replays(step: Any) -> int | None:
     """CUDA-graph replays of a captured step object, or None."""
-    return None if step is None else int(step.steps.replays)
+    return None if step is None else int(step.replays if hasattr(step, "replays") else step.steps.replays)
 
 
 def agreement(runs: list[dict[str, Any]]) -> None:
@@ -328,6 +345,7 @@ def main() -> int:
     plan += [(True, True, 0, batches, 0.0, "no-overlap")]
     plan += [(True, True, k, batches, 0.0, "no-overlap-spec") for k in (1, 3) if k in ks]
     plan += [(True, True, k, batches, 0.0, "no-pdl") for k in (0, 1, 3) if k in [0, *ks]]
+    plan += [(True, True, max(ks), batches, 0.0, "adaptive")]
     plan += [(True, True, k, ends, 0.0, "no-gemv") for k in (0, 3)]
     plan += [(True, True, 3, ends, t, "chain-graphs") for t in (0.0, 0.7)]
     plan += [(True, False, k, ends, 0.0, "") for k in (0, 3)]
@@ -348,6 +366,9 @@ def main() -> int:
         if eng is None:
             continue
         guarded("warmup", lambda e=eng: decode_run(e, prompts_all[:2], 8))
+        if eng.scheduler.depth is not None:
+            costs = eng.scheduler.depth.costs.seconds
+            report.setdefault("adaptive_step_ms", {})[label] = {f"b{b}/d{d}": 1e3 * c for (b, d), c in costs.items()}
         for b in bs:
             r = guarded(
                 f"decode {label} temperature={temp} batch={b}",
@@ -372,6 +393,7 @@ def main() -> int:
         if eng is not base:
             del eng
             torch.cuda.empty_cache()
+        (out_dir / "h200_bench.json").write_text(json.dumps(report, indent=2))  # kept if a later part overruns
     agreement(report["runs"])
     report["variants"] = VARIANTS
     if not args.skip_hf:
@@ -394,6 +416,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['batch']:>5} {r['tok_s']:>10.1f} "
             f"{r['step_ms']:>8.3f} {r['step_ms'] / WEIGHT_FLOOR_MS:>7.1f} {al:>5} "
             f"{'-' if same is None else f'{same:.2f}':>5} {r.get('variant', '')}"
+            + (f" depths {r['steps_per_depth']}" if r.get("steps_per_depth") else "")
         )
     for r in report.get("hf_generate") or []:
         print(f"HF generate batch {r['batch']}: {r['tok_s']:.1f} tok/s, {r['step_ms']:.2f} ms/step")

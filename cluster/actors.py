@@ -18,7 +18,7 @@ from modeling.loader import resolve_model
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from speculative.messages import StepPlan, TargetOutput
-from workers.builders import draft_source, max_model_len, num_blocks_for
+from workers.builders import depth_policy, draft_source, max_model_len, num_blocks_for
 from workers.config import MTPServeConfig
 from workers.convert import plan_to_proto, target_output_from_proto
 from workers.grpc_util import channel_options
@@ -263,7 +263,8 @@ def build_distributed_engine(cfg: MTPServeConfig, pg_name: str = "") -> LLMEngin
     drafting = draft_source(cfg, args) is not None
     k, scratch = (spec.proposed_tokens, spec.scratch_slots) if drafting else (0, 0)
     blocks = num_blocks_for(cfg, max_len)
-    sched = Scheduler(cfg.scheduler, blocks, k, args.eos_ids(), max_len, cfg.prefix_caching, scratch)
+    depth = depth_policy(cfg, k) if drafting and spec.adaptive else None
+    sched = Scheduler(cfg.scheduler, blocks, k, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth)
     tok = source.tokenizer() if not source.dummy else None
     engine = LLMEngine(cfg, args, sched, target, None, tok)
     engine.health_listeners = target.listeners

@@ -69,6 +69,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "more than it gains (bench/README.md)",
     )
     g.add_argument("--spec-tree-width", type=int, help="children per expanded tree node, and nodes per level (1-16)")
+    g.add_argument(
+        "--spec-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="choose each step's draft depth (0..--num-draft-tokens) from the batch size, the measured step "
+        "cost and the running acceptance; depth 0 keeps the draft's KV current without drafting (chains only)",
+    )
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     g.add_argument(
         "--lookahead-source",
@@ -111,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "speculative.num_draft_tokens": a.get("num_draft_tokens"),
         "speculative.tree_budget": a.get("spec_tree_budget"),
         "speculative.tree_width": a.get("spec_tree_width"),
+        "speculative.adaptive": a.get("spec_adaptive"),
         "speculative.enabled": False if a.get("no_speculation") else None,
         "speculative.lookahead_source": a.get("lookahead_source"),
         "scheduler.chunk_size": a.get("chunk_size"),

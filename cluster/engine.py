@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,10 +26,12 @@ from workers.builders import (
     bind_features,
     build_draft,
     build_fused,
+    build_fused_depths,
     build_prefill,
     build_runner,
     build_target,
     build_tree_step,
+    depth_policy,
     load_heads,
     load_target,
     max_model_len,
@@ -138,14 +141,20 @@ class LLMEngine:
         spec = cfg.speculative
         k = spec.num_draft_tokens if draft is not None else 0
         target = build_runner(cfg, model, cache, device, k, max_len)
+        target.drafting = draft is not None
+        adaptive = spec.adaptive and isinstance(draft, MTPEagleChain)
         if device.startswith("cuda") and cfg.model.cuda_graphs:
             if isinstance(draft, MTPEagleChain):
-                target.fused = build_fused(cfg, target, draft, k, max_len)
+                build = build_fused_depths if adaptive else build_fused
+                target.fused = build(cfg, target, draft, k, max_len)
             elif isinstance(draft, MTPEagleTree):
                 target.tree_step = build_tree_step(cfg, target, draft, max_len)
             target.prefill = build_prefill(cfg, target, draft, k, max_len)
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
-        sched = Scheduler(cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch)
+        depth = depth_policy(cfg, k, target.fused) if adaptive else None
+        sched = Scheduler(
+            cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth
+        )
         return cls(cfg, args, sched, target, draft, tokenizer)
 
     # ---- requests --------------------------------------------------------------------------------
@@ -245,6 +254,15 @@ class LLMEngine:
         return self._apply(launched.plan, out, out.draft_outputs)
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
+        depth = self.scheduler.depth
+        if depth is None or not depth.costs.online or not plan.seqs or any(s.is_context for s in plan.seqs):
+            return self._run(plan)
+        t0 = time.perf_counter()
+        outputs = self._run(plan)
+        depth.costs.observe(len(plan.seqs), plan.num_draft_tokens, time.perf_counter() - t0)
+        return outputs
+
+    def _run(self, plan: StepPlan) -> list[RequestOutput]:
         out = self.target.execute(plan)
         if out.draft_outputs is not None or self.draft is None or out.draft_inputs is None:
             return self._apply(plan, out, out.draft_outputs)

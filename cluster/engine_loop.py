@@ -345,3 +345,5 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.observe_load(len(sched.running), sched.num_waiting, used, blocks.num_blocks)
             self.metrics.observe_prefix_cache(sched.prefix_query_tokens, sched.prefix_hit_tokens, blocks.num_cached)
+            if sched.depth is not None:
+                self.metrics.observe_depths(sched.depth.steps_per_depth, sched.depth.depth)

@@ -77,6 +77,23 @@ class ServerMetrics:
             registry=r,
         )
 
+        self.steps_per_depth = Counter(
+            f"{prefix}_spec_steps_per_depth",
+            "Scheduled steps by draft depth (adaptive speculation; 0 = the draft only keeps its KV)",
+            ["depth"],
+            registry=r,
+        )
+        self.depth = Gauge(f"{prefix}_spec_depth", "Draft depth the adaptive policy would choose now", registry=r)
+        self._depths_seen: list[int] = []
+
+    def observe_depths(self, steps_per_depth: list[int], current: int) -> None:
+        """Bring the per-depth step counters up to the policy's running totals, and set the depth gauge."""
+        seen = self._depths_seen + [0] * (len(steps_per_depth) - len(self._depths_seen))
+        for depth, (total, before) in enumerate(zip(steps_per_depth, seen, strict=True)):
+            self.steps_per_depth.labels(depth=str(depth)).inc(max(0, total - before))
+        self._depths_seen = [max(a, b) for a, b in zip(steps_per_depth, seen, strict=True)]
+        self.depth.set(current)
+
     def start_http(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics on `port` (0 picks a free one); returns the bound port."""
         self._http, self._thread = start_http_server(port, addr=addr, registry=self.registry)

@@ -10,6 +10,7 @@ import torch
 from cluster.block_manager import BlockManager
 from cluster.prefix_keys import extend_keys, num_keyable_blocks
 from cluster.request import Request, RequestStatus
+from speculative.adaptive import AdaptiveDepth
 from speculative.messages import DraftOutputs, SeqPlan, StepPlan, TargetOutput
 from speculative.stats import SpecStats
 from workers.config import SchedulerConfig
@@ -35,6 +36,10 @@ class Scheduler:
     waiting ones, each context request taking at most `chunk_size` tokens from its cursor. When KV
     blocks run out, the most recently admitted request is preempted and later recomputes its context
     (prompt plus tokens generated so far).
+
+    With an `AdaptiveDepth` policy each step drafts its own depth (at most K): a request's stored drafts are
+    cut to it, or padded with copies of its last token when the step before proposed fewer (padding is
+    verified like any draft, so output is unchanged, and is left out of the acceptance counts).
     """
 
     def __init__(
@@ -46,8 +51,12 @@ class Scheduler:
         max_model_len: int,
         prefix_caching: bool | None = None,
         scratch_slots: int | None = None,
+        depth: AdaptiveDepth | None = None,
     ) -> None:
         self.cfg = cfg
+        self.depth = depth
+        self._next_depth: int | None = None  # a depth `plan_ahead` chose for the step `schedule` plans next
+        self._real_drafts: dict[int, dict[str, int]] = {}  # step -> request -> drafts not padding, where padded
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.prefix_caching = cfg.prefix_caching if prefix_caching is None else prefix_caching
         self.prefix_query_tokens = 0  # sequence tokens of admitted requests, looked up in the cache
@@ -103,15 +112,23 @@ class Scheduler:
         gen: list[SeqPlan] = []
         ctx: list[SeqPlan] = []
         scheduled: set[str] = set()
-        for req in list(self.running):
-            if req.in_context or req.status is not RequestStatus.RUNNING:
+        decoding = [r for r in self.running if not r.in_context and r.status is RequestStatus.RUNNING]
+        depth = self._step_depth(len(decoding))
+        padded: dict[str, int] = {}
+        for req in decoding:
+            if req.status is not RequestStatus.RUNNING:  # preempted by an earlier row's reservation
                 continue
-            n = 1 + len(req.draft_token_ids)
+            drafts = req.draft_token_ids if self.depth is None else req.draft_token_ids[:depth]
+            n = 1 + len(drafts) if self.depth is None else 1 + depth
             if n > budget:
                 continue
             if not self._reserve(req, self.slots_needed(req.num_computed_tokens + n), scheduled):
                 continue
-            tokens = [req.all_token_ids[-1], *req.draft_token_ids]
+            last = req.all_token_ids[-1]
+            if len(drafts) < n - 1:
+                padded[req.request_id] = len(drafts)
+                drafts = drafts + [last] * (n - 1 - len(drafts))
+            tokens = [last, *drafts]
             gen.append(self._gen_plan(req, tokens, req.num_computed_tokens, req.draft_probs, req.draft_parents))
             scheduled.add(req.request_id)
             budget -= n
@@ -141,8 +158,19 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= len(plan.token_ids)
         self._step += 1
+        if padded:
+            self._real_drafts[self._step] = padded
         finished, self._finished_since_plan = self._finished_since_plan, []
-        return StepPlan(self._step, ctx + gen, self.k, finished)
+        return StepPlan(self._step, ctx + gen, depth, finished)
+
+    def _step_depth(self, batch: int) -> int:
+        """Draft tokens the next step proposes (and verifies): K, or the adaptive policy's choice."""
+        if self.depth is None:
+            return self.k
+        if self._next_depth is not None:
+            depth, self._next_depth = self._next_depth, None
+            return depth
+        return self.depth.choose(batch)
 
     def plan_ahead(self, pending: StepPlan) -> StepPlan | None:
         """The generation step after `pending`, a generation step whose results are not applied yet.
@@ -158,6 +186,11 @@ class Scheduler:
         planned = {sp.request_id for sp in pending.seqs}
         if self.waiting or any(r.request_id not in planned for r in self.running):
             return None
+        if self.depth is not None:
+            depth = self._step_depth(len(pending.seqs))
+            if depth != k:  # a new depth starts from `schedule`, with the stored drafts cut or padded
+                self._next_depth = depth
+                return None
         seqs: list[SeqPlan] = []
         for row, sp in enumerate(pending.seqs):
             req = self.requests.get(sp.request_id)
@@ -305,6 +338,7 @@ class Scheduler:
     def update(self, plan: StepPlan, out: TargetOutput, drafts: DraftOutputs | None) -> list[RequestOutput]:
         """Apply a step's tokens and proposals; finish requests that hit a stop condition."""
         outputs: list[RequestOutput] = []
+        real = self._real_drafts.pop(plan.step_id, {})
         for sp, res in zip(plan.seqs, out.results, strict=True):
             req = self.requests.get(sp.request_id)
             if req is None or req.finished or req.status is not RequestStatus.RUNNING:
@@ -317,8 +351,11 @@ class Scheduler:
                 req.in_context = False
             else:
                 req.num_computed_tokens += 1 + res.num_accepted
-                if res.num_drafted:
-                    req.stats.record(res.num_drafted, res.num_accepted)
+                drafted = min(res.num_drafted, real.get(req.request_id, res.num_drafted))
+                if drafted:
+                    req.stats.record(drafted, min(res.num_accepted, drafted))
+                    if self.depth is not None:
+                        self.depth.tracker.record(drafted, res.num_accepted)
             req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
             outputs.append(self._append(req, res.new_token_ids))
         if drafts is not None:

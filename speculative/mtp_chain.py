@@ -32,10 +32,13 @@ def propose_from_rows(
     Row i of a sequence reads (row_tokens[i], hidden[i]) at positions[i], where hidden holds the target's
     features for the head ([B*Q, n*d]); rows past a sequence's
     accepted ones write draft KV that the chain overwrites before anything reads it (or, with padded
-    rows, the scratch block). The chain starts from row num_accepted[b]. Returns drafts [B, K].
+    rows, the scratch block). The chain starts from row num_accepted[b]. Returns drafts [B, K]; with K = 0
+    only the draft KV is written.
     """
     bsz, q = num_accepted.shape[0], meta.q_len
     dh = head.step(shared, row_tokens, hidden, positions, cache, meta)
+    if k == 0:
+        return torch.zeros(bsz, 0, dtype=torch.long, device=row_tokens.device)
     last = torch.arange(bsz, device=row_tokens.device) * q + num_accepted
     return chain_from(head, shared, cache, dh[last], positions[last], meta.block_tables, k)
 

@@ -21,6 +21,7 @@ from modeling.kv_cache import KVCache
 from modeling.layer_ops import pick_ops
 from modeling.loader import ModelSource, resolve_model
 from modeling.model import LlamaArgs, LlamaModel, cast_keeping_fp32, prepare_for_inference
+from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
 from speculative.lookahead import LookaheadBuffer
 from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
@@ -30,7 +31,8 @@ from speculative.mtp_tree import MTPEagleTree
 from speculative.mtp_vanilla import VanillaMTPChain
 from workers.chain_step import UniformChainStep
 from workers.config import MTPServeConfig
-from workers.fused_step import FusedSpecStep
+from workers.fused_step import FusedDepthSteps, FusedSpecStep
+from workers.graph_runner import capture_sizes
 from workers.prefill_step import CapturedPrefill
 from workers.runner import TargetRunner
 from workers.tree_step import FusedTreeStep
@@ -127,7 +129,26 @@ def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain,
         target.model, target.cache, chain, k, cfg.scheduler.max_num_requests, max_blocks, target.device
     )
     fused.steps.capture()
+    fused.warm_up()
     return fused
+
+
+def build_fused_depths(
+    cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int
+) -> FusedDepthSteps:
+    """Fused steps for every draft depth 0..K (adaptive speculation), each captured per batch bucket."""
+    return FusedDepthSteps({d: build_fused(cfg, target, chain, d, max_len) for d in range(k + 1)})
+
+
+def depth_policy(cfg: MTPServeConfig, k: int, fused: Any = None) -> AdaptiveDepth:
+    """The adaptive depth policy: step costs timed once on the fused depth steps when there are some, else
+    observed from the engine's own steps."""
+    timed = isinstance(fused, FusedDepthSteps)
+    costs = StepCosts(capture_sizes(cfg.scheduler.max_num_requests), k, online=not timed)
+    if timed:
+        for (bucket, depth), seconds in fused.time_steps().items():
+            costs.set(bucket, depth, seconds)
+    return AdaptiveDepth(costs, AcceptanceTracker(k))
 
 
 def build_prefill(

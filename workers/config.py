@@ -82,9 +82,16 @@ class SpeculativeConfig(_Strict):
         description="draft-tree nodes per request and step (EAGLE-2 style, depth num_draft_tokens); 0: a linear chain",
     )
     tree_width: int = Field(4, ge=1, le=16, description="children per expanded tree node, and nodes expanded per level")
+    adaptive: bool = Field(
+        False,
+        description="choose each step's chain depth in [0, num_draft_tokens] from the batch size, the measured "
+        "step cost and the running acceptance per position (depth 0 keeps the draft's KV current, drafts nothing)",
+    )
 
     @model_validator(mode="after")
     def _check_tree(self) -> SpeculativeConfig:
+        if self.adaptive and (self.tree_budget or self.method != "mtp_eagle"):
+            raise ValueError("adaptive: chooses the depth of an MTP Eagle chain (method 'mtp_eagle', tree_budget 0)")
         if self.tree_budget:
             if self.method != "mtp_eagle":
                 raise ValueError("tree_budget: draft trees reuse one MTP module (speculative.method 'mtp_eagle')")

@@ -6,7 +6,8 @@ fixed buffers), the draft re-runs over all K+1 rows (row i reads emitted token i
 i+1 up to the first rejection and the correction or bonus token there; rows past it write draft KV
 that the chain overwrites before anything reads it), then the chain proposes K greedy tokens from each
 request's last accepted row. Three CUDA graphs per batch bucket, one per sampling mode (all-greedy,
-temperature only, top-k/top-p), in one memory pool; one host copy of the results per step.
+temperature only, top-k/top-p), in one memory pool; one host copy of the results per step. With K = 0 (the
+depth-0 step of adaptive speculation) the target emits one token and the draft only writes its KV.
 
 A step can also take its inputs from the previous step's results on the device (`launch(..., after=...)`):
 each request's next tokens are its last emitted token and its new drafts, and its next position follows
@@ -14,6 +15,10 @@ its accepted count, so the host can queue the step before it has read the previo
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -45,8 +50,8 @@ class FusedSpecStep:
         device: torch.device | str,
         use_graphs: bool = True,
     ) -> None:
-        if k < 1:
-            raise ValueError("the fused step needs at least one draft token")
+        if k < 0:
+            raise ValueError("the fused step's draft depth must be >= 0")
         self.target, self.cache, self.chain, self.k = target, cache, chain, k
         dev = torch.device(device)
         sizes = capture_sizes(max_batch)
@@ -71,9 +76,16 @@ class FusedSpecStep:
         columns = [emitted, n_acc[:, None], drafts, next_start[:, None]]
         return torch.cat([t.to(emitted.dtype) for t in columns], dim=1)
 
+    @property
+    def replays(self) -> int:
+        """CUDA-graph replays so far."""
+        return self.steps.replays
+
     def bucket_for(self, plan: StepPlan) -> int | None:
         """A bucket when every request is generation with exactly K one-hot drafts and fits; else None."""
         q = self.k + 1
+        if plan.num_draft_tokens != self.k:
+            return None
         for s in plan.seqs:
             if s.is_context or len(s.token_ids) != q or s.draft_probs is not None or s.draft_parents is not None:
                 return None
@@ -94,6 +106,15 @@ class FusedSpecStep:
         if after is not None:
             self._advance(m, after)
         return self.steps.run(bucket, mode)[:m]
+
+    def warm_up(self) -> None:
+        """Compile the input-advancing kernel before serving (its first call would otherwise stall the
+        first queued step of this depth); leaves the buffers padded."""
+        b = self.buffers
+        b.fill([], [], [], b.max_batch)
+        previous = torch.zeros(b.max_batch, 2 * self.k + 3, dtype=torch.long, device=b.input_ids.device)
+        self._advance(b.max_batch, previous)
+        b.fill([], [], [], b.max_batch)
 
     def _advance(self, m: int, previous: torch.Tensor) -> None:
         if previous.is_cuda and fused_kernels.available():
@@ -116,3 +137,67 @@ class FusedSpecStep:
     def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
         """Launch, then read back tokens, accept counts and next drafts in one copy."""
         return self.read(plan, self.launch(plan, bucket, uniforms).cpu())
+
+
+class FusedDepthSteps:
+    """Fused steps for every draft depth 0..K of adaptive speculation; a plan runs the step of its depth
+    (`StepPlan.num_draft_tokens`). The steps share their CUDA-graph memory pool."""
+
+    def __init__(self, steps: dict[int, FusedSpecStep]) -> None:
+        if sorted(steps) != list(range(max(steps) + 1)) or any(s.k != k for k, s in steps.items()):
+            raise ValueError("FusedDepthSteps needs one fused step per depth 0..K, keyed by its depth")
+        self.by_depth = steps
+        self.k = max(steps)
+        self.buffers = steps[self.k].buffers  # the widest; every depth has the same max_batch
+
+    @property
+    def replays(self) -> int:
+        """CUDA-graph replays so far, every depth."""
+        return sum(s.replays for s in self.by_depth.values())
+
+    def bucket_for(self, plan: StepPlan) -> int | None:
+        """The bucket of the plan's depth step (see FusedSpecStep.bucket_for); None for another depth."""
+        step = self.by_depth.get(plan.num_draft_tokens)
+        return None if step is None else step.bucket_for(plan)
+
+    def launch(
+        self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None, after: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """FusedSpecStep.launch on the plan's depth (`after` must come from a step of the same depth)."""
+        return self.by_depth[plan.num_draft_tokens].launch(plan, bucket, uniforms, after)
+
+    def read(self, plan: StepPlan, host: torch.Tensor) -> TargetOutput:
+        """FusedSpecStep.read on the plan's depth."""
+        return self.by_depth[plan.num_draft_tokens].read(plan, host)
+
+    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
+        """FusedSpecStep.run on the plan's depth."""
+        return self.by_depth[plan.num_draft_tokens].run(plan, bucket, uniforms)
+
+    def time_steps(self, repeats: int = 10) -> dict[tuple[int, int], float]:
+        """Seconds per greedy step by (batch bucket, depth), each the mean of `repeats` runs over the padded
+        buffers (which write only the scratch block): the step costs of the adaptive policy."""
+        out: dict[tuple[int, int], float] = {}
+        for depth, step in self.by_depth.items():
+            step.buffers.fill([], [], [], step.buffers.max_batch)
+            for bucket in step.steps.sizes:
+                run = partial(step.steps.run, bucket, SamplingMode.GREEDY)
+                run()  # warm-up
+                out[(bucket, depth)] = _timed(run, repeats, step.buffers.input_ids.device)
+        return out
+
+
+def _timed(call: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Mean seconds of `repeats` calls on `device` (CUDA events there, else wall time)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeats
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - t0) / repeats

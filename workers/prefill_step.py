@@ -197,8 +197,8 @@ class CapturedPrefill:
         return torch.cat([token[:, None], drafts], dim=1)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
-        """A bucket when the step is one prompt chunk that fits; else None."""
-        if len(plan.seqs) != 1:
+        """A bucket when the step is one prompt chunk that fits, proposing at most K drafts; else None."""
+        if len(plan.seqs) != 1 or plan.num_draft_tokens > self.k:
             return None
         s = plan.seqs[0]
         if not s.is_context or s.draft_parents is not None:
@@ -227,7 +227,8 @@ class CapturedPrefill:
         drafts = None
         if self.chain is not None:
             proposing = s.is_final_chunk
-            ids = torch.tensor([row[1:]] if proposing else [], dtype=torch.long).view(int(proposing), self.k)
+            kept = row[1 : 1 + plan.num_draft_tokens]  # a shorter chain's drafts are the first of K
+            ids = torch.tensor([kept] if proposing else [], dtype=torch.long).view(int(proposing), len(kept))
             drafts = DraftOutputs(plan.step_id, [s.request_id] if proposing else [], ids)
         return TargetOutput(plan.step_id, [result], None, drafts)
 

@@ -53,7 +53,8 @@ class TargetRunner:
     ):
         self.model = model
         self.uniform = uniform
-        self.fused: Any = None  # FusedSpecStep when the draft is colocated in this process
+        self.fused: Any = None  # FusedSpecStep (FusedDepthSteps when adaptive) with the draft in this process
+        self.drafting = False  # a draft follows this target: every step's rows go to it, even at depth 0
         self.tree_step: Any = None  # FusedTreeStep when a tree drafter is colocated in this process
         self.prefill: Any = None  # CapturedPrefill: a lone request's prompt chunk in fixed shapes
         self.cache = cache
@@ -98,8 +99,8 @@ class TargetRunner:
         """The captured bucket `launch` would use: generation steps through the fused speculative step
         when the draft is colocated, else target-only steps through the uniform step; None otherwise."""
         if self.fused is not None:
-            return self.fused.bucket_for(plan) if plan.num_draft_tokens else None
-        if self.uniform is None or plan.num_draft_tokens or self.uniform.q_len != 1:
+            return self.fused.bucket_for(plan) if plan.num_draft_tokens or self.drafting else None
+        if self.uniform is None or plan.num_draft_tokens or self.drafting or self.uniform.q_len != 1:
             return None
         return self.uniform.bucket_for(plan)
 
@@ -189,7 +190,7 @@ class TargetRunner:
                 drafted[i] = int(tree.depth().max())  # one branch is checked: stats count tree depth
         results = [SeqResult(s.request_id, tokens[i], drafted[i], accepted[i]) for i, s in enumerate(plan.seqs)]
         draft_inputs = None
-        if plan.num_draft_tokens > 0:
+        if plan.num_draft_tokens > 0 or self.drafting:
             draft_inputs = self._draft_inputs(plan, features, starts, accepted, last_token, paths)
         return TargetOutput(plan.step_id, results, draft_inputs)
 
@@ -220,7 +221,7 @@ class TargetRunner:
         if not drafts:
             return TargetOutput(plan.step_id, results)
         ids = [r for d in drafts for r in d.request_ids]
-        tokens = torch.cat([d.draft_token_ids.view(-1, plan.num_draft_tokens) for d in drafts])
+        tokens = torch.cat([d.draft_token_ids.reshape(len(d.request_ids), plan.num_draft_tokens) for d in drafts])
         return TargetOutput(plan.step_id, results, None, DraftOutputs(plan.step_id, ids, tokens))
 
     def _context_uniform(self, s: SeqPlan) -> float | None:

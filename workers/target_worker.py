@@ -105,6 +105,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         bind_features(model, heads)
         k = cfg.speculative.num_draft_tokens if heads else 0
         self.runner = build_runner(cfg, model, cache, self.device, k, max_len)
+        self.runner.drafting = self.rank == 0 and bool(heads)
         proposed = cfg.speculative.proposed_tokens if heads else 0
         self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, proposed)
         if self.rank == 0 and heads:
