@@ -343,3 +343,17 @@ def test_prometheus_counts_steps_per_depth() -> None:
     got = [m.registry.get_sample_value("mtpserve_spec_steps_per_depth_total", {"depth": str(d)}) for d in range(4)]
     assert got == [4.0, 2.0, 5.0, 1.0]
     assert m.registry.get_sample_value("mtpserve_spec_depth") == 3.0
+
+
+def test_warm_up_runs_the_input_advance_and_leaves_the_buffers_padded() -> None:
+    """A fused step's warm-up (run at build, so the first queued step of a depth does not compile) leaves
+    its buffers as freshly padded ones, at depth 0 and at depth K."""
+    eng = adaptive_engine(None)
+    runner = eng.target
+    assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
+    for depth in (0, K):
+        step = FusedSpecStep(runner.model, runner.cache, eng.draft, depth, 8, 16, "cpu", use_graphs=False)
+        fresh = step.buffers.packed.clone()
+        step.buffers.input_ids.fill_(5)
+        step.warm_up()
+        assert torch.equal(step.buffers.packed, fresh)
