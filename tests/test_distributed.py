@@ -156,7 +156,7 @@ def test_adaptive_depths_through_actors(ray_local, model, placement: str) -> Non
             costs.set(2, 0, 1.0)
             costs.set(2, 1, 100.0)  # two requests now run at depth 0, one alone at depth 3
             pair = random_prompts(2, 96, [13, 7], seed=9)
-            a, b = (eng.add_request(p, {"max_tokens": m}) for p, m in zip(pair, (40, 12), strict=True))
+            a, _ = (eng.add_request(p, {"max_tokens": m}) for p, m in zip(pair, (40, 12), strict=True))
             fixed = tiny_engine(args, w, mimic_head(args, w), speculative={"num_draft_tokens": 3})
             fa, _ = (fixed.add_request(p, {"max_tokens": m}) for p, m in zip(pair, (40, 12), strict=True))
             until = len(pair[0]) + 30
