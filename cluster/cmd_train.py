@@ -272,6 +272,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         help="initialise the head's layer from the target's last decoder layer (default on)",
     )
     g.add_argument(
+        "--init-head",
+        metavar="PATH",
+        help="start every head from this trained head (same feature layers and draft vocabulary; a head with a "
+        "wider mlp= starts with its extra units switched off), to continue training on new data",
+    )
+    g.add_argument(
         "--time-budget",
         type=_bounded(float, 0.0, lo_open=True),
         help="seconds for the whole command; steps are cut to fit, keeping time for eval/export",
@@ -294,7 +300,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         default=[],
         metavar="NAME:KEY=VALUE,...",
         help="a head to train (repeat for an ablation, all on the same batches): layers=last|fused|i/j/k, "
-        "vocab=N (N most frequent response tokens; 0 = all), k=unrolled loss steps; default one head, "
+        "vocab=N (N most frequent response tokens; 0 = all), k=unrolled loss steps, mlp=N (the draft "
+        "layer's MLP width; 0 = the target's); default one head, "
         "'head:layers=last'",
     )
     g.add_argument(
@@ -405,6 +412,7 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
         num_draft_tokens=args.num_draft_tokens,
         step_weights=args.step_weights,
         init_from_target=args.init_from_target,
+        init_head=args.init_head,
         device=device,
         dtype=args.dtype,
         dev_fraction=args.dev_fraction,

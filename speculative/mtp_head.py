@@ -9,6 +9,7 @@ Safetensors tensor names (all under the `mtp.` prefix):
 - mtp.vocab_ids [V'] int64                               only with a reduced draft vocabulary
 - mtp.final_norm.weight [d]                              only for a head with its own output norm (DeepSeek's
                                                          shared_head.norm); otherwise the target's is used
+The decoder layer's MLP may be wider than the target's (its width is read from mtp.layer.mlp.gate_proj.weight).
 Metadata `feature_layers` ("2,15,29") names the target layers whose outputs the first draft step reads;
 absent, the head reads the last layer's output (the target's pre-final-norm hidden state).
 The embedding and lm_head (and, by default, the final norm) are the target's and are not stored. The
@@ -17,6 +18,7 @@ decoder layer is of the target's family (a Llama layer, or an MLA + MoE layer fo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,10 +63,14 @@ class MTPEagleHead(nn.Module):
         feature_layers: Sequence[int] | None = None,
         vocab_ids: torch.Tensor | None = None,
         own_norm: bool = False,
+        mlp_size: int | None = None,
     ) -> None:
         super().__init__()
         d = args.hidden_size
         self.args = args
+        if mlp_size is not None and mlp_size < 1:
+            raise ValueError(f"mlp_size must be >= 1, got {mlp_size}")
+        self.mlp_size = mlp_size or args.intermediate_size
         layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(args)
         check_feature_layers(layers, args)
         self.feature_layers = layers
@@ -73,7 +79,8 @@ class MTPEagleHead(nn.Module):
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
         self.fc = nn.Linear(len(layers) * d, d, bias=False) if len(layers) > 1 else None
         family = model_class(args)
-        self.layer = family.decoder_layer(args, TPContext(), args.num_hidden_layers)
+        layer_args = dataclasses.replace(args, intermediate_size=self.mlp_size)
+        self.layer = family.decoder_layer(layer_args, TPContext(), args.num_hidden_layers)
         self.rotary = family.rotary_for(args)
         self.final_norm = RMSNorm(d, args.rms_norm_eps) if own_norm else None
         self.normed_input = False  # whether the target's features are its final-normed hidden states
@@ -212,7 +219,7 @@ class MTPEagleHead(nn.Module):
         idx = self.args.num_hidden_layers - 1 if layer is None else layer
         prefix = f"model.layers.{idx}."
         sd = {k[len(prefix) :]: v for k, v in target_weights.items() if k.startswith(prefix)}
-        self.layer.load_state_dict(sd)
+        load_widened(self.layer, sd)
         d = self.args.hidden_size
         with torch.no_grad():
             self.enorm.weight.fill_(1.0)
@@ -223,6 +230,22 @@ class MTPEagleHead(nn.Module):
             if self.fc is not None:
                 self.fc.weight.zero_()
                 self.fc.weight[:, -d:] = torch.eye(d)
+
+    def init_from_head(self, other: MTPEagleHead) -> None:
+        """Start from another head's weights (a trained head to continue); this head may have a wider MLP,
+        whose extra units start with no effect on the output."""
+        same = (
+            other.feature_layers == self.feature_layers
+            and (other.final_norm is None) == (self.final_norm is None)
+            and other.draft_vocab_size == self.draft_vocab_size
+        )
+        if not same or other.mlp_size > self.mlp_size:
+            raise ValueError(
+                f"cannot start from a head with feature layers {list(other.feature_layers)}, draft vocabulary "
+                f"{other.draft_vocab_size} and MLP {other.mlp_size}: this one has {list(self.feature_layers)}, "
+                f"{self.draft_vocab_size} and {self.mlp_size}"
+            )
+        load_widened(self, other.state_dict())
 
     # ---- files ---------------------------------------------------------------------------------------
     def save(
@@ -244,12 +267,42 @@ class MTPEagleHead(nn.Module):
             meta = f.metadata() or {}
             sd = {k[len(PREFIX) :]: f.get_tensor(k) for k in f.keys() if k.startswith(PREFIX)}  # noqa: SIM118
         layers = parse_feature_layers(meta.get(FEATURE_LAYERS_KEY)) or default_feature_layers(args)
-        head = cls(args, layers, sd.get("vocab_ids"), own_norm="final_norm.weight" in sd)
+        gate = sd.get("layer.mlp.gate_proj.weight")
+        mlp = int(gate.shape[0]) if gate is not None and gate.shape[0] != args.intermediate_size else None
+        head = cls(args, layers, sd.get("vocab_ids"), own_norm="final_norm.weight" in sd, mlp_size=mlp)
         floats = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
         missing, unexpected = head.load_state_dict(floats, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: draft head tensors missing {missing[:3]} / unexpected {unexpected[:3]}")
         return head
+
+
+def load_widened(module: nn.Module, state: dict[str, torch.Tensor], std: float = 0.02, seed: int = 0) -> None:
+    """Load `state` into `module`, whose MLP may be wider: the extra gate/up rows start random (std) and the
+    extra down_proj columns zero, so the module computes what `state` did and the extra units still learn."""
+    own = module.state_dict()
+    if set(own) != set(state):
+        raise ValueError(f"tensor names differ: {sorted(set(own) ^ set(state))[:3]}")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, dst in own.items():
+            src = state[name].to(dst.dtype)
+            if src.shape == dst.shape:
+                dst.copy_(src)
+            elif (
+                name.endswith(("gate_proj.weight", "up_proj.weight"))
+                and src.shape[1:] == dst.shape[1:]
+                and src.shape[0] < dst.shape[0]
+            ):
+                n = src.shape[0]
+                dst[:n] = src
+                dst[n:] = torch.randn(dst[n:].shape, generator=g).to(dst.dtype) * std
+            elif name.endswith("down_proj.weight") and src.shape[0] == dst.shape[0] and src.shape[1] < dst.shape[1]:
+                n = src.shape[1]
+                dst[:, :n] = src
+                dst[:, n:] = 0.0
+            else:
+                raise ValueError(f"{name}: shape {tuple(src.shape)} does not fit {tuple(dst.shape)}")
 
 
 def parse_feature_layers(text: str | None) -> tuple[int, ...]:
@@ -289,5 +342,7 @@ def head_layout(path: str | Path) -> tuple[int, ...]:
 
 
 def describe(head: MTPEagleHead) -> str:
-    """A one-line summary: feature layers and draft vocabulary."""
-    return json.dumps({"feature_layers": list(head.feature_layers), "draft_vocab": head.draft_vocab_size})
+    """A one-line summary: feature layers, draft vocabulary and MLP width."""
+    return json.dumps(
+        {"feature_layers": list(head.feature_layers), "draft_vocab": head.draft_vocab_size, "mlp": head.mlp_size}
+    )

@@ -162,6 +162,40 @@ def test_head_file_round_trip_keeps_layout(tmp_path: Path) -> None:
     assert loaded.fc is None and loaded.vocab_ids is None and loaded.feature_layers == (1,)
 
 
+def test_wider_mlp_head_starts_as_its_source_and_stays_lossless(tmp_path: Path) -> None:
+    """A head grown from a trained one to twice the MLP drafts exactly what it did; with its extra units
+    switched on it drafts differently, the engine's output stays the target's, and the file keeps the width."""
+    args, w = layered_target()
+    narrow = fused_head(args, w)
+    wide_size = 2 * args.intermediate_size
+    wide = MTPEagleHead(args, (0, 1), narrow.vocab_ids, mlp_size=wide_size)
+    wide.init_from_head(narrow)
+    prompts = random_prompts(5, args.vocab_size, [21, 1, 40, 9, 13], seed=3)
+    ref = [c.token_ids for c in tiny_engine(args, w).generate(prompts, {"max_tokens": 30})]
+
+    def run(head: MTPEagleHead) -> tuple[list[list[int]], tuple[int, int]]:
+        eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": 3})
+        out = [c.token_ids for c in eng.generate(prompts, {"max_tokens": 30})]
+        return out, (eng.totals.accepted, eng.totals.drafted)
+
+    base_out, base_stats = run(narrow)
+    assert base_out == ref and 0 < base_stats[0] < base_stats[1]
+    assert run(wide) == (ref, base_stats)
+    g = torch.Generator().manual_seed(9)
+    n = args.intermediate_size
+    mlp = wide.layer.mlp
+    with torch.no_grad():
+        for extra in (mlp.gate_proj.weight[n:], mlp.up_proj.weight[n:], mlp.down_proj.weight[:, n:]):
+            extra.copy_(torch.randn(extra.shape, generator=g))
+    grown_out, grown_stats = run(wide)
+    assert grown_out == ref and grown_stats != base_stats
+    wide.save(tmp_path / "w.safetensors")
+    back = MTPEagleHead.load(tmp_path / "w.safetensors", args)
+    assert back.mlp_size == wide_size and run(back) == (ref, grown_stats)
+    with pytest.raises(ValueError, match="MLP"):
+        narrow.init_from_head(wide)
+
+
 @pytest.mark.parametrize(
     ("layers", "vocab", "message"),
     [

@@ -204,6 +204,46 @@ def test_checkpoint_reloads_identically_and_resume_continues(target_dir: Path, d
         assert torch.equal(shared.logits(x).argmax(-1), shared.logits(y).argmax(-1))
 
 
+def test_init_head_continues_a_trained_head_and_a_wider_mlp_starts_equal(
+    target_dir: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    """Heads started from a trained file (one as wide, one with twice the MLP) score exactly what it scores
+    before their first step, then both move; the wide head's file keeps its width."""
+    src = tmp_path / "src" / "head.safetensors"
+    assert cli(*train_args(target_dir, data_dir, src, "--steps", 40, "--eval-every", 0, "--ckpt-every", 0)) == 0
+    scored = json.loads(src.with_name("head.results.json").read_text())["dev"]["acceptance_length"]
+    out = tmp_path / "cont" / "head.safetensors"
+    wide = 2 * ARGS.intermediate_size
+    specs = ["--head-spec", "same:layers=last", "--head-spec", f"wide:layers=last,mlp={wide}"]
+    extra = ["--steps", 10, "--eval-every", 0, "--ckpt-every", 0, "--init-head", src, *specs]
+    assert cli(*train_args(target_dir, data_dir, out, *extra)) == 0
+    res = json.loads(out.with_name("head.results.json").read_text())
+    assert "head.safetensors" in res["train"]["init"]
+    for name in ("same", "wide"):
+        assert res["heads"][name]["dev_initial"]["acceptance_length"] == pytest.approx(scored, abs=1e-9)
+    before = MTPEagleHead.load(src, ARGS)
+    same = MTPEagleHead.load(out.with_name("head-same.safetensors"), ARGS)
+    grown = MTPEagleHead.load(out.with_name("head-wide.safetensors"), ARGS)
+    assert same.mlp_size == ARGS.intermediate_size and grown.mlp_size == wide
+    down = grown.layer.mlp.down_proj.weight
+    assert down.shape[1] == wide and down[:, ARGS.intermediate_size :].abs().sum() > 0, "the extra units learn"
+    assert not torch.equal(same.eh_proj.weight, before.eh_proj.weight)
+
+
+def test_init_head_refuses_a_missing_file_or_another_layout(
+    target_dir: Path, data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "h.safetensors"
+    assert cli(*train_args(target_dir, data_dir, out, "--steps", 1, "--init-head", tmp_path / "none")) == 2
+    assert "--init-head" in capsys.readouterr().err
+    other = MTPEagleHead(ARGS, (0, 1))
+    other.save(tmp_path / "fused.safetensors")
+    rc = cli(*train_args(target_dir, data_dir, out, "--steps", 1, "--init-head", tmp_path / "fused.safetensors"))
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--init-head" in err and "feature layers [0, 1]" in err
+
+
 def test_time_budget_cuts_the_schedule_to_fit(target_dir: Path, data_dir: Path, tmp_path: Path) -> None:
     """With --time-budget the run stops in time, sized its cosine schedule to the steps it ran, and exports."""
     out = tmp_path / "head.safetensors"

@@ -14,6 +14,10 @@ SHIPPED=speculative/heads/smollm2-135m-mtp.safetensors
 OUT=${OUT:-/tmp/mtpserve-out}
 MIX=${MIX:-chat=10,steered=3,magpie=3,math=5,code=5,long=3,multi=5,seed=1}
 SHARDS=${SHARDS:-4}
+SEED=${SEED:-0}  # the dataset's seed (a fresh seed gives new prompts and answers)
+LR=${LR:-6e-4}
+WARMUP=${WARMUP:-150}
+# INIT_HEAD=path: every head starts from that trained head (continued training) instead of the target's layer
 # the ablation of the model card; HEAD_SPECS="fused:layers=fused" trains the shipped layout alone
 HEAD_SPECS=${HEAD_SPECS:-"base:layers=last fused:layers=fused fused-v16k:layers=fused,vocab=16384 fused-k1:layers=fused,k=1"}
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -26,7 +30,7 @@ data() {  # $1: seconds for this step
   python3 -c "from modeling.loader import resolve_model; resolve_model('$MODEL', 'auto').weights()" || return 1
   for w in $(seq 0 $((SHARDS - 1))); do
     python3 -m cluster train-draft --stage data --device cuda --target "$MODEL" --data-dir "$DATA" --mix "$MIX" \
-      --part-size 2048 --gen-batch-size 256 --seed 0 --shard "$w/$SHARDS" --time-budget "$(left "$1")" \
+      --part-size 2048 --gen-batch-size 256 --seed "$SEED" --shard "$w/$SHARDS" --time-budget "$(left "$1")" \
       > "$OUT/data-$w.log" 2>&1 &
   done
   wait
@@ -49,8 +53,8 @@ train() {  # $1: seconds for this step
   [ -f "$DATA/meta.json" ] || data $(($1 / 3))
   [ -f "$DATA/meta.json" ] || { echo "dataset unfinished"; return 1; }
   python3 -m cluster train-draft --stage train --device cuda --target "$MODEL" --data-dir "$DATA" --seed 0 \
-    --holdout-source seed --dev-fraction 0.006 --batch-size 64 --max-batch-tokens 24576 --lr 6e-4 \
-    --warmup-steps 150 --steps 100000 --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 --ckpt-every 0 \
+    --holdout-source seed --dev-fraction 0.006 --batch-size 64 --max-batch-tokens 24576 --lr "$LR" \
+    --warmup-steps "$WARMUP" ${INIT_HEAD:+--init-head "$INIT_HEAD"} --steps 100000 --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 --ckpt-every 0 \
     $(for s in $HEAD_SPECS; do printf -- '--head-spec %s ' "$s"; done) \
     --export-dtype bfloat16 --out "$HEADS/smollm2-135m-mtp.safetensors" \
     > "$OUT/train.log" 2>&1

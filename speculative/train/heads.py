@@ -4,7 +4,8 @@ A spec reads `name:key=value,...` on the command line, e.g. `fused-v16k:layers=f
 - layers: `last` (the target's last layer only, the plain MTP input), `fused` (EAGLE-3's low / middle /
   high layers) or explicit 0-based layer indices joined by `/` (ascending, ending at the last layer);
 - vocab: 0 for the target's whole vocabulary, else the N most frequent response tokens of the training split;
-- k: unrolled steps in the loss (training-time test); 1 trains only the first draft position.
+- k: unrolled steps in the loss (training-time test); 1 trains only the first draft position;
+- mlp: the draft layer's MLP width (0: the target's); wider units start with no effect on the output.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class HeadSpec:
     layers: str = "last"  # 'last', 'fused' or '2/15/29'
     draft_vocab: int = 0  # 0: the target's whole vocabulary
     num_draft_tokens: int | None = None  # unrolled loss steps; None: the run's --num-draft-tokens
+    mlp: int = 0  # the draft layer's MLP width; 0: the target's intermediate size
 
     def feature_layers(self, args: LlamaArgs) -> tuple[int, ...]:
         """The target layers this head reads."""
@@ -46,14 +48,16 @@ class HeadSpec:
     def text(self) -> str:
         """The spec as `--head-spec` reads it."""
         k = f",k={self.num_draft_tokens}" if self.num_draft_tokens is not None else ""
-        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}"
+        mlp = f",mlp={self.mlp}" if self.mlp else ""
+        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}"
 
     def describe(self, args: LlamaArgs, k: int) -> str:
         """A short human description, for tables."""
         layers = self.feature_layers(args)
         feat = "last layer" if len(layers) == 1 else "fused layers " + "/".join(map(str, layers))
         vocab = "full vocab" if not self.draft_vocab else f"vocab {self.draft_vocab}"
-        return f"{feat}, {vocab}, loss over {self.num_draft_tokens or k} step(s)"
+        mlp = f", MLP {self.mlp}" if self.mlp else ""
+        return f"{feat}, {vocab}{mlp}, loss over {self.num_draft_tokens or k} step(s)"
 
 
 def parse_head_spec(text: str) -> HeadSpec:
@@ -66,19 +70,21 @@ def parse_head_spec(text: str) -> HeadSpec:
         key, eq, value = item.partition("=")
         if not eq:
             raise TrainSetupError("--head-spec", f"'{text}': '{item}' is not key=value")
-        if key not in ("layers", "vocab", "k"):
-            raise TrainSetupError("--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k)")
+        if key not in ("layers", "vocab", "k", "mlp"):
+            raise TrainSetupError("--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp)")
         try:
             if key == "layers":
                 spec.layers = value
             elif key == "vocab":
                 spec.draft_vocab = int(value)
+            elif key == "mlp":
+                spec.mlp = int(value)
             else:
                 spec.num_draft_tokens = int(value)
         except ValueError:
             raise TrainSetupError("--head-spec", f"'{text}': {key} must be an integer, got '{value}'") from None
-    if spec.draft_vocab < 0 or (spec.num_draft_tokens is not None and spec.num_draft_tokens < 1):
-        raise TrainSetupError("--head-spec", f"'{text}': vocab must be >= 0 and k >= 1")
+    if spec.draft_vocab < 0 or spec.mlp < 0 or (spec.num_draft_tokens is not None and spec.num_draft_tokens < 1):
+        raise TrainSetupError("--head-spec", f"'{text}': vocab and mlp must be >= 0 and k >= 1")
     return spec
 
 
@@ -94,6 +100,8 @@ def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int) -> None:
             raise TrainSetupError("--head-spec", f"{s.name}: {exc}") from None
         if s.draft_vocab > args.vocab_size:
             raise TrainSetupError("--head-spec", f"{s.name}: vocab {s.draft_vocab} > the target's {args.vocab_size}")
+        if s.mlp and s.mlp < args.intermediate_size:
+            raise TrainSetupError("--head-spec", f"{s.name}: mlp {s.mlp} < the target's {args.intermediate_size}")
         if (s.num_draft_tokens or k) > k:
             raise TrainSetupError("--head-spec", f"{s.name}: k {s.num_draft_tokens} > --num-draft-tokens {k}")
 

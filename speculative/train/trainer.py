@@ -50,6 +50,7 @@ class TrainConfig:
     num_draft_tokens: int = 3  # K, unroll depth and evaluation chain length
     step_weights: list[float] | None = None  # None: 1, 0.7, 0.49, ...
     init_from_target: bool = True
+    init_head: str | None = None  # start every head from this trained head's weights (a continued training)
     device: str = "cpu"
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     dev_fraction: float = 0.05
@@ -162,8 +163,15 @@ class Trainer:
         if spec.draft_vocab:
             counts = response_token_counts(self.data, self.train_idx, self.args.vocab_size)
             vocab_ids, coverage = frequent_vocab(counts, spec.draft_vocab)
-        head = MTPEagleHead(self.args, spec.feature_layers(self.args), vocab_ids)
-        if cfg.init_from_target:
+        head = MTPEagleHead(self.args, spec.feature_layers(self.args), vocab_ids, mlp_size=spec.mlp or None)
+        if cfg.init_head:
+            if not Path(cfg.init_head).is_file():
+                raise TrainSetupError("--init-head", f"'{cfg.init_head}' is not a file")
+            try:
+                head.init_from_head(MTPEagleHead.load(cfg.init_head, self.args))
+            except (OSError, ValueError) as exc:
+                raise TrainSetupError("--init-head", f"{spec.name}: {exc}") from None
+        elif cfg.init_from_target:
             head.init_from_target(weights)
         else:
             head.init_random(seed=cfg.seed)
@@ -174,6 +182,12 @@ class Trainer:
         )
         k = spec.num_draft_tokens or cfg.num_draft_tokens
         return HeadRun(spec, head, opt, sched, self.step_weights[:k], coverage)
+
+    def _init_text(self) -> str:
+        cfg = self.cfg
+        if cfg.init_head:
+            return f"the trained head {Path(cfg.init_head).name}"
+        return "target's last decoder layer" if cfg.init_from_target else f"random (seed {cfg.seed})"
 
     def _features_fit(self, num_layers: int) -> bool:
         """Whether every sequence's target features fit in a third of the free device memory (always on CPU)."""
@@ -453,7 +467,7 @@ class Trainer:
                 "grad_clip": cfg.grad_clip,
                 "num_draft_tokens": cfg.num_draft_tokens,
                 "step_weights": self.step_weights,
-                "init": "target's last decoder layer" if cfg.init_from_target else f"random (seed {cfg.seed})",
+                "init": self._init_text(),
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "device": str(self.device),
                 "holdout_sources": list(cfg.holdout_sources),
