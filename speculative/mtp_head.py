@@ -268,7 +268,7 @@ class MTPEagleHead(nn.Module):
             sd = {k[len(PREFIX) :]: f.get_tensor(k) for k in f.keys() if k.startswith(PREFIX)}  # noqa: SIM118
         layers = parse_feature_layers(meta.get(FEATURE_LAYERS_KEY)) or default_feature_layers(args)
         gate = sd.get("layer.mlp.gate_proj.weight")
-        mlp = int(gate.shape[0]) if gate is not None and gate.shape[0] != args.intermediate_size else None
+        mlp = int(gate.shape[0]) if gate is not None else None
         head = cls(args, layers, sd.get("vocab_ids"), own_norm="final_norm.weight" in sd, mlp_size=mlp)
         floats = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
         missing, unexpected = head.load_state_dict(floats, strict=False)

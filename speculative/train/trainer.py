@@ -143,7 +143,8 @@ class Trainer:
             raise TrainSetupError("--data-dir", "no training sequences left after the dev split")
         self.total_steps = cfg.steps
         self.warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 20)
-        self.runs = [self._build_run(spec, weights) for spec in cfg.heads]
+        source = self._init_source()
+        self.runs = [self._build_run(spec, weights, source) for spec in cfg.heads]
         layers = tuple(sorted({i for r in self.runs for i in r.head.feature_layers}))
         keep = cfg.keep_hidden if cfg.keep_hidden is not None else self._features_fit(len(layers))
         self.store = HiddenStore(self.shared, data, self.device, keep=keep, layers=layers)
@@ -157,19 +158,29 @@ class Trainer:
         self.lengths = data.lengths()
         self._epochs: dict[int, list[list[int]]] = {}
 
-    def _build_run(self, spec: HeadSpec, weights: dict[str, torch.Tensor]) -> HeadRun:
+    def _init_source(self) -> MTPEagleHead | None:
+        """The trained head every head starts from (`--init-head`), read once; None without one."""
+        path = self.cfg.init_head
+        if not path:
+            return None
+        if not Path(path).is_file():
+            raise TrainSetupError("--init-head", f"'{path}' is not a file")
+        try:
+            return MTPEagleHead.load(path, self.args)
+        except (OSError, ValueError) as exc:
+            raise TrainSetupError("--init-head", str(exc)) from None
+
+    def _build_run(self, spec: HeadSpec, weights: dict[str, torch.Tensor], source: MTPEagleHead | None) -> HeadRun:
         cfg = self.cfg
         vocab_ids, coverage = None, None
         if spec.draft_vocab:
             counts = response_token_counts(self.data, self.train_idx, self.args.vocab_size)
             vocab_ids, coverage = frequent_vocab(counts, spec.draft_vocab)
         head = MTPEagleHead(self.args, spec.feature_layers(self.args), vocab_ids, mlp_size=spec.mlp or None)
-        if cfg.init_head:
-            if not Path(cfg.init_head).is_file():
-                raise TrainSetupError("--init-head", f"'{cfg.init_head}' is not a file")
+        if source is not None:
             try:
-                head.init_from_head(MTPEagleHead.load(cfg.init_head, self.args))
-            except (OSError, ValueError) as exc:
+                head.init_from_head(source)
+            except ValueError as exc:
                 raise TrainSetupError("--init-head", f"{spec.name}: {exc}") from None
         elif cfg.init_from_target:
             head.init_from_target(weights)
