@@ -13,11 +13,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from modeling.model import LlamaArgs
-from speculative.mtp_head import check_feature_layers, default_feature_layers, fused_feature_layers
+from speculative.mtp_head import MTPEagleHead, check_feature_layers, default_feature_layers, fused_feature_layers
 from speculative.train.data import TokenDataset
 from speculative.train.errors import TrainSetupError
 
@@ -121,3 +122,13 @@ def frequent_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, float
     ids = torch.sort(order).values
     total = int(counts.sum())
     return ids, (int(counts[ids].sum()) / total if total else 1.0)
+
+
+def load_init_head(path: str, args: LlamaArgs) -> MTPEagleHead:
+    """The trained head that every head of a run starts from (`--init-head`)."""
+    if not Path(path).is_file():
+        raise TrainSetupError("--init-head", f"'{path}' is not a file")
+    try:
+        return MTPEagleHead.load(path, args)
+    except (OSError, ValueError) as exc:
+        raise TrainSetupError("--init-head", str(exc)) from None

@@ -29,7 +29,7 @@ from speculative.train.batches import HiddenStore, autocast_ctx, epoch_batches
 from speculative.train.data import TokenDataset
 from speculative.train.errors import TrainSetupError
 from speculative.train.eval import evaluate_heads
-from speculative.train.heads import HeadSpec, check_specs, frequent_vocab, response_token_counts
+from speculative.train.heads import HeadSpec, check_specs, frequent_vocab, load_init_head, response_token_counts
 from speculative.train.loss import default_step_weights, target_rows, unrolled_loss
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Trainer:
             raise TrainSetupError("--data-dir", "no training sequences left after the dev split")
         self.total_steps = cfg.steps
         self.warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 20)
-        source = self._init_source()
+        source = load_init_head(cfg.init_head, args) if cfg.init_head else None
         self.runs = [self._build_run(spec, weights, source) for spec in cfg.heads]
         layers = tuple(sorted({i for r in self.runs for i in r.head.feature_layers}))
         keep = cfg.keep_hidden if cfg.keep_hidden is not None else self._features_fit(len(layers))
@@ -157,18 +157,6 @@ class Trainer:
         self.resumed_from: int | None = None
         self.lengths = data.lengths()
         self._epochs: dict[int, list[list[int]]] = {}
-
-    def _init_source(self) -> MTPEagleHead | None:
-        """The trained head every head starts from (`--init-head`), read once; None without one."""
-        path = self.cfg.init_head
-        if not path:
-            return None
-        if not Path(path).is_file():
-            raise TrainSetupError("--init-head", f"'{path}' is not a file")
-        try:
-            return MTPEagleHead.load(path, self.args)
-        except (OSError, ValueError) as exc:
-            raise TrainSetupError("--init-head", str(exc)) from None
 
     def _build_run(self, spec: HeadSpec, weights: dict[str, torch.Tensor], source: MTPEagleHead | None) -> HeadRun:
         cfg = self.cfg
