@@ -475,7 +475,8 @@ def run(args: argparse.Namespace) -> int:
         dev = res["dev"]
         rates = " / ".join(f"{r:.2f}" for r in dev["per_position"])
         print(
-            f"dev acceptance length {dev['acceptance_length']:.3f} (K={dev['num_draft_tokens']}, per position {rates})"
+            f"dev acceptance length {dev['online_acceptance_length']:.3f} along the decoding path, "
+            f"{dev['acceptance_length']:.3f} over every position (K={dev['num_draft_tokens']}, per position {rates})"
         )
     if opts.stage in {"all", "train"}:
         print(f"wrote {opts.out}")

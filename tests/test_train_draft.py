@@ -160,7 +160,11 @@ def test_training_raises_acceptance_well_above_untrained(target_dir: Path, data_
     assert again["acceptance_length"] >= base["acceptance_length"] + 0.3
 
     card = (tmp_path / "MODEL_CARD.md").read_text()
-    assert "acceptance length" in card and "--num-draft-tokens 3" in card and "--steps 150" in card
+    assert "--num-draft-tokens 3" in card and "--steps 150" in card
+    trained_row = next(line for line in card.splitlines() if line.startswith("| trained |"))
+    assert trained_row.startswith(
+        f"| trained | {after['online_acceptance_length']:.3f} | {after['acceptance_length']:.3f} |"
+    )
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
     assert meta["steps"] == "150" and float(meta["dev_acceptance_length"]) == pytest.approx(

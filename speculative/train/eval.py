@@ -9,6 +9,12 @@ a chain is also cut wherever the stored token differs from the target argmax (sa
 
 acceptance length = 1 + mean accepted drafts per base; rate[k] = share of bases whose first k drafts
 were all accepted (so acceptance length = 1 + sum(rate)).
+
+Decoding does not start a chain at every position: after a chain at base p accepts a drafts, the next one
+starts at p + a + 1. Long accepted runs are crossed in few steps and misses cost a step each, so the figure
+users see is lower than the average over all bases. `online_chains` follows that path through the
+teacher-forced counts; on greedy sequences it visits the bases the engine visits and counts what the
+engine's speculation counters count (`online_acceptance_length`).
 """
 
 from __future__ import annotations
@@ -42,11 +48,11 @@ def target_argmax(shared: LlamaModel, batch: Batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def batch_acceptance(
+def accepted_runs(
     head: MTPEagleHead, shared: LlamaModel, batch: Batch, k: int, tgt: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
-    """Per-batch counts: `bases` [B] chains evaluated per sequence, `accepted` [B, K] chains reaching each depth.
-    `tgt` (from `target_argmax`) may be shared by several heads scored on the same batch."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`run` [B, L-K]: drafts accepted by the chain at each base, `base_ok` [B, L-K]: where a whole chain
+    fits in the stored response). `tgt` (from `target_argmax`) may be shared by several heads."""
     ids = batch.ids
     bsz, length = ids.shape
     q = torch.arange(length, device=ids.device)[None, :]
@@ -61,19 +67,56 @@ def batch_acceptance(
     base = torch.arange(nb, device=ids.device)[None, :]
     base_ok = (base >= r - 1) & (base <= n - 1 - k)
     alive = base_ok.clone()
-    accepted = torch.zeros(bsz, k, dtype=torch.long, device=ids.device)
+    run = torch.zeros(bsz, nb, dtype=torch.long, device=ids.device)
     for j in range(1, k + 1):
         d = _argmax_rows(lambda h: head.greedy_tokens(shared, h), outs[j - 1], draft_rows, -4)
         match = d == next_tgt  # draft at row q == target argmax at row q+1
         if j > 1:
             match &= consistent
         alive &= match[:, j - 1 : j - 1 + nb]
-        accepted[:, j - 1] = alive.sum(1)
-    return {"bases": base_ok.sum(1), "accepted": accepted}
+        run += alive
+    return run, base_ok
 
 
-def summarize(bases: int, accepted: list[int], sequences: int) -> dict[str, Any]:
-    """The acceptance dict: acceptance_length, per-position rates and the raw counts."""
+@torch.no_grad()
+def batch_acceptance(
+    head: MTPEagleHead, shared: LlamaModel, batch: Batch, k: int, tgt: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Per-batch counts: `bases` [B] chains evaluated per sequence, `accepted` [B, K] chains reaching each depth,
+    `online` [B, 2] (chains, accepted drafts) along the decoding path (`online_chains`)."""
+    run, base_ok = accepted_runs(head, shared, batch, k, tgt)
+    accepted = torch.stack([(run >= j).sum(1) for j in range(1, k + 1)], 1)
+    runs = run.tolist()
+    online = [
+        online_chains(runs[b], int(batch.response_start[b]) - 1, int(batch.lengths[b]) - 1 - k)
+        for b in range(run.shape[0])
+    ]
+    return {"bases": base_ok.sum(1), "accepted": accepted, "online": torch.tensor(online, dtype=torch.long)}
+
+
+def online_chains(run: list[int], first: int, last: int, max_tokens: int | None = None) -> tuple[int, int]:
+    """(chains, accepted drafts) of greedy decoding whose chain at base p accepts `run[p]` drafts: the first
+    chain at base `first` (the prompt's last row), each next one at p + run[p] + 1, while the base is at most
+    `last` and, with `max_tokens`, fewer tokens than that have been emitted (the prompt step emits one)."""
+    chains = accepted = 0
+    p, emitted = first, 1
+    while p <= last and (max_tokens is None or emitted < max_tokens):
+        a = run[p]
+        chains += 1
+        accepted += a
+        emitted += 1 + a
+        p += 1 + a
+    return chains, accepted
+
+
+def online_al(res: dict[str, Any]) -> float:
+    """The acceptance length along the decoding path (what decoding reports); results from before the figure
+    existed fall back to the average over every position."""
+    return float(res.get("online_acceptance_length", res["acceptance_length"]))
+
+
+def summarize(bases: int, accepted: list[int], sequences: int, online: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+    """The acceptance dict: acceptance_length, per-position rates, the decoding-path figure and the raw counts."""
     rates = [a / bases if bases else 0.0 for a in accepted]
     cond = [
         (accepted[i] / accepted[i - 1] if i and accepted[i - 1] else (rates[0] if i == 0 else 0.0))
@@ -83,6 +126,8 @@ def summarize(bases: int, accepted: list[int], sequences: int) -> dict[str, Any]
         "acceptance_length": 1.0 + sum(rates),
         "per_position": rates,
         "conditional_per_position": cond,
+        "online_acceptance_length": 1.0 + (online[1] / online[0] if online[0] else 0.0),
+        "online_chains": online[0],
         "bases": bases,
         "sequences": sequences,
     }
@@ -130,17 +175,23 @@ def evaluate_heads(
                 res = batch_acceptance(head, shared, batch, k, tgt)
                 for b, src in enumerate(batch.sources):
                     for key in ("all", src):
-                        t = totals[name].setdefault(key, [0] * (k + 1))
+                        t = totals[name].setdefault(key, [0] * (k + 3))
                         t[0] += int(res["bases"][b])
                         for j in range(k):
                             t[j + 1] += int(res["accepted"][b, j])
+                        t[k + 1] += int(res["online"][b, 0])
+                        t[k + 2] += int(res["online"][b, 1])
     for name, h in heads.items():
         h.train(modes[name])
     out: dict[str, dict[str, Any]] = {}
     for name, tot in totals.items():
-        t = tot.get("all", [0] * (k + 1))
-        summary = summarize(t[0], t[1:], seqs.get("all", 0))
+        t = tot.get("all", [0] * (k + 3))
+        summary = summarize(t[0], t[1 : k + 1], seqs.get("all", 0), (t[k + 1], t[k + 2]))
         summary["num_draft_tokens"] = k
-        summary["by_source"] = {s: summarize(v[0], v[1:], seqs[s]) for s, v in sorted(tot.items()) if s != "all"}
+        summary["by_source"] = {
+            s: summarize(v[0], v[1 : k + 1], seqs[s], (v[k + 1], v[k + 2]))
+            for s, v in sorted(tot.items())
+            if s != "all"
+        }
         out[name] = summary
     return out

@@ -1,0 +1,97 @@
+"""The decoding-path acceptance figure of the trainer's evaluation equals what the engine counts online.
+
+Teacher-forced evaluation scores a chain from every response position; decoding starts a chain only where
+the previous one stopped. `online_chains` follows decoding's path through the teacher-forced counts, so on
+the target's own greedy responses it must reproduce the engine's speculation counters exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.engine import encode_text
+from modeling.model import LlamaArgs
+from speculative.mtp_head import MTPEagleHead
+from speculative.train.batches import HiddenStore
+from speculative.train.data import TokenDataset
+from speculative.train.eval import accepted_runs, evaluate, online_chains
+from speculative.train.trainer import build_shared
+from workers.builders import DEFAULT_HEAD
+
+from smol import CHAT_PROMPTS, smollm2
+from tiny import mimic_head, mimic_target, random_prompts, tiny_engine
+
+K = 3
+
+
+def test_online_chains_follow_the_decoding_path() -> None:
+    """Each chain starts one past the drafts the previous one accepted; the token cap stops the walk."""
+    run = [2, 0, 3, 1, 0, 0, 3, 2, 1, 0, 0, 0]
+    # bases visited from 0: 0 (+2) -> 3 (+1) -> 5 (+0) -> 6 (+3) -> 10 (+0) -> 11 (+0)
+    assert online_chains(run, 0, 11) == (6, 6)
+    assert online_chains(run, 0, 9) == (4, 6)  # base 10 is past the last whole chain
+    assert online_chains(run, 1, 11) == (5, 6)  # 1 (+0) -> 2 (+3) -> 6 (+3) -> 10 (+0) -> 11 (+0)
+    # The prompt step emits one token, each chain 1 + accepted: 1, 4, 6, 7, 11 emitted before chains 1..5.
+    assert online_chains(run, 0, 11, max_tokens=7) == (3, 3)
+    assert online_chains(run, 0, 11, max_tokens=8) == (4, 6)
+    assert online_chains(run, 0, 11, max_tokens=1) == (0, 0)
+
+
+def greedy_dataset(engine_prompts: list[list[int]], responses: list[list[int]]) -> TokenDataset:
+    """Prompt + greedy response sequences, all greedy."""
+    return TokenDataset(
+        [torch.tensor(p + r) for p, r in zip(engine_prompts, responses, strict=True)],
+        [len(p) for p in engine_prompts],
+        [True] * len(engine_prompts),
+        ["probe"] * len(engine_prompts),
+    )
+
+
+def check_against_engine(
+    args: LlamaArgs, weights: dict[str, torch.Tensor], head: MTPEagleHead, prompts: list[list[int]], length: int
+) -> tuple[int, int, dict[str, float]]:
+    """Engine counters vs `online_chains` per prompt; returns total (chains, accepted) and the evaluation."""
+    params = {"max_tokens": length, "temperature": 0.0, "ignore_eos": True}
+    plain = tiny_engine(args, weights)
+    responses = [out.token_ids for out in plain.generate(prompts, params)]
+    plain.shutdown()
+    ds = greedy_dataset(prompts, responses)
+    shared = build_shared(args, weights, "cpu", torch.float32)
+    store = HiddenStore(shared, ds, torch.device("cpu"), layers=head.feature_layers)
+    idx = list(range(len(ds)))
+    run, _ = accepted_runs(head.eval(), shared, store.batch(idx), K)
+    cap = length - K - 1  # every chain the engine runs under this cap lies inside the stored responses
+    spec = tiny_engine(args, weights, head, speculative={"num_draft_tokens": K})
+    totals = [0, 0]
+    for b, prompt in enumerate(prompts):
+        (done,) = spec.generate([prompt], {**params, "max_tokens": cap})
+        want = online_chains(run[b].tolist(), len(prompt) - 1, len(prompt) + length - 1 - K, max_tokens=cap)
+        assert (done.stats.verify_steps, done.stats.accepted) == want, f"prompt {b}"
+        assert done.stats.drafted == K * want[0]
+        totals[0] += want[0]
+        totals[1] += want[1]
+    spec.shutdown()
+    return totals[0], totals[1], evaluate(head, shared, store, idx, K)
+
+
+def test_decoding_path_matches_the_engine_on_a_tiny_target() -> None:
+    """Mimic target and head (high but imperfect acceptance): same chains, same accepted drafts."""
+    args, w = mimic_target(seed=3)
+    head = mimic_head(args, w)
+    prompts = random_prompts(6, args.vocab_size, [5, 9, 14], seed=4)
+    chains, accepted, res = check_against_engine(args, w, head, prompts, 48)
+    assert 0 < accepted < K * chains  # both accepted and rejected drafts
+    assert res["online_chains"] > 0 and res["online_acceptance_length"] > 1.0
+
+
+@pytest.mark.slow
+def test_decoding_path_matches_the_engine_on_smollm2_with_the_shipped_head() -> None:
+    """SmolLM2 fp32 with the default head on chat prompts; the figure along the path is below the average
+    over every position (misses cost a step each, accepted runs are crossed in one)."""
+    _, args, w, tok = smollm2()
+    head = MTPEagleHead.load(DEFAULT_HEAD, args)
+    prompts = [encode_text(tok, p) for p in CHAT_PROMPTS]
+    chains, accepted, res = check_against_engine(args, w, head, prompts, 64)
+    assert 0 < accepted < K * chains
+    assert res["online_acceptance_length"] < res["acceptance_length"]
