@@ -301,7 +301,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         metavar="NAME:KEY=VALUE,...",
         help="a head to train (repeat for an ablation, all on the same batches): layers=last|fused|i/j/k, "
         "vocab=N (N most frequent response tokens; 0 = all), k=unrolled loss steps, mlp=N (the draft "
-        "layer's MLP width; 0 = the target's); default one head, "
+        "layer's MLP width; 0 = the target's), path=W (chains that greedy decoding with the head would run "
+        "weigh 1+W in the loss; default 0); default one head, "
         "'head:layers=last'",
     )
     g.add_argument(

@@ -104,6 +104,7 @@ def test_heads_trained_side_by_side_equal_heads_trained_alone(
         HeadSpec("fused", layers="fused"),
         HeadSpec("small", layers="1/2", draft_vocab=40),
         HeadSpec("k1", layers="fused", num_draft_tokens=1),
+        HeadSpec("path", layers="fused", path=2.0),
     ]
 
     def train(heads: list[HeadSpec]) -> Trainer:
@@ -121,7 +122,10 @@ def test_heads_trained_side_by_side_equal_heads_trained_alone(
     assert small.feature_layers == (1, 2) and small.draft_vocab_size == 40 and together.runs[2].vocab_coverage
     assert together.runs[3].weights == [1.0] and len(together.runs[0].weights) == 3
     res = together.results(together.evaluate())
-    assert set(res["heads"]) == {"plain", "fused", "small", "k1"} and res["best"] in res["heads"]
+    assert set(res["heads"]) == {"plain", "fused", "small", "k1", "path"} and res["best"] in res["heads"]
+    fused, path = together.runs[1].head.state_dict(), together.runs[4].head.state_dict()
+    assert any(not torch.equal(fused[n], path[n]) for n in fused), "the path weight changes what the head learns"
+    assert "decoding-path chains x3" in res["heads"]["path"]["description"]
     assert res["dev"] == res["heads"][res["best"]]["dev"]
 
 
@@ -166,14 +170,17 @@ def test_epoch_batches_cap_padded_tokens_and_cover_every_sequence() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [("x:layers=top", "layers must be"), ("x:vocab=big", "vocab must be an integer"), ("x:k=0", "k >= 1"),
-     ("x:depth=2", "unknown key"), ("bad name:k=1", "the name")],
+     ("x:depth=2", "unknown key"), ("bad name:k=1", "the name"), ("x:path=much", "path must be a number"),
+     ("x:path=-1", r"path must be in \[0, 100\]")],
 )  # fmt: skip
 def test_bad_head_specs_name_the_flag(text: str, message: str, target: tuple[LlamaArgs, dict]) -> None:
     with pytest.raises(TrainSetupError, match=message) as exc:
         parse_head_spec(text).feature_layers(target[0])
     assert exc.value.field == "--head-spec"
-    spec = parse_head_spec("v:layers=fused,vocab=64,k=2")
-    assert parse_head_spec(spec.text()) == spec
+    for text in ("v:layers=fused,vocab=64,k=2", "p:layers=fused,path=1.5"):
+        spec = parse_head_spec(text)
+        assert parse_head_spec(spec.text()) == spec
+    assert parse_head_spec("p:path=1.5").path == 1.5
 
 
 def test_code_prompts_cut_real_functions(tmp_path: Path) -> None:

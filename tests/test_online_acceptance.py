@@ -15,7 +15,9 @@ from modeling.model import LlamaArgs
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import HiddenStore
 from speculative.train.data import TokenDataset
-from speculative.train.eval import accepted_runs, evaluate, online_chains
+from speculative.train.dense import head_unrolled
+from speculative.train.eval import accepted_runs, evaluate, online_chains, path_bases
+from speculative.train.loss import decoding_path_mask, target_rows, unrolled_loss
 from speculative.train.trainer import build_shared
 from workers.builders import DEFAULT_HEAD
 
@@ -46,6 +48,16 @@ def greedy_dataset(engine_prompts: list[list[int]], responses: list[list[int]]) 
         [True] * len(engine_prompts),
         ["probe"] * len(engine_prompts),
     )
+
+
+def mimic_batch(n: int = 6, length: int = 40) -> tuple[LlamaArgs, dict[str, torch.Tensor], MTPEagleHead, TokenDataset]:
+    """A mimic target, its head and greedy answers of `length` tokens to `n` random prompts."""
+    args, w = mimic_target(seed=3)
+    prompts = random_prompts(n, args.vocab_size, [5, 9, 14], seed=4)
+    plain = tiny_engine(args, w)
+    outs = plain.generate(prompts, {"max_tokens": length, "temperature": 0.0, "ignore_eos": True})
+    plain.shutdown()
+    return args, w, mimic_head(args, w), greedy_dataset(prompts, [o.token_ids for o in outs])
 
 
 def check_against_engine(
@@ -95,3 +107,54 @@ def test_decoding_path_matches_the_engine_on_smollm2_with_the_shipped_head() -> 
     chains, accepted, res = check_against_engine(args, w, head, prompts, 64)
     assert 0 < accepted < K * chains
     assert res["online_acceptance_length"] < res["acceptance_length"]
+
+
+def test_loss_path_mask_is_the_evaluation_path() -> None:
+    """The loss's decoding-path bases (from per-row hits) are the bases the evaluation walks (from whole
+    chains), on every sequence of a batch."""
+    args, w, head, ds = mimic_batch()
+    shared = build_shared(args, w, "cpu", torch.float32)
+    batch = HiddenStore(shared, ds, torch.device("cpu"), layers=head.feature_layers).batch(list(range(len(ds))))
+    rows = target_rows(shared, batch)
+    outs = head_unrolled(head.eval(), shared, batch.ids, batch.features_for(head.feature_layers), K)
+    hits = []
+    for j in range(1, K + 1):
+        sel = rows.rq >= batch.response_start[rows.rb] + j - 2
+        drafts = head.greedy_tokens(shared, outs[j - 1][rows.rb[sel], rows.rq[sel]])
+        hits.append((rows.rb[sel], rows.rq[sel], drafts == rows.argmax[sel]))
+    mask = decoding_path_mask(batch, hits)
+    run, _ = accepted_runs(head, shared, batch, K)
+    chains = accepted = 0
+    for b in range(len(ds)):
+        r, n = int(batch.response_start[b]), int(batch.lengths[b])
+        want = path_bases(run[b].tolist(), r - 1, n - 1 - K)
+        got = mask[b].nonzero().flatten().tolist()
+        assert got[: len(want)] == want and len(want) > 3, b  # the loss walks on to base n - 3
+        chains += len(want)
+        accepted += sum(int(run[b, p]) for p in want)
+    assert 0 < accepted < K * chains  # both hits and misses on the path
+
+
+def test_path_weight_moves_the_loss_toward_the_decoding_path() -> None:
+    """Weight 0 is the plain loss; a large weight approaches the loss of the decoding path's chains alone,
+    which differs from the plain one; the gradient flows either way."""
+    args, w, head, ds = mimic_batch()
+    shared = build_shared(args, w, "cpu", torch.float32)
+    batch = HiddenStore(shared, ds, torch.device("cpu"), layers=head.feature_layers).batch(list(range(len(ds))))
+    weights = [1.0, 0.7, 0.49]
+    plain, _ = unrolled_loss(head, shared, batch, weights)
+    zero, _ = unrolled_loss(head, shared, batch, weights, path_weight=0.0)
+    one, _ = unrolled_loss(head, shared, batch, weights, path_weight=1.0)
+    big, _ = unrolled_loss(head, shared, batch, weights, path_weight=1e6)
+    huge, _ = unrolled_loss(head, shared, batch, weights, path_weight=1e9)
+    f = {
+        name: float(v.detach())
+        for name, v in [("plain", plain), ("zero", zero), ("one", one), ("big", big), ("huge", huge)]
+    }
+    assert f["zero"] == f["plain"]
+    assert abs(f["big"] - f["huge"]) < 1e-4 * f["huge"]
+    assert abs(f["big"] - f["plain"]) > 1e-3
+    lo, hi = sorted((f["plain"], f["big"]))
+    assert lo < f["one"] < hi
+    one.backward()
+    assert head.eh_proj.weight.grad is not None and float(head.eh_proj.weight.grad.abs().sum()) > 0

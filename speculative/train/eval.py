@@ -94,19 +94,23 @@ def batch_acceptance(
     return {"bases": base_ok.sum(1), "accepted": accepted, "online": torch.tensor(online, dtype=torch.long)}
 
 
-def online_chains(run: list[int], first: int, last: int, max_tokens: int | None = None) -> tuple[int, int]:
-    """(chains, accepted drafts) of greedy decoding whose chain at base p accepts `run[p]` drafts: the first
-    chain at base `first` (the prompt's last row), each next one at p + run[p] + 1, while the base is at most
-    `last` and, with `max_tokens`, fewer tokens than that have been emitted (the prompt step emits one)."""
-    chains = accepted = 0
+def path_bases(run: list[int], first: int, last: int, max_tokens: int | None = None) -> list[int]:
+    """The bases greedy decoding starts a chain at when the chain at base p accepts `run[p]` drafts: `first`
+    (the prompt's last row), then p + run[p] + 1 each time, while the base is at most `last` and, with
+    `max_tokens`, fewer tokens than that have been emitted (the prompt step emits one)."""
+    bases: list[int] = []
     p, emitted = first, 1
     while p <= last and (max_tokens is None or emitted < max_tokens):
-        a = run[p]
-        chains += 1
-        accepted += a
-        emitted += 1 + a
-        p += 1 + a
-    return chains, accepted
+        bases.append(p)
+        emitted += 1 + run[p]
+        p += 1 + run[p]
+    return bases
+
+
+def online_chains(run: list[int], first: int, last: int, max_tokens: int | None = None) -> tuple[int, int]:
+    """(chains, accepted drafts) along `path_bases`."""
+    bases = path_bases(run, first, last, max_tokens)
+    return len(bases), sum(run[p] for p in bases)
 
 
 def online_al(res: dict[str, Any]) -> float:

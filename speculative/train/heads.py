@@ -5,7 +5,9 @@ A spec reads `name:key=value,...` on the command line, e.g. `fused-v16k:layers=f
   high layers) or explicit 0-based layer indices joined by `/` (ascending, ending at the last layer);
 - vocab: 0 for the target's whole vocabulary, else the N most frequent response tokens of the training split;
 - k: unrolled steps in the loss (training-time test); 1 trains only the first draft position;
-- mlp: the draft layer's MLP width (0: the target's); wider units start with no effect on the output.
+- mlp: the draft layer's MLP width (0: the target's); wider units start with no effect on the output;
+- path: extra loss weight on the chains greedy decoding with the head would run (0: every chain alike;
+  1: those count twice), since those are the only chains whose acceptance users see.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class HeadSpec:
     draft_vocab: int = 0  # 0: the target's whole vocabulary
     num_draft_tokens: int | None = None  # unrolled loss steps; None: the run's --num-draft-tokens
     mlp: int = 0  # the draft layer's MLP width; 0: the target's intermediate size
+    path: float = 0.0  # extra loss weight on the decoding path's chains
 
     def feature_layers(self, args: LlamaArgs) -> tuple[int, ...]:
         """The target layers this head reads."""
@@ -50,7 +53,8 @@ class HeadSpec:
         """The spec as `--head-spec` reads it."""
         k = f",k={self.num_draft_tokens}" if self.num_draft_tokens is not None else ""
         mlp = f",mlp={self.mlp}" if self.mlp else ""
-        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}"
+        path = f",path={self.path:g}" if self.path else ""
+        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}"
 
     def describe(self, args: LlamaArgs, k: int) -> str:
         """A short human description, for tables."""
@@ -58,7 +62,8 @@ class HeadSpec:
         feat = "last layer" if len(layers) == 1 else "fused layers " + "/".join(map(str, layers))
         vocab = "full vocab" if not self.draft_vocab else f"vocab {self.draft_vocab}"
         mlp = f", MLP {self.mlp}" if self.mlp else ""
-        return f"{feat}, {vocab}{mlp}, loss over {self.num_draft_tokens or k} step(s)"
+        path = f", decoding-path chains x{1 + self.path:g}" if self.path else ""
+        return f"{feat}, {vocab}{mlp}, loss over {self.num_draft_tokens or k} step(s){path}"
 
 
 def parse_head_spec(text: str) -> HeadSpec:
@@ -71,8 +76,11 @@ def parse_head_spec(text: str) -> HeadSpec:
         key, eq, value = item.partition("=")
         if not eq:
             raise TrainSetupError("--head-spec", f"'{text}': '{item}' is not key=value")
-        if key not in ("layers", "vocab", "k", "mlp"):
-            raise TrainSetupError("--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp)")
+        if key not in ("layers", "vocab", "k", "mlp", "path"):
+            raise TrainSetupError("--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp, path)")
+        if key == "path":
+            spec.path = _path_weight(text, value)
+            continue
         try:
             if key == "layers":
                 spec.layers = value
@@ -87,6 +95,16 @@ def parse_head_spec(text: str) -> HeadSpec:
     if spec.draft_vocab < 0 or spec.mlp < 0 or (spec.num_draft_tokens is not None and spec.num_draft_tokens < 1):
         raise TrainSetupError("--head-spec", f"'{text}': vocab and mlp must be >= 0 and k >= 1")
     return spec
+
+
+def _path_weight(text: str, value: str) -> float:
+    try:
+        w = float(value)
+    except ValueError:
+        raise TrainSetupError("--head-spec", f"'{text}': path must be a number, got '{value}'") from None
+    if not 0.0 <= w <= 100.0:
+        raise TrainSetupError("--head-spec", f"'{text}': path must be in [0, 100], got {w:g}")
+    return w
 
 
 def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int) -> None:

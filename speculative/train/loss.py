@@ -10,6 +10,7 @@ from modeling.model import LlamaModel
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import Batch
 from speculative.train.dense import head_unrolled
+from speculative.train.eval import path_bases
 
 
 def default_step_weights(k: int, decay: float = 0.7) -> list[float]:
@@ -51,18 +52,42 @@ def draft_distribution(head: MTPEagleHead, prob: torch.Tensor) -> torch.Tensor:
     return sub / sub.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
+@torch.no_grad()
+def decoding_path_mask(batch: Batch, hits: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """[B, L] bool: the bases greedy decoding with this head visits (`path_bases`), from each unrolled step's
+    (sequence, row, draft == target argmax) triples; step j's row q belongs to base q - j + 1."""
+    bsz, length = batch.ids.shape
+    dev = batch.ids.device
+    run = torch.zeros(bsz, length, dtype=torch.long, device=dev)
+    alive = torch.ones(bsz, length, dtype=torch.bool, device=dev)
+    for j, (b, q, hit) in enumerate(hits, start=1):
+        m = torch.zeros(bsz, length + j, dtype=torch.bool, device=dev)
+        m[b, q] = hit
+        alive &= m[:, j - 1 : j - 1 + length]
+        run += alive
+    runs = run.tolist()
+    mask = torch.zeros(bsz, length, dtype=torch.bool)
+    for i in range(bsz):
+        bases = path_bases(runs[i], int(batch.response_start[i]) - 1, int(batch.lengths[i]) - 3)
+        mask[i, bases] = True
+    return mask.to(dev)
+
+
 def unrolled_loss(
     head: MTPEagleHead,
     shared: LlamaModel,
     batch: Batch,
     weights: list[float],
     rows: TargetRows | None = None,
+    path_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted mean over steps of soft CE(target p at row q+1, draft at row q), on response positions.
 
     Step k's row q belongs to the chain from base p = q - k + 1; rows count when p >= response_start - 1
     (the first base at inference is the prompt's last token) and the predicted token q + 2 lies in the
     sequence. `rows` (from `target_rows`) may be shared by several heads trained on the same batch.
+    With `path_weight` w > 0 a chain whose base greedy decoding with the head as it is now would visit
+    counts 1 + w times (on sampled answers the path follows the target's argmax, not the stored tokens).
     Returns (loss, metrics: per-step CE and top-1 agreement with the target argmax).
     """
     k = len(weights)
@@ -74,18 +99,27 @@ def unrolled_loss(
         return zero, metrics
     tgt_prob = draft_distribution(head, rows.prob)
     outs = head_unrolled(head, shared, batch.ids, batch.features_for(head.feature_layers), k)
-    total = torch.zeros((), device=batch.ids.device)
-    wsum = 0.0
+    steps: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
     for j, w in enumerate(weights, start=1):
         sel = rq >= batch.response_start[rb] + j - 2
-        if not sel.any():
-            continue
-        logp = torch.log_softmax(head.logits(shared, outs[j - 1][rb[sel], rq[sel]]), dim=-1)
-        ce = -(tgt_prob[sel] * logp).sum(-1).mean()
+        if sel.any():
+            logp = torch.log_softmax(head.logits(shared, outs[j - 1][rb[sel], rq[sel]]), dim=-1)
+            steps.append((j, w, sel, logp))
+    hits = [(rb[sel], rq[sel], head.token_ids(logp.argmax(-1)) == rows.argmax[sel]) for _, _, sel, logp in steps]
+    on_path = decoding_path_mask(batch, hits) if path_weight > 0 else None
+    total = torch.zeros((), device=batch.ids.device)
+    wsum = 0.0
+    for (j, w, sel, logp), (b, q, hit) in zip(steps, hits, strict=True):
+        ce_rows = -(tgt_prob[sel] * logp).sum(-1)
+        if on_path is None:
+            ce = ce_rows.mean()
+        else:
+            row_w = 1.0 + path_weight * on_path[b, q - j + 1].float()
+            ce = (row_w * ce_rows).sum() / row_w.sum()
         total = total + w * ce
         wsum += w
         metrics[f"ce{j}"] = float(ce.detach())
-        metrics[f"acc{j}"] = float((head.token_ids(logp.argmax(-1)) == rows.argmax[sel]).float().mean())
+        metrics[f"acc{j}"] = float(hit.float().mean())
     loss = total / max(wsum, 1e-9)
     metrics["loss"] = float(loss.detach())
     return loss, metrics

@@ -329,7 +329,7 @@ class Trainer:
         with autocast_ctx(self.device, self.dtype):
             rows = target_rows(self.shared, batch)
             for r in self.runs:
-                loss, metrics = unrolled_loss(r.head, self.shared, batch, r.weights, rows)
+                loss, metrics = unrolled_loss(r.head, self.shared, batch, r.weights, rows, r.spec.path)
                 r.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 norm = torch.nn.utils.clip_grad_norm_(r.head.parameters(), self.cfg.grad_clip)
