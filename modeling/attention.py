@@ -57,52 +57,45 @@ class AttentionMetadata:
         Attention is causal, unless `row_masks[b]` is given: a bool [n, m] mask (m >= n) saying which of
         the sequence's last m key positions [start + n - m, start + n) each new row sees, as draft trees
         need; the keys before those stay visible to every row."""
-        bsz = len(seq_starts)
-        q_max = max(seq_num_tokens)
-        s_max = max(s + n for s, n in zip(seq_starts, seq_num_tokens, strict=True))
-        q_index = torch.zeros(bsz, q_max, dtype=torch.long)
-        q_valid = torch.zeros(bsz, q_max, dtype=torch.bool)
-        q_pos = torch.zeros(bsz, q_max, dtype=torch.long)
-        kv_slots = torch.zeros(bsz, s_max, dtype=torch.long)
-        seq_len = torch.zeros(bsz, dtype=torch.long)
-        slot_rows, out_rows = [], []
-        custom: list[tuple[int, int, int, torch.Tensor]] = []  # (sequence, rows, first masked key, mask)
-        row = 0
-        for b, (start, n, table) in enumerate(zip(seq_starts, seq_num_tokens, block_tables, strict=True)):
-            end = start + n
-            if (end + block_size - 1) // block_size > len(table):
-                raise ValueError(f"sequence {b} needs {end} slots but has {len(table)} blocks")
-            pos = torch.arange(end)
-            blocks = torch.tensor(table, dtype=torch.long)
-            slots = blocks[pos // block_size] * block_size + pos % block_size
-            kv_slots[b, :end] = slots
-            q_index[b, :n] = torch.arange(row, row + n)
-            q_valid[b, :n] = True
-            q_pos[b, :n] = torch.arange(start, end)
-            seq_len[b] = end
-            rm = None if row_masks is None else row_masks[b]
-            if rm is not None:
-                if rm.shape[0] != n or not n <= rm.shape[1] <= end:
-                    raise ValueError(
-                        f"row mask of sequence {b} is {tuple(rm.shape)}; needs [{n}, m], {n} <= m <= {end}"
-                    )
-                custom.append((b, n, end - rm.shape[1], rm.to(torch.bool)))
-            slot_rows.append(slots[start:end])
-            out_rows.append(torch.arange(n) + b * q_max)
-            row += n
-        key_pos = torch.arange(s_max)
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_len[:, None, None])
-        for b, n, first, rm in custom:
-            mask[b, :n, first : first + rm.shape[1]] &= rm
-        mask &= q_valid[:, :, None]
-        mask[:, :, 0] |= ~q_valid  # pad rows attend to one key so softmax stays finite
+        starts = np.asarray(seq_starts, dtype=np.int64)
+        counts = np.asarray(seq_num_tokens, dtype=np.int64)
+        ends = starts + counts
+        bsz, q_max, s_max = len(starts), int(counts.max()), int(ends.max())
+        table = np.zeros((bsz, max(len(t) for t in block_tables)), dtype=np.int64)
+        for b, (t, end) in enumerate(zip(block_tables, ends, strict=True)):
+            if (end + block_size - 1) // block_size > len(t):
+                raise ValueError(f"sequence {b} needs {end} slots but has {len(t)} blocks")
+            table[b, : len(t)] = t
+        key_pos = np.arange(s_max)
+        in_seq = key_pos[None, :] < ends[:, None]  # [B, S]
+        blocks = table[:, np.minimum(key_pos // block_size, table.shape[1] - 1)]
+        kv_slots = np.where(in_seq, blocks * block_size + key_pos % block_size, 0)
+        q_off = np.arange(q_max)
+        q_valid = q_off[None, :] < counts[:, None]  # [B, Q]
+        row0 = np.cumsum(counts) - counts
+        q_index = np.where(q_valid, row0[:, None] + q_off[None, :], 0)
+        q_pos = starts[:, None] + q_off[None, :]
+        slot_mapping = np.take_along_axis(kv_slots, np.minimum(q_pos, s_max - 1), axis=1)[q_valid]
+        out_index = np.flatnonzero(q_valid)
+        mask = torch.from_numpy(
+            (key_pos[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :] & q_valid[:, :, None]
+        )
+        for b, rm in enumerate(row_masks or []):
+            if rm is None:
+                continue
+            n, end = int(counts[b]), int(ends[b])
+            if rm.shape[0] != n or not n <= rm.shape[1] <= end:
+                raise ValueError(f"row mask of sequence {b} is {tuple(rm.shape)}; needs [{n}, m], {n} <= m <= {end}")
+            mask[b, :n, end - rm.shape[1] : end] &= rm.to(torch.bool)
+        valid = torch.from_numpy(q_valid)
+        mask[:, :, 0] |= ~valid  # pad rows attend to one key so softmax stays finite
         return cls(
-            slot_mapping=torch.cat(slot_rows).to(device),
-            q_index=q_index.to(device),
-            q_valid=q_valid.to(device),
-            kv_slots=kv_slots.to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            q_index=torch.from_numpy(q_index).to(device),
+            q_valid=valid.to(device),
+            kv_slots=torch.from_numpy(kv_slots).to(device),
             mask=mask[:, None].to(device),
-            out_index=torch.cat(out_rows).to(device),
+            out_index=torch.from_numpy(out_index).to(device),
         )
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
