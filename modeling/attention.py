@@ -32,15 +32,23 @@ class Metadata(Protocol):
 
 
 @dataclass
+class PaddedGroup:
+    """Sequences of one step with the same number of new rows q, keys padded to the longest (s)."""
+
+    q_index: torch.Tensor  # [b, q] int64, the step row of each query
+    kv_slots: torch.Tensor  # [b, s] int64, cache slot of each key position (pad -> 0)
+    mask: torch.Tensor  # [b, 1, q, s] bool, True where the query may attend
+    rows: torch.Tensor  # [b*q] int64, q_index flattened: where the group's outputs go
+
+
+@dataclass
 class AttentionMetadata:
-    """Per-step index tensors shared by every layer (shapes in comments; T = scheduled tokens, B = seqs)."""
+    """Index tensors of a ragged step, shared by every layer (T = scheduled tokens). Sequences are padded
+    in groups of equal row counts (all decode rows together, each verify width, each prompt chunk), so a
+    long chunk does not pad every decode row to its length."""
 
     slot_mapping: torch.Tensor  # [T] int64, cache slot written by each token
-    q_index: torch.Tensor  # [B, Q] int64, row of each padded query (pad rows point at 0)
-    q_valid: torch.Tensor  # [B, Q] bool
-    kv_slots: torch.Tensor  # [B, S] int64, cache slot of each key position (pad -> 0)
-    mask: torch.Tensor  # [B, 1, Q, S] bool, True where the query may attend
-    out_index: torch.Tensor  # [T] int64, flat index into [B*Q] for each scheduled token
+    groups: list[PaddedGroup]
 
     @classmethod
     def build(
@@ -60,49 +68,69 @@ class AttentionMetadata:
         starts = np.asarray(seq_starts, dtype=np.int64)
         counts = np.asarray(seq_num_tokens, dtype=np.int64)
         ends = starts + counts
-        bsz, q_max, s_max = len(starts), int(counts.max()), int(ends.max())
-        table = np.zeros((bsz, max(len(t) for t in block_tables)), dtype=np.int64)
+        table = np.zeros((len(starts), max(len(t) for t in block_tables)), dtype=np.int64)
         for b, (t, end) in enumerate(zip(block_tables, ends, strict=True)):
             if (end + block_size - 1) // block_size > len(t):
                 raise ValueError(f"sequence {b} needs {end} slots but has {len(t)} blocks")
             table[b, : len(t)] = t
-        key_pos = np.arange(s_max)
-        in_seq = key_pos[None, :] < ends[:, None]  # [B, S]
-        blocks = table[:, np.minimum(key_pos // block_size, table.shape[1] - 1)]
-        kv_slots = np.where(in_seq, blocks * block_size + key_pos % block_size, 0)
-        q_off = np.arange(q_max)
-        q_valid = q_off[None, :] < counts[:, None]  # [B, Q]
-        row0 = np.cumsum(counts) - counts
-        q_index = np.where(q_valid, row0[:, None] + q_off[None, :], 0)
-        q_pos = starts[:, None] + q_off[None, :]
-        slot_mapping = np.take_along_axis(kv_slots, np.minimum(q_pos, s_max - 1), axis=1)[q_valid]
-        out_index = np.flatnonzero(q_valid)
-        mask = torch.from_numpy(
-            (key_pos[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :] & q_valid[:, :, None]
-        )
-        for b, rm in enumerate(row_masks or []):
-            if rm is None:
-                continue
+        masks = row_masks or [None] * len(starts)
+        for b, rm in enumerate(masks):
             n, end = int(counts[b]), int(ends[b])
-            if rm.shape[0] != n or not n <= rm.shape[1] <= end:
+            if rm is not None and (rm.shape[0] != n or not n <= rm.shape[1] <= end):
                 raise ValueError(f"row mask of sequence {b} is {tuple(rm.shape)}; needs [{n}, m], {n} <= m <= {end}")
-            mask[b, :n, end - rm.shape[1] : end] &= rm.to(torch.bool)
-        valid = torch.from_numpy(q_valid)
-        mask[:, :, 0] |= ~valid  # pad rows attend to one key so softmax stays finite
-        return cls(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            q_index=torch.from_numpy(q_index).to(device),
-            q_valid=valid.to(device),
-            kv_slots=torch.from_numpy(kv_slots).to(device),
-            mask=mask[:, None].to(device),
-            out_index=torch.from_numpy(out_index).to(device),
-        )
+        row0 = np.cumsum(counts) - counts
+        slots = np.empty(int(counts.sum()), dtype=np.int64)
+        groups = []
+        for n in np.unique(counts):
+            members = np.flatnonzero(counts == n)
+            group, group_slots = _padded_group(
+                starts[members], int(n), table[members], block_size, [masks[i] for i in members], row0[members]
+            )
+            slots[group.rows.numpy()] = group_slots
+            groups.append(_to_device(group, device))
+        return cls(torch.from_numpy(slots).to(device), groups)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Ragged paged attention (see `paged_attention`)."""
         return paged_attention(q, k_cache, v_cache, self, scale)
 
     attend_sdpa = attend
+
+
+def _padded_group(
+    starts: np.ndarray,
+    n: int,
+    table: np.ndarray,
+    block_size: int,
+    masks: list[torch.Tensor | None],
+    row0: np.ndarray,
+) -> tuple[PaddedGroup, np.ndarray]:
+    """(the group of sequences with `n` new rows each, starting at step rows `row0`; the slot of each row)."""
+    ends = starts + n
+    key_pos = np.arange(int(ends.max()))
+    in_seq = key_pos[None, :] < ends[:, None]  # [b, s]
+    blocks = table[:, np.minimum(key_pos // block_size, table.shape[1] - 1)]
+    kv_slots = np.where(in_seq, blocks * block_size + key_pos % block_size, 0)
+    q_pos = starts[:, None] + np.arange(n)[None, :]  # [b, q]
+    rows = row0[:, None] + np.arange(n)[None, :]
+    mask = torch.from_numpy((key_pos[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :])
+    for b, rm in enumerate(masks):
+        if rm is not None:
+            end = int(ends[b])
+            mask[b, :, end - rm.shape[1] : end] &= rm.to(torch.bool)
+    group = PaddedGroup(
+        q_index=torch.from_numpy(rows),
+        kv_slots=torch.from_numpy(kv_slots),
+        mask=mask[:, None],
+        rows=torch.from_numpy(rows.reshape(-1)),
+    )
+    return group, np.take_along_axis(kv_slots, q_pos, axis=1).reshape(-1)
+
+
+def _to_device(group: PaddedGroup, device: torch.device | str) -> PaddedGroup:
+    return PaddedGroup(
+        group.q_index.to(device), group.kv_slots.to(device), group.mask.to(device), group.rows.to(device)
+    )
 
 
 @dataclass
@@ -331,13 +359,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of q [T, H, D] against cached keys/values; returns [T, H*D]."""
+    """Causal attention of q [T, H, D] against cached keys/values, one padded group at a time; returns
+    [T, H*Dv]."""
     num_heads, v_dim = q.shape[1], v_cache.shape[-1]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    qp = q[meta.q_index].transpose(1, 2)  # [B, H, Q, D]
-    kp = flat_k[meta.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
-    vp = flat_v[meta.kv_slots].transpose(1, 2).to(q.dtype)
-    out = masked_sdpa(qp, kp, vp, meta.mask, scale)
-    out = out.transpose(1, 2).reshape(-1, num_heads * v_dim)  # [B*Q, H*Dv]
-    return out[meta.out_index]
+    out = q.new_empty(q.shape[0], num_heads * v_dim)
+    for g in meta.groups:
+        qp = q[g.q_index].transpose(1, 2)  # [b, H, q, D]
+        kp = flat_k[g.kv_slots].transpose(1, 2).to(q.dtype)  # [b, Hkv, s, D]
+        vp = flat_v[g.kv_slots].transpose(1, 2).to(q.dtype)
+        out[g.rows] = masked_sdpa(qp, kp, vp, g.mask, scale).transpose(1, 2).reshape(-1, num_heads * v_dim)
+    return out

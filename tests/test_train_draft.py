@@ -170,6 +170,9 @@ def test_training_raises_acceptance_well_above_untrained(target_dir: Path, data_
     assert meta["steps"] == "150" and float(meta["dev_acceptance_length"]) == pytest.approx(
         after["acceptance_length"], abs=1e-4
     )
+    assert float(meta["dev_decoding_path_acceptance_length"]) == pytest.approx(
+        after["online_acceptance_length"], abs=1e-4
+    )
 
 
 def test_checkpoint_reloads_identically_and_resume_continues(target_dir: Path, data_dir: Path, tmp_path: Path) -> None:

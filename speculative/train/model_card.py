@@ -21,8 +21,9 @@ def _acceptance_rows(name: str, res: dict[str, Any] | None) -> list[str]:
 
 
 def _acceptance_row(label: str, res: dict[str, Any]) -> str:
+    path = res.get("online_acceptance_length")
     return (
-        f"| {label} | {res.get('online_acceptance_length', 0.0):.3f} | {res['acceptance_length']:.3f} | "
+        f"| {label} | {'-' if path is None else f'{path:.3f}'} | {res['acceptance_length']:.3f} | "
         f"{_fmt_rates(res['per_position'])} | {_fmt_rates(res.get('conditional_per_position', []))} | "
         f"{res['sequences']} | {res['bases']} |"
     )
