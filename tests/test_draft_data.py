@@ -136,9 +136,9 @@ def test_best_head_prefers_a_smaller_vocabulary_within_the_margin(
     build_parts(tmp_path, generator, None, args, config(parts=2))
     cfg = TrainConfig(steps=0, eval_every=0, ckpt_every=0, heads=[HeadSpec("full"), HeadSpec("small", draft_vocab=50)])
     trainer = Trainer(cfg, args, w, load_dataset(tmp_path))
-    al = {"full": {"acceptance_length": 2.000}, "small": {"acceptance_length": 1.995}}
+    al = {"full": {"online_acceptance_length": 2.000}, "small": {"online_acceptance_length": 1.995}}
     assert trainer.best(al) == "small"
-    al["small"]["acceptance_length"] = 1.95
+    al["small"]["online_acceptance_length"] = 1.95
     assert trainer.best(al) == "full"
 
 

@@ -113,12 +113,6 @@ def online_chains(run: list[int], first: int, last: int, max_tokens: int | None 
     return len(bases), sum(run[p] for p in bases)
 
 
-def online_al(res: dict[str, Any]) -> float:
-    """The acceptance length along the decoding path (what decoding reports); results from before the figure
-    existed fall back to the average over every position."""
-    return float(res.get("online_acceptance_length", res["acceptance_length"]))
-
-
 def summarize(bases: int, accepted: list[int], sequences: int, online: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """The acceptance dict: acceptance_length, per-position rates, the decoding-path figure and the raw counts."""
     rates = [a / bases if bases else 0.0 for a in accepted]

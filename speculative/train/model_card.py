@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from speculative.train.eval import online_al
-
 
 def _fmt_rates(rates: list[float]) -> str:
     return " / ".join(f"{r:.2f}" for r in rates)
@@ -21,9 +19,8 @@ def _acceptance_rows(name: str, res: dict[str, Any] | None) -> list[str]:
 
 
 def _acceptance_row(label: str, res: dict[str, Any]) -> str:
-    path = res.get("online_acceptance_length")
     return (
-        f"| {label} | {'-' if path is None else f'{path:.3f}'} | {res['acceptance_length']:.3f} | "
+        f"| {label} | {res['online_acceptance_length']:.3f} | {res['acceptance_length']:.3f} | "
         f"{_fmt_rates(res['per_position'])} | {_fmt_rates(res.get('conditional_per_position', []))} | "
         f"{res['sequences']} | {res['bases']} |"
     )
@@ -51,10 +48,11 @@ def _ablation_section(info: dict[str, Any]) -> list[str]:
         cov = h.get("draft_vocab_coverage")
         vocab = f"{h['draft_vocab']}" + (f" ({100 * cov:.2f}%)" if cov is not None else "")
         by = dev.get("by_source", {})
-        cells = [f"{online_al(by[s]):.3f}" if s in by else "-" for s in sources]
+        cells = [f"{by[s]['online_acceptance_length']:.3f}" if s in by else "-" for s in sources]
         lines.append(
-            f"| {name} | {h['description']} | {h['params'] / 1e6:.2f}M | {vocab} | {online_al(dev):.3f} | "
-            f"{dev['acceptance_length']:.3f} | {_fmt_rates(dev['per_position'])} | " + " | ".join(cells) + " |"
+            f"| {name} | {h['description']} | {h['params'] / 1e6:.2f}M | {vocab} | "
+            f"{dev['online_acceptance_length']:.3f} | {dev['acceptance_length']:.3f} | "
+            f"{_fmt_rates(dev['per_position'])} | " + " | ".join(cells) + " |"
         )
     return [*lines, ""]
 

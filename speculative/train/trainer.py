@@ -28,7 +28,7 @@ from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import HiddenStore, autocast_ctx, epoch_batches
 from speculative.train.data import TokenDataset
 from speculative.train.errors import TrainSetupError
-from speculative.train.eval import evaluate_heads, online_al
+from speculative.train.eval import evaluate_heads
 from speculative.train.heads import HeadSpec, check_specs, frequent_vocab, load_init_head, response_token_counts
 from speculative.train.loss import default_step_weights, target_rows, unrolled_loss
 
@@ -315,7 +315,7 @@ class Trainer:
     def best(self, dev: dict[str, dict[str, Any]]) -> str:
         """The head to ship: the best dev acceptance length along the decoding path, or a smaller-vocabulary
         head within `prefer_margin` of it (it drafts faster at nearly equal acceptance)."""
-        score = {name: online_al(d) for name, d in dev.items()}
+        score = {name: d["online_acceptance_length"] for name, d in dev.items()}
         top = max(score.values())
         close = [r for r in self.runs if score[r.spec.name] >= top - self.cfg.prefer_margin]
         pick = min(close, key=lambda r: (r.head.draft_vocab_size, -score[r.spec.name]))
@@ -366,7 +366,7 @@ class Trainer:
 
     def _dev_line(self, dev: dict[str, dict[str, Any]]) -> str:
         return "; ".join(
-            f"{name} {online_al(res):.3f} (every position {res['acceptance_length']:.3f} "
+            f"{name} {res['online_acceptance_length']:.3f} (every position {res['acceptance_length']:.3f} "
             f"{[round(x, 3) for x in res['per_position']]})"
             for name, res in dev.items()
         )
