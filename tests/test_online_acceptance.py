@@ -40,13 +40,18 @@ def test_online_chains_follow_the_decoding_path() -> None:
     assert online_chains(run, 0, 11, max_tokens=1) == (0, 0)
 
 
-def greedy_dataset(engine_prompts: list[list[int]], responses: list[list[int]]) -> TokenDataset:
-    """Prompt + greedy response sequences, all greedy."""
+def greedy_dataset(
+    args: LlamaArgs, weights: dict[str, torch.Tensor], prompts: list[list[int]], length: int
+) -> TokenDataset:
+    """Each prompt with the target's greedy answer of `length` tokens (target-only engine)."""
+    plain = tiny_engine(args, weights)
+    outs = plain.generate(prompts, {"max_tokens": length, "temperature": 0.0, "ignore_eos": True})
+    plain.shutdown()
     return TokenDataset(
-        [torch.tensor(p + r) for p, r in zip(engine_prompts, responses, strict=True)],
-        [len(p) for p in engine_prompts],
-        [True] * len(engine_prompts),
-        ["probe"] * len(engine_prompts),
+        [torch.tensor(p + o.token_ids) for p, o in zip(prompts, outs, strict=True)],
+        [len(p) for p in prompts],
+        [True] * len(prompts),
+        ["probe"] * len(prompts),
     )
 
 
@@ -54,21 +59,14 @@ def mimic_batch(n: int = 6, length: int = 40) -> tuple[LlamaArgs, dict[str, torc
     """A mimic target, its head and greedy answers of `length` tokens to `n` random prompts."""
     args, w = mimic_target(seed=3)
     prompts = random_prompts(n, args.vocab_size, [5, 9, 14], seed=4)
-    plain = tiny_engine(args, w)
-    outs = plain.generate(prompts, {"max_tokens": length, "temperature": 0.0, "ignore_eos": True})
-    plain.shutdown()
-    return args, w, mimic_head(args, w), greedy_dataset(prompts, [o.token_ids for o in outs])
+    return args, w, mimic_head(args, w), greedy_dataset(args, w, prompts, length)
 
 
 def check_against_engine(
     args: LlamaArgs, weights: dict[str, torch.Tensor], head: MTPEagleHead, prompts: list[list[int]], length: int
 ) -> tuple[int, int, dict[str, float]]:
     """Engine counters vs `online_chains` per prompt; returns total (chains, accepted) and the evaluation."""
-    params = {"max_tokens": length, "temperature": 0.0, "ignore_eos": True}
-    plain = tiny_engine(args, weights)
-    responses = [out.token_ids for out in plain.generate(prompts, params)]
-    plain.shutdown()
-    ds = greedy_dataset(prompts, responses)
+    ds = greedy_dataset(args, weights, prompts, length)
     shared = build_shared(args, weights, "cpu", torch.float32)
     store = HiddenStore(shared, ds, torch.device("cpu"), layers=head.feature_layers)
     idx = list(range(len(ds)))
@@ -77,7 +75,7 @@ def check_against_engine(
     spec = tiny_engine(args, weights, head, speculative={"num_draft_tokens": K})
     totals = [0, 0]
     for b, prompt in enumerate(prompts):
-        (done,) = spec.generate([prompt], {**params, "max_tokens": cap})
+        (done,) = spec.generate([prompt], {"max_tokens": cap, "temperature": 0.0, "ignore_eos": True})
         want = online_chains(run[b].tolist(), len(prompt) - 1, len(prompt) + length - 1 - K, max_tokens=cap)
         assert (done.stats.verify_steps, done.stats.accepted) == want, f"prompt {b}"
         assert done.stats.drafted == K * want[0]
