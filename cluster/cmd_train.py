@@ -302,14 +302,15 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         help="a head to train (repeat for an ablation, all on the same batches): layers=last|fused|i/j/k, "
         "vocab=N (N most frequent response tokens; 0 = all), k=unrolled loss steps, mlp=N (the draft "
         "layer's MLP width; 0 = the target's), path=W (chains that greedy decoding with the head would run "
-        "weigh 1+W in the loss; default 0); default one head, "
-        "'head:layers=last'",
+        "weigh 1+W in the loss; default 0), decoder=N (decoder layers per draft step, 1-4; default 1); "
+        "default one head, 'head:layers=last'",
     )
     g.add_argument(
         "--prefer-margin",
         type=_bounded(float, 0.0),
         default=t.prefer_margin,
-        help="ship a smaller-vocabulary head within this much dev acceptance length of the best",
+        help="ship a cheaper head (fewer decoder layers, smaller draft vocabulary, narrower MLP) within this "
+        "much dev acceptance length of the best",
     )
     g.add_argument(
         "--export-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the exported head"

@@ -3,8 +3,10 @@
 Safetensors tensor names (all under the `mtp.` prefix):
 - mtp.enorm.weight [d], mtp.hnorm.weight [d]             RMSNorm of the embedding and of the hidden state
 - mtp.eh_proj.weight [d, 2d]                             projection of concat(enorm(e), hnorm(h))
-- mtp.layer.<HF Llama decoder-layer names>              one decoder layer, e.g.
+- mtp.layer.<HF Llama decoder-layer names>              the decoder layer, e.g.
   mtp.layer.self_attn.q_proj.weight, mtp.layer.mlp.down_proj.weight, mtp.layer.input_layernorm.weight
+- mtp.extra_layers.<j>.<decoder-layer names>             only for a deeper head: decoder layers run after
+                                                         `layer`, each with its own draft KV cache layer
 - mtp.fc.weight [d, n*d]                                 only with n > 1 feature layers (EAGLE-3 style fusion)
 - mtp.vocab_ids [V'] int64                               only with a reduced draft vocabulary
 - mtp.final_norm.weight [d]                              only for a head with its own output norm (DeepSeek's
@@ -38,6 +40,7 @@ from modeling.parallel import TPContext
 
 PREFIX = "mtp."
 FEATURE_LAYERS_KEY = "feature_layers"
+MAX_LAYERS = 4  # decoder layers of one head
 
 
 def default_feature_layers(args: LlamaArgs) -> tuple[int, ...]:
@@ -52,7 +55,7 @@ def fused_feature_layers(args: LlamaArgs) -> tuple[int, ...]:
 
 
 class MTPEagleHead(nn.Module):
-    """enorm(embed(token)) ++ hnorm(fc(features) or hidden) -> eh_proj -> one decoder layer -> hidden for the
+    """enorm(embed(token)) ++ hnorm(fc(features) or hidden) -> eh_proj -> decoder layer(s) -> hidden for the
     shared head, whose lm_head may be restricted to `vocab_ids` (a reduced draft vocabulary)."""
 
     vocab_ids: torch.Tensor | None
@@ -64,12 +67,15 @@ class MTPEagleHead(nn.Module):
         vocab_ids: torch.Tensor | None = None,
         own_norm: bool = False,
         mlp_size: int | None = None,
+        num_layers: int = 1,
     ) -> None:
         super().__init__()
         d = args.hidden_size
         self.args = args
         if mlp_size is not None and mlp_size < 1:
             raise ValueError(f"mlp_size must be >= 1, got {mlp_size}")
+        if not 1 <= num_layers <= MAX_LAYERS:
+            raise ValueError(f"num_layers must be in [1, {MAX_LAYERS}], got {num_layers}")
         self.mlp_size = mlp_size or args.intermediate_size
         layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(args)
         check_feature_layers(layers, args)
@@ -81,6 +87,9 @@ class MTPEagleHead(nn.Module):
         family = model_class(args)
         layer_args = dataclasses.replace(args, intermediate_size=self.mlp_size)
         self.layer = family.decoder_layer(layer_args, TPContext(), args.num_hidden_layers)
+        self.extra_layers = nn.ModuleList(
+            family.decoder_layer(layer_args, TPContext(), args.num_hidden_layers + j) for j in range(1, num_layers)
+        )
         self.rotary = family.rotary_for(args)
         self.final_norm = RMSNorm(d, args.rms_norm_eps) if own_norm else None
         self.normed_input = False  # whether the target's features are its final-normed hidden states
@@ -97,6 +106,16 @@ class MTPEagleHead(nn.Module):
     def feature_size(self) -> int:
         """Width of the target features the first draft step reads (d per feature layer)."""
         return self.args.hidden_size * len(self.feature_layers)
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers the head runs per draft step (each with its own draft KV cache layer)."""
+        return 1 + len(self.extra_layers)
+
+    @property
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers in the order they run."""
+        return [self.layer, *self.extra_layers]
 
     @property
     def draft_vocab_size(self) -> int:
@@ -149,7 +168,9 @@ class MTPEagleHead(nn.Module):
         return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(h)], dim=-1))
 
     def _layer(self, x: torch.Tensor, rope: Rope, cache: KVCache, meta: Metadata) -> torch.Tensor:
-        return self.layer(x, rope, cache.keys[0], cache.values[0], meta)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, rope, cache.keys[i], cache.values[i], meta)
+        return x
 
     # ---- output head ---------------------------------------------------------------------------------
     def bind(self, shared: LlamaModel) -> None:
@@ -199,9 +220,9 @@ class MTPEagleHead(nn.Module):
 
     # ---- set-up --------------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
-        """The draft's own one-layer paged KV cache."""
+        """The draft's own paged KV cache, one layer per decoder layer."""
         dtype = self.eh_proj.weight.dtype
-        return model_class(self.args).cache_for(self.args, 1, num_blocks, block_size, dtype, device)
+        return model_class(self.args).cache_for(self.args, self.num_layers, num_blocks, block_size, dtype, device)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random initialisation (tests, or an explicit untrained head)."""
@@ -215,11 +236,13 @@ class MTPEagleHead(nn.Module):
 
     def init_from_target(self, target_weights: dict[str, torch.Tensor], layer: int | None = None) -> None:
         """Copy the target's last (or given) decoder layer into the head; eh_proj starts as [0.1 I | I] and fc
-        passes the last feature layer through."""
+        passes the last feature layer through. Extra layers start as that layer with no effect on the output."""
         idx = self.args.num_hidden_layers - 1 if layer is None else layer
         prefix = f"model.layers.{idx}."
         sd = {k[len(prefix) :]: v for k, v in target_weights.items() if k.startswith(prefix)}
         load_widened(self.layer, sd)
+        for extra in self.extra_layers:
+            start_as_identity(extra, sd)
         d = self.args.hidden_size
         with torch.no_grad():
             self.enorm.weight.fill_(1.0)
@@ -232,20 +255,29 @@ class MTPEagleHead(nn.Module):
                 self.fc.weight[:, -d:] = torch.eye(d)
 
     def init_from_head(self, other: MTPEagleHead) -> None:
-        """Start from another head's weights (a trained head to continue); this head may have a wider MLP,
-        whose extra units start with no effect on the output."""
+        """Start from another head's weights (a trained head to continue). This head may have a wider MLP or
+        more decoder layers; the extra units and layers start with no effect on the output (an extra layer as
+        a copy of `other`'s last one with zero output projections)."""
         same = (
             other.feature_layers == self.feature_layers
             and (other.final_norm is None) == (self.final_norm is None)
             and other.draft_vocab_size == self.draft_vocab_size
         )
-        if not same or other.mlp_size > self.mlp_size:
+        if not same or other.mlp_size > self.mlp_size or other.num_layers > self.num_layers:
             raise ValueError(
                 f"cannot start from a head with feature layers {list(other.feature_layers)}, draft vocabulary "
-                f"{other.draft_vocab_size} and MLP {other.mlp_size}: this one has {list(self.feature_layers)}, "
-                f"{self.draft_vocab_size} and {self.mlp_size}"
+                f"{other.draft_vocab_size}, MLP {other.mlp_size} and {other.num_layers} layer(s): this one has "
+                f"{list(self.feature_layers)}, {self.draft_vocab_size}, {self.mlp_size} and {self.num_layers}"
             )
-        load_widened(self, other.state_dict())
+        for layer, src in zip(self.decoder_layers, other.decoder_layers, strict=False):
+            load_widened(layer, src.state_dict())
+        for layer in self.decoder_layers[other.num_layers :]:
+            start_as_identity(layer, other.decoder_layers[-1].state_dict())
+        mine = self.state_dict()
+        with torch.no_grad():
+            for name, t in other.state_dict().items():
+                if not name.startswith(("layer.", "extra_layers.")):
+                    mine[name].copy_(t.to(mine[name].dtype))
 
     # ---- files ---------------------------------------------------------------------------------------
     def save(
@@ -269,12 +301,27 @@ class MTPEagleHead(nn.Module):
         layers = parse_feature_layers(meta.get(FEATURE_LAYERS_KEY)) or default_feature_layers(args)
         gate = sd.get("layer.mlp.gate_proj.weight")
         mlp = int(gate.shape[0]) if gate is not None else None
-        head = cls(args, layers, sd.get("vocab_ids"), own_norm="final_norm.weight" in sd, mlp_size=mlp)
+        extra = {int(k.split(".")[1]) for k in sd if k.startswith("extra_layers.")}
+        if extra != set(range(len(extra))):
+            raise ValueError(f"{path}: extra draft layers must be numbered 0..n-1, got {sorted(extra)}")
+        own_norm = "final_norm.weight" in sd
+        head = cls(args, layers, sd.get("vocab_ids"), own_norm=own_norm, mlp_size=mlp, num_layers=1 + len(extra))
         floats = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
         missing, unexpected = head.load_state_dict(floats, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: draft head tensors missing {missing[:3]} / unexpected {unexpected[:3]}")
         return head
+
+
+def start_as_identity(layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a decoder layer's `state` into `layer`, then zero its attention and MLP output projections: the
+    residual layer passes its input through unchanged, and its other weights give those projections a
+    gradient from the first step."""
+    load_widened(layer, state)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
 
 
 def load_widened(module: nn.Module, state: dict[str, torch.Tensor], std: float = 0.02, seed: int = 0) -> None:
@@ -342,7 +389,12 @@ def head_layout(path: str | Path) -> tuple[int, ...]:
 
 
 def describe(head: MTPEagleHead) -> str:
-    """A one-line summary: feature layers, draft vocabulary and MLP width."""
+    """A one-line summary: feature layers, draft vocabulary, MLP width and decoder layers."""
     return json.dumps(
-        {"feature_layers": list(head.feature_layers), "draft_vocab": head.draft_vocab_size, "mlp": head.mlp_size}
+        {
+            "feature_layers": list(head.feature_layers),
+            "draft_vocab": head.draft_vocab_size,
+            "mlp": head.mlp_size,
+            "layers": head.num_layers,
+        }
     )

@@ -129,17 +129,22 @@ def test_heads_trained_side_by_side_equal_heads_trained_alone(
     assert res["dev"] == res["heads"][res["best"]]["dev"]
 
 
-def test_best_head_prefers_a_smaller_vocabulary_within_the_margin(
+def test_best_head_prefers_a_cheaper_head_within_the_margin(
     tmp_path: Path, target: tuple[LlamaArgs, dict[str, torch.Tensor]], generator: EngineGenerator
 ) -> None:
+    """Within the margin a head with fewer decoder layers wins, then one with a smaller draft vocabulary."""
     args, w = target
     build_parts(tmp_path, generator, None, args, config(parts=2))
-    cfg = TrainConfig(steps=0, eval_every=0, ckpt_every=0, heads=[HeadSpec("full"), HeadSpec("small", draft_vocab=50)])
+    heads = [HeadSpec("full"), HeadSpec("small", draft_vocab=50), HeadSpec("deep", decoder=2)]
+    cfg = TrainConfig(steps=0, eval_every=0, ckpt_every=0, heads=heads)
     trainer = Trainer(cfg, args, w, load_dataset(tmp_path))
-    al = {"full": {"online_acceptance_length": 2.000}, "small": {"online_acceptance_length": 1.995}}
+    assert [r.head.num_layers for r in trainer.runs] == [1, 1, 2]
+    al = {n: {"online_acceptance_length": v} for n, v in (("full", 2.000), ("small", 1.995), ("deep", 2.004))}
     assert trainer.best(al) == "small"
     al["small"]["online_acceptance_length"] = 1.95
-    assert trainer.best(al) == "full"
+    assert trainer.best(al) == "full", "the deeper head is within the margin, so the shallower one wins"
+    al["deep"]["online_acceptance_length"] = 2.02
+    assert trainer.best(al) == "deep"
 
 
 def test_frequent_vocab_keeps_the_commonest_response_tokens(
@@ -171,13 +176,14 @@ def test_epoch_batches_cap_padded_tokens_and_cover_every_sequence() -> None:
     ("text", "message"),
     [("x:layers=top", "layers must be"), ("x:vocab=big", "vocab must be an integer"), ("x:k=0", "k >= 1"),
      ("x:depth=2", "unknown key"), ("bad name:k=1", "the name"), ("x:path=much", "path must be a number"),
-     ("x:path=-1", r"path must be in \[0, 100\]")],
+     ("x:path=-1", r"path must be in \[0, 100\]"), ("x:decoder=0", r"decoder must be in \[1, 4\]"),
+     ("x:decoder=two", "decoder must be an integer")],
 )  # fmt: skip
 def test_bad_head_specs_name_the_flag(text: str, message: str, target: tuple[LlamaArgs, dict]) -> None:
     with pytest.raises(TrainSetupError, match=message) as exc:
         parse_head_spec(text).feature_layers(target[0])
     assert exc.value.field == "--head-spec"
-    for text in ("v:layers=fused,vocab=64,k=2", "p:layers=fused,path=1.5"):
+    for text in ("v:layers=fused,vocab=64,k=2", "p:layers=fused,path=1.5", "d:layers=fused,decoder=2"):
         spec = parse_head_spec(text)
         assert parse_head_spec(spec.text()) == spec
     assert parse_head_spec("p:path=1.5").path == 1.5

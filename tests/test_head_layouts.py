@@ -76,7 +76,11 @@ def test_fused_vocab_head_is_lossless_and_drafts_only_its_vocabulary(chunk: int)
 def test_every_step_path_proposes_the_same_drafts() -> None:
     """Eager, the fused captured step with host overlap, and the separate chain step (all eager on CPU)."""
     args, w = layered_target()
-    head = fused_head(args, w)
+    check_step_paths_agree(args, w, fused_head(args, w))
+
+
+def check_step_paths_agree(args: LlamaArgs, w: dict[str, torch.Tensor], head: MTPEagleHead) -> None:
+    """The eager engine, the fused captured step and the separate chain step give the same tokens and counters."""
     prompts = random_prompts(6, args.vocab_size, [21, 1, 9, 13, 30, 4], seed=8)
     k = 3
     ref = tiny_engine(args, w, head, speculative={"num_draft_tokens": k}, scheduler={"chunk_size": 6})

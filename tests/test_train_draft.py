@@ -214,19 +214,20 @@ def test_checkpoint_reloads_identically_and_resume_continues(target_dir: Path, d
 def test_init_head_continues_a_trained_head_and_a_wider_mlp_starts_equal(
     target_dir: Path, data_dir: Path, tmp_path: Path
 ) -> None:
-    """Heads started from a trained file (one as wide, one with twice the MLP) score exactly what it scores
-    before their first step, then both move; the wide head's file keeps its width."""
+    """Heads started from a trained file (one as wide, one with twice the MLP, one with a second decoder
+    layer) score exactly what it scores before their first step, then all move; the files keep their shape."""
     src = tmp_path / "src" / "head.safetensors"
     assert cli(*train_args(target_dir, data_dir, src, "--steps", 40, "--eval-every", 0, "--ckpt-every", 0)) == 0
     scored = json.loads(src.with_name("head.results.json").read_text())["dev"]["acceptance_length"]
     out = tmp_path / "cont" / "head.safetensors"
     wide = 2 * ARGS.intermediate_size
     specs = ["--head-spec", "same:layers=last", "--head-spec", f"wide:layers=last,mlp={wide}"]
+    specs += ["--head-spec", "deep:layers=last,decoder=2"]
     extra = ["--steps", 10, "--eval-every", 0, "--ckpt-every", 0, "--init-head", src, *specs]
     assert cli(*train_args(target_dir, data_dir, out, *extra)) == 0
     res = json.loads(out.with_name("head.results.json").read_text())
     assert "head.safetensors" in res["train"]["init"]
-    for name in ("same", "wide"):
+    for name in ("same", "wide", "deep"):
         assert res["heads"][name]["dev_initial"]["acceptance_length"] == pytest.approx(scored, abs=1e-9)
     before = MTPEagleHead.load(src, ARGS)
     same = MTPEagleHead.load(out.with_name("head-same.safetensors"), ARGS)
@@ -235,6 +236,8 @@ def test_init_head_continues_a_trained_head_and_a_wider_mlp_starts_equal(
     down = grown.layer.mlp.down_proj.weight
     assert down.shape[1] == wide and down[:, ARGS.intermediate_size :].abs().sum() > 0, "the extra units learn"
     assert not torch.equal(same.eh_proj.weight, before.eh_proj.weight)
+    deep = MTPEagleHead.load(out.with_name("head-deep.safetensors"), ARGS)
+    assert deep.num_layers == 2 and deep.extra_layers[0].mlp.down_proj.weight.abs().sum() > 0, "the layer learns"
 
 
 def test_init_head_refuses_a_missing_file_or_another_layout(

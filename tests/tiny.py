@@ -73,7 +73,7 @@ def tiny_engine(
 
 
 def _clone(head: MTPEagleHead, args: LlamaArgs) -> MTPEagleHead:
-    copy = MTPEagleHead(args, head.feature_layers, head.vocab_ids, mlp_size=head.mlp_size)
+    copy = MTPEagleHead(args, head.feature_layers, head.vocab_ids, mlp_size=head.mlp_size, num_layers=head.num_layers)
     copy.load_state_dict(head.state_dict())
     return copy
 
@@ -84,11 +84,11 @@ def slots_of(block_ids: list[int], block_size: int, n: int) -> torch.Tensor:
     return torch.tensor(block_ids)[pos // block_size] * block_size + pos % block_size
 
 
-def draft_kv(engine: LLMEngine, request_id: str, n: int) -> torch.Tensor:
-    """The draft head's K and V for positions [0, n) of a running request, stacked [2, n, H, D]."""
+def draft_kv(engine: LLMEngine, request_id: str, n: int, layer: int = 0) -> torch.Tensor:
+    """The draft head's K and V (of decoder `layer`) for positions [0, n) of a running request, [2, n, H, D]."""
     req = engine.scheduler.requests[request_id]
     cache = engine.draft.cache  # type: ignore[union-attr]
-    k, v = cache.gather(0, slots_of(req.block_ids, cache.block_size, n))
+    k, v = cache.gather(layer, slots_of(req.block_ids, cache.block_size, n))
     return torch.stack([k, v]).clone()
 
 

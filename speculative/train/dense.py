@@ -63,12 +63,14 @@ def attention(
     return att.o_proj(out), (k, v)
 
 
-def llama_layer(head: MTPEagleHead) -> DecoderLayer:
-    """The head's decoder layer; training-time unrolling is written for Llama-family layers only."""
-    layer = head.layer
-    if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn, Attention):
-        raise ValueError(f"train-draft trains heads of Llama-family targets, not {type(layer).__name__}")
-    return layer
+def llama_layers(head: MTPEagleHead) -> list[DecoderLayer]:
+    """The head's decoder layers; training-time unrolling is written for Llama-family layers only."""
+    layers = []
+    for layer in head.decoder_layers:
+        if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn, Attention):
+            raise ValueError(f"train-draft trains heads of Llama-family targets, not {type(layer).__name__}")
+        layers.append(layer)
+    return layers
 
 
 def decoder_layer(
@@ -134,14 +136,16 @@ def head_unrolled(
     next_ids = F.pad(ids[:, 1:], (0, 1))
     emb = head.enorm(shared.embed(next_ids))
     positions = torch.arange(length, device=ids.device)
-    past: list[KV] = []
+    layers = llama_layers(head)
+    past: list[list[KV]] = [[] for _ in layers]  # per decoder layer, one block of keys per earlier step
     outs: list[torch.Tensor] = []
     h_in = head.project(hidden)
     for k in range(1, steps + 1):
-        x = head.eh_proj(torch.cat([emb, head.hnorm(h_in.to(emb.dtype))], dim=-1))
+        out = head.eh_proj(torch.cat([emb, head.hnorm(h_in.to(emb.dtype))], dim=-1))
         mask = None if k == 1 else unroll_mask(length, k, ids.device)
-        out, kv = decoder_layer(llama_layer(head), head.rotary, x, positions, mask, past)
-        past.append(kv)
+        for layer, layer_past in zip(layers, past, strict=True):
+            out, kv = decoder_layer(layer, head.rotary, out, positions, mask, layer_past)
+            layer_past.append(kv)
         outs.append(out)
         h_in = F.pad(out[:, :-1], (0, 0, 1, 0))
     return outs

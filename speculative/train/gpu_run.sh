@@ -59,7 +59,10 @@ train() {  # $1: seconds for this step
     --export-dtype bfloat16 --out "$HEADS/smollm2-135m-mtp.safetensors" \
     > "$OUT/train.log" 2>&1
   status=$?
-  cp "$HEADS"/MODEL_CARD.md "$HEADS"/*.results.json "$HEADS"/*.safetensors "$OUT"/ 2>/dev/null
+  cp "$HEADS"/MODEL_CARD.md "$HEADS"/*.results.json "$OUT"/ 2>/dev/null
+  for h in "$HEADS"/*.safetensors; do  # a run returns files of at most 16 MiB: larger heads go in parts
+    if [ "$(stat -c %s "$h")" -le 16000000 ]; then cp "$h" "$OUT"/; else split -b 15000000 "$h" "$OUT/$(basename "$h").part-"; fi
+  done
   tail -c 1500 "$OUT/train.log"
   return $status
 }

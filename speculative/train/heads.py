@@ -7,7 +7,9 @@ A spec reads `name:key=value,...` on the command line, e.g. `fused-v16k:layers=f
 - k: unrolled steps in the loss (training-time test); 1 trains only the first draft position;
 - mlp: the draft layer's MLP width (0: the target's); wider units start with no effect on the output;
 - path: extra loss weight on the chains greedy decoding with the head would run (0: every chain alike;
-  1: those count twice), since those are the only chains whose acceptance users see.
+  1: those count twice), since those are the only chains whose acceptance users see;
+- decoder: decoder layers per draft step (default 1); layers added to a head started from a shallower one
+  begin with no effect on the output.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from pathlib import Path
 import torch
 
 from modeling.model import LlamaArgs
-from speculative.mtp_head import MTPEagleHead, check_feature_layers, default_feature_layers, fused_feature_layers
+from speculative.mtp_head import (
+    MAX_LAYERS,
+    MTPEagleHead,
+    check_feature_layers,
+    default_feature_layers,
+    fused_feature_layers,
+)
 from speculative.train.data import TokenDataset
 from speculative.train.errors import TrainSetupError
 
@@ -37,6 +45,7 @@ class HeadSpec:
     num_draft_tokens: int | None = None  # unrolled loss steps; None: the run's --num-draft-tokens
     mlp: int = 0  # the draft layer's MLP width; 0: the target's intermediate size
     path: float = 0.0  # extra loss weight on the decoding path's chains
+    decoder: int = 1  # decoder layers per draft step
 
     def feature_layers(self, args: LlamaArgs) -> tuple[int, ...]:
         """The target layers this head reads."""
@@ -54,7 +63,8 @@ class HeadSpec:
         k = f",k={self.num_draft_tokens}" if self.num_draft_tokens is not None else ""
         mlp = f",mlp={self.mlp}" if self.mlp else ""
         path = f",path={self.path:g}" if self.path else ""
-        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}"
+        decoder = f",decoder={self.decoder}" if self.decoder != 1 else ""
+        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}{decoder}"
 
     def describe(self, args: LlamaArgs, k: int) -> str:
         """A short human description, for tables."""
@@ -63,7 +73,8 @@ class HeadSpec:
         vocab = "full vocab" if not self.draft_vocab else f"vocab {self.draft_vocab}"
         mlp = f", MLP {self.mlp}" if self.mlp else ""
         path = f", decoding-path chains x{1 + self.path:g}" if self.path else ""
-        return f"{feat}, {vocab}{mlp}, loss over {self.num_draft_tokens or k} step(s){path}"
+        decoder = f", {self.decoder} decoder layers" if self.decoder != 1 else ""
+        return f"{feat}, {vocab}{mlp}{decoder}, loss over {self.num_draft_tokens or k} step(s){path}"
 
 
 def parse_head_spec(text: str) -> HeadSpec:
@@ -76,8 +87,10 @@ def parse_head_spec(text: str) -> HeadSpec:
         key, eq, value = item.partition("=")
         if not eq:
             raise TrainSetupError("--head-spec", f"'{text}': '{item}' is not key=value")
-        if key not in ("layers", "vocab", "k", "mlp", "path"):
-            raise TrainSetupError("--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp, path)")
+        if key not in ("layers", "vocab", "k", "mlp", "path", "decoder"):
+            raise TrainSetupError(
+                "--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp, path, decoder)"
+            )
         if key == "path":
             spec.path = _path_weight(text, value)
             continue
@@ -88,12 +101,16 @@ def parse_head_spec(text: str) -> HeadSpec:
                 spec.draft_vocab = int(value)
             elif key == "mlp":
                 spec.mlp = int(value)
+            elif key == "decoder":
+                spec.decoder = int(value)
             else:
                 spec.num_draft_tokens = int(value)
         except ValueError:
             raise TrainSetupError("--head-spec", f"'{text}': {key} must be an integer, got '{value}'") from None
     if spec.draft_vocab < 0 or spec.mlp < 0 or (spec.num_draft_tokens is not None and spec.num_draft_tokens < 1):
         raise TrainSetupError("--head-spec", f"'{text}': vocab and mlp must be >= 0 and k >= 1")
+    if not 1 <= spec.decoder <= MAX_LAYERS:
+        raise TrainSetupError("--head-spec", f"'{text}': decoder must be in [1, {MAX_LAYERS}], got {spec.decoder}")
     return spec
 
 
@@ -123,6 +140,19 @@ def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int) -> None:
             raise TrainSetupError("--head-spec", f"{s.name}: mlp {s.mlp} < the target's {args.intermediate_size}")
         if (s.num_draft_tokens or k) > k:
             raise TrainSetupError("--head-spec", f"{s.name}: k {s.num_draft_tokens} > --num-draft-tokens {k}")
+
+
+def drafting_cost(head: MTPEagleHead) -> tuple[int, int, int]:
+    """What a head costs per draft step, most telling first: decoder layers, draft vocabulary, MLP width."""
+    return (head.num_layers, head.draft_vocab_size, head.mlp_size)
+
+
+def choose_head(scores: dict[str, float], heads: dict[str, MTPEagleHead], margin: float) -> str:
+    """The best-scoring head, or the cheapest (`drafting_cost`) of those within `margin` of it, since it
+    drafts faster at nearly equal acceptance."""
+    top = max(scores.values())
+    close = [name for name, s in scores.items() if s >= top - margin]
+    return min(close, key=lambda name: (*drafting_cost(heads[name]), -scores[name]))
 
 
 def response_token_counts(data: TokenDataset, indices: Sequence[int], vocab_size: int) -> torch.Tensor:

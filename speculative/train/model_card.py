@@ -26,6 +26,12 @@ def _acceptance_row(label: str, res: dict[str, Any]) -> str:
     )
 
 
+def _initial_label(train: dict[str, Any]) -> str:
+    """Row label of the heads before their first step: untrained, or the trained head they continue."""
+    init = str(train.get("init", ""))
+    return "initial (the head continued)" if init.startswith("the trained head") else "untrained (initial)"
+
+
 def _ablation_section(info: dict[str, Any]) -> list[str]:
     """One row per head trained side by side (same data, batches, steps and optimiser settings)."""
     heads = info.get("heads") or {}
@@ -35,8 +41,8 @@ def _ablation_section(info: dict[str, Any]) -> list[str]:
     lines = [
         "## Ablation: heads trained side by side on the same batches",
         "",
-        f"Shipped: **{info.get('best')}** (best dev acceptance length along the decoding path; a smaller draft "
-        "vocabulary wins within "
+        f"Shipped: **{info.get('best')}** (best dev acceptance length along the decoding path; a cheaper head, "
+        "with fewer decoder layers, a smaller draft vocabulary or a narrower MLP, wins within "
         f"{info.get('prefer_margin', 0.01)}).",
         "",
         "| head | what | params | draft vocab (coverage) | dev AL, decoding path | dev AL, every position | "
@@ -103,7 +109,7 @@ def render_model_card(info: dict[str, Any]) -> str:
         "| head | AL, decoding path | AL, every position | per-position rate (cumulative) | conditional "
         "| sequences | chains |",
         "|---|---|---|---|---|---|---|",
-        *_acceptance_rows("untrained (initial)", info.get("dev_initial")),
+        *_acceptance_rows(_initial_label(train), info.get("dev_initial")),
         *_acceptance_rows("trained", info.get("dev")),
         "",
         "Acceptance length = 1 + mean accepted drafts per chain. *Every position* scores a chain from each",

@@ -29,7 +29,14 @@ from speculative.train.batches import HiddenStore, autocast_ctx, epoch_batches
 from speculative.train.data import TokenDataset
 from speculative.train.errors import TrainSetupError
 from speculative.train.eval import evaluate_heads
-from speculative.train.heads import HeadSpec, check_specs, frequent_vocab, load_init_head, response_token_counts
+from speculative.train.heads import (
+    HeadSpec,
+    check_specs,
+    choose_head,
+    frequent_vocab,
+    load_init_head,
+    response_token_counts,
+)
 from speculative.train.loss import default_step_weights, target_rows, unrolled_loss
 
 log = logging.getLogger(__name__)
@@ -164,7 +171,8 @@ class Trainer:
         if spec.draft_vocab:
             counts = response_token_counts(self.data, self.train_idx, self.args.vocab_size)
             vocab_ids, coverage = frequent_vocab(counts, spec.draft_vocab)
-        head = MTPEagleHead(self.args, spec.feature_layers(self.args), vocab_ids, mlp_size=spec.mlp or None)
+        layers = spec.feature_layers(self.args)
+        head = MTPEagleHead(self.args, layers, vocab_ids, mlp_size=spec.mlp or None, num_layers=spec.decoder)
         if source is not None:
             try:
                 head.init_from_head(source)
@@ -313,13 +321,9 @@ class Trainer:
         )
 
     def best(self, dev: dict[str, dict[str, Any]]) -> str:
-        """The head to ship: the best dev acceptance length along the decoding path, or a smaller-vocabulary
-        head within `prefer_margin` of it (it drafts faster at nearly equal acceptance)."""
+        """The head to ship, by dev acceptance along the decoding path (`heads.choose_head`)."""
         score = {name: d["online_acceptance_length"] for name, d in dev.items()}
-        top = max(score.values())
-        close = [r for r in self.runs if score[r.spec.name] >= top - self.cfg.prefer_margin]
-        pick = min(close, key=lambda r: (r.head.draft_vocab_size, -score[r.spec.name]))
-        return pick.spec.name
+        return choose_head(score, {r.spec.name: r.head for r in self.runs}, self.cfg.prefer_margin)
 
     # ---- training --------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
