@@ -302,7 +302,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         help="a head to train (repeat for an ablation, all on the same batches): layers=last|fused|i/j/k, "
         "vocab=N (N most frequent response tokens; 0 = all), k=unrolled loss steps, mlp=N (the draft "
         "layer's MLP width; 0 = the target's), path=W (chains that greedy decoding with the head would run "
-        "weigh 1+W in the loss; default 0), decoder=N (decoder layers per draft step, 1-4; default 1); "
+        "weigh 1+W in the loss; default 0), decoder=N (decoder layers per draft step, 1-4; default 1), "
+        "repeat=W (loss weight of rows whose token repeats an 8-gram earlier in its answer; default 1); "
         "default one head, 'head:layers=last'",
     )
     g.add_argument(
@@ -477,7 +478,8 @@ def run(args: argparse.Namespace) -> int:
         dev = res["dev"]
         rates = " / ".join(f"{r:.2f}" for r in dev["per_position"])
         print(
-            f"dev acceptance length {dev['online_acceptance_length']:.3f} along the decoding path, "
+            f"dev acceptance length {dev['first_acceptance_length']:.3f} over the first {dev['first_tokens']} "
+            f"tokens, {dev['online_acceptance_length']:.3f} along the decoding path, "
             f"{dev['acceptance_length']:.3f} over every position (K={dev['num_draft_tokens']}, per position {rates})"
         )
     if opts.stage in {"all", "train"}:

@@ -139,11 +139,11 @@ def test_best_head_prefers_a_cheaper_head_within_the_margin(
     cfg = TrainConfig(steps=0, eval_every=0, ckpt_every=0, heads=heads)
     trainer = Trainer(cfg, args, w, load_dataset(tmp_path))
     assert [r.head.num_layers for r in trainer.runs] == [1, 1, 2]
-    al = {n: {"online_acceptance_length": v} for n, v in (("full", 2.000), ("small", 1.995), ("deep", 2.004))}
+    al = {n: {"first_acceptance_length": v} for n, v in (("full", 2.000), ("small", 1.995), ("deep", 2.004))}
     assert trainer.best(al) == "small"
-    al["small"]["online_acceptance_length"] = 1.95
+    al["small"]["first_acceptance_length"] = 1.95
     assert trainer.best(al) == "full", "the deeper head is within the margin, so the shallower one wins"
-    al["deep"]["online_acceptance_length"] = 2.02
+    al["deep"]["first_acceptance_length"] = 2.02
     assert trainer.best(al) == "deep"
 
 
@@ -177,13 +177,13 @@ def test_epoch_batches_cap_padded_tokens_and_cover_every_sequence() -> None:
     [("x:layers=top", "layers must be"), ("x:vocab=big", "vocab must be an integer"), ("x:k=0", "k >= 1"),
      ("x:depth=2", "unknown key"), ("bad name:k=1", "the name"), ("x:path=much", "path must be a number"),
      ("x:path=-1", r"path must be in \[0, 100\]"), ("x:decoder=0", r"decoder must be in \[1, 4\]"),
-     ("x:decoder=two", "decoder must be an integer")],
+     ("x:decoder=two", "decoder must be an integer"), ("x:repeat=-0.5", r"repeat must be in \[0, 100\]")],
 )  # fmt: skip
 def test_bad_head_specs_name_the_flag(text: str, message: str, target: tuple[LlamaArgs, dict]) -> None:
     with pytest.raises(TrainSetupError, match=message) as exc:
         parse_head_spec(text).feature_layers(target[0])
     assert exc.value.field == "--head-spec"
-    for text in ("v:layers=fused,vocab=64,k=2", "p:layers=fused,path=1.5", "d:layers=fused,decoder=2"):
+    for text in ("v:layers=fused,vocab=64,k=2", "p:layers=fused,path=1.5", "d:layers=fused,decoder=2", "r:repeat=0.25"):
         spec = parse_head_spec(text)
         assert parse_head_spec(spec.text()) == spec
     assert parse_head_spec("p:path=1.5").path == 1.5

@@ -82,7 +82,10 @@ def check_against_engine(
         totals[0] += want[0]
         totals[1] += want[1]
     spec.shutdown()
-    return totals[0], totals[1], evaluate(head, shared, store, idx, K)
+    res = evaluate(head, shared, store, idx, K, first_tokens=cap)
+    assert (res["first_chains"], res["first_tokens"]) == (totals[0], cap), "the window is the engine's max_tokens"
+    assert res["first_acceptance_length"] == pytest.approx(1 + totals[1] / totals[0])
+    return totals[0], totals[1], res
 
 
 def test_decoding_path_matches_the_engine_on_a_tiny_target() -> None:

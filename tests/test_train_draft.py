@@ -162,9 +162,8 @@ def test_training_raises_acceptance_well_above_untrained(target_dir: Path, data_
     card = (tmp_path / "MODEL_CARD.md").read_text()
     assert "--num-draft-tokens 3" in card and "--steps 150" in card
     trained_row = next(line for line in card.splitlines() if line.startswith("| trained |"))
-    assert trained_row.startswith(
-        f"| trained | {after['online_acceptance_length']:.3f} | {after['acceptance_length']:.3f} |"
-    )
+    want = [after[f"{key}acceptance_length"] for key in ("first_", "online_", "")]
+    assert trained_row.startswith("| trained | " + " | ".join(f"{v:.3f}" for v in want) + " |")
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
     assert meta["steps"] == "150" and float(meta["dev_acceptance_length"]) == pytest.approx(
@@ -172,6 +171,9 @@ def test_training_raises_acceptance_well_above_untrained(target_dir: Path, data_
     )
     assert float(meta["dev_decoding_path_acceptance_length"]) == pytest.approx(
         after["online_acceptance_length"], abs=1e-4
+    )
+    assert float(meta["dev_first_tokens_acceptance_length"]) == pytest.approx(
+        after["first_acceptance_length"], abs=1e-4
     )
 
 

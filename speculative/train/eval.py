@@ -14,7 +14,10 @@ Decoding does not start a chain at every position: after a chain at base p accep
 starts at p + a + 1. Long accepted runs are crossed in few steps and misses cost a step each, so the figure
 users see is lower than the average over all bases. `online_chains` follows that path through the
 teacher-forced counts; on greedy sequences it visits the bases the engine visits and counts what the
-engine's speculation counters count (`online_acceptance_length`).
+engine's speculation counters count (`online_acceptance_length`). `first_acceptance_length` does the same
+over the first `FIRST_TOKENS` emitted tokens only, what `mtpserve bench acceptance --max-tokens 128` measures:
+a small target's long greedy answers fall into repeated text, which is easy to draft, so the figure over
+whole answers reads well above what the start of an answer gets.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from modeling.model import LlamaModel
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import Batch, HiddenStore, autocast_ctx
 from speculative.train.dense import head_unrolled
+
+FIRST_TOKENS = 128  # the window of `first_acceptance_length` (the held-apart benchmark's --max-tokens)
 
 
 def _argmax_rows(
@@ -80,18 +85,26 @@ def accepted_runs(
 
 @torch.no_grad()
 def batch_acceptance(
-    head: MTPEagleHead, shared: LlamaModel, batch: Batch, k: int, tgt: torch.Tensor | None = None
+    head: MTPEagleHead,
+    shared: LlamaModel,
+    batch: Batch,
+    k: int,
+    tgt: torch.Tensor | None = None,
+    first_tokens: int = FIRST_TOKENS,
 ) -> dict[str, torch.Tensor]:
     """Per-batch counts: `bases` [B] chains evaluated per sequence, `accepted` [B, K] chains reaching each depth,
-    `online` [B, 2] (chains, accepted drafts) along the decoding path (`online_chains`)."""
+    `online` [B, 2] (chains, accepted drafts) along the decoding path (`online_chains`), and `first` [B, 2]
+    the same within the first `first_tokens` emitted tokens."""
     run, base_ok = accepted_runs(head, shared, batch, k, tgt)
     accepted = torch.stack([(run >= j).sum(1) for j in range(1, k + 1)], 1)
     runs = run.tolist()
-    online = [
-        online_chains(runs[b], int(batch.response_start[b]) - 1, int(batch.lengths[b]) - 1 - k)
-        for b in range(run.shape[0])
-    ]
-    return {"bases": base_ok.sum(1), "accepted": accepted, "online": torch.tensor(online, dtype=torch.long)}
+    online, first = [], []
+    for b in range(run.shape[0]):
+        start, last = int(batch.response_start[b]) - 1, int(batch.lengths[b]) - 1 - k
+        online.append(online_chains(runs[b], start, last))
+        first.append(online_chains(runs[b], start, last, max_tokens=first_tokens))
+    counts = {"online": torch.tensor(online, dtype=torch.long), "first": torch.tensor(first, dtype=torch.long)}
+    return {"bases": base_ok.sum(1), "accepted": accepted, **counts}
 
 
 def path_bases(run: list[int], first: int, last: int, max_tokens: int | None = None) -> list[int]:
@@ -113,8 +126,15 @@ def online_chains(run: list[int], first: int, last: int, max_tokens: int | None 
     return len(bases), sum(run[p] for p in bases)
 
 
-def summarize(bases: int, accepted: list[int], sequences: int, online: tuple[int, int] = (0, 0)) -> dict[str, Any]:
-    """The acceptance dict: acceptance_length, per-position rates, the decoding-path figure and the raw counts."""
+def summarize(
+    bases: int,
+    accepted: list[int],
+    sequences: int,
+    online: tuple[int, int] = (0, 0),
+    first: tuple[int, int] = (0, 0),
+) -> dict[str, Any]:
+    """The acceptance dict: acceptance_length, per-position rates, the decoding-path figures (whole answers
+    and their first tokens) and the raw counts."""
     rates = [a / bases if bases else 0.0 for a in accepted]
     cond = [
         (accepted[i] / accepted[i - 1] if i and accepted[i - 1] else (rates[0] if i == 0 else 0.0))
@@ -126,6 +146,8 @@ def summarize(bases: int, accepted: list[int], sequences: int, online: tuple[int
         "conditional_per_position": cond,
         "online_acceptance_length": 1.0 + (online[1] / online[0] if online[0] else 0.0),
         "online_chains": online[0],
+        "first_acceptance_length": 1.0 + (first[1] / first[0] if first[0] else 0.0),
+        "first_chains": first[0],
         "bases": bases,
         "sequences": sequences,
     }
@@ -140,9 +162,10 @@ def evaluate(
     k: int,
     batch_size: int = 16,
     dtype: torch.dtype = torch.float32,
+    first_tokens: int = FIRST_TOKENS,
 ) -> dict[str, Any]:
     """Acceptance over `indices` of the store's dataset, overall and per prompt source."""
-    return evaluate_heads({"head": head}, shared, store, indices, k, batch_size, dtype)["head"]
+    return evaluate_heads({"head": head}, shared, store, indices, k, batch_size, dtype, first_tokens)["head"]
 
 
 @torch.no_grad()
@@ -154,6 +177,7 @@ def evaluate_heads(
     k: int,
     batch_size: int = 16,
     dtype: torch.dtype = torch.float32,
+    first_tokens: int = FIRST_TOKENS,
 ) -> dict[str, dict[str, Any]]:
     """`evaluate` for several heads on the same batches (the target forward runs once per batch)."""
     modes = {name: h.training for name, h in heads.items()}
@@ -170,26 +194,25 @@ def evaluate_heads(
                 for key in ("all", src):
                     seqs[key] = seqs.get(key, 0) + 1
             for name, head in heads.items():
-                res = batch_acceptance(head, shared, batch, k, tgt)
+                res = batch_acceptance(head, shared, batch, k, tgt, first_tokens)
                 for b, src in enumerate(batch.sources):
+                    row = [int(res["bases"][b]), *res["accepted"][b].tolist(), *res["online"][b].tolist()]
+                    row += res["first"][b].tolist()
                     for key in ("all", src):
-                        t = totals[name].setdefault(key, [0] * (k + 3))
-                        t[0] += int(res["bases"][b])
-                        for j in range(k):
-                            t[j + 1] += int(res["accepted"][b, j])
-                        t[k + 1] += int(res["online"][b, 0])
-                        t[k + 2] += int(res["online"][b, 1])
+                        t = totals[name].setdefault(key, [0] * (k + 5))
+                        for i, v in enumerate(row):
+                            t[i] += v
     for name, h in heads.items():
         h.train(modes[name])
     out: dict[str, dict[str, Any]] = {}
+
+    def counts(v: list[int], n: int) -> dict[str, Any]:
+        return summarize(v[0], v[1 : k + 1], n, (v[k + 1], v[k + 2]), (v[k + 3], v[k + 4]))
+
     for name, tot in totals.items():
-        t = tot.get("all", [0] * (k + 3))
-        summary = summarize(t[0], t[1 : k + 1], seqs.get("all", 0), (t[k + 1], t[k + 2]))
+        summary = counts(tot.get("all", [0] * (k + 5)), seqs.get("all", 0))
         summary["num_draft_tokens"] = k
-        summary["by_source"] = {
-            s: summarize(v[0], v[1 : k + 1], seqs[s], (v[k + 1], v[k + 2]))
-            for s, v in sorted(tot.items())
-            if s != "all"
-        }
+        summary["first_tokens"] = first_tokens
+        summary["by_source"] = {s: counts(v, seqs[s]) for s, v in sorted(tot.items()) if s != "all"}
         out[name] = summary
     return out

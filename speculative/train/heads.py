@@ -9,7 +9,9 @@ A spec reads `name:key=value,...` on the command line, e.g. `fused-v16k:layers=f
 - path: extra loss weight on the chains greedy decoding with the head would run (0: every chain alike;
   1: those count twice), since those are the only chains whose acceptance users see;
 - decoder: decoder layers per draft step (default 1); layers added to a head started from a shallower one
-  begin with no effect on the output.
+  begin with no effect on the output;
+- repeat: loss weight of rows whose token repeats an 8-gram earlier in its answer (default 1; below 1 the
+  head spends less of itself on the loops long greedy answers fall into).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class HeadSpec:
     mlp: int = 0  # the draft layer's MLP width; 0: the target's intermediate size
     path: float = 0.0  # extra loss weight on the decoding path's chains
     decoder: int = 1  # decoder layers per draft step
+    repeat: float = 1.0  # loss weight of rows predicting a repeated 8-gram's token
 
     def feature_layers(self, args: LlamaArgs) -> tuple[int, ...]:
         """The target layers this head reads."""
@@ -64,7 +67,8 @@ class HeadSpec:
         mlp = f",mlp={self.mlp}" if self.mlp else ""
         path = f",path={self.path:g}" if self.path else ""
         decoder = f",decoder={self.decoder}" if self.decoder != 1 else ""
-        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}{decoder}"
+        repeat = f",repeat={self.repeat:g}" if self.repeat != 1.0 else ""
+        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}{decoder}{repeat}"
 
     def describe(self, args: LlamaArgs, k: int) -> str:
         """A short human description, for tables."""
@@ -74,7 +78,8 @@ class HeadSpec:
         mlp = f", MLP {self.mlp}" if self.mlp else ""
         path = f", decoding-path chains x{1 + self.path:g}" if self.path else ""
         decoder = f", {self.decoder} decoder layers" if self.decoder != 1 else ""
-        return f"{feat}, {vocab}{mlp}{decoder}, loss over {self.num_draft_tokens or k} step(s){path}"
+        repeat = f", repeated 8-grams x{self.repeat:g}" if self.repeat != 1.0 else ""
+        return f"{feat}, {vocab}{mlp}{decoder}, loss over {self.num_draft_tokens or k} step(s){path}{repeat}"
 
 
 def parse_head_spec(text: str) -> HeadSpec:
@@ -87,12 +92,12 @@ def parse_head_spec(text: str) -> HeadSpec:
         key, eq, value = item.partition("=")
         if not eq:
             raise TrainSetupError("--head-spec", f"'{text}': '{item}' is not key=value")
-        if key not in ("layers", "vocab", "k", "mlp", "path", "decoder"):
+        if key not in ("layers", "vocab", "k", "mlp", "path", "decoder", "repeat"):
             raise TrainSetupError(
-                "--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp, path, decoder)"
+                "--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp, path, decoder, repeat)"
             )
-        if key == "path":
-            spec.path = _path_weight(text, value)
+        if key in ("path", "repeat"):
+            setattr(spec, key, _weight(text, key, value))
             continue
         try:
             if key == "layers":
@@ -114,13 +119,13 @@ def parse_head_spec(text: str) -> HeadSpec:
     return spec
 
 
-def _path_weight(text: str, value: str) -> float:
+def _weight(text: str, key: str, value: str) -> float:
     try:
         w = float(value)
     except ValueError:
-        raise TrainSetupError("--head-spec", f"'{text}': path must be a number, got '{value}'") from None
+        raise TrainSetupError("--head-spec", f"'{text}': {key} must be a number, got '{value}'") from None
     if not 0.0 <= w <= 100.0:
-        raise TrainSetupError("--head-spec", f"'{text}': path must be in [0, 100], got {w:g}")
+        raise TrainSetupError("--head-spec", f"'{text}': {key} must be in [0, 100], got {w:g}")
     return w
 
 

@@ -12,6 +12,8 @@ from speculative.train.batches import Batch
 from speculative.train.dense import head_unrolled
 from speculative.train.eval import path_bases
 
+REPEAT_NGRAM = 8  # a response token is a repeat when the 8-gram ending at it occurred earlier in the response
+
 
 def default_step_weights(k: int, decay: float = 0.7) -> list[float]:
     """Loss weight per unrolled step: 1, 0.7, 0.49, ..."""
@@ -73,6 +75,26 @@ def decoding_path_mask(batch: Batch, hits: list[tuple[torch.Tensor, torch.Tensor
     return mask.to(dev)
 
 
+@torch.no_grad()
+def repeated_tokens(batch: Batch, n: int = REPEAT_NGRAM) -> torch.Tensor:
+    """[B, L] bool: response tokens t where the n tokens ending at t (all in the response) already occurred
+    together earlier in the same response (text a small target's long greedy answers loop over)."""
+    ids = batch.ids
+    bsz, length = ids.shape
+    dev = ids.device
+    key = torch.zeros_like(ids)
+    for i in range(n):  # a polynomial hash of the n-gram ending at each position (int64 wraps around)
+        key = key * 1_000_003 + torch.nn.functional.pad(ids, (i, 0), value=-1)[:, :length]
+    pos = torch.arange(length, device=dev)[None, :].expand(bsz, length)
+    valid = (pos >= batch.response_start[:, None] + n - 1) & (pos < batch.lengths[:, None])
+    seq = torch.arange(bsz, device=dev)[:, None].expand(bsz, length)
+    key = torch.where(valid, key * 4099 + seq, -1 - (seq * length + pos))  # invalid slots never match
+    _, inv = torch.unique(key.flatten(), return_inverse=True)
+    first = torch.full((int(inv.max()) + 1,), length, dtype=torch.long, device=dev)
+    first.scatter_reduce_(0, inv, pos.flatten(), reduce="amin")
+    return (pos.flatten() > first[inv]).view(bsz, length) & valid
+
+
 def unrolled_loss(
     head: MTPEagleHead,
     shared: LlamaModel,
@@ -80,6 +102,7 @@ def unrolled_loss(
     weights: list[float],
     rows: TargetRows | None = None,
     path_weight: float = 0.0,
+    repeat_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted mean over steps of soft CE(target p at row q+1, draft at row q), on response positions.
 
@@ -88,6 +111,7 @@ def unrolled_loss(
     sequence. `rows` (from `target_rows`) may be shared by several heads trained on the same batch.
     With `path_weight` w > 0 a chain whose base greedy decoding with the head as it is now would visit
     counts 1 + w times (on sampled answers the path follows the target's argmax, not the stored tokens).
+    A row whose predicted token is a repeat (`repeated_tokens`) counts `repeat_weight` times (1: as any).
     Returns (loss, metrics: per-step CE and top-1 agreement with the target argmax).
     """
     k = len(weights)
@@ -107,15 +131,20 @@ def unrolled_loss(
             steps.append((j, w, sel, logp))
     hits = [(rb[sel], rq[sel], head.token_ids(logp.argmax(-1)) == rows.argmax[sel]) for _, _, sel, logp in steps]
     on_path = decoding_path_mask(batch, hits) if path_weight > 0 else None
+    repeats = repeated_tokens(batch) if repeat_weight != 1.0 else None
     total = torch.zeros((), device=batch.ids.device)
     wsum = 0.0
     for (j, w, sel, logp), (b, q, hit) in zip(steps, hits, strict=True):
         ce_rows = -(tgt_prob[sel] * logp).sum(-1)
-        if on_path is None:
+        if on_path is None and repeats is None:
             ce = ce_rows.mean()
         else:
-            row_w = 1.0 + path_weight * on_path[b, q - j + 1].float()
-            ce = (row_w * ce_rows).sum() / row_w.sum()
+            row_w = torch.ones_like(ce_rows)
+            if on_path is not None:
+                row_w = row_w + path_weight * on_path[b, q - j + 1].float()
+            if repeats is not None:
+                row_w = row_w * torch.where(repeats[b, q + 2], repeat_weight, 1.0)
+            ce = (row_w * ce_rows).sum() / row_w.sum().clamp_min(1e-9)
         total = total + w * ce
         wsum += w
         metrics[f"ce{j}"] = float(ce.detach())

@@ -263,6 +263,7 @@ def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory 
             "num_draft_tokens": hdev["num_draft_tokens"],
             "dev_acceptance_length": f"{hdev['acceptance_length']:.4f}",
             "dev_decoding_path_acceptance_length": f"{hdev['online_acceptance_length']:.4f}",
+            "dev_first_tokens_acceptance_length": f"{hdev['first_acceptance_length']:.4f}",
             "dev_per_position": json.dumps([round(x, 4) for x in hdev["per_position"]]),
         }
         if len(res["heads"]) > 1:

@@ -321,8 +321,8 @@ class Trainer:
         )
 
     def best(self, dev: dict[str, dict[str, Any]]) -> str:
-        """The head to ship, by dev acceptance along the decoding path (`heads.choose_head`)."""
-        score = {name: d["online_acceptance_length"] for name, d in dev.items()}
+        """The head to ship, by dev acceptance over the answers' first tokens (`heads.choose_head`)."""
+        score = {name: d["first_acceptance_length"] for name, d in dev.items()}
         return choose_head(score, {r.spec.name: r.head for r in self.runs}, self.cfg.prefer_margin)
 
     # ---- training --------------------------------------------------------------------------------
@@ -333,7 +333,7 @@ class Trainer:
         with autocast_ctx(self.device, self.dtype):
             rows = target_rows(self.shared, batch)
             for r in self.runs:
-                loss, metrics = unrolled_loss(r.head, self.shared, batch, r.weights, rows, r.spec.path)
+                loss, metrics = unrolled_loss(r.head, self.shared, batch, r.weights, rows, r.spec.path, r.spec.repeat)
                 r.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 norm = torch.nn.utils.clip_grad_norm_(r.head.parameters(), self.cfg.grad_clip)
@@ -370,7 +370,8 @@ class Trainer:
 
     def _dev_line(self, dev: dict[str, dict[str, Any]]) -> str:
         return "; ".join(
-            f"{name} {res['online_acceptance_length']:.3f} (every position {res['acceptance_length']:.3f} "
+            f"{name} {res['first_acceptance_length']:.3f} (decoding path {res['online_acceptance_length']:.3f}, "
+            f"every position {res['acceptance_length']:.3f} "
             f"{[round(x, 3) for x in res['per_position']]})"
             for name, res in dev.items()
         )
