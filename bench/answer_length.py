@@ -24,7 +24,7 @@ import torch
 
 from modeling.loader import resolve_model
 from speculative.mtp_head import MTPEagleHead
-from speculative.train.batches import HiddenStore
+from speculative.train.batches import HiddenStore, pad_ids
 from speculative.train.data import TokenDataset, load_dataset
 from speculative.train.eval import evaluate
 from speculative.train.loss import repeated_tokens
@@ -45,11 +45,9 @@ def measure(data: TokenDataset, head: MTPEagleHead, shared: Any, cuts: list[int]
         store = HiddenStore(shared, d, torch.device("cpu"), keep=False, layers=head.feature_layers)
         idx = list(range(len(d)))
         res = evaluate(head, shared, store, idx, k, batch_size=8)
-        repeats = responses = 0
-        for lo in range(0, len(idx), 8):
-            batch = store.batch(idx[lo : lo + 8])
-            repeats += int(repeated_tokens(batch).sum())
-            responses += int((batch.lengths - batch.response_start).sum())
+        lengths, starts = torch.tensor(d.lengths()), torch.tensor(d.response_start)
+        repeats = int(repeated_tokens(pad_ids(d.ids, "cpu"), lengths, starts).sum())
+        responses = int((lengths - starts).sum())
         out[str(cut)] = {
             "decoding_path": res["online_acceptance_length"],
             "every_position": res["acceptance_length"],

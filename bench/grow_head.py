@@ -25,14 +25,7 @@ from speculative.mtp_head import MAX_LAYERS, MTPEagleHead
 
 def grow(head: MTPEagleHead, decoder: int, mlp: int | None) -> MTPEagleHead:
     """`head` with `decoder` decoder layers and an MLP of width `mlp` (None: unchanged), same drafts."""
-    big = MTPEagleHead(
-        head.args,
-        head.feature_layers,
-        head.vocab_ids,
-        own_norm=head.final_norm is not None,
-        mlp_size=mlp or head.mlp_size,
-        num_layers=decoder,
-    )
+    big = MTPEagleHead(head.args, **{**head.layout(), "mlp_size": mlp or head.mlp_size, "num_layers": decoder})
     big.init_from_head(head)
     return big
 

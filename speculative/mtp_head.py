@@ -24,6 +24,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,16 @@ class MTPEagleHead(nn.Module):
     def feature_size(self) -> int:
         """Width of the target features the first draft step reads (d per feature layer)."""
         return self.args.hidden_size * len(self.feature_layers)
+
+    def layout(self) -> dict[str, Any]:
+        """The constructor's keyword arguments that give a head of this shape (override some to change it)."""
+        return {
+            "feature_layers": self.feature_layers,
+            "vocab_ids": self.vocab_ids,
+            "own_norm": self.final_norm is not None,
+            "mlp_size": self.mlp_size,
+            "num_layers": self.num_layers,
+        }
 
     @property
     def num_layers(self) -> int:

@@ -22,7 +22,7 @@ from tiny import draft_kv, random_prompts, save_model_dir, tiny_engine
 
 def grown(head: MTPEagleHead, args: LlamaArgs, num_layers: int = 2) -> MTPEagleHead:
     """`head` grown to `num_layers` decoder layers (the extra ones start with no effect)."""
-    deep = MTPEagleHead(args, head.feature_layers, head.vocab_ids, mlp_size=head.mlp_size, num_layers=num_layers)
+    deep = MTPEagleHead(args, **{**head.layout(), "num_layers": num_layers})
     deep.init_from_head(head)
     return deep
 

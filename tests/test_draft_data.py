@@ -105,6 +105,7 @@ def test_heads_trained_side_by_side_equal_heads_trained_alone(
         HeadSpec("small", layers="1/2", draft_vocab=40),
         HeadSpec("k1", layers="fused", num_draft_tokens=1),
         HeadSpec("path", layers="fused", path=2.0),
+        HeadSpec("rep", layers="fused", repeat=0.0),
     ]
 
     def train(heads: list[HeadSpec]) -> Trainer:
@@ -122,7 +123,7 @@ def test_heads_trained_side_by_side_equal_heads_trained_alone(
     assert small.feature_layers == (1, 2) and small.draft_vocab_size == 40 and together.runs[2].vocab_coverage
     assert together.runs[3].weights == [1.0] and len(together.runs[0].weights) == 3
     res = together.results(together.evaluate())
-    assert set(res["heads"]) == {"plain", "fused", "small", "k1", "path"} and res["best"] in res["heads"]
+    assert set(res["heads"]) == {"plain", "fused", "small", "k1", "path", "rep"} and res["best"] in res["heads"]
     fused, path = together.runs[1].head.state_dict(), together.runs[4].head.state_dict()
     assert any(not torch.equal(fused[n], path[n]) for n in fused), "the path weight changes what the head learns"
     assert "decoding-path chains x3" in res["heads"]["path"]["description"]

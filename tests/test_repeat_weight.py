@@ -9,20 +9,16 @@ from test_online_acceptance import mimic_batch
 
 from bench.answer_length import main as answer_length_main
 from bench.answer_length import measure
-from speculative.train.batches import Batch, HiddenStore
+from speculative.train.batches import HiddenStore, pad_ids
 from speculative.train.eval import evaluate
 from speculative.train.loss import repeated_tokens, target_rows, unrolled_loss
 from speculative.train.trainer import build_shared
 
 
-def batch_of(seqs: list[list[int]], starts: list[int]) -> Batch:
-    """Token ids only (the n-gram check reads no features)."""
-    length = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-    lengths = torch.tensor([len(s) for s in seqs])
-    return Batch(ids, lengths, torch.tensor(starts), torch.zeros(len(seqs), length, 1, 1), (0,), ["x"] * len(seqs))
+def token_view(seqs: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded ids, lengths and response starts (all the n-gram check reads)."""
+    ids = pad_ids([torch.tensor(s) for s in seqs], "cpu")
+    return ids, torch.tensor([len(s) for s in seqs]), torch.tensor(starts)
 
 
 def reference(seq: list[int], start: int, n: int) -> list[bool]:
@@ -44,12 +40,12 @@ def test_repeated_tokens_match_the_written_out_rule() -> None:
     ]
     starts = [2, 4, 3]
     for n in (2, 4):
-        got = repeated_tokens(batch_of(seqs, starts), n)
+        got = repeated_tokens(*token_view(seqs, starts), n)
         for b, (s, r) in enumerate(zip(seqs, starts, strict=True)):
             assert got[b, : len(s)].tolist() == reference(s, r, n), (n, b)
             assert not got[b, len(s) :].any()
         assert got[0].sum() > 8 and not got[1].any()
-    assert repeated_tokens(batch_of(seqs, starts), 2)[2].any(), "36 bigrams, 39 positions: some repeat"
+    assert repeated_tokens(*token_view(seqs, starts), 2)[2].any(), "36 bigrams, 39 positions: some repeat"
 
 
 def test_repeat_weight_one_is_the_plain_loss_and_zero_ignores_repeated_rows() -> None:
@@ -61,10 +57,11 @@ def test_repeat_weight_one_is_the_plain_loss_and_zero_ignores_repeated_rows() ->
     shared = build_shared(args, w, "cpu", torch.float32)
     batch = HiddenStore(shared, ds, torch.device("cpu"), layers=head.feature_layers).batch(list(range(len(ds))))
     weights = [1.0, 0.7, 0.49]
-    rows = target_rows(shared, batch)
-    repeated = repeated_tokens(batch)[rows.rb, rows.rq + 2]
+    rows = target_rows(shared, batch, repeats=True)
+    repeated = repeated_tokens(batch.ids, batch.lengths, batch.response_start)[rows.rb, rows.rq + 2]
+    assert rows.repeated is not None and torch.equal(rows.repeated, repeated)
     assert 0 < int(repeated.sum()) < repeated.numel()
-    changed = target_rows(shared, batch)
+    changed = target_rows(shared, batch, repeats=True)
     changed.prob[repeated] = torch.softmax(torch.randn(int(repeated.sum()), args.vocab_size), -1)
 
     def loss(r: object, weight: float) -> float:

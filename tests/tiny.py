@@ -73,7 +73,7 @@ def tiny_engine(
 
 
 def _clone(head: MTPEagleHead, args: LlamaArgs) -> MTPEagleHead:
-    copy = MTPEagleHead(args, head.feature_layers, head.vocab_ids, mlp_size=head.mlp_size, num_layers=head.num_layers)
+    copy = MTPEagleHead(args, **head.layout())
     copy.load_state_dict(head.state_dict())
     return copy
 

@@ -45,10 +45,7 @@ def restrict_vocab(
         raise TrainSetupError("--data-dir", "has no training sequences to count tokens in")
     old = MTPEagleHead.load(head_path, args)
     ids, coverage = frequent_vocab(response_token_counts(data, indices, args.vocab_size), size)
-    own_norm = old.final_norm is not None
-    new = MTPEagleHead(
-        args, old.feature_layers, ids, own_norm=own_norm, mlp_size=old.mlp_size, num_layers=old.num_layers
-    )
+    new = MTPEagleHead(args, **{**old.layout(), "vocab_ids": ids})
     state = {k: v for k, v in old.state_dict().items() if k != "vocab_ids"}
     new.load_state_dict({**state, "vocab_ids": ids})
     with safe_open(str(head_path), framework="pt") as f:

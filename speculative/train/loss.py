@@ -28,12 +28,14 @@ class TargetRows:
     rq: torch.Tensor  # [N] position of each row (its chain's step-1 row)
     prob: torch.Tensor  # [N, V] fp32 target distribution of token q + 2 (read at row q + 1)
     argmax: torch.Tensor  # [N] the target's greedy token there
+    repeated: torch.Tensor | None = None  # [N] bool, token q + 2 is a repeat (`repeated_tokens`); None: not asked
 
 
 @torch.no_grad()
-def target_rows(shared: LlamaModel, batch: Batch) -> TargetRows:
+def target_rows(shared: LlamaModel, batch: Batch, repeats: bool = False) -> TargetRows:
     """Rows q whose chain base p = q - k + 1 is a response base (p >= response_start - 1) for some step k,
-    and whose predicted token q + 2 lies in the sequence; with the target's distribution there."""
+    and whose predicted token q + 2 lies in the sequence; with the target's distribution there and, with
+    `repeats`, whether that token is a repeat."""
     ids = batch.ids
     q = torch.arange(ids.shape[1], device=ids.device)[None, :]
     r = batch.response_start[:, None]
@@ -41,9 +43,10 @@ def target_rows(shared: LlamaModel, batch: Batch) -> TargetRows:
     rb, rq = valid.nonzero(as_tuple=True)
     if rb.numel() == 0:
         empty = torch.zeros(0, dtype=torch.long, device=ids.device)
-        return TargetRows(rb, rq, torch.zeros(0, shared.args.vocab_size, device=ids.device), empty)
+        return TargetRows(rb, rq, torch.zeros(0, shared.args.vocab_size, device=ids.device), empty, empty.bool())
     logits = shared.logits(batch.hidden[rb, rq + 1])
-    return TargetRows(rb, rq, torch.softmax(logits, dim=-1), logits.argmax(-1))
+    repeated = repeated_tokens(ids, batch.lengths, batch.response_start)[rb, rq + 2] if repeats else None
+    return TargetRows(rb, rq, torch.softmax(logits, dim=-1), logits.argmax(-1), repeated)
 
 
 def draft_distribution(head: MTPEagleHead, prob: torch.Tensor) -> torch.Tensor:
@@ -76,17 +79,18 @@ def decoding_path_mask(batch: Batch, hits: list[tuple[torch.Tensor, torch.Tensor
 
 
 @torch.no_grad()
-def repeated_tokens(batch: Batch, n: int = REPEAT_NGRAM) -> torch.Tensor:
-    """[B, L] bool: response tokens t where the n tokens ending at t (all in the response) already occurred
-    together earlier in the same response (text a small target's long greedy answers loop over)."""
-    ids = batch.ids
+def repeated_tokens(
+    ids: torch.Tensor, lengths: torch.Tensor, response_start: torch.Tensor, n: int = REPEAT_NGRAM
+) -> torch.Tensor:
+    """[B, L] bool for right-padded ids [B, L]: response tokens t where the n tokens ending at t (all in the
+    response) already occurred together earlier in the same response (the loops of long greedy answers)."""
     bsz, length = ids.shape
     dev = ids.device
     key = torch.zeros_like(ids)
     for i in range(n):  # a polynomial hash of the n-gram ending at each position (int64 wraps around)
         key = key * 1_000_003 + torch.nn.functional.pad(ids, (i, 0), value=-1)[:, :length]
     pos = torch.arange(length, device=dev)[None, :].expand(bsz, length)
-    valid = (pos >= batch.response_start[:, None] + n - 1) & (pos < batch.lengths[:, None])
+    valid = (pos >= response_start[:, None] + n - 1) & (pos < lengths[:, None])
     seq = torch.arange(bsz, device=dev)[:, None].expand(bsz, length)
     key = torch.where(valid, key * 4099 + seq, -1 - (seq * length + pos))  # invalid slots never match
     _, inv = torch.unique(key.flatten(), return_inverse=True)
@@ -108,14 +112,18 @@ def unrolled_loss(
 
     Step k's row q belongs to the chain from base p = q - k + 1; rows count when p >= response_start - 1
     (the first base at inference is the prompt's last token) and the predicted token q + 2 lies in the
-    sequence. `rows` (from `target_rows`) may be shared by several heads trained on the same batch.
+    sequence. `rows` (from `target_rows`, with `repeats` for a `repeat_weight` other than 1) may be shared by
+    several heads trained on the same batch.
     With `path_weight` w > 0 a chain whose base greedy decoding with the head as it is now would visit
     counts 1 + w times (on sampled answers the path follows the target's argmax, not the stored tokens).
     A row whose predicted token is a repeat (`repeated_tokens`) counts `repeat_weight` times (1: as any).
     Returns (loss, metrics: per-step CE and top-1 agreement with the target argmax).
     """
     k = len(weights)
-    rows = rows if rows is not None else target_rows(shared, batch)
+    rows = rows if rows is not None else target_rows(shared, batch, repeats=repeat_weight != 1.0)
+    repeated = rows.repeated if repeat_weight != 1.0 else None
+    if repeat_weight != 1.0 and repeated is None:
+        raise ValueError("repeat_weight needs rows from target_rows(..., repeats=True)")
     rb, rq = rows.rb, rows.rq
     metrics: dict[str, float] = {}
     if rb.numel() == 0:
@@ -131,19 +139,18 @@ def unrolled_loss(
             steps.append((j, w, sel, logp))
     hits = [(rb[sel], rq[sel], head.token_ids(logp.argmax(-1)) == rows.argmax[sel]) for _, _, sel, logp in steps]
     on_path = decoding_path_mask(batch, hits) if path_weight > 0 else None
-    repeats = repeated_tokens(batch) if repeat_weight != 1.0 else None
     total = torch.zeros((), device=batch.ids.device)
     wsum = 0.0
     for (j, w, sel, logp), (b, q, hit) in zip(steps, hits, strict=True):
         ce_rows = -(tgt_prob[sel] * logp).sum(-1)
-        if on_path is None and repeats is None:
+        if on_path is None and repeated is None:
             ce = ce_rows.mean()
         else:
             row_w = torch.ones_like(ce_rows)
             if on_path is not None:
                 row_w = row_w + path_weight * on_path[b, q - j + 1].float()
-            if repeats is not None:
-                row_w = row_w * torch.where(repeats[b, q + 2], repeat_weight, 1.0)
+            if repeated is not None:
+                row_w = row_w * torch.where(repeated[sel], repeat_weight, 1.0)
             ce = (row_w * ce_rows).sum() / row_w.sum().clamp_min(1e-9)
         total = total + w * ce
         wsum += w

@@ -22,7 +22,7 @@ def _acceptance_rows(name: str, res: dict[str, Any] | None) -> list[str]:
 
 def _acceptance_row(label: str, res: dict[str, Any]) -> str:
     return (
-        f"| {label} | {res.get('first_acceptance_length', 0.0):.3f} | {res['online_acceptance_length']:.3f} | "
+        f"| {label} | {res['first_acceptance_length']:.3f} | {res['online_acceptance_length']:.3f} | "
         f"{res['acceptance_length']:.3f} | "
         f"{_fmt_rates(res['per_position'])} | {_fmt_rates(res.get('conditional_per_position', []))} | "
         f"{res['sequences']} | {res['bases']} |"
@@ -65,10 +65,10 @@ def _ablation_section(info: dict[str, Any]) -> list[str]:
         cov = h.get("draft_vocab_coverage")
         vocab = f"{h['draft_vocab']}" + (f" ({100 * cov:.2f}%)" if cov is not None else "")
         by = dev.get("by_source", {})
-        cells = [f"{by[s].get('first_acceptance_length', 0.0):.3f}" if s in by else "-" for s in sources]
+        cells = [f"{by[s]['first_acceptance_length']:.3f}" if s in by else "-" for s in sources]
         lines.append(
             f"| {name} | {h['description']} | {h['params'] / 1e6:.2f}M | {vocab} | "
-            f"{dev.get('first_acceptance_length', 0.0):.3f} | {dev['online_acceptance_length']:.3f} | "
+            f"{dev['first_acceptance_length']:.3f} | {dev['online_acceptance_length']:.3f} | "
             f"{dev['acceptance_length']:.3f} | {_fmt_rates(dev['per_position'])} | " + " | ".join(cells) + " |"
         )
     return [*lines, ""]

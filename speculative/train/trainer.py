@@ -331,7 +331,7 @@ class Trainer:
         first head's metrics (every head's are in its HeadRun)."""
         batch = self.store.batch(self.batch_indices(self.step))
         with autocast_ctx(self.device, self.dtype):
-            rows = target_rows(self.shared, batch)
+            rows = target_rows(self.shared, batch, repeats=any(r.spec.repeat != 1.0 for r in self.runs))
             for r in self.runs:
                 loss, metrics = unrolled_loss(r.head, self.shared, batch, r.weights, rows, r.spec.path, r.spec.repeat)
                 r.opt.zero_grad(set_to_none=True)
