@@ -376,18 +376,16 @@ class Scheduler:
 
     def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
         p = req.params
-        emitted: list[int] = []
-        reason = None
-        for tok in tokens:
-            req.output_token_ids.append(tok)
-            emitted.append(tok)
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
-                reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                reason = "length"
-            if reason:
-                break
-        self._register(req)
+        out = req.output_token_ids
+        room = min(p.max_tokens - len(out), self.max_model_len - req.num_tokens)
+        stop, eos = p.stop_token_ids, () if p.ignore_eos else self.eos
+        if len(tokens) < room and not any(t in stop or t in eos for t in tokens):
+            out += tokens  # the common step: no stop token, and no limit reached
+            emitted, reason = list(tokens), None
+        else:
+            emitted, reason = self._append_until_stop(req, tokens)
+        if req.num_computed_tokens >= (req.num_keyed_blocks + 1) * self.cfg.block_size:
+            self._register(req)
         if reason:
             self._finish(req, reason)
         return RequestOutput(
@@ -399,6 +397,22 @@ class Scheduler:
             num_output_tokens=len(req.output_token_ids),
             stats=req.stats,
         )
+
+    def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Append tokens one by one up to the first stop condition: (the tokens appended, the reason)."""
+        p = req.params
+        emitted: list[int] = []
+        reason = None
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            emitted.append(tok)
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        return emitted, reason
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -36,6 +36,7 @@ class StepBuffers:
     block_size: int
     scratch_block: int
     turn: int = 0  # which host twin the current step uses
+    _pads: dict[int, np.ndarray] = field(default_factory=dict, repr=False)  # all-padding prefix by bucket
 
     @classmethod
     def allocate(
@@ -128,47 +129,79 @@ class StepBuffers:
         """Copy n real sequences into rows [0, bucket*Q) and pad the rest onto the scratch block.
         With `valid_rows`, only a sequence's first valid_rows[b] rows write its own KV slots; the others
         (padding inside a sequence) write the scratch block."""
-        q, bs, n = self.q_len, self.block_size, len(token_ids)
+        q, n, m = self.q_len, len(token_ids), self.max_blocks
         if n > bucket or bucket > self.max_batch:
             raise ValueError(f"{n} sequences do not fit bucket {bucket} (max {self.max_batch})")
-        rows_max, m = self.max_batch * q, self.max_blocks
+        if len(tables) != n:
+            raise ValueError(f"{n} sequences but {len(tables)} block tables")
+        for b, t in enumerate(token_ids):
+            if len(t) != q:
+                raise ValueError(f"sequence {b} has {len(t)} rows, the step needs {q}")
+        for b, t in enumerate(tables):
+            if len(t) > m:
+                raise ValueError(f"sequence {b} has {len(t)} blocks, buffers hold {m}")
         self.turn ^= 1
         staging = self.stagings[self.turn]
         host = staging.numpy()
-        ids = host[:rows_max]
-        pos = host[rows_max : 2 * rows_max]
-        slots = host[2 * rows_max : 3 * rows_max]
-        lens = host[3 * rows_max : 3 * rows_max + self.max_batch]
-        table = host[3 * rows_max + self.max_batch :].reshape(self.max_batch, m)
-        rows, real = bucket * q, n * q
-        offsets = np.tile(np.arange(q), bucket)
-        ids[:rows] = 0
-        pos[:rows] = offsets
-        slots[:rows] = self.scratch_block * bs + offsets % bs
-        lens[:bucket] = q
-        table[:bucket] = self.scratch_block
-        if len(tables) != n:
-            raise ValueError(f"{n} sequences but {len(tables)} block tables")
-        counts = np.fromiter(map(len, tables), dtype=np.int64, count=n)
-        if n and counts.max() > m:
-            b = int(counts.argmax())
-            raise ValueError(f"sequence {b} has {counts[b]} blocks, buffers hold {m}")
-        if n:
-            table[:n][np.arange(m)[None, :] < counts[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64)
-            rows_in = np.fromiter(map(len, token_ids), dtype=np.int64, count=n)
-            if (rows_in != q).any():
-                b = int(np.flatnonzero(rows_in != q)[0])
-                raise ValueError(f"sequence {b} has {rows_in[b]} rows, the step needs {q}")
-            ids_in = np.asarray(token_ids, dtype=np.int64)
-            start = np.asarray(starts, dtype=np.int64)
-            p = start[:, None] + np.arange(q)[None, :]  # [n, Q]
-            ids[:real] = ids_in.reshape(-1)
-            pos[:real] = p.reshape(-1)
-            real_slots = table[np.arange(n)[:, None], p // bs] * bs + p % bs
-            if valid_rows is not None:
-                pad = np.arange(q)[None, :] >= np.asarray(valid_rows)[:, None]
-                real_slots = np.where(pad, self.scratch_block * bs + np.arange(q)[None, :] % bs, real_slots)
-            slots[:real] = real_slots.reshape(-1)
-            lens[:n] = start + q
-        used = 3 * rows_max + self.max_batch + bucket * m
+        pad = self._padding(bucket)
+        used = pad.shape[0]
+        host[:used] = pad
+        if n == 1 and q == 1 and valid_rows is None:
+            self._fill_one(host, token_ids[0][0], starts[0], tables[0])
+        elif n:
+            self._fill_many(host, token_ids, starts, tables, valid_rows)
         self.packed[:used].copy_(staging[:used], non_blocking=True)
+
+    def _regions(self, host: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(input_ids, positions, slot_mapping, seq_lens, block_tables) views of a host twin."""
+        r, b = self.max_batch * self.q_len, self.max_batch
+        table = host[3 * r + b :].reshape(b, self.max_blocks)
+        return host[:r], host[r : 2 * r], host[2 * r : 3 * r], host[3 * r : 3 * r + b], table
+
+    def _padding(self, bucket: int) -> np.ndarray:
+        """The used prefix of a host twin for `bucket` sequences that are all padding (scratch block rows)."""
+        pad = self._pads.get(bucket)
+        if pad is None:
+            q, bs, r, b = self.q_len, self.block_size, self.max_batch * self.q_len, self.max_batch
+            pad = np.zeros(3 * r + b + bucket * self.max_blocks, dtype=np.int64)
+            offsets = np.tile(np.arange(q), bucket)
+            pad[r : r + bucket * q] = offsets
+            pad[2 * r : 2 * r + bucket * q] = self.scratch_block * bs + offsets % bs
+            pad[3 * r : 3 * r + bucket] = q
+            pad[3 * r + b :] = self.scratch_block
+            self._pads[bucket] = pad
+        return pad
+
+    def _fill_one(self, host: np.ndarray, token: int, start: int, blocks: list[int]) -> None:
+        """One decode row (Q = 1): the common batch-1 step, without array temporaries."""
+        ids, pos, slots, lens, table = self._regions(host)
+        bs = self.block_size
+        table[0, : len(blocks)] = blocks
+        ids[0] = token
+        pos[0] = start
+        slots[0] = table[0, start // bs] * bs + start % bs
+        lens[0] = start + 1
+
+    def _fill_many(
+        self,
+        host: np.ndarray,
+        token_ids: list[list[int]],
+        starts: list[int],
+        tables: list[list[int]],
+        valid_rows: list[int] | None,
+    ) -> None:
+        ids, pos, slots, lens, table = self._regions(host)
+        q, bs, n, m = self.q_len, self.block_size, len(token_ids), self.max_blocks
+        real = n * q
+        counts = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        table[:n][np.arange(m)[None, :] < counts[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64)
+        ids[:real] = np.fromiter(chain.from_iterable(token_ids), np.int64, count=real)
+        start = np.fromiter(starts, np.int64, count=n)
+        p = start[:, None] + np.arange(q)[None, :]  # [n, Q]
+        pos[:real] = p.reshape(-1)
+        real_slots = table[np.arange(n)[:, None], p // bs] * bs + p % bs
+        if valid_rows is not None:
+            inside = np.arange(q)[None, :] >= np.asarray(valid_rows)[:, None]
+            real_slots = np.where(inside, self.scratch_block * bs + np.arange(q)[None, :] % bs, real_slots)
+        slots[:real] = real_slots.reshape(-1)
+        lens[:n] = start + q
