@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -267,3 +268,46 @@ def test_advance_kernel_matches_the_torch_reference(k: int) -> None:
         assert torch.equal(getattr(bufs[0], name), getattr(bufs[1], name)), name
     first = previous[rows[0]]
     assert bufs[1].input_ids[0].item() == first[first[q]].item() and bufs[1].seq_lens[0].item() == first[2 * q] + q
+
+
+def _reference_fill(
+    buf: StepBuffers, token_ids: list[list[int]], starts: list[int], tables: list[list[int]], bucket: int
+) -> dict[str, list[int]]:
+    """What `fill` must leave in the first `bucket` sequences' fields, written out row by row."""
+    q, bs, scratch, m = buf.q_len, buf.block_size, buf.scratch_block, buf.max_blocks
+    ids, pos, slots, lens, table = [], [], [], [], []
+    for b in range(bucket):
+        real = b < len(token_ids)
+        row_table = (tables[b] if real else []) + [scratch] * (m - (len(tables[b]) if real else 0))
+        table += row_table
+        lens.append(starts[b] + q if real else q)
+        for j in range(q):
+            p = starts[b] + j if real else j
+            ids.append(token_ids[b][j] if real else 0)
+            pos.append(p)
+            slots.append(row_table[p // bs] * bs + p % bs if real else scratch * bs + j % bs)
+    return {"ids": ids, "pos": pos, "slots": slots, "lens": lens, "table": table}
+
+
+@pytest.mark.parametrize("q", [1, 4])
+def test_fill_matches_a_row_by_row_reference_after_any_earlier_step(q: int) -> None:
+    """Random steps of 0-8 sequences, each filled after another step of a different size: the one-row
+    decode path and the vectorised path both write exactly the reference rows, and nothing of the earlier
+    steps leaks into padding or past a sequence's blocks."""
+    rng = random.Random(q)
+    buf = StepBuffers.allocate(8, q, 6, block_size=4, scratch_block=50, device=torch.device("cpu"))
+    sizes = [1, 2, 4, 8]
+    for _ in range(60):
+        n = rng.choice([0, 1, 1, 1, 2, 3, 5, 8])
+        bucket = next(s for s in sizes if s >= max(n, 1)) if rng.random() < 0.8 else 8
+        tables = [rng.sample(range(40), rng.randint(1, 6)) for _ in range(n)]
+        starts = [rng.randint(0, len(t) * 4 - q) for t in tables]
+        token_ids = [[rng.randint(1, 999) for _ in range(q)] for _ in range(n)]
+        buf.fill(token_ids, starts, tables, bucket)
+        want = _reference_fill(buf, token_ids, starts, tables, bucket)
+        rows = bucket * q
+        assert buf.input_ids[:rows].tolist() == want["ids"]
+        assert buf.positions[:rows].tolist() == want["pos"]
+        assert buf.slot_mapping[:rows].tolist() == want["slots"]
+        assert buf.seq_lens[:bucket].tolist() == want["lens"]
+        assert buf.block_tables[:bucket].reshape(-1).tolist() == want["table"]

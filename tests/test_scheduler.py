@@ -222,3 +222,48 @@ def test_a_steps_tokens_reach_on_tokens_before_its_draft_proposes() -> None:
     assert [got[r] for r in rids] == ref
     with_tokens = {s for kind, s in events if kind == "tokens"}
     assert with_tokens and all(events.index(("tokens", s)) < events.index(("draft", s)) for s in with_tokens)
+
+
+def _expected_stream(
+    tokens: list[int], params: SamplingParams, eos: set[int], room: int
+) -> tuple[list[int], str | None]:
+    """A step's emitted tokens and finish reason, token by token: stop at the first stop token (EOS
+    unless ignored), else at max_tokens or the model length (`room` tokens left before either)."""
+    out: list[int] = []
+    for t in tokens:
+        out.append(t)
+        if t in params.stop_token_ids or (not params.ignore_eos and t in eos):
+            return out, "stop"
+        if len(out) >= room:
+            return out, "length"
+    return out, None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_multi_token_steps_stop_where_token_by_token_would(seed: int) -> None:
+    """Speculative steps emit 1-4 tokens at once; whatever the mix of stop tokens, EOS (ignored or not),
+    max_tokens and max_model_len, a request emits exactly the tokens up to its first stop condition."""
+    rng = random.Random(seed)
+    for trial in range(40):
+        cfg = SchedulerConfig(max_num_batched_tokens=64, chunk_size=16, max_num_requests=4, block_size=4)
+        max_len = rng.randint(12, 30)
+        sched = Scheduler(cfg, 64, 3, eos_token_ids=[2], max_model_len=max_len)
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 12), stop_token_ids=rng.choice([[], [3], [3, 4]]), ignore_eos=rng.random() < 0.5
+        )
+        prompt = [rng.randint(5, 40) for _ in range(rng.randint(1, 8))]
+        sched.add(Request(f"r{trial}", prompt, params))
+        emitted: list[int] = []
+        reason = None
+        plan = sched.schedule()
+        while sched.has_unfinished():
+            (s,) = plan.seqs
+            tokens = [rng.choice([2, 3, 4, 9, 10, 11, 12]) for _ in range(1 if s.is_context else rng.randint(1, 4))]
+            room = min(params.max_tokens - len(emitted), max_len - len(prompt) - len(emitted))
+            want = _expected_stream(tokens, params, {2}, room)
+            (o,) = sched.update(plan, TargetOutput(plan.step_id, [SeqResult(s.request_id, tokens, 0, 0)]), None)
+            assert (o.new_token_ids, o.finish_reason) == want, f"trial {trial}: {tokens} with room {room}"
+            emitted += o.new_token_ids
+            reason = o.finish_reason
+            plan = sched.schedule()
+        assert reason is not None and sched.blocks.num_free == 64, "the request finished and gave its blocks back"
