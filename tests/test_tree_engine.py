@@ -3,6 +3,7 @@ lossless in greedy decoding and in sampling, and a width-1 tree is the chain."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -14,7 +15,7 @@ from speculative.mtp_tree import MTPEagleTree
 from speculative.tree import DraftTree
 from workers.builders import DEFAULT_HEAD
 from workers.config import MTPServeConfig
-from workers.tree_step import FusedTreeStep
+from workers.tree_step import FusedTreeStep, TreeBuffers
 
 from smol import CHAT_PROMPTS, smollm2, smollm2_engine
 from tiny import mimic_head, mimic_target, random_prompts, same_distribution_pvalue, second_token_counts, tiny_engine
@@ -219,3 +220,22 @@ def test_smollm2_trees_with_the_shipped_head_are_lossless_and_accept_more() -> N
         assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 32, "ignore_eos": True})] == ref
         lengths.append(eng.totals.acceptance_length)
     assert lengths[1] > lengths[0] > 1.3
+
+
+def test_tree_buffers_hold_each_trees_depths_and_ancestors() -> None:
+    """Filled after trees of other shapes and bucket sizes, the fixed tree buffers hold every real tree's
+    depths, parents and ancestor mask as `DraftTree` computes them, and padding rows see only themselves."""
+    gen = torch.Generator().manual_seed(3)
+    q = 9
+    bufs = TreeBuffers(8, q, 4, torch.device("cpu"))
+    for n, bucket in [(8, 8), (1, 1), (3, 4), (0, 2), (2, 8), (5, 8)]:
+        parents = [[-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q)] for _ in range(n)]
+        depths = bufs.fill(np.array(parents, dtype=np.int64).reshape(n, q), bucket)
+        for b, p in enumerate(parents):
+            tree = DraftTree(torch.arange(q), torch.tensor(p))
+            assert depths[b].tolist() == tree.depth().tolist()
+            assert bufs.depth[b].tolist() == tree.depth().tolist() and bufs.parents[b].tolist() == p
+            assert torch.equal(bufs.mask[b].bool(), tree.ancestor_mask())
+        for b in range(n, bucket):
+            assert torch.equal(bufs.mask[b], torch.eye(q, dtype=torch.long)), "padding rows see only themselves"
+            assert bufs.depth[b].tolist() == [0] * q and bufs.parents[b].tolist() == [-1] + [0] * (q - 1)

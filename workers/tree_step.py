@@ -41,11 +41,15 @@ class TreeBuffers:
         self.uniforms = torch.zeros(max_batch, num_uniforms, dtype=torch.float32, device=device)  # sampling walks
         rows = max_batch * q_len
         self.packed = torch.zeros(2 * rows + rows * q_len, dtype=torch.long, device=device)
-        self.staging = torch.zeros_like(self.packed, device="cpu").pin_memory() if device.type == "cuda" else None
+        staging = torch.zeros_like(self.packed, device="cpu")
+        self.staging = staging.pin_memory() if device.type == "cuda" else staging
+        self._host = self.staging.numpy()  # the host twin, written in place
         depth, parents, mask = self.packed.split([rows, rows, rows * q_len])
         self.depth = depth.view(max_batch, q_len)  # [B_max, Q]
         self.parents = parents.view(max_batch, q_len)  # [B_max, Q], -1 at the root
         self.mask = mask.view(max_batch, q_len, q_len)  # [B_max, Q, Q] 0/1, row i sees node j
+        self._pad_parents = np.array([-1] + [0] * (q_len - 1), dtype=np.int64)
+        self._eye = np.eye(q_len, dtype=np.int64)
         self.fill(np.zeros((0, q_len), dtype=np.int64), max_batch)
 
     def fill(self, parents: np.ndarray, bucket: int) -> np.ndarray:
@@ -53,22 +57,20 @@ class TreeBuffers:
         first rows; padding rows (up to `bucket`) see only themselves. Returns the depths [n, Q]."""
         n, q = parents.shape[0], self.q_len
         rows = self.max_batch * q
-        host = np.zeros(self.packed.numel(), dtype=np.int64)
+        host = self._host
         depth = host[:rows].reshape(-1, q)
         par = host[rows : 2 * rows].reshape(-1, q)
         mask = host[2 * rows :].reshape(-1, q, q)
-        mask[:bucket] = np.eye(q, dtype=np.int64)
-        par[:bucket, 0] = -1
-        par[:n] = parents
-        seqs = np.arange(n)
-        for i in range(1, q):  # parents precede children: one pass over the node columns
-            depth[:n, i] = depth[seqs, parents[:, i]] + 1
-            mask[:n, i] |= mask[seqs, parents[:, i]]
-        if self.staging is None:
-            self.packed.copy_(torch.from_numpy(host))
-        else:
-            self.staging.copy_(torch.from_numpy(host))
-            self.packed.copy_(self.staging, non_blocking=True)
+        depth[n:bucket] = 0
+        par[n:bucket] = self._pad_parents
+        mask[n:bucket] = self._eye
+        if n:
+            seen = ancestor_masks(parents)
+            mask[:n] = seen
+            depth[:n] = seen.sum(-1) - 1
+            par[:n] = parents
+        used = 2 * rows + bucket * q * q  # depths and parents of every row, masks of the bucket's
+        self.packed[:used].copy_(self.staging[:used], non_blocking=True)
         return depth[:n].copy()
 
     def fill_uniforms(self, uniforms: torch.Tensor, bucket: int) -> None:
@@ -76,6 +78,19 @@ class TreeBuffers:
         host = torch.zeros(bucket, self.uniforms.shape[1])
         host[: uniforms.shape[0]] = uniforms
         self.uniforms[:bucket].copy_(host)
+
+
+def ancestor_masks(parents: np.ndarray) -> np.ndarray:
+    """[n, Q, Q] bool: node i of tree b sees node j (j is i or one of its ancestors), for parents [n, Q]
+    (-1 at the root, parents[:, i] < i)."""
+    n, q = parents.shape
+    seen = np.zeros((n, q, q), dtype=bool)
+    seen[:, np.arange(q), np.arange(q)] = True
+    if q > 1:
+        seen[np.arange(n)[:, None], np.arange(1, q)[None, :], parents[:, 1:]] = True
+    for _ in range((q - 2).bit_length() if q > 2 else 0):  # each squaring doubles the path length covered
+        seen = seen @ seen
+    return seen
 
 
 class FusedTreeStep:
