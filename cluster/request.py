@@ -60,6 +60,7 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
+    stop_set: frozenset[int] = frozenset()  # tokens that end it: stop ids, and EOS unless ignored (set when queued)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

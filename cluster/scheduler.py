@@ -80,6 +80,8 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         """Queue a validated request."""
+        p = req.params
+        req.stop_set = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos))
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -378,8 +380,7 @@ class Scheduler:
         p = req.params
         out = req.output_token_ids
         room = min(p.max_tokens - len(out), self.max_model_len - req.num_tokens)
-        stop, eos = p.stop_token_ids, () if p.ignore_eos else self.eos
-        if len(tokens) < room and not any(t in stop or t in eos for t in tokens):
+        if len(tokens) < room and req.stop_set.isdisjoint(tokens):
             out += tokens  # the common step: no stop token, and no limit reached
             emitted, reason = list(tokens), None
         else:

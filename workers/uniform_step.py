@@ -55,14 +55,14 @@ class UniformTargetStep:
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """The batch bucket when every request is a generation row with Q tokens and fits; else None."""
-        q = self.q_len
-        if not plan.seqs or any(s.is_context or len(s.token_ids) != q for s in plan.seqs):
+        q, most = self.q_len, self.buffers.max_blocks
+        if not plan.seqs:
             return None
-        if any(
-            len(s.block_ids) > self.buffers.max_blocks or s.draft_probs is not None or s.draft_parents is not None
-            for s in plan.seqs
-        ):
-            return None
+        for s in plan.seqs:
+            if s.is_context or len(s.token_ids) != q or len(s.block_ids) > most:
+                return None
+            if s.draft_probs is not None or s.draft_parents is not None:
+                return None
         return pick_bucket(len(plan.seqs), self.steps.sizes)
 
     def run(
