@@ -407,7 +407,7 @@ class Scheduler:
         for tok in tokens:
             req.output_token_ids.append(tok)
             emitted.append(tok)
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+            if tok in req.stop_set:
                 reason = "stop"
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"

@@ -43,7 +43,8 @@ class TreeBuffers:
         self.packed = torch.zeros(2 * rows + rows * q_len, dtype=torch.long, device=device)
         staging = torch.zeros_like(self.packed, device="cpu")
         self.staging = staging.pin_memory() if device.type == "cuda" else staging
-        self._host = self.staging.numpy()  # the host twin, written in place
+        # written in place: a tree step reads its results back before the next fill, so no copy is in flight
+        self._host = self.staging.numpy()
         depth, parents, mask = self.packed.split([rows, rows, rows * q_len])
         self.depth = depth.view(max_batch, q_len)  # [B_max, Q]
         self.parents = parents.view(max_batch, q_len)  # [B_max, Q], -1 at the root
