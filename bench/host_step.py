@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,11 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from profile_step import HostTimer  # noqa: E402
+from profile_step import host_split  # noqa: E402
 
-import workers.fused_step  # noqa: E402
-import workers.graph_runner  # noqa: E402
-import workers.uniform_step  # noqa: E402
 from cluster.engine import LLMEngine  # noqa: E402
 from modeling.model import LlamaArgs, random_llama_weights  # noqa: E402
 from speculative.mtp_head import MTPEagleHead  # noqa: E402
@@ -65,32 +61,15 @@ def build(batch: int, k: int) -> LLMEngine:
 
 
 def measure(batch: int, k: int, steps: int) -> dict[str, float]:
-    """Mean host ms per served step by phase; `host` is the step less its forward (`forward`)."""
+    """Mean host ms per served step by phase (`profile_step.host_split`); `host` is the step less its forward."""
     eng = build(batch, k)
     for i in range(batch):
         eng.add_request([1 + (i + j) % 250 for j in range(24)], {"max_tokens": 900, "ignore_eos": True})
     for _ in range(30):
         eng.step()
-    timer = HostTimer()
-    runner = eng.target
-    timer.wrap(eng.scheduler, "plan_ahead", "plan_ahead")
-    timer.wrap(eng, "_apply", "apply")
-    timer.wrap(runner, "launch", "launch")
-    timer.wrap(runner, "collect", "collect")
-    timer.wrap(workers.fused_step, "fill_step", "fill_step")
-    timer.wrap(workers.uniform_step, "fill_step", "fill_step")
-    timer.wrap(workers.graph_runner.GreedyAndSampledSteps, "run", "forward")
-    try:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        total = time.perf_counter() - t0
-    finally:
-        timer.restore()
-    out = {name: 1e3 * s / steps for name, s in timer.acc.items()}
-    out["step"] = 1e3 * total / steps
-    out["host"] = out["step"] - out["forward"]
-    out["launch_other"] = out["launch"] - out["fill_step"] - out["forward"]
+    out = host_split(eng, steps)  # on CPU the eager forward runs where the GPU replays its graph
+    out["host"] = out["host_engine_step"] - out["host_graph_replay"]
+    out["launch_other"] = out["host_launch"] - out["host_fill_step"] - out["host_graph_replay"]
     return out
 
 
@@ -112,8 +91,8 @@ def main() -> int:
             runs = [measure(batch, k, args.steps) for _ in range(args.repeats)]
             r = {name: min(run[name] for run in runs) for name in runs[0]}
             rows.append({"k": k, "batch": batch, **{n: round(v, 4) for n, v in r.items()}})
-            print(f"{k:>2} {batch:>5} {r['host']:>8.3f} {r['plan_ahead']:>10.3f} {r['fill_step']:>6.3f} "
-                  f"{r['launch_other']:>8.3f} {r['collect']:>8.3f} {r['apply']:>6.3f}")  # fmt: skip
+            print(f"{k:>2} {batch:>5} {r['host']:>8.3f} {r['host_plan_ahead']:>10.3f} {r['host_fill_step']:>6.3f} "
+                  f"{r['launch_other']:>8.3f} {r['host_collect']:>8.3f} {r['host_apply']:>6.3f}")  # fmt: skip
     print("launch*: launch less its buffer fill and forward; ms per served step, CPU, one thread, fastest run")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

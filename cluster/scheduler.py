@@ -301,9 +301,9 @@ class Scheduler:
 
     def _register(self, req: Request) -> None:
         """Key the request's full blocks whose target and draft KV are final."""
-        if not self.prefix_caching:
-            return
         size = self.cfg.block_size
+        if not self.prefix_caching or req.num_computed_tokens // size <= req.num_keyed_blocks:
+            return  # no block has filled since the last call (most steps)
         n = min(req.num_computed_tokens // size, len(req.block_ids), num_keyable_blocks(req.num_tokens, size))
         if n <= req.num_keyed_blocks:
             return
@@ -385,8 +385,7 @@ class Scheduler:
             emitted, reason = list(tokens), None
         else:
             emitted, reason = self._append_until_stop(req, tokens)
-        if req.num_computed_tokens >= (req.num_keyed_blocks + 1) * self.cfg.block_size:
-            self._register(req)
+        self._register(req)
         if reason:
             self._finish(req, reason)
         return RequestOutput(
