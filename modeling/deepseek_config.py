@@ -124,8 +124,7 @@ class ScaledRotary(Rotary):
             inv_freq, scaling = rope_frequencies(args)
             freqs = torch.outer(torch.arange(args.max_position_embeddings, dtype=torch.float32), inv_freq.float())
             emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", (emb.cos() * scaling).float(), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).float(), persistent=False)
+        self.register_tables((emb.cos() * scaling).float(), (emb.sin() * scaling).float())
 
 
 def rope_frequencies(args: DeepseekV3Args) -> tuple[torch.Tensor, float]:

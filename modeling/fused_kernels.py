@@ -59,8 +59,9 @@ if triton is not None:
     def _rope_write_kv(
         qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         stride_t, stride_cos, stride_q,
-        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        wait_for_inputs(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HALF)
@@ -269,11 +270,12 @@ def rope_write_kv(qkv: torch.Tensor, kv: KVWrite) -> torch.Tensor:
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     cos, sin, q = _rope_outputs(kv, t, qkv)
     heads, kv_heads, head_dim = kv.heads, kv.kv_heads, kv.head_dim
+    on = pdl.active(qkv, pdl.ATTENTION_STEP_ROWS)  # lets the attention after it read its cached keys meanwhile
     if t:
         _rope_write_kv[(t, heads + 2 * kv_heads)](
             qkv, cos, sin, kv.slot_mapping, q, kv.k_cache, kv.v_cache,
             qkv.stride(0), cos.stride(0), q.stride(0),
-            HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=head_dim // 2,
+            HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=head_dim // 2, PDL=on, **pdl.launch_args(on),
         )  # fmt: skip
     return q
 

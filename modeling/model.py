@@ -77,20 +77,36 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim] fp
 class Rotary(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos_sin: torch.Tensor
 
     def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        self.register_tables(emb.cos().float(), emb.sin().float())
+
+    def register_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Keep the cos and sin tables [max_pos, head_dim] side by side in one buffer, so that one gather
+        serves both."""
+        self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1), persistent=False)
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """The cos table [max_pos, head_dim] (a view)."""
+        return self.cos_sin[:, : self.cos_sin.shape[-1] // 2]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        """The sin table [max_pos, head_dim] (a view)."""
+        return self.cos_sin[:, self.cos_sin.shape[-1] // 2 :]
 
     def table(self, positions: torch.Tensor) -> Rope:
-        """cos/sin rows for `positions` [T], gathered once per forward and shared by every layer."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        """cos/sin rows for `positions` [T], gathered once per forward (in one launch) and shared by every
+        layer."""
+        rows = self.cos_sin[positions][:, None, :]
+        half = rows.shape[-1] // 2
+        return rows[..., :half], rows[..., half:]
 
 
 class Attention(nn.Module):

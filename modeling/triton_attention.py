@@ -6,7 +6,9 @@ KV group, walking the sequence's block table with an online softmax, 128 keys (s
 gathered through the table) per iteration. Small batches of long sequences cut each sequence's keys into
 several ranges (split-KV decoding); the last program of a group to finish merges the partial results, so
 one launch does it all. It reads only the blocks a sequence uses, and all its sizes are read on device, so
-it can be captured in a CUDA graph.
+it can be captured in a CUDA graph. Launched with PDL (`modeling/pdl.py`), a program reads its first tile
+of keys and values while the kernel ahead (which writes q and this step's K/V rows) still runs, and only
+q and the step's own rows after it.
 Ragged: the same walk, with a third program axis over tiles of QB query positions, each sequence's
 query count and row offset read on device, and each tile stopping at its last position's causal limit.
 """
@@ -30,41 +32,48 @@ if triton is not None:
     from modeling.pdl import wait_for_inputs
 
     @triton.jit
+    def _tile_addr(tables_ptr, b, kvh, kpos, inside, stride_kb, stride_ks, stride_kh, stride_bt, BLOCK: tl.constexpr):
+        # cache offsets [TILE] of keys kpos of sequence b, KV head kvh, through its block table
+        blk = tl.load(tables_ptr + b * stride_bt + kpos // BLOCK, mask=inside, other=0).to(tl.int64)
+        return blk * stride_kb + (kpos % BLOCK) * stride_ks + kvh * stride_kh
+
+    @triton.jit
+    def _attend_tile(q, k, v, kpos, q_pos, m, den, acc, scale, tree_bits, tree_start, TREE: tl.constexpr):
+        # one online-softmax update of (m, den, acc) by the keys kpos [TILE] with values k, v [TILE, DIM].
+        # TREE: key tree_start + j (0 <= j < 64) is seen by a row only where bit j of its tree_bits [ROWS] is set.
+        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        seen = kpos[None, :] <= q_pos[:, None]
+        if TREE:
+            rel = kpos - tree_start
+            covered = (rel >= 0) & (rel < 64)
+            bit = (tree_bits[:, None] >> tl.where(covered, rel, 0).to(tl.int64)[None, :]) & 1
+            seen = seen & (~covered[None, :] | (bit != 0))
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        den = den * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        return m_new, den, acc
+
+    @triton.jit
     def _attend_range(
         q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt,
-        b, kvh, q_pos, kv_start, kv_end, tree_bits, tree_start,
-        ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
-        TREE: tl.constexpr,
+        b, kvh, q_pos, kv_start, kv_end, tree_bits, tree_start, m, den, acc,
+        BLOCK: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr, TREE: tl.constexpr,
     ):  # fmt: skip
         # online softmax of query rows q [ROWS, DIM] over keys [kv_start, kv_end) of sequence b (kv_start a
-        # multiple of TILE); returns the unnormalised (acc [ROWS, DIM], running max [ROWS], denominator [ROWS]).
-        # TREE: key tree_start + j (0 <= j < 64) is seen by a row only where bit j of its tree_bits [ROWS] is set.
+        # multiple of TILE), continuing from (m, den, acc); returns the unnormalised (acc [ROWS, DIM], running
+        # max [ROWS], denominator [ROWS]).
         d = tl.arange(0, DIM)
-        m = tl.full((ROWS,), -1.0e30, tl.float32)
-        den = tl.zeros((ROWS,), tl.float32)
-        acc = tl.zeros((ROWS, DIM), tl.float32)
         s = tl.arange(0, TILE)
         for j in tl.range(kv_start // TILE, tl.cdiv(kv_end, TILE), num_stages=STAGES):
             kpos = j * TILE + s
             inside = kpos < kv_end
-            blk = tl.load(tables_ptr + b * stride_bt + kpos // BLOCK, mask=inside, other=0).to(tl.int64)
-            addr = blk * stride_kb + (kpos % BLOCK) * stride_ks + kvh * stride_kh
+            addr = _tile_addr(tables_ptr, b, kvh, kpos, inside, stride_kb, stride_ks, stride_kh, stride_bt, BLOCK)
             k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
             v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=inside[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            seen = kpos[None, :] <= q_pos[:, None]
-            if TREE:
-                rel = kpos - tree_start
-                covered = (rel >= 0) & (rel < 64)
-                bit = (tree_bits[:, None] >> tl.where(covered, rel, 0).to(tl.int64)[None, :]) & 1
-                seen = seen & (~covered[None, :] | (bit != 0))
-            scores = tl.where(seen, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            den = den * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m = m_new
+            m, den, acc = _attend_tile(q, k, v, kpos, q_pos, m, den, acc, scale, tree_bits, tree_start, TREE)
         return acc, m, den
 
     @triton.jit
@@ -79,9 +88,12 @@ if triton is not None:
         q = tl.load(
             q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=valid[:, None], other=0.0
         )
+        m = tl.full((ROWS,), -1.0e30, tl.float32)
+        den = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, DIM), tl.float32)
         acc, _, den = _attend_range(q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt,
-                                    b, kvh, q_pos, 0, kv_end, tree_bits, tree_start, ROWS, BLOCK, DIM, TILE, STAGES,
-                                    TREE)  # fmt: skip
+                                    b, kvh, q_pos, 0, kv_end, tree_bits, tree_start, m, den, acc, BLOCK, DIM, TILE,
+                                    STAGES, TREE)  # fmt: skip
         tl.store(
             o_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
             (acc / den[:, None]).to(o_ptr.dtype.element_ty),
@@ -96,11 +108,12 @@ if triton is not None:
         TILE: tl.constexpr, STAGES: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
         TREE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        wait_for_inputs(PDL)
         # program (b, kvh, split): a sequence's keys are cut into up to MAX_SPLITS ranges of at least
         # SPLIT_TILES tiles, so a long sequence is read by several programs at once. One range: it stores
         # the output itself. Several: each stores its partial softmax, and the last to finish (counted
         # atomically) merges them, stores the output and resets the counter for the next launch.
+        # Before waiting for the kernel ahead (PDL), a program reads its first tile of keys, except the
+        # step's own Q_LEN rows per sequence: those, and q, are what that kernel writes.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -110,8 +123,21 @@ if triton is not None:
         splits = tl.minimum(MAX_SPLITS, tl.cdiv(n_tiles, SPLIT_TILES))
         if split < splits:
             per = tl.cdiv(n_tiles, splits)
-            r = tl.arange(0, ROWS)
+            kv_start = split * per * TILE
+            kv_end = tl.minimum(seq_len, (split + 1) * per * TILE)
+            written = seq_len - Q_LEN  # keys from here on belong to this step's rows
             d = tl.arange(0, DIM)
+            kpos = kv_start + tl.arange(0, TILE)
+            inside = kpos < kv_end
+            addr = _tile_addr(tables_ptr, b, kvh, kpos, inside, stride_kb, stride_ks, stride_kh, stride_bt, BLOCK)
+            cached = (inside & (kpos < written))[:, None]
+            k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=cached, other=0.0)
+            v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=cached, other=0.0)
+            wait_for_inputs(PDL)
+            fresh = (inside & (kpos >= written))[:, None]
+            k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=fresh, other=k)
+            v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=fresh, other=v)
+            r = tl.arange(0, ROWS)
             qi = r // GROUP
             row = b * Q_LEN + qi
             head = kvh * GROUP + r % GROUP
@@ -125,10 +151,15 @@ if triton is not None:
             bits = qi.to(tl.int64)
             if TREE:
                 bits = tl.load(bits_ptr + row, mask=valid, other=0)
+            q_pos = seq_len - Q_LEN + qi
+            m = tl.full((ROWS,), -1.0e30, tl.float32)
+            den = tl.zeros((ROWS,), tl.float32)
+            acc = tl.zeros((ROWS, DIM), tl.float32)
+            m, den, acc = _attend_tile(q, k, v, kpos, q_pos, m, den, acc, scale, bits, seq_len - tree_width, TREE)
             acc, m, den = _attend_range(
                 q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt, b, kvh,
-                seq_len - Q_LEN + qi, split * per * TILE, tl.minimum(seq_len, (split + 1) * per * TILE),
-                bits, seq_len - tree_width, ROWS, BLOCK, DIM, TILE, STAGES, TREE,
+                q_pos, kv_start + TILE, kv_end, bits, seq_len - tree_width, m, den, acc, BLOCK, DIM, TILE, STAGES,
+                TREE,
             )  # fmt: skip
             if splits == 1:
                 tl.store(out, (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=valid[:, None])
@@ -275,7 +306,8 @@ def triton_uniform_attention(
     splits = split_cap(bsz, kv_heads)
     part, stat, count = _Scratch.get(q.device, bsz * kv_heads, splits, rows * dim, rows)
     tree = tree_bits is not None
-    on = pdl.active(q)
+    # the kernel ahead (norm_qkv_rope, or rope_write_kv after cuBLAS) releases it early
+    on = pdl.active(q, pdl.ATTENTION_STEP_ROWS)
     _uniform_paged_attn[(bsz, kv_heads, splits)](
         q, k_cache, v_cache, out, block_tables, seq_lens, part, stat, count, tree_bits if tree else seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

@@ -36,7 +36,8 @@ def sass(kernels: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, list[str]]
 
 
 GEMV = {"BLOCK_M": 4, "BLOCK_N": 8, "BLOCK_K": 1024}
-# name: (kernel, constexprs, whether it reads weights before waiting); SmolLM2-135M's shapes
+# name: (kernel, constexprs, whether it reads what its predecessor does not write before waiting: weights, or
+# the attention's cached keys and values); SmolLM2-135M's shapes
 KERNELS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "norm_linear": ("fused_kernels:_norm_linear", {"HAS_NORM": True, "HAS_RES": True, **GEMV}, True),
     "norm_qkv_rope": (
@@ -48,8 +49,9 @@ KERNELS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "uniform_attention": (
         "triton_attention:_uniform_paged_attn",
         dict(Q_LEN=4, GROUP=3, ROWS=16, BLOCK=16, DIM=64, TILE=128, STAGES=2, MAX_SPLITS=16, SPLIT_TILES=2, TREE=False),
-        False,
+        True,
     ),
+    "rope_write_kv": ("fused_kernels:_rope_write_kv", {"HEADS": 9, "KV_HEADS": 3, "DIM": 64, "HALF": 32}, False),
     "norm_argmax": (
         "argmax_kernels:_norm_argmax_tiles",
         {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "FULL_K": 1024, "STAGES": 3},
@@ -76,7 +78,8 @@ WRITES = ("STG", "ATOMG", "RED", "ATOM")
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_waits_before_reading_activations_and_writing(name: str, compiled: dict[str, list[str]]) -> None:
     """With PDL each small-step kernel waits once, lets its successor start right after, writes nothing
-    before the wait, and (the matrix-vector kernels) issues its weight loads before it."""
+    before the wait, and (the matrix-vector and attention kernels) issues its weight or cached K/V loads
+    before it."""
     prefetches = KERNELS[name][2]
     ops = compiled[name]
     assert ops.count(WAIT) == 1 and ops.count(RELEASE) == 1, (name, ops.count(WAIT), ops.count(RELEASE))
@@ -110,11 +113,13 @@ def test_pdl_is_off_on_cpu_and_under_the_interpreter(monkeypatch: pytest.MonkeyP
 
 def test_pdl_only_for_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a capable device, kernels over at most SMALL_STEP_ROWS rows launch with PDL and larger steps
-    (whose projections run through cuBLAS) do not."""
+    (whose projections run through cuBLAS) do not; RoPE and attention ask for up to ATTENTION_STEP_ROWS."""
     monkeypatch.setattr(pdl, "device_supports", lambda t: True)
     rows = pdl.SMALL_STEP_ROWS
     assert pdl.active(torch.zeros(1, 8)) and pdl.active(torch.zeros(rows, 3, 8))
     assert not pdl.active(torch.zeros(rows + 1, 8)) and not pdl.active(torch.zeros(64, 3, 8))
+    wide = pdl.ATTENTION_STEP_ROWS  # RoPE and attention take it further, not to batch 64
+    assert pdl.active(torch.zeros(wide, 3, 8), wide) and not pdl.active(torch.zeros(64, 3, 8), wide)
 
 
 def test_model_pdl_flag_reaches_the_process_switch() -> None:

@@ -60,6 +60,18 @@ def test_split_key_ranges_match_float64_reference(
     assert not counters.any()
 
 
+@pytest.mark.parametrize(("q_len", "lens"), [(4, [18, 16, 4, 20]), (3, [17, 15, 33]), (1, [16, 17, 1])])
+def test_step_rows_in_and_past_the_first_tile_match_float64_reference(
+    q_len: int, lens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first key tile is read in two parts (the cached keys before waiting for the kernel ahead, the
+    step's own rows after it); with 16-key tiles the step's rows fall inside it, across its end, at its
+    end and past it, and each case gives the float64 result."""
+    monkeypatch.setattr(triton_attention, "UNIFORM_TILE", 16)
+    _, got, ref = uniform_case(q_len, 6, 3, lens, seed=q_len + 11, nb=24, max_blocks=3)
+    assert (got.double() - ref).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize(("q_len", "width", "lens"), [(5, 5, [5, 40, 77]), (3, 9, [12, 70]), (4, 64, [64, 90])])
 def test_tree_masks_match_float64_reference(q_len: int, width: int, lens: list[int]) -> None:
     """A random mask over each sequence's last `width` keys (its own row always seen) gives the reference's
