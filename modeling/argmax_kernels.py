@@ -39,30 +39,45 @@ class TileDoesNotFit(RuntimeError):
 if triton is not None:
 
     @triton.jit
+    def _lm_chunk(w_ptr, cols, k0, N, K, stride_w, BLOCK_K: tl.constexpr):
+        # lm_head rows `cols`, hidden columns k0 .. k0 + BLOCK_K (zero outside the weight)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(
+            w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0
+        )
+
+    @triton.jit
+    def _lm_update(acc, w, x_ptr, nw_ptr, rows, valid, inv, k0, K, stride_x, BLOCK_K: tl.constexpr):
+        # acc [BLOCK_N, BLOCK_M] plus the chunk's products with the normed rows, rounded as the norm rounds
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=valid & (ks[None, :] < K), other=0.0)
+        nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        xn = (xk.to(tl.float32) * inv[:, None] * nw[None, :]).to(w.dtype)
+        return acc + tl.dot(w, tl.trans(xn), input_precision="ieee")
+
+    @triton.jit
     def _norm_argmax_tiles(
         x_ptr, nw_ptr, w_ptr, val_ptr, idx_ptr, M, N, K, eps, stride_x, stride_w, stride_p,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL_K: tl.constexpr,
         STAGES: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        wait_for_inputs(PDL)
-        # the best (rounded logit, lowest token) of this program's BLOCK_N vocabulary rows, per input row
+        # the best (rounded logit, lowest token) of this program's BLOCK_N vocabulary rows, per input row;
+        # the first chunk of weights is read before waiting for the rows' writer
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = rows[:, None] < M
+        first = _lm_chunk(w_ptr, cols, 0, N, K, stride_w, BLOCK_K)
+        wait_for_inputs(PDL)
         full = tl.arange(0, FULL_K)
         x = tl.load(x_ptr + rows[:, None] * stride_x + full[None, :], mask=valid & (full[None, :] < K), other=0.0)
         x = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / K + eps)
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            inside = ks[None, :] < K
-            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < N) & inside, other=0.0)
-            xk = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=valid & inside, other=0.0)
-            nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            xn = (xk.to(tl.float32) * inv[:, None] * nw[None, :]).to(w.dtype)
-            acc += tl.dot(w, tl.trans(xn), input_precision="ieee")
+        acc = _lm_update(acc, first, x_ptr, nw_ptr, rows, valid, inv, 0, K, stride_x, BLOCK_K)
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            w = _lm_chunk(w_ptr, cols, k0, N, K, stride_w, BLOCK_K)
+            acc = _lm_update(acc, w, x_ptr, nw_ptr, rows, valid, inv, k0, K, stride_x, BLOCK_K)
         y = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
         y = tl.where(cols[:, None] < N, y, float("-inf"))
         best = tl.max(y, 0)

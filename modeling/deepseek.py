@@ -41,13 +41,15 @@ class DeepseekDecoderLayer(DecoderLayer):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: Metadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer with its last residual add deferred (see `DecoderLayer.step`)."""
+        whole: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer with its last residual add deferred, or done with `whole` (see `DecoderLayer.step`)."""
         q, residual = self.self_attn.project(x, residual, self.input_layernorm, rope, k_cache, v_cache, meta)
         a = self.self_attn(q, k_cache, v_cache, meta)
         post = self.post_attention_layernorm
         h, residual = post.ops.add_rms_norm(a, residual, post.weight, post.eps)
-        return self.mlp(h), residual
+        out = self.mlp(h)
+        return (out + residual, None) if whole else (out, residual)
 
 
 class DeepseekV3Model(LlamaModel):

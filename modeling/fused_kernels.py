@@ -6,7 +6,8 @@
 - `silu_mul`: SwiGLU's silu(gate) * up from a fused gate_up projection.
 - `norm_linear`: residual add, RMSNorm and the following projection (q/k/v or gate/up) in one launch,
   for the few rows of a decode or verify step.
-- `swiglu_linear`: silu(gate) * up and the down projection in one launch, for the same few rows.
+- `swiglu_linear`: silu(gate) * up and the down projection in one launch, for the same few rows, optionally
+  adding the residual (a layer's whole output in one launch).
 - `linear`: a plain projection (the attention output's) for the same few rows.
 - `norm_qkv_rope`: `norm_linear` into q/k/v with `rope_write_kv` folded in, for the same few rows.
 
@@ -207,9 +208,10 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_linear(
-        x_ptr, w_ptr, y_ptr, M, N, K,
-        stride_x, stride_w, stride_y,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        x_ptr, w_ptr, r_ptr, y_ptr, M, N, K,
+        stride_x, stride_w, stride_r, stride_y,
+        HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         _, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
@@ -219,7 +221,13 @@ if triton is not None:
         u = tl.load(x_ptr + rows[:, None] * stride_x + K + ks[None, :], mask=inside, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)
         a = (act * u).to(w_ptr.dtype.element_ty).to(tl.float32)
-        _store_rows(y_ptr, _matvec(a, w), rows, cols, stride_y, M, N)
+        y = _matvec(a, w)
+        if HAS_RES:
+            # rounded as the projection's output, then added as a separate residual add would
+            out = (rows[:, None] < M) & (cols[None, :] < N)
+            r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=out, other=0.0).to(tl.float32)
+            y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + r
+        _store_rows(y_ptr, y, rows, cols, stride_y, M, N)
 
 
 def available() -> bool:
@@ -367,9 +375,9 @@ def _norm_linear_call(
     return y, res
 
 
-def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(silu(gate) * up) @ weight.T for gate_up [M, 2K] laid out as [gate | up] and weight [N, K]; for the
-    few rows `gemv_fits` accepts."""
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T for gate_up [M, 2K] laid out as [gate | up] and weight [N, K], plus
+    `residual` [M, N] when given; for the few rows `gemv_fits` accepts."""
     _need_triton()
     m, two_k = gate_up.shape
     k = two_k // 2
@@ -379,10 +387,13 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     grid, meta = _gemv_launch(m, n, k)
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     y = torch.empty(m, n, dtype=gate_up.dtype, device=gate_up.device)
+    if residual is not None and (residual.shape != y.shape or residual.dtype != y.dtype):
+        raise ValueError(f"swiglu_linear's residual must be [{m}, {n}] in {y.dtype}, got {tuple(residual.shape)}")
+    r = y if residual is None else residual if residual.stride(-1) == 1 else residual.contiguous()
     on = pdl.active(gate_up)
     _swiglu_linear[grid](
-        gate_up, weight, y, m, n, k, gate_up.stride(0), weight.stride(0), y.stride(0),
-        PDL=on, **meta, **pdl.launch_args(on),
+        gate_up, weight, r, y, m, n, k, gate_up.stride(0), weight.stride(0), r.stride(0), y.stride(0),
+        HAS_RES=residual is not None, PDL=on, **meta, **pdl.launch_args(on),
     )  # fmt: skip
     return y
 

@@ -71,9 +71,12 @@ class TorchOps:
         h, s = self.add_rms_norm(x, residual, norm_weight, eps)
         return F.linear(h, weight), s
 
-    def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up @ weight.T: `silu_mul` followed by the down projection."""
-        return F.linear(self.silu_mul(gate_up), weight)
+    def swiglu_linear(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """silu(gate) * up @ weight.T: `silu_mul` followed by the down projection; plus `residual` if given."""
+        out = F.linear(self.silu_mul(gate_up), weight)
+        return out if residual is None else out + residual
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T."""
@@ -131,11 +134,14 @@ class TritonOps(TorchOps):
             return super().norm_linear(x, residual, norm_weight, eps, weight)
         return fused_kernels.norm_linear(x, residual, norm_weight, eps, weight)
 
-    def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One matrix-vector kernel for small steps; silu_mul plus cuBLAS otherwise."""
+    def swiglu_linear(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One matrix-vector kernel for small steps (the residual add included); silu_mul plus cuBLAS
+        otherwise."""
         if not self._small(gate_up, weight):
-            return super().swiglu_linear(gate_up, weight)
-        return fused_kernels.swiglu_linear(gate_up, weight)
+            return super().swiglu_linear(gate_up, weight, residual)
+        return fused_kernels.swiglu_linear(gate_up, weight, residual)
 
     def norm_qkv_rope(
         self,

@@ -194,9 +194,12 @@ class MLP(nn.Module):
             return self.gate_up_weight
         return torch.cat([self.gate_proj.weight, self.up_proj.weight])
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU's second half from the [gate | up] projections, summed over ranks."""
-        return self.tp.all_reduce(self.ops.swiglu_linear(gate_up, self.down_proj.weight))
+    def down(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU's second half from the [gate | up] projections, summed over ranks; plus `residual` when
+        given (in the same kernel where the ops allow)."""
+        if residual is not None and self.tp.size > 1:
+            return self.down(gate_up) + residual
+        return self.tp.all_reduce(self.ops.swiglu_linear(gate_up, self.down_proj.weight, residual))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU, summed over ranks."""
@@ -222,8 +225,7 @@ class DecoderLayer(nn.Module):
         meta: Metadata,
     ) -> torch.Tensor:
         """Residual attention then residual MLP."""
-        out, residual = self.step(x, None, rope, k_cache, v_cache, meta)
-        return out + residual
+        return self.step(x, None, rope, k_cache, v_cache, meta, whole=True)[0]
 
     def step(
         self,
@@ -233,15 +235,19 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: Metadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        whole: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer with its last residual add deferred: the hidden state is out + residual, where the
         caller passes (previous out, previous residual), or (x, None) for the first layer. Deferring lets
-        the next layer fuse that add into its input norm."""
+        the next layer fuse that add into its input norm. `whole`: the add is done here instead (in the
+        down projection where the ops allow), returning (hidden state, None)."""
         ops = self.input_layernorm.ops
         pre, post = self.input_layernorm, self.post_attention_layernorm
         q, residual = self.self_attn.project(x, residual, pre, rope, k_cache, v_cache, meta)
         a = self.self_attn(q, k_cache, v_cache, meta)
         gate_up, residual = ops.norm_linear(a, residual, post.weight, post.eps, self.mlp.gate_up_proj_weight())
+        if whole:
+            return self.mlp.down(gate_up, residual), None
         return self.mlp.down(gate_up), residual
 
 
@@ -336,10 +342,12 @@ class LlamaModel(nn.Module):
         taps: list[torch.Tensor] = []
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = cast(DecoderLayer, layer).step(x, residual, rope, cache.keys[i], cache.values[i], meta)
-            if i != last and i in self.feature_layers:
-                taps.append(x + residual)
-        hidden = x if residual is None else x + residual
+            read = i == last or i in self.feature_layers  # outputs that are read whole
+            step = cast(DecoderLayer, layer).step
+            x, residual = step(x, residual, rope, cache.keys[i], cache.values[i], meta, whole=read)
+            if read and i != last:
+                taps.append(x)
+        hidden = x
         if self.normed_features:
             return hidden, self.norm(hidden)
         if not taps:

@@ -106,14 +106,14 @@ if triton is not None:
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, tree_width,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
         TILE: tl.constexpr, STAGES: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
-        TREE: tl.constexpr, PDL: tl.constexpr,
+        TREE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         # program (b, kvh, split): a sequence's keys are cut into up to MAX_SPLITS ranges of at least
         # SPLIT_TILES tiles, so a long sequence is read by several programs at once. One range: it stores
         # the output itself. Several: each stores its partial softmax, and the last to finish (counted
         # atomically) merges them, stores the output and resets the counter for the next launch.
-        # Before waiting for the kernel ahead (PDL), a program reads its first tile of keys, except the
-        # step's own Q_LEN rows per sequence: those, and q, are what that kernel writes.
+        # EARLY (with PDL): before waiting for the kernel ahead, a program reads its first tile of keys,
+        # except the step's own Q_LEN rows per sequence: those, and q, are what that kernel writes.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -129,14 +129,12 @@ if triton is not None:
             d = tl.arange(0, DIM)
             kpos = kv_start + tl.arange(0, TILE)
             inside = kpos < kv_end
-            addr = _tile_addr(tables_ptr, b, kvh, kpos, inside, stride_kb, stride_ks, stride_kh, stride_bt, BLOCK)
-            cached = (inside & (kpos < written))[:, None]
-            k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=cached, other=0.0)
-            v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=cached, other=0.0)
+            if EARLY:
+                addr = _tile_addr(tables_ptr, b, kvh, kpos, inside, stride_kb, stride_ks, stride_kh, stride_bt, BLOCK)
+                cached = (inside & (kpos < written))[:, None]
+                k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=cached, other=0.0)
+                v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=cached, other=0.0)
             wait_for_inputs(PDL)
-            fresh = (inside & (kpos >= written))[:, None]
-            k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=fresh, other=k)
-            v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=fresh, other=v)
             r = tl.arange(0, ROWS)
             qi = r // GROUP
             row = b * Q_LEN + qi
@@ -155,11 +153,16 @@ if triton is not None:
             m = tl.full((ROWS,), -1.0e30, tl.float32)
             den = tl.zeros((ROWS,), tl.float32)
             acc = tl.zeros((ROWS, DIM), tl.float32)
-            m, den, acc = _attend_tile(q, k, v, kpos, q_pos, m, den, acc, scale, bits, seq_len - tree_width, TREE)
+            rest = kv_start
+            if EARLY:
+                fresh = (inside & (kpos >= written))[:, None]
+                k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=fresh, other=k)
+                v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=fresh, other=v)
+                m, den, acc = _attend_tile(q, k, v, kpos, q_pos, m, den, acc, scale, bits, seq_len - tree_width, TREE)
+                rest = kv_start + TILE
             acc, m, den = _attend_range(
                 q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt, b, kvh,
-                q_pos, kv_start + TILE, kv_end, bits, seq_len - tree_width, m, den, acc, BLOCK, DIM, TILE, STAGES,
-                TREE,
+                q_pos, rest, kv_end, bits, seq_len - tree_width, m, den, acc, BLOCK, DIM, TILE, STAGES, TREE,
             )  # fmt: skip
             if splits == 1:
                 tl.store(out, (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=valid[:, None])
@@ -289,10 +292,12 @@ def triton_uniform_attention(
     scale: float,
     tree_bits: torch.Tensor | None = None,
     tree_width: int = 0,
+    early: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as `attention.uniform_paged_attention`: q [B*Q, H, D] -> [B*Q, H*D]. With `tree_bits`
     [B*Q] int64, row i sees key seq_len - tree_width + j of the last tree_width (<= 64) only where bit j is
-    set (`tree_mask_bits`)."""
+    set (`tree_mask_bits`). `early`: read the first tile of cached keys before waiting for the kernel ahead
+    (default: when launched with PDL; the result is the same either way)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     bsz = block_tables.shape[0]
@@ -312,7 +317,8 @@ def triton_uniform_attention(
         q, k_cache, v_cache, out, block_tables, seq_lens, part, stat, count, tree_bits if tree else seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         tree_width, Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim, TILE=tile, STAGES=UNIFORM_STAGES,
-        MAX_SPLITS=splits, SPLIT_TILES=max(1, SPLIT_KEYS // tile), TREE=tree, PDL=on, **pdl.launch_args(on),
+        MAX_SPLITS=splits, SPLIT_TILES=max(1, SPLIT_KEYS // tile), TREE=tree, PDL=on,
+        EARLY=on if early is None else early, **pdl.launch_args(on),
     )  # fmt: skip
     return out.reshape(bsz * q_len, heads * dim)
 

@@ -107,6 +107,23 @@ def test_swiglu_linear_matches_reference(dtype: torch.dtype) -> None:
     assert _close(got, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_linear_adds_the_residual_as_a_separate_add_would(dtype: torch.dtype) -> None:
+    """With a residual, the kernel returns its own output plus that residual added afterwards (exactly in
+    fp32; in bf16 within rounding, since Triton's CPU interpreter truncates where the GPU rounds to
+    nearest), and the torch ops agree with it."""
+    g = torch.Generator().manual_seed(4)
+    gate_up = (2 * torch.randn(4, 2 * 96, generator=g)).to(dtype)
+    w = (0.1 * torch.randn(40, 96, generator=g)).to(dtype)
+    residual = (4 * torch.randn(4, 40, generator=g)).to(dtype)
+    got = fused_kernels.swiglu_linear(gate_up, w, residual)
+    separate = fused_kernels.swiglu_linear(gate_up, w) + residual
+    assert torch.equal(got, separate) if dtype == torch.float32 else _close(got, separate, dtype)
+    assert _close(got, TORCH_OPS.swiglu_linear(gate_up, w, residual), dtype)
+    with pytest.raises(ValueError, match="residual"):
+        fused_kernels.swiglu_linear(gate_up, w, residual[:, :8])
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "rows", "with_residual", "dtype"),
     [(9, 3, 64, 1, True, torch.float32), (4, 2, 16, 3, False, torch.float32), (9, 3, 64, 4, True, torch.bfloat16)],

@@ -36,6 +36,7 @@ def sass(kernels: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, list[str]]
 
 
 GEMV = {"BLOCK_M": 4, "BLOCK_N": 8, "BLOCK_K": 1024}
+ATTENTION = dict(Q_LEN=4, GROUP=3, ROWS=16, BLOCK=16, DIM=64, TILE=128, STAGES=2, MAX_SPLITS=16, SPLIT_TILES=2)
 # name: (kernel, constexprs, whether it reads what its predecessor does not write before waiting: weights, or
 # the attention's cached keys and values); SmolLM2-135M's shapes
 KERNELS: dict[str, tuple[str, dict[str, Any], bool]] = {
@@ -48,14 +49,14 @@ KERNELS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "swiglu_linear": ("fused_kernels:_swiglu_linear", {**GEMV, "BLOCK_K": 2048}, True),
     "uniform_attention": (
         "triton_attention:_uniform_paged_attn",
-        dict(Q_LEN=4, GROUP=3, ROWS=16, BLOCK=16, DIM=64, TILE=128, STAGES=2, MAX_SPLITS=16, SPLIT_TILES=2, TREE=False),
+        {**ATTENTION, "TREE": False, "EARLY": True},
         True,
     ),
     "rope_write_kv": ("fused_kernels:_rope_write_kv", {"HEADS": 9, "KV_HEADS": 3, "DIM": 64, "HALF": 32}, False),
     "norm_argmax": (
         "argmax_kernels:_norm_argmax_tiles",
         {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "FULL_K": 1024, "STAGES": 3},
-        False,
+        True,
     ),
     "argmax_of_tiles": ("argmax_kernels:_argmax_of_tiles", {"BLOCK_T": 256}, False),
     "draft_input": ("draft_kernels:_draft_input", {"BLOCK_M": 4, "BLOCK_N": 8, "BLOCK_K": 1024}, True),

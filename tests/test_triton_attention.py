@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="triton
 
 
 def uniform_case(
-    q_len: int, heads: int, kv_heads: int, lens: list[int], seed: int, nb: int, max_blocks: int
+    q_len: int, heads: int, kv_heads: int, lens: list[int], seed: int, nb: int, max_blocks: int, early: bool = False
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
     """Random paged inputs (q, k cache, v cache, block tables, lengths; 16-slot blocks, head size 32), the
     kernel's output and the float64 reference."""
@@ -23,7 +23,7 @@ def uniform_case(
     tables = torch.randperm(nb, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
     seq_lens = torch.tensor(lens)
     q = torch.randn(len(lens) * q_len, heads, dim, generator=g)
-    got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5)
+    got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5, early=early)
     ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
     return (q, kc, vc, tables, seq_lens), got, ref
 
@@ -38,12 +38,13 @@ def test_kernel_matches_float64_reference(q_len: int, heads: int, kv_heads: int,
     assert (got.double() - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize(
     ("q_len", "heads", "kv_heads", "lens"),
     [(1, 9, 3, [300, 5, 70]), (4, 9, 3, [150, 37]), (3, 4, 2, [80, 200, 16, 33])],
 )
 def test_split_key_ranges_match_float64_reference(
-    q_len: int, heads: int, kv_heads: int, lens: list[int], monkeypatch: pytest.MonkeyPatch
+    q_len: int, heads: int, kv_heads: int, lens: list[int], early: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Long sequences split over several programs (ranges of 16 keys, empty trailing ranges included) and
     merged by the last one give the float64 result; a second launch gives the same, with every arrival
@@ -52,9 +53,11 @@ def test_split_key_ranges_match_float64_reference(
     monkeypatch.setattr(triton_attention, "SPLIT_KEYS", 16)
     monkeypatch.setattr(triton_attention._Scratch, "buffers", {})
     assert triton_attention.split_cap(len(lens), kv_heads) > 1
-    inputs, got, ref = uniform_case(q_len, heads, kv_heads, lens, seed=len(lens) + q_len, nb=80, max_blocks=19)
+    inputs, got, ref = uniform_case(
+        q_len, heads, kv_heads, lens, seed=len(lens) + q_len, nb=80, max_blocks=19, early=early
+    )
     assert (got.double() - ref).abs().max().item() < 1e-4
-    again = triton_attention.triton_uniform_attention(*inputs, q_len, 32**-0.5)
+    again = triton_attention.triton_uniform_attention(*inputs, q_len, 32**-0.5, early=early)
     assert torch.equal(got, again)
     ((_, _, counters),) = triton_attention._Scratch.buffers.values()
     assert not counters.any()
@@ -64,16 +67,20 @@ def test_split_key_ranges_match_float64_reference(
 def test_step_rows_in_and_past_the_first_tile_match_float64_reference(
     q_len: int, lens: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first key tile is read in two parts (the cached keys before waiting for the kernel ahead, the
-    step's own rows after it); with 16-key tiles the step's rows fall inside it, across its end, at its
-    end and past it, and each case gives the float64 result."""
+    """Read early (as under PDL), the first key tile comes in two parts (the cached keys before waiting for
+    the kernel ahead, the step's own rows after it); with 16-key tiles the step's rows fall inside it,
+    across its end, at its end and past it, and each case gives the float64 result, bit for bit the result
+    of the plain key loop."""
     monkeypatch.setattr(triton_attention, "UNIFORM_TILE", 16)
-    _, got, ref = uniform_case(q_len, 6, 3, lens, seed=q_len + 11, nb=24, max_blocks=3)
+    inputs, got, ref = uniform_case(q_len, 6, 3, lens, seed=q_len + 11, nb=24, max_blocks=3, early=True)
     assert (got.double() - ref).abs().max().item() < 1e-4
+    plain = triton_attention.triton_uniform_attention(*inputs, q_len, 32**-0.5, early=False)
+    assert torch.equal(got, plain)
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize(("q_len", "width", "lens"), [(5, 5, [5, 40, 77]), (3, 9, [12, 70]), (4, 64, [64, 90])])
-def test_tree_masks_match_float64_reference(q_len: int, width: int, lens: list[int]) -> None:
+def test_tree_masks_match_float64_reference(q_len: int, width: int, lens: list[int], early: bool) -> None:
     """A random mask over each sequence's last `width` keys (its own row always seen) gives the reference's
     masked result, through the int64 bit rows the kernel reads."""
     g = torch.Generator().manual_seed(q_len * width)
@@ -86,7 +93,9 @@ def test_tree_masks_match_float64_reference(q_len: int, width: int, lens: list[i
     mask = torch.rand(len(lens), q_len, width, generator=g) < 0.5
     mask[:, torch.arange(q_len), width - q_len + torch.arange(q_len)] = True
     bits = triton_attention.tree_mask_bits(mask)
-    got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5, bits, width)
+    got = triton_attention.triton_uniform_attention(
+        q, kc, vc, tables, seq_lens, q_len, dim**-0.5, bits, width, early=early
+    )
     ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5, mask)
     assert (got.double() - ref).abs().max().item() < 1e-4
     causal = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
