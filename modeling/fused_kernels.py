@@ -267,7 +267,8 @@ def _rope_outputs(kv: KVWrite, t: int, like: torch.Tensor) -> tuple[torch.Tensor
     if not (kv.k_cache.is_contiguous() and kv.v_cache.is_contiguous()):
         raise ValueError("the RoPE kernels need contiguous caches")
     q = torch.empty(t, kv.heads, kv.head_dim, dtype=like.dtype, device=like.device)
-    return kv.cos.reshape(t, -1), kv.sin.reshape(t, -1), q
+    d = kv.cos.shape[-1]  # explicit, so that an empty step reshapes too
+    return kv.cos.reshape(t, d), kv.sin.reshape(t, d), q
 
 
 def rope_write_kv(qkv: torch.Tensor, kv: KVWrite) -> torch.Tensor:

@@ -55,6 +55,11 @@ def test_rope_write_kv_matches_reference(heads: int, kv_heads: int) -> None:
     assert (k1 - k2).abs().max().item() < 1e-5 and torch.equal(v1, v2)
     untouched = caches[0].view(-1, kv_heads, dim)[0]
     assert not torch.equal(k1, caches[0]) and torch.equal(k1.view(-1, kv_heads, dim)[0], untouched)
+    empty = positions[:0]
+    none = TRITON.rope_write_kv(
+        qkv[:0], KVWrite(*Rotary(dim, 10000.0, 64).table(empty), empty, k1, v1, heads, kv_heads, dim)
+    )
+    assert none.shape == (0, heads, dim)  # an empty step writes nothing and returns no rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
