@@ -94,19 +94,18 @@ class Rotary(nn.Module):
     @property
     def cos(self) -> torch.Tensor:
         """The cos table [max_pos, head_dim] (a view)."""
-        return self.cos_sin[:, : self.cos_sin.shape[-1] // 2]
+        return self.cos_sin.chunk(2, dim=-1)[0]
 
     @property
     def sin(self) -> torch.Tensor:
         """The sin table [max_pos, head_dim] (a view)."""
-        return self.cos_sin[:, self.cos_sin.shape[-1] // 2 :]
+        return self.cos_sin.chunk(2, dim=-1)[1]
 
     def table(self, positions: torch.Tensor) -> Rope:
         """cos/sin rows for `positions` [T], gathered once per forward (in one launch) and shared by every
         layer."""
-        rows = self.cos_sin[positions][:, None, :]
-        half = rows.shape[-1] // 2
-        return rows[..., :half], rows[..., half:]
+        cos, sin = self.cos_sin[positions][:, None, :].chunk(2, dim=-1)
+        return cos, sin
 
 
 class Attention(nn.Module):

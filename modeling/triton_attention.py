@@ -38,6 +38,11 @@ if triton is not None:
         return blk * stride_kb + (kpos % BLOCK) * stride_ks + kvh * stride_kh
 
     @triton.jit
+    def _softmax_start(ROWS: tl.constexpr, DIM: tl.constexpr):
+        # an online softmax before any key: (running max [ROWS], denominator [ROWS], accumulator [ROWS, DIM])
+        return tl.full((ROWS,), -1.0e30, tl.float32), tl.zeros((ROWS,), tl.float32), tl.zeros((ROWS, DIM), tl.float32)
+
+    @triton.jit
     def _attend_tile(q, k, v, kpos, q_pos, m, den, acc, scale, tree_bits, tree_start, TREE: tl.constexpr):
         # one online-softmax update of (m, den, acc) by the keys kpos [TILE] with values k, v [TILE, DIM].
         # TREE: key tree_start + j (0 <= j < 64) is seen by a row only where bit j of its tree_bits [ROWS] is set.
@@ -88,9 +93,7 @@ if triton is not None:
         q = tl.load(
             q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=valid[:, None], other=0.0
         )
-        m = tl.full((ROWS,), -1.0e30, tl.float32)
-        den = tl.zeros((ROWS,), tl.float32)
-        acc = tl.zeros((ROWS, DIM), tl.float32)
+        m, den, acc = _softmax_start(ROWS, DIM)
         acc, _, den = _attend_range(q, k_ptr, v_ptr, tables_ptr, scale, stride_kb, stride_ks, stride_kh, stride_bt,
                                     b, kvh, q_pos, 0, kv_end, tree_bits, tree_start, m, den, acc, BLOCK, DIM, TILE,
                                     STAGES, TREE)  # fmt: skip
@@ -150,9 +153,7 @@ if triton is not None:
             if TREE:
                 bits = tl.load(bits_ptr + row, mask=valid, other=0)
             q_pos = seq_len - Q_LEN + qi
-            m = tl.full((ROWS,), -1.0e30, tl.float32)
-            den = tl.zeros((ROWS,), tl.float32)
-            acc = tl.zeros((ROWS, DIM), tl.float32)
+            m, den, acc = _softmax_start(ROWS, DIM)
             rest = kv_start
             if EARLY:
                 fresh = (inside & (kpos >= written))[:, None]
@@ -176,9 +177,7 @@ if triton is not None:
                 done = tl.atomic_add(count_ptr + group, 1, sem="acq_rel")
                 tl.debug_barrier()
                 if done == splits - 1:
-                    big_m = tl.full((ROWS,), -1.0e30, tl.float32)
-                    total = tl.zeros((ROWS,), tl.float32)
-                    merged = tl.zeros((ROWS, DIM), tl.float32)
+                    big_m, total, merged = _softmax_start(ROWS, DIM)
                     for t in range(0, splits):
                         src = group * MAX_SPLITS + t
                         m_t = tl.load(stat_ptr + src * 2 * ROWS + r, cache_modifier=".cg")

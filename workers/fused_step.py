@@ -31,7 +31,7 @@ from speculative.mtp_chain import MTPEagleChain, propose_from_rows
 from speculative.sampling import SamplingMode
 from speculative.verify import verify_step
 from workers import step_kernels
-from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
+from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
 from workers.step_buffers import StepBuffers
 from workers.uniform_step import fill_step
 
@@ -83,15 +83,9 @@ class FusedSpecStep:
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """A bucket when every request is generation with exactly K one-hot drafts and fits; else None."""
-        q = self.k + 1
         if plan.num_draft_tokens != self.k:
             return None
-        for s in plan.seqs:
-            if s.is_context or len(s.token_ids) != q or s.draft_probs is not None or s.draft_parents is not None:
-                return None
-            if len(s.block_ids) > self.buffers.max_blocks:
-                return None
-        return pick_bucket(len(plan.seqs), self.steps.sizes) if plan.seqs else None
+        return uniform_bucket(plan, self.k + 1, self.buffers.max_blocks, self.steps.sizes)
 
     def launch(
         self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None, after: torch.Tensor | None = None

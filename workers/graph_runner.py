@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from speculative.messages import StepPlan
 from speculative.sampling import SamplingMode
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,22 @@ def pick_bucket(n: int, sizes: Sequence[int]) -> int | None:
         if s >= n:
             return s
     return None
+
+
+def uniform_bucket(
+    plan: StepPlan, q_len: int, max_blocks: int, sizes: Sequence[int], trees: bool = False
+) -> int | None:
+    """The captured batch size for a plan whose requests are all generation rows of `q_len` tokens with
+    one-hot drafts (and, with `trees`, each a draft tree; otherwise none) within `max_blocks` blocks; None
+    when any request is not, or nothing is planned."""
+    if not plan.seqs:
+        return None
+    for s in plan.seqs:
+        if s.is_context or len(s.token_ids) != q_len or len(s.block_ids) > max_blocks:
+            return None
+        if s.draft_probs is not None or (s.draft_parents is not None) != trees:
+            return None
+    return pick_bucket(len(plan.seqs), sizes)
 
 
 class CapturedSteps:

@@ -29,7 +29,7 @@ from speculative.mtp_chain import chain_slots
 from speculative.mtp_tree import MetaFor, MTPEagleTree
 from speculative.sampling import SamplingMode, processed_probs, sampling_mode
 from speculative.tree import greedy_walk, sample_walk, walk_uniforms
-from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
+from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
 from workers.step_buffers import StepBuffers
 
 
@@ -190,14 +190,7 @@ class FusedTreeStep:
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """A bucket when every request is a generation row with a tree of exactly the budget that fits."""
-        if not plan.seqs:
-            return None
-        for s in plan.seqs:
-            if s.is_context or s.draft_parents is None or len(s.token_ids) != self.q_len or s.draft_probs is not None:
-                return None
-            if len(s.block_ids) > self.buffers.max_blocks:
-                return None
-        return pick_bucket(len(plan.seqs), self.steps.sizes)
+        return uniform_bucket(plan, self.q_len, self.buffers.max_blocks, self.steps.sizes, trees=True)
 
     def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
         """Fill the buffers, replay, and read back tokens, accept counts and the next trees in one copy.

@@ -13,7 +13,7 @@ from modeling.model import LlamaModel
 from speculative.messages import SeqResult, StepPlan, TargetOutput
 from speculative.sampling import SamplingMode, sampling_mode
 from speculative.verify import verify_step
-from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, pick_bucket
+from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
 from workers.step_buffers import StepBuffers
 
 
@@ -55,15 +55,7 @@ class UniformTargetStep:
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """The batch bucket when every request is a generation row with Q tokens and fits; else None."""
-        q, most = self.q_len, self.buffers.max_blocks
-        if not plan.seqs:
-            return None
-        for s in plan.seqs:
-            if s.is_context or len(s.token_ids) != q or len(s.block_ids) > most:
-                return None
-            if s.draft_probs is not None or s.draft_parents is not None:
-                return None
-        return pick_bucket(len(plan.seqs), self.steps.sizes)
+        return uniform_bucket(plan, self.q_len, self.buffers.max_blocks, self.steps.sizes)
 
     def run(
         self,
