@@ -1,5 +1,5 @@
 """Ray actors for the distributed engine: TP target workers in one placement group, an optional draft
-worker, gRPC stubs between them, and restart-on-failure."""
+worker, the step links to the ranks, and restart-on-failure."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -21,7 +22,11 @@ from speculative.messages import StepPlan, TargetOutput
 from workers.builders import depth_policy, draft_source, max_model_len, num_blocks_for
 from workers.config import MTPServeConfig
 from workers.convert import plan_to_proto, target_output_from_proto
-from workers.grpc_util import channel_options
+from workers.grpc_util import channel_options, node_ip
+from workers.runner import LaunchSpec
+from workers.step_link import LinkClosed, StepLink, connect
+
+Kind = wpb.StepRequest.Kind
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,9 @@ class WorkerGroup:
             draft_cls = ray.remote(DraftWorker)
             self.draft = draft_cls.options(**opts, scheduling_strategy=where(tp)).remote(cfg_json)  # type: ignore[attr-defined]
         self.stubs: list[wpb_grpc.TargetWorkerStub] = []
+        self.links: list[StepLink] = []
+        self.spec: LaunchSpec | None = None  # which steps rank 0 queues ahead
+        self.step_costs: dict[tuple[int, int], float] | None = None  # timed fused depth steps (adaptive)
 
     @property
     def actors(self) -> list[Any]:
@@ -117,13 +125,28 @@ class WorkerGroup:
             draft_addr = ray.get(self.draft.address.remote())
         master = ray.get(self.targets[0].master_address.remote())
         ray.get([t.setup.remote(master, draft_addr) for t in self.targets], timeout=timeout)
-        addrs = ray.get([t.address.remote() for t in self.targets])
-        self.stubs = [wpb_grpc.TargetWorkerStub(grpc.insecure_channel(a, channel_options())) for a in addrs]
+        endpoints = ray.get([t.endpoint.remote() for t in self.targets])
+        self.stubs = [wpb_grpc.TargetWorkerStub(grpc.insecure_channel(e[0], channel_options())) for e in endpoints]
+        self.close_links()
+        here, transport = node_ip(), self.cfg.parallel.step_transport
+        self.links = [connect(addr, name, node == here and transport == "auto") for addr, name, node in endpoints]
+        self.spec = ray.get(self.targets[0].launch_spec.remote())
+        self.step_costs = ray.get(self.targets[0].step_costs.remote())
+
+    def close_links(self) -> None:
+        """Close the step links (a rank drops the step it launched for a closed link)."""
+        for link in self.links:
+            try:
+                link.close()
+            except OSError as exc:
+                log.debug("closing a step link: %s", exc)
+        self.links = []
 
     def restart(self) -> None:
         """Kill every actor so Ray restarts them all fresh (a surviving rank may be stuck in a collective)."""
         import ray
 
+        self.close_links()
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=False)
@@ -135,6 +158,7 @@ class WorkerGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        self.close_links()
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -143,58 +167,117 @@ class WorkerGroup:
         remove_placement_group(self.pg)
 
 
-class RemoteTarget:
-    """TargetExecutor over gRPC: sends every rank the same StepPlan, returns rank 0's answer.
+@dataclass
+class RemoteStep:
+    """A step sent to the ranks whose reply is not read yet."""
 
-    When a worker fails, or a step outlasts `parallel.step_timeout_s` (a stalled worker), the step raises
-    WorkerUnavailableError, health turns NOT_SERVING, and a background thread restarts all workers
-    through Ray; health turns SERVING when they are back.
+    plan: StepPlan
+    sent: float  # perf_counter() when it was sent
+
+
+class RemoteTarget:
+    """The target ranks as one executor over their step links: every rank gets every step; rank 0 answers.
+
+    `execute` runs a step and waits for it. `launch` / `collect` queue a captured generation step on the
+    ranks and read it later, as `TargetRunner` does in process, so the engine plans step n+1 while the
+    ranks run step n (only plans the ranks' `LaunchSpec` takes). When a worker fails, or a step outlasts
+    `parallel.step_timeout_s` (a stalled worker), the step raises WorkerUnavailableError, health turns
+    NOT_SERVING, and a background thread restarts all workers through Ray; health turns SERVING when
+    they are back.
     """
 
     def __init__(self, group: WorkerGroup) -> None:
         self.group = group
         self.healthy = True
+        self.drafting = False  # whether the ranks run a draft (the engine overlaps such steps only if asked)
         self.listeners: list[Callable[[bool], None]] = []
-        self.hops: dict[str, float] = {"steps": 0, "plan_bytes": 0, "output_bytes": 0, "rpc_s": 0.0, "target_s": 0.0}
+        self.hops: dict[str, float] = {"steps": 0.0}
+        self._unanswered: RemoteStep | None = None  # launched, and no later message sent to release its reply
         self._recovering = threading.Lock()
         self._stopped = False
 
     def execute(self, plan: StepPlan) -> TargetOutput:
-        """Run a step on every rank; raises WorkerUnavailableError if any worker is down."""
-        if not self.healthy:
-            raise WorkerUnavailableError("workers are restarting; retry shortly")
-        msg = plan_to_proto(plan)
+        """Run a step on every rank and return rank 0's answer; raises WorkerUnavailableError if any
+        worker is down."""
+        return self.collect(self._send(Kind.EXECUTE, plan))
+
+    def launch(self, plan: StepPlan, after: RemoteStep | None = None) -> RemoteStep | None:
+        """Queue a captured generation step on the ranks (inputs from `after`'s results when given; see
+        `TargetRunner.launch`); None when the ranks would not queue it (run it with `execute`)."""
+        spec = self.group.spec
+        if spec is None or spec.bucket_for(plan) is None:
+            return None
+        step = self._send(Kind.LAUNCH_AFTER if after is not None else Kind.LAUNCH, plan)
+        self._unanswered = step
+        return step
+
+    def collect(self, step: RemoteStep) -> TargetOutput:
+        """Read a sent step's answer (releasing it first when nothing was sent after it)."""
+        if self._unanswered is step:
+            self._send(Kind.COLLECT, None)
         t0 = time.perf_counter()
         timeout = self.group.cfg.parallel.step_timeout_s
-        calls = [stub.Execute.future(msg, timeout=timeout) for stub in self.group.stubs]
         try:
-            replies = [c.result() for c in calls]
-        except grpc.RpcError as exc:
-            for c in calls:
-                c.cancel()
-            self._fail(f"{exc.code().name}: {exc.details()}")
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                why = f"a worker stalled: step {plan.step_id} took over parallel.step_timeout_s = {timeout:g} s"
-                raise WorkerUnavailableError(why) from None
-            raise WorkerUnavailableError(f"a worker failed during step {plan.step_id}: {exc.details()}") from None
-        out = target_output_from_proto(replies[0])
-        h = self.hops
-        h["steps"] += 1
-        h["plan_bytes"] += msg.ByteSize()
-        h["output_bytes"] += replies[0].ByteSize()
-        h["rpc_s"] += time.perf_counter() - t0
-        h["target_s"] += out.timing.get("target_s", 0.0)
-        for key in ("draft_hop_s", "draft_inputs_bytes", "draft_outputs_bytes"):
-            h[key] = h.get(key, 0.0) + out.timing.get(key, 0.0)
+            replies = [link.recv(timeout) for link in self.group.links]
+        except TimeoutError:
+            why = f"a worker stalled: step {step.plan.step_id} took over parallel.step_timeout_s = {timeout:g} s"
+            raise self._fail(why) from None
+        except LinkClosed as exc:
+            raise self._fail(f"a worker failed during step {step.plan.step_id}: {exc}") from None
+        t1 = time.perf_counter()
+        failed = [r.error for r, _ in replies if r.HasField("error")]
+        if failed:
+            raise self._fail(f"a worker failed step {step.plan.step_id}: {failed[0].code}: {failed[0].message}")
+        reply, size = replies[0]
+        out = target_output_from_proto(reply)
+        self._count(step, out, size, wait=t1 - t0, decode=time.perf_counter() - t1)
         return out
 
-    def _fail(self, reason: str) -> None:
+    def _send(self, kind: int, plan: StepPlan | None) -> RemoteStep:
         if not self.healthy:
-            return
-        log.error("worker failure: %s; restarting workers", reason)
-        self.healthy = False
-        self._notify(False)
-        threading.Thread(target=self._recover, name="mtpserve-recover", daemon=True).start()
+            raise WorkerUnavailableError("workers are restarting; retry shortly")
+        t0 = time.perf_counter()
+        req = wpb.StepRequest(kind=kind)  # type: ignore[arg-type]
+        if plan is not None:
+            req.plan.CopyFrom(plan_to_proto(plan))
+        self._unanswered = None
+        size = 0
+        try:
+            for link in self.group.links:
+                size = link.send(req)
+        except LinkClosed as exc:
+            raise self._fail(f"a worker's step link broke: {exc}") from None
+        h = self.hops
+        h["plan_bytes"] = h.get("plan_bytes", 0.0) + size
+        h["encode_s"] = h.get("encode_s", 0.0) + time.perf_counter() - t0
+        return RemoteStep(plan if plan is not None else StepPlan(-1, [], 0), t0)
+
+    def _count(self, step: RemoteStep, out: TargetOutput, size: int, wait: float, decode: float) -> None:
+        h, t = self.hops, out.timing
+        round_trip = time.perf_counter() - step.sent
+        adds = {
+            "steps": 1.0,
+            "output_bytes": float(size),
+            "wait_s": wait,
+            "decode_s": decode,
+            "rpc_s": round_trip,
+            "worker_s": t.get("worker_s", 0.0),
+            "transit_s": max(0.0, round_trip - t.get("worker_s", 0.0)),
+        }
+        for key in ("target_s", "draft_hop_s", "draft_inputs_bytes", "draft_outputs_bytes"):
+            adds[key] = t.get(key, 0.0)
+        for key, v in adds.items():
+            h[key] = h.get(key, 0.0) + v
+
+    def _fail(self, reason: str) -> WorkerUnavailableError:
+        """Start restarting the workers (once); returns the error for the step that saw the failure."""
+        self._unanswered = None
+        if self.healthy:
+            log.error("worker failure: %s; restarting workers", reason)
+            self.healthy = False
+            self._notify(False)
+            threading.Thread(target=self._recover, name="mtpserve-recover", daemon=True).start()
+        return WorkerUnavailableError(reason)
 
     def _recover(self) -> None:
         with self._recovering:
@@ -246,24 +329,31 @@ def remove_stale_group(name: str) -> None:
 
 
 def build_distributed_engine(cfg: MTPServeConfig, pg_name: str = "") -> LLMEngine:
-    """An LLMEngine whose target (and draft) run in Ray actors connected by gRPC; `pg_name` names their
-    placement group (a scheduler actor passes one that survives its restarts)."""
+    """An LLMEngine whose target (and draft) run in Ray actors; `pg_name` names their placement group (a
+    scheduler actor passes one that survives its restarts)."""
     connect_ray(cfg.parallel.ray_address)
-    source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
-    args = source.args()
     group = WorkerGroup(cfg, pg_name)
     try:
         group.setup()
     except Exception:
         group.shutdown()
         raise
+    return engine_over(cfg, group)
+
+
+def engine_over(cfg: MTPServeConfig, group: Any) -> LLMEngine:
+    """The scheduler side of a distributed engine over a set-up worker group (`WorkerGroup`: its config,
+    step links, launch spec and timed step costs)."""
+    source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
+    args = source.args()
     target = RemoteTarget(group)
     max_len = max_model_len(cfg, args)
     spec = cfg.speculative
     drafting = draft_source(cfg, args) is not None
+    target.drafting = drafting
     k, scratch = (spec.proposed_tokens, spec.scratch_slots) if drafting else (0, 0)
     blocks = num_blocks_for(cfg, max_len)
-    depth = depth_policy(cfg, k) if drafting and spec.adaptive else None
+    depth = depth_policy(cfg, k, timed=group.step_costs) if drafting and spec.adaptive else None
     sched = Scheduler(cfg.scheduler, blocks, k, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth)
     tok = source.tokenizer() if not source.dummy else None
     engine = LLMEngine(cfg, args, sched, target, None, tok)

@@ -7,7 +7,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from pydantic import ValidationError
@@ -20,17 +20,13 @@ from modeling.model import LlamaArgs
 from speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
-from speculative.mtp_tree import MTPEagleTree
 from speculative.stats import SpecStats
 from workers.builders import (
     bind_features,
     build_draft,
-    build_fused,
-    build_fused_depths,
-    build_prefill,
     build_runner,
     build_target,
-    build_tree_step,
+    capture_local_steps,
     depth_policy,
     load_heads,
     load_target,
@@ -38,7 +34,6 @@ from workers.builders import (
     num_blocks_for,
 )
 from workers.config import MTPServeConfig
-from workers.runner import LaunchedStep, TargetRunner
 
 
 class TargetExecutor(Protocol):
@@ -46,6 +41,25 @@ class TargetExecutor(Protocol):
 
     def execute(self, plan: StepPlan) -> TargetOutput:
         """Forward, sample/verify, and return tokens plus the draft's inputs."""
+        ...
+
+
+class QueuedStep(Protocol):
+    """A step queued on the device (in this process or on the ranks) whose tokens are not read yet."""
+
+    plan: StepPlan
+
+
+@runtime_checkable
+class OverlapTarget(Protocol):
+    """A target that can queue a captured generation step before the one ahead of it has been read."""
+
+    def launch(self, plan: StepPlan, after: Any = None) -> QueuedStep | None:
+        """Queue `plan` (inputs from `after`'s results when given); None when it cannot be queued."""
+        ...
+
+    def collect(self, step: Any) -> TargetOutput:
+        """Wait for a queued step and return its output."""
         ...
 
 
@@ -100,11 +114,11 @@ class LLMEngine:
         self.totals = SpecStats()
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
-        self._overlap_runner: TargetRunner | None = None  # set when steps may be queued ahead (see `step`)
-        speculative = draft is not None
+        self._overlap_runner: OverlapTarget | None = None  # set when steps may be queued ahead (see `step`)
+        speculative = draft is not None or bool(getattr(target, "drafting", False))
         if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
-            self._overlap_runner = target if isinstance(target, TargetRunner) else None
-        self._launched: LaunchedStep | None = None  # a queued step whose tokens are not read yet (see `step`)
+            self._overlap_runner = target if isinstance(target, OverlapTarget) else None
+        self._launched: QueuedStep | None = None  # a queued step whose tokens are not read yet (see `step`)
         # Given, a step whose draft runs here after the target hands its tokens to this callback before the
         # draft proposes (the next step needs the drafts, the client does not), and `step` leaves them out.
         self.on_tokens: Callable[[list[RequestOutput]], None] | None = None
@@ -143,13 +157,7 @@ class LLMEngine:
         target = build_runner(cfg, model, cache, device, k, max_len)
         target.drafting = draft is not None
         adaptive = spec.adaptive and isinstance(draft, MTPEagleChain)
-        if device.startswith("cuda") and cfg.model.cuda_graphs:
-            if isinstance(draft, MTPEagleChain):
-                build = build_fused_depths if adaptive else build_fused
-                target.fused = build(cfg, target, draft, k, max_len)
-            elif isinstance(draft, MTPEagleTree):
-                target.tree_step = build_tree_step(cfg, target, draft, max_len)
-            target.prefill = build_prefill(cfg, target, draft, k, max_len)
+        capture_local_steps(cfg, target, draft, k, max_len)
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
         depth = depth_policy(cfg, k, target.fused) if adaptive else None
         sched = Scheduler(
@@ -225,7 +233,15 @@ class LLMEngine:
         in process, unless `model.overlap_speculative` is off), the next step is queued
         on the device before this one's tokens are read, its
         inputs taken from this step's results on the device, so host work overlaps GPU work. A request
-        that stops at this step then computes one extra step, which is dropped."""
+        that stops at this step then computes one extra step, which is dropped. A step that raises drops
+        the queued step with it."""
+        try:
+            return self._step()
+        except Exception:
+            self._launched = None
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         runner = self._overlap_runner
         if self._launched is None:
             plan = self.scheduler.schedule()

@@ -140,14 +140,17 @@ def build_fused_depths(
     return FusedDepthSteps({d: build_fused(cfg, target, chain, d, max_len) for d in range(k + 1)})
 
 
-def depth_policy(cfg: MTPServeConfig, k: int, fused: Any = None) -> AdaptiveDepth:
-    """The adaptive depth policy: step costs timed once on the fused depth steps when there are some, else
-    observed from the engine's own steps."""
-    timed = isinstance(fused, FusedDepthSteps)
-    costs = StepCosts(capture_sizes(cfg.scheduler.max_num_requests), k, online=not timed)
-    if timed:
-        for (bucket, depth), seconds in fused.time_steps().items():
-            costs.set(bucket, depth, seconds)
+def depth_policy(
+    cfg: MTPServeConfig, k: int, fused: Any = None, timed: dict[tuple[int, int], float] | None = None
+) -> AdaptiveDepth:
+    """The adaptive depth policy: step costs per (batch bucket, depth) timed once on the fused depth steps
+    when there are some (`fused`, or their times from another process in `timed`), else observed from
+    the engine's own steps."""
+    if isinstance(fused, FusedDepthSteps):
+        timed = fused.time_steps()
+    costs = StepCosts(capture_sizes(cfg.scheduler.max_num_requests), k, online=timed is None)
+    for (bucket, depth), seconds in (timed or {}).items():
+        costs.set(bucket, depth, seconds)
     return AdaptiveDepth(costs, AcceptanceTracker(k))
 
 
@@ -177,6 +180,23 @@ def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagle
     step = FusedTreeStep(target.model, target.cache, drafter, cfg.scheduler.max_num_requests, max_blocks, target.device)
     step.steps.try_capture()
     return step
+
+
+def capture_local_steps(
+    cfg: MTPServeConfig, target: TargetRunner, draft: DraftMethod | None, k: int, max_len: int
+) -> None:
+    """Give a target whose draft (if any) runs in its process the captured steps that fold the draft in:
+    fused generation steps (one per depth when adaptive) for a chain, the tree step for trees, and the
+    prefill step; nothing off CUDA or without CUDA graphs. The in-process engine and a TP=1 Ray rank
+    share this."""
+    if not (target.device.type == "cuda" and cfg.model.cuda_graphs):
+        return
+    if isinstance(draft, MTPEagleChain):
+        build = build_fused_depths if cfg.speculative.adaptive else build_fused
+        target.fused = build(cfg, target, draft, k, max_len)
+    elif isinstance(draft, MTPEagleTree):
+        target.tree_step = build_tree_step(cfg, target, draft, max_len)
+    target.prefill = build_prefill(cfg, target, draft, k, max_len)
 
 
 def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: int) -> None:

@@ -38,7 +38,8 @@ class ModelConfig(_Strict):
     )
     overlap_speculative: bool = Field(
         True,
-        description="overlap speculative steps too (draft in process, TP=1); needs overlap_steps",
+        description="overlap speculative steps too (draft fused into the target's step: in process, or a TP=1 Ray rank "
+        "with the draft colocated); needs overlap_steps",
     )
     fused_kernels: bool = Field(
         True,
@@ -147,6 +148,11 @@ class ParallelConfig(_Strict):
     tp_size: int = Field(1, ge=1)
     draft_placement: Literal["separate", "colocated"] = "colocated"
     distributed: bool = Field(False, description="run through Ray actors even at tp_size 1")
+    step_transport: Literal["auto", "grpc"] = Field(
+        "auto",
+        description="how steps reach the target ranks: auto = a Unix socket to ranks on the scheduler's node "
+        "and a gRPC stream to others; grpc = the gRPC stream to every rank",
+    )
     ray_address: str | None = None
     step_timeout_s: float = Field(
         120.0, gt=0, description="a worker step (or draft hop) taking longer counts as a stalled worker: restart"

@@ -149,6 +149,8 @@ def target_output_to_proto(o: TargetOutput) -> wpb.TargetOutput:
             draft_hop_s=o.timing.get("draft_hop_s", 0.0),
             draft_inputs_bytes=int(o.timing.get("draft_inputs_bytes", 0)),
             draft_outputs_bytes=int(o.timing.get("draft_outputs_bytes", 0)),
+            decode_s=o.timing.get("decode_s", 0.0),
+            worker_s=o.timing.get("worker_s", 0.0),
         ),
     )
     if o.draft_outputs is not None:
@@ -166,5 +168,7 @@ def target_output_from_proto(m: wpb.TargetOutput) -> TargetOutput:
         "draft_hop_s": t.draft_hop_s,
         "draft_inputs_bytes": float(t.draft_inputs_bytes),
         "draft_outputs_bytes": float(t.draft_outputs_bytes),
+        "worker_decode_s": t.decode_s,
+        "worker_s": t.worker_s,
     }
     return TargetOutput(m.step_id, results, None, drafts, timing)

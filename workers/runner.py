@@ -21,6 +21,7 @@ from speculative.sampling import (
 )
 from speculative.tree import DraftTree
 from speculative.verify import verify, verify_greedy
+from workers.graph_runner import uniform_bucket
 from workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
 from workers.uniform_step import UniformTargetStep, pack_verified, read_verified, token_results
 
@@ -28,6 +29,24 @@ from workers.uniform_step import UniformTargetStep, pack_verified, read_verified
 def _sub_plan(plan: StepPlan, seqs: list[SeqPlan]) -> StepPlan:
     """The same step restricted to some of its rows."""
     return StepPlan(plan.step_id, seqs, plan.num_draft_tokens)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Which plans `TargetRunner.launch` queues ahead: generation steps of a draft depth d in `depths`,
+    of d + 1 rows per sequence, within `max_blocks[i]` blocks (depths[i] = d) and the captured batch
+    `sizes`. A scheduler in another process predicts the runner's choice from it."""
+
+    depths: tuple[int, ...]
+    max_blocks: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def bucket_for(self, plan: StepPlan) -> int | None:
+        """The captured batch bucket `launch` would use for `plan`; None when it would not launch it."""
+        d = plan.num_draft_tokens
+        if d not in self.depths:
+            return None
+        return uniform_bucket(plan, d + 1, self.max_blocks[self.depths.index(d)], self.sizes)
 
 
 @dataclass
@@ -95,14 +114,22 @@ class TargetRunner:
         positions = tree_positions(plan.seqs, trees).to(dev)
         return self.model.forward_features(ids, positions, self.cache, meta)
 
-    def _launch_bucket(self, plan: StepPlan) -> int | None:
-        """The captured bucket `launch` would use: generation steps through the fused speculative step
-        when the draft is colocated, else target-only steps through the uniform step; None otherwise."""
+    def launch_spec(self) -> LaunchSpec | None:
+        """What `launch` queues: generation steps through the fused speculative step when the draft is
+        colocated, else target-only steps through the uniform step; None when it queues nothing."""
         if self.fused is not None:
-            return self.fused.bucket_for(plan) if plan.num_draft_tokens or self.drafting else None
-        if self.uniform is None or plan.num_draft_tokens or self.drafting or self.uniform.q_len != 1:
+            by_depth = getattr(self.fused, "by_depth", {self.fused.k: self.fused})
+            steps = [by_depth[d] for d in sorted(by_depth)]
+            blocks = tuple(s.buffers.max_blocks for s in steps)
+            return LaunchSpec(tuple(sorted(by_depth)), blocks, tuple(steps[0].steps.sizes))
+        if self.uniform is None or self.drafting or self.uniform.q_len != 1:
             return None
-        return self.uniform.bucket_for(plan)
+        return LaunchSpec((0,), (self.uniform.buffers.max_blocks,), tuple(self.uniform.steps.sizes))
+
+    def _launch_bucket(self, plan: StepPlan) -> int | None:
+        """The captured bucket `launch` would use (`launch_spec`); None when it would not launch."""
+        spec = self.launch_spec()
+        return None if spec is None else spec.bucket_for(plan)
 
     @torch.no_grad()
     def launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep | None:

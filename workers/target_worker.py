@@ -1,14 +1,17 @@
-"""TargetWorker: one tensor-parallel rank (model shard, KV cache) serving StepPlans over gRPC.
+"""TargetWorker: one tensor-parallel rank (model shard, KV cache) serving StepPlans.
 
-Run as a Ray actor (`cluster/actors.py`); rank 0 also forwards DraftInputs to the draft, either in its
-own process (colocated) or to the DraftWorker over gRPC (separate), and returns both results.
+Run as a Ray actor (`cluster/actors.py`). Steps arrive on a long-lived link (`workers/step_link.py`: a
+Unix socket on the scheduler's node, else the gRPC `Steps` stream; the unary `Execute` call serves
+one-off steps). Rank 0 also forwards DraftInputs to the draft, either in its own process (colocated;
+with TP=1 on CUDA the target's captured steps include it) or to the DraftWorker over gRPC (separate),
+and returns both results.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -25,22 +28,21 @@ from workers.builders import (
     build_runner,
     build_shared,
     build_target,
+    capture_local_steps,
     load_heads,
     load_target,
     max_model_len,
     num_blocks_for,
 )
 from workers.config import MTPServeConfig
-from workers.convert import (
-    draft_inputs_to_proto,
-    draft_outputs_from_proto,
-    plan_from_proto,
-    target_output_to_proto,
-)
+from workers.convert import draft_inputs_to_proto, draft_outputs_from_proto, target_output_to_proto
 from workers.distributed import free_port, init_tp_group
+from workers.fused_step import FusedDepthSteps
 from workers.grpc_util import channel_options, node_ip, start_server
-from workers.message_checks import StepLimits, check_plan
-from workers.runner import TargetRunner
+from workers.message_checks import StepLimits
+from workers.runner import LaunchSpec, TargetRunner
+from workers.step_link import StepListener
+from workers.step_session import StepFailure, StepSession, decode_plan
 
 
 def step_limits(
@@ -82,10 +84,25 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         self.limits: StepLimits | None = None
         self._lock = threading.Lock()
         self._server, self.port = start_server(lambda s: wpb_grpc.add_TargetWorkerServicer_to_server(self, s))
+        self._listener = StepListener(self._serve_steps)
 
     def address(self) -> str:
         """host:port of this rank's gRPC server."""
         return f"{node_ip()}:{self.port}"
+
+    def endpoint(self) -> tuple[str, str, str]:
+        """(gRPC host:port, Unix socket name, node address) of this rank's step link."""
+        return self.address(), self._listener.name, node_ip()
+
+    def step_costs(self) -> dict[tuple[int, int], float] | None:
+        """Seconds per (batch bucket, depth) of this rank's fused depth steps (adaptive speculation), timed
+        here once; None without them."""
+        fused = None if self.runner is None else self.runner.fused
+        return fused.time_steps() if isinstance(fused, FusedDepthSteps) else None
+
+    def launch_spec(self) -> LaunchSpec | None:
+        """Which plans this rank's runner can queue ahead (`TargetRunner.launch`), for the scheduler."""
+        return None if self.runner is None else self.runner.launch_spec()
 
     def master_address(self) -> str:
         """A fresh host:port for the process group's rendezvous (asked of rank 0)."""
@@ -111,10 +128,15 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         if self.rank == 0 and heads:
             if draft_address:
                 self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address, channel_options()))
+            elif self.world == 1:  # the draft shares this process's model: the same captured steps as in process
+                self.draft = build_draft(cfg, heads, model, num_blocks, self.device, dtype)
+                capture_local_steps(cfg, self.runner, self.draft, k, max_len)
             else:
-                shared = model if self.world == 1 else build_shared(cfg, args, weights, dtype, self.device)
+                shared = build_shared(cfg, args, weights, dtype, self.device)
                 self.draft = build_draft(cfg, heads, shared, num_blocks, self.device, dtype)
                 build_chain_graphs(cfg, self.draft, max_len)
+        elif self.world == 1:
+            capture_local_steps(cfg, self.runner, None, 0, max_len)
         return num_blocks
 
     def ready(self) -> int:
@@ -125,27 +147,42 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         """gRPC liveness probe."""
         return wpb.PingResponse(rank=self.rank, pid=os.getpid())
 
+    def _session(self) -> StepSession:
+        if self.runner is None or self.limits is None:
+            raise StepFailure("FAILED_PRECONDITION", f"rank {self.rank} is not set up")
+        return StepSession(self.runner, self.limits, self.rank, self._run_draft)
+
     def Execute(self, request: wpb.StepPlan, context: grpc.ServicerContext) -> wpb.TargetOutput:
         """Run one step; rank 0 returns tokens and draft proposals, other ranks an empty result."""
-        if self.runner is None or self.limits is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rank {self.rank} is not set up")
         try:
-            plan = plan_from_proto(request)
-            check_plan(plan, self.limits)  # type: ignore[arg-type]
-        except ValueError as exc:  # InvalidStepMessage, or a tensor the codec refuses
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"StepPlan.{exc}")
-        with self._lock:
-            t0 = time.perf_counter()
-            out = self.runner.execute(plan)  # type: ignore[union-attr]
-            if self.rank != 0:
-                return wpb.TargetOutput(step_id=out.step_id)
-            t1 = time.perf_counter()
-            self._run_draft(out, context)
-            out.timing["target_s"] = t1 - t0
-            out.timing["draft_hop_s"] = time.perf_counter() - t1
-            return target_output_to_proto(out)
+            session = self._session()
+            plan = decode_plan(request, session.limits)
+            with self._lock:
+                out = session.execute(plan)
+        except StepFailure as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        return target_output_to_proto(out) if self.rank == 0 else wpb.TargetOutput(step_id=out.step_id)
 
-    def _run_draft(self, out: TargetOutput, context: grpc.ServicerContext) -> None:
+    def Steps(
+        self, request_iterator: Iterator[wpb.StepRequest], context: grpc.ServicerContext
+    ) -> Iterator[wpb.TargetOutput]:
+        """The long-lived step stream (see `workers/step_session.py`)."""
+        return self._serve_steps(request_iterator)
+
+    def _serve_steps(self, requests: Iterator[wpb.StepRequest]) -> Iterator[wpb.TargetOutput]:
+        try:
+            session = self._session()
+        except StepFailure as exc:
+            yield wpb.TargetOutput(error=wpb.StepError(code=exc.code, message=str(exc)))
+            return
+        for req in requests:
+            with self._lock:
+                replies, ok = session.handle(req)
+            yield from replies
+            if not ok:
+                return
+
+    def _run_draft(self, out: TargetOutput) -> None:
         inputs, out.draft_inputs = out.draft_inputs, None
         if inputs is None:
             return
@@ -156,11 +193,12 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
             try:
                 reply = self.draft_stub.Propose(msg, timeout=self.cfg.parallel.step_timeout_s)
             except grpc.RpcError as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"draft worker failed: {exc.code().name}: {exc.details()}")
+                raise StepFailure("UNAVAILABLE", f"draft worker failed: {exc.code().name}: {exc.details()}") from None
             out.draft_outputs = draft_outputs_from_proto(reply)
             out.timing["draft_inputs_bytes"] = msg.ByteSize()
             out.timing["draft_outputs_bytes"] = reply.ByteSize()
 
     def stop(self) -> None:
         """Stop serving."""
+        self._listener.close()
         self._server.stop(0)

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -139,28 +140,60 @@ class DraftOutputs(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_parents: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("target_s", "draft_hop_s", "draft_inputs_bytes", "draft_outputs_bytes")
+    __slots__ = ("target_s", "draft_hop_s", "draft_inputs_bytes", "draft_outputs_bytes", "decode_s", "worker_s")
     TARGET_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HOP_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_INPUTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_OUTPUTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_S_FIELD_NUMBER: _ClassVar[int]
     target_s: float
     draft_hop_s: float
     draft_inputs_bytes: int
     draft_outputs_bytes: int
-    def __init__(self, target_s: _Optional[float] = ..., draft_hop_s: _Optional[float] = ..., draft_inputs_bytes: _Optional[int] = ..., draft_outputs_bytes: _Optional[int] = ...) -> None: ...
+    decode_s: float
+    worker_s: float
+    def __init__(self, target_s: _Optional[float] = ..., draft_hop_s: _Optional[float] = ..., draft_inputs_bytes: _Optional[int] = ..., draft_outputs_bytes: _Optional[int] = ..., decode_s: _Optional[float] = ..., worker_s: _Optional[float] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TargetOutput(_message.Message):
-    __slots__ = ("step_id", "results", "draft_outputs", "timing")
+    __slots__ = ("step_id", "results", "draft_outputs", "timing", "error")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[SeqResult]
     draft_outputs: DraftOutputs
     timing: StepTiming
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., draft_outputs: _Optional[_Union[DraftOutputs, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ...) -> None: ...
+    error: StepError
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., draft_outputs: _Optional[_Union[DraftOutputs, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("kind", "plan")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        EXECUTE: _ClassVar[StepRequest.Kind]
+        LAUNCH: _ClassVar[StepRequest.Kind]
+        LAUNCH_AFTER: _ClassVar[StepRequest.Kind]
+        COLLECT: _ClassVar[StepRequest.Kind]
+    EXECUTE: StepRequest.Kind
+    LAUNCH: StepRequest.Kind
+    LAUNCH_AFTER: StepRequest.Kind
+    COLLECT: StepRequest.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    kind: StepRequest.Kind
+    plan: StepPlan
+    def __init__(self, kind: _Optional[_Union[StepRequest.Kind, str]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

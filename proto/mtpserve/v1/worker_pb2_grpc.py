@@ -40,6 +40,11 @@ class TargetWorkerStub:
                 request_serializer=mtpserve_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=mtpserve_dot_v1_dot_worker__pb2.TargetOutput.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/mtpserve.v1.TargetWorker/Steps',
+                request_serializer=mtpserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=mtpserve_dot_v1_dot_worker__pb2.TargetOutput.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/mtpserve.v1.TargetWorker/Ping',
                 request_serializer=mtpserve_dot_v1_dot_worker__pb2.PingRequest.SerializeToString,
@@ -57,6 +62,13 @@ class TargetWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """the long-lived step stream
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -69,6 +81,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
             'Execute': grpc.unary_unary_rpc_method_handler(
                     servicer.Execute,
                     request_deserializer=mtpserve_dot_v1_dot_worker__pb2.StepPlan.FromString,
+                    response_serializer=mtpserve_dot_v1_dot_worker__pb2.TargetOutput.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=mtpserve_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=mtpserve_dot_v1_dot_worker__pb2.TargetOutput.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
@@ -104,6 +121,33 @@ class TargetWorker:
             target,
             '/mtpserve.v1.TargetWorker/Execute',
             mtpserve_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
+            mtpserve_dot_v1_dot_worker__pb2.TargetOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mtpserve.v1.TargetWorker/Steps',
+            mtpserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             mtpserve_dot_v1_dot_worker__pb2.TargetOutput.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,172 @@
+"""The scheduler's step link to a target rank, without Ray: a real TargetWorker in this process, served
+over its Unix socket and over the gRPC stream, driven by the distributed engine's RemoteTarget.
+
+Steps the rank can queue ahead go as LAUNCH / LAUNCH_AFTER / COLLECT (the rank runs its fixed-buffer steps
+eagerly on CPU, as CUDA replays them), the rest as EXECUTE; the tokens equal the in-process engine's.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_overlap import PARAMS, drive
+
+from cluster.actors import RemoteTarget, engine_over
+from cluster.engine import LLMEngine
+from cluster.errors import WorkerUnavailableError
+from proto.mtpserve.v1 import worker_pb2 as wpb
+from speculative.mtp_chain import MTPEagleChain
+from workers.config import MTPServeConfig
+from workers.fused_step import FusedSpecStep
+from workers.runner import LaunchSpec
+from workers.step_link import FrameSocket, SocketLink, StepLink, connect
+from workers.target_worker import TargetWorker
+from workers.uniform_step import UniformTargetStep
+
+from tiny import mimic_head, mimic_target, random_prompts, save_model_dir
+
+K = 3
+
+
+class LocalRank:
+    """A one-rank group served in this process: what `WorkerGroup` hands `RemoteTarget` (config, links,
+    launch spec), without Ray. The rank gets the fixed-buffer steps CUDA would capture, run eagerly."""
+
+    def __init__(self, cfg: MTPServeConfig, transport: str) -> None:
+        self.cfg = cfg
+        self.worker = TargetWorker(cfg.model_dump_json(), 0, 1)
+        self.worker.setup(self.worker.master_address(), None)
+        runner = self.worker.runner
+        assert runner is not None
+        if isinstance(self.worker.draft, MTPEagleChain):
+            runner.fused = FusedSpecStep(
+                runner.model, runner.cache, self.worker.draft, K, 8, 12, "cpu", use_graphs=False
+            )
+        else:
+            runner.uniform = UniformTargetStep(runner.model, runner.cache, 1, 8, 12, "cpu", use_graphs=False)
+        self.spec: LaunchSpec | None = self.worker.launch_spec()
+        self.step_costs = None
+        address, name, _ = self.worker.endpoint()
+        self.links: list[StepLink] = [connect(address, name, same_node=transport == "socket")]
+        self.launches = 0
+        launch = runner.launch
+
+        def counted(plan, after=None):  # type: ignore[no-untyped-def]
+            self.launches += 1
+            return launch(plan, after)
+
+        runner.launch = counted  # type: ignore[method-assign]
+
+    def stop(self) -> None:
+        """Close the link and the worker's servers."""
+        for link in self.links:
+            link.close()
+        self.worker.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    args, w = mimic_target()
+    d = tmp_path_factory.mktemp("linkmodel")
+    path = save_model_dir(d / "model", args, w)
+    mimic_head(args, w).save(d / "head.safetensors")
+    return path, str(d / "head.safetensors")
+
+
+def config(model: tuple[str, str], k: int) -> MTPServeConfig:
+    spec: dict[str, Any] = {"draft": model[1], "num_draft_tokens": K, "enabled": k > 0}
+    return MTPServeConfig.from_dict(
+        {
+            "model": {"path": model[0], "device": "cpu", "dtype": "float32"},
+            "scheduler": {"num_kv_blocks": 96, "block_size": 8, "max_num_requests": 8},
+            "speculative": spec,
+        }
+    )
+
+
+@pytest.fixture
+def rank(request: pytest.FixtureRequest, model: tuple[str, str]) -> Iterator[LocalRank]:
+    k, transport = request.param
+    r = LocalRank(config(model, k), transport)
+    yield r
+    r.stop()
+
+
+@pytest.mark.parametrize(
+    "rank", [(0, "socket"), (K, "socket"), (0, "grpc"), (K, "grpc")], indirect=True, ids=lambda p: f"k{p[0]}-{p[1]}"
+)
+def test_remote_steps_match_the_in_process_engine(rank: LocalRank, model: tuple[str, str]) -> None:
+    """Greedy and seeded sampling requests, a late arrival and an abort through the step link: the same
+    tokens and finish reasons as the in-process engine, most decode steps queued ahead on the rank, every
+    KV block returned."""
+    args, _ = mimic_target()
+    prompts = random_prompts(4, args.vocab_size, [21, 5, 13, 9], seed=11)
+    params = [dict(p) for p in PARAMS]
+    want = drive(LLMEngine.from_config(rank.cfg, load_tokenizer=False), prompts, params)
+    eng = engine_over(rank.cfg, rank)
+    got = drive(eng, prompts, params)
+    assert got["tokens"] == want["tokens"] and got["reasons"] == want["reasons"]
+    assert got["blocks_held"] == 0
+    hops = eng.target.hops  # type: ignore[attr-defined]
+    assert rank.launches > hops["steps"] / 2, "most decode steps must be queued ahead"
+    assert hops["worker_s"] > 0 and hops["output_bytes"] > 0
+
+
+def test_a_bad_message_gets_invalid_argument_and_the_rank_serves_on(model: tuple[str, str]) -> None:
+    """A plan naming a block outside the cache gets a StepError naming the field; the stream ends, and the
+    next connection runs a valid step."""
+    r = LocalRank(config(model, K), "socket")
+    try:
+        bad = wpb.StepRequest(kind=wpb.StepRequest.EXECUTE)
+        seq = bad.plan.seqs.add(request_id="x", token_ids=[1, 2, 3], start=0, block_ids=[10_000], is_context=True)
+        seq.lookahead_token = -1
+        seq.is_final_chunk = True
+        r.links[0].send(bad)
+        reply, _ = r.links[0].recv(10.0)
+        assert reply.error.code == "INVALID_ARGUMENT" and "block_ids" in reply.error.message
+        r.links[0].close()
+        _, name, _ = r.worker.endpoint()
+        r.links = [SocketLink(name)]
+        eng = engine_over(r.cfg, r)
+        out = eng.generate([[1, 2, 3, 4]], {"max_tokens": 5})[0]
+        assert len(out.token_ids) == 5
+    finally:
+        r.stop()
+
+
+def test_a_stalled_link_times_out_and_a_closed_one_fails() -> None:
+    """No reply within the timeout raises TimeoutError; the other end closing raises LinkClosed (which
+    RemoteTarget reports as an unavailable worker)."""
+    from workers.step_link import LinkClosed
+
+    a, b = socket.socketpair()
+    ends = FrameSocket(a), FrameSocket(b)
+    ends[0].send(b"hello")
+    assert ends[1].recv(1.0) == b"hello"
+    with pytest.raises(TimeoutError):
+        ends[1].recv(0.05)
+    ends[0].close()
+    with pytest.raises(LinkClosed):
+        ends[1].recv(1.0)
+    assert issubclass(LinkClosed, ConnectionError) and not issubclass(WorkerUnavailableError, LinkClosed)
+
+
+def test_remote_target_reports_a_dead_rank_as_unavailable(model: tuple[str, str], tmp_path: Path) -> None:
+    """The rank's server going away mid-run fails the next step with WorkerUnavailableError and marks the
+    target unhealthy (recovery is Ray's part, covered in test_distributed)."""
+    r = LocalRank(config(model, 0), "socket")
+    eng = engine_over(r.cfg, r)
+    target = eng.target
+    assert isinstance(target, RemoteTarget)
+    target._recover = lambda: None  # type: ignore[method-assign]  # no Ray here to restart anything
+    eng.add_request([1, 2, 3], {"max_tokens": 50})
+    eng.step()
+    r.stop()
+    with pytest.raises(WorkerUnavailableError, match="worker"):
+        for _ in range(5):
+            eng.step()
+    assert not target.healthy

@@ -1,0 +1,122 @@
+"""A target rank's side of the step stream: runs, launches and collects steps in the scheduler's order.
+
+The scheduler sends EXECUTE for a step it needs answered at once, LAUNCH / LAUNCH_AFTER for a captured
+generation step it wants queued on the device while it plans the next one, and COLLECT when nothing
+follows a launched step. A launched step is answered when the next message arrives, after that
+message's own step is queued, so the device is never idle between two launched steps for the hop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from proto.mtpserve.v1 import worker_pb2 as wpb
+from speculative.messages import StepPlan, TargetOutput
+from workers.convert import plan_from_proto, target_output_to_proto
+from workers.message_checks import StepLimits, check_plan
+from workers.runner import LaunchedStep, TargetRunner
+
+Kind = wpb.StepRequest.Kind
+
+
+class StepFailure(Exception):
+    """A step that failed on the worker, with the gRPC status name it is reported under."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def error_reply(step_id: int, failure: StepFailure) -> wpb.TargetOutput:
+    """A streamed step's failure."""
+    return wpb.TargetOutput(step_id=step_id, error=wpb.StepError(code=failure.code, message=str(failure)))
+
+
+def decode_plan(msg: wpb.StepPlan, limits: StepLimits) -> StepPlan:
+    """A received plan, checked against what this rank can run (StepFailure INVALID_ARGUMENT otherwise)."""
+    try:
+        plan = plan_from_proto(msg)
+        check_plan(plan, limits)
+    except ValueError as exc:  # InvalidStepMessage, or a tensor the codec refuses
+        raise StepFailure("INVALID_ARGUMENT", f"StepPlan.{exc}") from None
+    return plan
+
+
+class StepSession:
+    """One scheduler connection's state on a rank: the step launched and not yet answered.
+
+    `run_draft(out)` runs the draft of an executed step (rank 0, a draft not fused into the target's
+    step) and raises StepFailure when it cannot."""
+
+    def __init__(
+        self,
+        runner: TargetRunner,
+        limits: StepLimits,
+        rank: int,
+        run_draft: Callable[[TargetOutput], None],
+    ) -> None:
+        self.runner = runner
+        self.limits = limits
+        self.rank = rank
+        self.run_draft = run_draft
+        self.pending: tuple[LaunchedStep, float] | None = None  # the launched step and its busy seconds so far
+
+    def handle(self, req: wpb.StepRequest) -> tuple[list[wpb.TargetOutput], bool]:
+        """The replies one request releases (the launched step's, then its own), and False on an error."""
+        try:
+            return self._handle(req), True
+        except StepFailure as exc:
+            self.pending = None
+            return [error_reply(req.plan.step_id, exc)], False
+
+    def _handle(self, req: wpb.StepRequest) -> list[wpb.TargetOutput]:
+        t0 = time.perf_counter()
+        if req.kind == Kind.COLLECT:
+            return [self._finish()] if self.pending is not None else []
+        plan = decode_plan(req.plan, self.limits)
+        decode_s = time.perf_counter() - t0
+        if req.kind == Kind.EXECUTE:
+            replies = [self._finish()] if self.pending is not None else []
+            return [*replies, self._execute(plan, t0, decode_s)]
+        after = self.pending[0] if self.pending is not None and req.kind == Kind.LAUNCH_AFTER else None
+        launched = self.runner.launch(plan, after)
+        if launched is None:
+            why = f"step {plan.step_id} is not a captured generation step of this rank; it cannot be launched"
+            raise StepFailure("FAILED_PRECONDITION", why)
+        replies = [self._finish()] if self.pending is not None else []
+        self.pending = (launched, time.perf_counter() - t0)
+        return replies
+
+    def _execute(self, plan: StepPlan, t0: float, decode_s: float) -> wpb.TargetOutput:
+        out = self.execute(plan)
+        if self.rank != 0:
+            return wpb.TargetOutput(step_id=out.step_id)
+        out.timing["decode_s"] = decode_s
+        return self._encode(out, t0, 0.0)
+
+    def execute(self, plan: StepPlan) -> TargetOutput:
+        """Run a step now: the target, then (rank 0) its draft, with their wall times in `timing`."""
+        t0 = time.perf_counter()
+        out = self.runner.execute(plan)
+        if self.rank != 0:
+            return out
+        t1 = time.perf_counter()
+        self.run_draft(out)
+        out.timing.update(target_s=t1 - t0, draft_hop_s=time.perf_counter() - t1)
+        return out
+
+    def _finish(self) -> wpb.TargetOutput:
+        assert self.pending is not None
+        (launched, busy), self.pending = self.pending, None
+        t0 = time.perf_counter()
+        out = self.runner.collect(launched)
+        if self.rank != 0:
+            return wpb.TargetOutput(step_id=out.step_id)
+        return self._encode(out, t0, busy)
+
+    @staticmethod
+    def _encode(out: TargetOutput, t0: float, busy: float) -> wpb.TargetOutput:
+        msg = target_output_to_proto(out)
+        msg.timing.worker_s = busy + time.perf_counter() - t0
+        return msg
