@@ -324,7 +324,7 @@ def test_scheduler_actor_serves_grpc(ray_local, model) -> None:
     cfg = cfg.model_copy(
         update={"server": cfg.server.model_copy(update={"host": "127.0.0.1", "port": 0, "metrics_port": 0})}
     )
-    actor, address, _ = start_scheduler_actor(cfg)
+    actor, address, _, _ = start_scheduler_actor(cfg)
     try:
         assert ray_local.get(actor.ready.remote()) is True
         prompts = random_prompts(2, 96, [11, 25], seed=16)
@@ -345,7 +345,7 @@ def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model) -
     port = free_port()
     cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"port": port, "metrics_port": 0})})
     before = live_groups(ray_local)
-    actor, address, _ = start_scheduler_actor(cfg)
+    actor, address, _, _ = start_scheduler_actor(cfg)
     try:
         with MTPServeClient(address, timeout=60) as client:
             load = StreamLoad(client, LOAD_STREAMS)

@@ -168,8 +168,8 @@ def test_missing_or_wrong_token_is_unauthenticated_and_counted(token_server: MTP
         assert good.stats()["requests_finished"] >= 1
     assert free_blocks(token_server) == total
     page = urllib.request.urlopen(f"http://127.0.0.1:{token_server.metrics_port}/metrics", timeout=10).read().decode()
-    assert 'mtpserve_auth_failures_total{reason="missing"} 2.0' in page
-    assert 'mtpserve_auth_failures_total{reason="invalid"} 1.0' in page
+    assert 'mtpserve_auth_failures_total{frontend="grpc",reason="missing"} 2.0' in page
+    assert 'mtpserve_auth_failures_total{frontend="grpc",reason="invalid"} 1.0' in page
 
 
 def test_generate_cli_sends_the_token(token_server: MTPServer, pki: dict[str, Path]) -> None:
