@@ -223,7 +223,7 @@ class OpenAIAPI:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
-            message = f"model '{model}' is not served here; it serves '{self.model_id}'"
+            message = f"model: '{model}' is not served here; this server serves '{self.model_id}'"
             raise APIError(404, message, "model", "model_not_found")
 
     async def _generate(
