@@ -293,18 +293,21 @@ class OpenAIAPI:
                 body["usage"] = None
             return body
 
-        if chat:
-            await send(chunk([choice_body(chat, "", None, [] if ids else None, True, first=True)]))
         try:
-            async for piece in stream.pieces():
-                token_ids = piece.token_ids if ids else None
-                await send(chunk([choice_body(chat, piece.text, piece.finish_reason, token_ids, True)]))
-                if piece.finish_reason is not None and req.include_usage:
-                    last = chunk([])
-                    last["usage"] = usage_body(piece.prompt_tokens, piece.completion_tokens, piece.stats)
-                    await send(last)
-        except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
-            await send(api_error(exc, "prompt").body())  # the status line is sent: report it in the stream
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            if chat:
+                await send(chunk([choice_body(chat, "", None, [] if ids else None, True, first=True)]))
+            try:
+                async for piece in stream.pieces():
+                    token_ids = piece.token_ids if ids else None
+                    await send(chunk([choice_body(chat, piece.text, piece.finish_reason, token_ids, True)]))
+                    if piece.finish_reason is not None and req.include_usage:
+                        last = chunk([])
+                        last["usage"] = usage_body(piece.prompt_tokens, piece.completion_tokens, piece.stats)
+                        await send(last)
+            except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
+                await send(api_error(exc, "prompt").body())  # the status line is sent: report it in the stream
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client left while we wrote; the caller aborts the request
+            pass
         return resp

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -153,6 +154,20 @@ def test_chat_whole_and_streamed_agree_with_right_usage(client: openai.OpenAI, t
     assert [c.choices[0].finish_reason for c in body].count("length") == 1 and body[-1].choices[0].finish_reason
     assert "".join(c.choices[0].delta.content or "" for c in body) == choice.message.content
     assert [t for c in body for t in c.choices[0].token_ids] == ids  # type: ignore[attr-defined]
+
+
+def test_stream_is_server_sent_events_ending_with_done(server: ServeProcess, model_id: str) -> None:
+    """On the wire: text/event-stream, every event one `data: ...` line and a blank line, the last `[DONE]`."""
+    body = json.dumps({"model": model_id, "prompt": "Hello", "max_tokens": 5, "stream": True}).encode()
+    req = urllib.request.Request(f"{server.http_url}{TEXT}", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: ") and "\n" not in e for e in events[:-1])
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop") and chunks[0]["object"] == "text_completion"
 
 
 def test_text_completion_whole_and_streamed(client: openai.OpenAI, tokenizer: Any, model_id: str) -> None:
@@ -352,6 +367,31 @@ def test_metrics_are_labelled_by_front_end(client: openai.OpenAI, server: ServeP
     assert value('mtpserve_requests_total{finish_reason="length",frontend="http"}') >= 1
     assert value('mtpserve_generation_tokens_total{frontend="http"}') >= 3
     assert value('mtpserve_time_to_first_token_seconds_count{frontend="http"}') >= 1
+
+
+def test_serve_refuses_a_taken_http_port_and_a_clash(tmp_path: Path) -> None:
+    """An HTTP port already in use stops `serve` with exit code 2 naming it; the same number as the gRPC port
+    is refused by the config, naming server.http_port."""
+    model = write_dummy_model(tmp_path / "dummy")
+    base = [sys.executable, "-m", "cluster", "serve", "--model", str(model), "--load-format", "dummy"]
+    base += ["--device", "cpu", "--port", "0", "--metrics-port", "0"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [*base, "--http-port", str(port)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300
+        )
+    assert out.returncode == 2 and f"http_port {port}" in out.stderr, out.stderr
+    clash = subprocess.run(
+        [*base, "--port", "8000", "--http-port", "8000", "--print-config"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert clash.returncode == 2 and "server.http_port 8000 is already" in clash.stderr
 
 
 # ---- in process: health follows the workers, engine failures -------------------------------------
