@@ -1,14 +1,16 @@
-"""Who may call the public gRPC API: TLS credentials and a bearer-token check.
+"""Who may call the public gRPC and HTTP APIs: TLS credentials and a bearer-token check.
 
 The token check covers every method except grpc.health.v1 (Kubernetes probes cannot send a token).
 A call without `authorization: Bearer <token>` metadata, or with another token, ends with UNAUTHENTICATED
 and is counted. TLS handshake failures (no client certificate under mutual TLS, an untrusted CA) are
-refused by the transport before any method runs.
+refused by the transport before any method runs. The HTTP API (cluster/http_api.py) checks the same
+token, and serves TLS from the same files through `ssl_context`.
 """
 
 from __future__ import annotations
 
 import hmac
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,8 @@ def check_server_files(sc: ServerConfig) -> None:
         read_secret(sc.auth_token_file, "server.auth_token_file")
     if sc.tls.enabled:
         server_credentials(sc.tls)
+        if sc.http_port is not None:
+            ssl_context(sc.tls)
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
@@ -51,8 +55,26 @@ def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def ssl_context(tls: TLSConfig) -> ssl.SSLContext:
+    """A server-side TLS context from the TLS config (client certificates required when a CA is set);
+    ConfigError naming the field whose file does not load."""
+    assert tls.cert_file is not None and tls.key_file is not None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(Path(tls.cert_file).expanduser(), Path(tls.key_file).expanduser())
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError("server.tls.cert_file", f"cannot load it with server.tls.key_file: {exc}") from None
+    if tls.client_ca_file is not None:
+        try:
+            ctx.load_verify_locations(cafile=Path(tls.client_ca_file).expanduser())
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError("server.tls.client_ca_file", f"cannot load it: {exc}") from None
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
 def bearer(metadata: Any) -> str | None:
-    """The token of an `authorization: Bearer <token>` entry of call metadata, if any."""
+    """The token of an `authorization: Bearer <token>` entry of call metadata (or HTTP headers), if any."""
     for key, value in metadata or ():
         if key.lower() == AUTH_HEADER:
             scheme, _, token = str(value).partition(" ")

@@ -133,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "server.host": a.get("host"),
         "server.port": a.get("port"),
         "server.metrics_port": a.get("metrics_port"),
+        "server.http_port": a.get("http_port"),
         "server.tls.cert_file": a.get("tls_cert"),
         "server.tls.key_file": a.get("tls_key"),
         "server.tls.client_ca_file": a.get("tls_client_ca"),

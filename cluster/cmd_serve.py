@@ -1,4 +1,5 @@
-"""`mtpserve serve`: load the engine and serve the gRPC API and Prometheus metrics until signalled."""
+"""`mtpserve serve`: load the engine and serve the gRPC API, the OpenAI-compatible HTTP API (with --http-port)
+and Prometheus metrics until signalled."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
     g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free one)")
+    g.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+        "/health) on this port, from the same engine (default: off; 0 picks a free one)",
+    )
     g.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
     g = p.add_argument_group("security (docs: README, 'Security')")
     g.add_argument("--auth-token-file", help="file with the bearer token that every Inference call must carry")
@@ -44,9 +51,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     """Register the sub-command."""
     p = sub.add_parser(
         name,
-        help="serve the gRPC API",
+        help="serve the gRPC API (and, with --http-port, the OpenAI-compatible HTTP API)",
         description="Load the target (and draft head) and serve mtpserve.v1.Inference over gRPC, with the "
-        "grpc.health.v1 Health service, server reflection and Prometheus metrics, until SIGINT or SIGTERM.",
+        "grpc.health.v1 Health service, server reflection and Prometheus metrics, and with --http-port the "
+        "OpenAI-compatible HTTP API from the same engine, until SIGINT or SIGTERM.",
     )
     add_serve_flags(p)
     p.set_defaults(func=run)
@@ -102,10 +110,12 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     try:
         try:
             server.start()
-        except (RuntimeError, OSError) as exc:  # a port that cannot be bound (gRPC or metrics)
-            print(f"mtpserve: cannot serve on {cfg.server.host}:{cfg.server.port}: {exc}", file=sys.stderr)
+        except (RuntimeError, OSError) as exc:  # a port that cannot be bound (gRPC, HTTP or metrics)
+            sc = cfg.server
+            ports = f"port {sc.port}, http_port {sc.http_port}, metrics_port {sc.metrics_port}"
+            print(f"mtpserve: cannot serve on {sc.host} ({ports}): {exc}", file=sys.stderr)
             return 2
-        print(f"mtpserve: serving gRPC on {server.address}, metrics on :{server.metrics_port}", flush=True)
+        print(f"mtpserve: {serving_line(server.address, server.metrics_port, server.http_address)}", flush=True)
         while not stop.wait(0.5):
             pass
     finally:
@@ -116,19 +126,25 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     return 0
 
 
+def serving_line(grpc_address: str, metrics_port: int | None, http_address: str | None) -> str:
+    """What `serve` prints once it serves (tests and scripts parse it)."""
+    line = f"serving gRPC on {grpc_address}, metrics on :{metrics_port}"
+    return line + (f", HTTP on {http_address}" if http_address else "")
+
+
 def serve_with_actor(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     """Serve from a scheduler actor until `stop` is set."""
     from cluster.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     try:
-        actor, address, metrics_port = start_scheduler_actor(cfg)
+        actor, address, metrics_port, http_address = start_scheduler_actor(cfg)
     except Exception as exc:  # actor construction errors arrive wrapped by Ray
         print(f"mtpserve: could not start the scheduler actor: {exc}", file=sys.stderr)
         return 2
     if stop is None:
         stop = threading.Event()
         install_stop_signals(stop)
-    print(f"mtpserve: serving gRPC on {address}, metrics on :{metrics_port} (scheduler actor)", flush=True)
+    print(f"mtpserve: {serving_line(address, metrics_port, http_address)} (scheduler actor)", flush=True)
     try:
         while not stop.wait(0.5):
             pass

@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from pydantic import ValidationError
 
 from cluster.errors import InvalidRequestError, ModelLoadError, QueueFullError
-from cluster.request import Request, SamplingParams
+from cluster.request import Request, SamplingParams, sampling_params
 from cluster.scheduler import RequestOutput, Scheduler
 from modeling.loader import resolve_device, to_dtype
 from modeling.model import LlamaArgs
@@ -169,11 +168,7 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | dict[str, Any]) -> SamplingParams:
         """Check a request; raises InvalidRequestError naming the field and the reason."""
         if not isinstance(params, SamplingParams):
-            try:
-                params = SamplingParams.model_validate(params)
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                raise InvalidRequestError(".".join(str(p) for p in err["loc"]), err["msg"]) from None
+            params = sampling_params(params)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         n = len(prompt_token_ids)
@@ -342,11 +337,20 @@ class LLMEngine:
 
 def encode_text(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
     """Token ids for `text` with `tokenizer`, as a user turn of its chat template when chat is True."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+    if chat and has_chat_template(tokenizer):
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation ({"role", "content"} turns) in the tokenizer's chat template, with the
+    assistant's turn opened for the answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

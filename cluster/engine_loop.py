@@ -1,6 +1,7 @@
 """The engine loop: one thread owns the LLMEngine and is the only one that touches it.
 
-gRPC handler threads hand it add/abort commands and read their request's outputs from a per-request queue.
+Front-end threads (gRPC handlers, the HTTP event loop) hand it add/abort commands and read their request's
+outputs from a per-request queue.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from cluster.engine import LLMEngine
 from cluster.errors import WorkerUnavailableError
-from cluster.metrics import ServerMetrics
+from cluster.metrics import GRPC, ServerMetrics
 from cluster.request import SamplingParams
 from cluster.scheduler import RequestOutput
 from speculative.stats import SpecStats
@@ -35,15 +36,26 @@ class ServerShuttingDown(Exception):
 
 @dataclass
 class RequestHandle:
-    """A request in flight: the engine loop fills `events`, one gRPC handler drains it."""
+    """A request in flight: the engine loop fills `events`, one front-end handler drains it.
+
+    `on_event`, when given, is called (on the engine thread) after each event is queued; an asyncio
+    front end uses it to wake the coroutine that reads the queue."""
 
     request_id: str
     num_prompt_tokens: int
+    frontend: str = GRPC
+    on_event: Callable[[], None] | None = None
     events: queue.Queue[RequestOutput | Exception] = field(default_factory=queue.Queue)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     num_output_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
+
+    def put(self, event: RequestOutput | Exception) -> None:
+        """Queue an event for the reader and tell it."""
+        self.events.put(event)
+        if self.on_event is not None:
+            self.on_event()
 
     def next_event(self, timeout: float) -> RequestOutput | Exception | None:
         """The next output or error, or None if none arrived within `timeout` seconds."""
@@ -137,35 +149,68 @@ class EngineLoop:
         self._set_workers_ok(True)
 
     def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        frontend: str = GRPC,
+        on_event: Callable[[], None] | None = None,
     ) -> RequestHandle:
         """Queue a request; raises InvalidRequestError / QueueFullError as the engine decides."""
+        return self._wait(self._queue(self._adder(prompt_token_ids, params, request_id, frontend, on_event)))
+
+    def submit_nowait(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        frontend: str = GRPC,
+        on_event: Callable[[], None] | None = None,
+    ) -> futures.Future[RequestHandle]:
+        """Queue a request without waiting: a future of its handle, or of the error `submit` would raise.
+        A caller that gives up must cancel the future, and abort the request if the future was already
+        running or done."""
+        return self._queue(self._adder(prompt_token_ids, params, request_id, frontend, on_event)).result
+
+    def _adder(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        frontend: str,
+        on_event: Callable[[], None] | None,
+    ) -> Callable[[], RequestHandle]:
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        handle = RequestHandle(rid, len(prompt_token_ids))
+        handle = RequestHandle(rid, len(prompt_token_ids), frontend, on_event)
 
         def add() -> RequestHandle:
             self.engine.add_request(prompt_token_ids, params, rid)
             self._handles[rid] = handle
             if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+                self.metrics.prompt_tokens.labels(frontend=frontend).inc(len(prompt_token_ids))
             return handle
 
-        return self._call(add)
+        return add
 
-    def abort(self, request_id: str, wait: bool = True) -> bool:
-        """Abort a request (frees its KV blocks); with wait=False returns at once (for RPC callbacks)."""
+    def abort(self, request_id: str, wait: bool = True, reason: str = "abort") -> bool:
+        """Abort a request (frees its KV blocks); with wait=False returns at once (for RPC callbacks).
+        `reason` is the finish reason the metrics record (a front end that ends a request on a stop string
+        records "stop")."""
         if self._stopping.is_set():
             return False
-        cmd = _Command(lambda: self._abort(request_id))
+        cmd = _Command(lambda: self._abort(request_id, reason))
         self._commands.put(cmd)
         return bool(self._wait(cmd)) if wait else True
 
     def _call(self, fn: Callable[[], Any]) -> Any:
+        return self._wait(self._queue(fn))
+
+    def _queue(self, fn: Callable[[], Any]) -> _Command:
         if self._stopping.is_set() or not self._thread.is_alive():
             raise ServerShuttingDown("the server is shutting down")
         cmd = _Command(fn)
         self._commands.put(cmd)
-        return self._wait(cmd)
+        return cmd
 
     def _wait(self, cmd: _Command) -> Any:
         """The command's result; ServerShuttingDown if the loop ended without running it."""
@@ -216,7 +261,7 @@ class EngineLoop:
         deliveries = self._route(outputs)
         self._publish()
         for handle, out in deliveries:
-            handle.events.put(out)
+            handle.put(out)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -234,7 +279,7 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _abort(self, request_id: str) -> bool:
+    def _abort(self, request_id: str, reason: str = "abort") -> bool:
         handle = self._handles.pop(request_id, None)
         aborted = self.engine.abort(request_id)
         if handle is None:
@@ -242,8 +287,8 @@ class EngineLoop:
         out = RequestOutput(
             request_id, [], True, "abort", handle.num_prompt_tokens, handle.num_output_tokens, handle.stats
         )
-        self._record_finish(handle, "abort")
-        handle.events.put(out)
+        self._record_finish(handle, reason)
+        handle.put(out)
         return True
 
     def _route(self, outputs: list[RequestOutput]) -> list[tuple[RequestHandle, RequestOutput]]:
@@ -257,12 +302,12 @@ class EngineLoop:
             if out.new_token_ids and handle.first_token_at is None:
                 handle.first_token_at = now
                 if self.metrics is not None:
-                    self.metrics.ttft.observe(now - handle.arrival)
+                    self.metrics.ttft.labels(frontend=handle.frontend).observe(now - handle.arrival)
             handle.num_output_tokens = out.num_output_tokens
             handle.stats = out.stats
             self._generated += len(out.new_token_ids)
             if self.metrics is not None:
-                self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                self.metrics.generation_tokens.labels(frontend=handle.frontend).inc(len(out.new_token_ids))
             if out.finished:
                 del self._handles[out.request_id]
                 self._record_finish(handle, out.finish_reason or "stop")
@@ -284,7 +329,7 @@ class EngineLoop:
             except Exception:  # the engine is already broken; keep failing the rest
                 log.exception("abort of %s after an engine failure raised", rid)
             self._record_finish(handle, "error")
-            handle.events.put(err)
+            handle.put(err)
         dropped = self.engine.scheduler.forget_cached()  # the KV those keys point at may be gone
         if dropped:
             log.info("dropped %d prefix-cache blocks after the failure", dropped)
@@ -305,7 +350,7 @@ class EngineLoop:
             except Exception:
                 log.exception("abort of %s at shutdown raised", rid)
             self._record_finish(handle, "abort")
-            handle.events.put(err)
+            handle.put(err)
         try:
             self._publish()
         except Exception:
@@ -318,7 +363,7 @@ class EngineLoop:
             return
         first = handle.first_token_at
         decode_s = None if first is None else time.monotonic() - first
-        self.metrics.observe_finish(reason, handle.num_output_tokens, decode_s, handle.stats)
+        self.metrics.observe_finish(reason, handle.num_output_tokens, decode_s, handle.stats, handle.frontend)
 
     def _set_workers_ok(self, ok: bool) -> None:
         changed = ok != self._workers_ok

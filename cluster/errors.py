@@ -4,6 +4,8 @@ The base class and the model-load error live in the model layer (modeling/errors
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from modeling.errors import ModelLoadError, MTPServeError
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "PlacementError",
     "QueueFullError",
     "WorkerUnavailableError",
+    "invalid_field",
 ]
 
 
@@ -24,6 +27,18 @@ class InvalidRequestError(MTPServeError, ValueError):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+
+def invalid_field(exc: ValidationError, prefix: str = "") -> InvalidRequestError:
+    """The first error of a pydantic validation as an InvalidRequestError naming `prefix` + the field's path
+    (list items as `[i]`: `messages[0].role`), with pydantic's message starting in lower case."""
+    err = exc.errors()[0]
+    path = ""
+    for part in err["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    field = f"{prefix}{path}" if path else prefix.rstrip(".") or "request"
+    msg = err["msg"].removeprefix("Value error, ")
+    return InvalidRequestError(field, msg[:1].lower() + msg[1:])
 
 
 class ConfigError(MTPServeError):

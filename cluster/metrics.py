@@ -1,4 +1,8 @@
-"""Prometheus metrics of one server, in a registry of its own, exposed over HTTP at /metrics."""
+"""Prometheus metrics of one server, in a registry of its own, exposed over HTTP at /metrics.
+
+Per-request metrics (requests, tokens, latencies, refused calls) carry a `frontend` label: "grpc" or "http"
+(the OpenAI-compatible API). Engine-wide ones (load, KV blocks, prefix cache, speculation) do not.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from speculative.stats import SpecStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+GRPC = "grpc"
+HTTP = "http"
 
 
 class ServerMetrics:
@@ -23,28 +29,32 @@ class ServerMetrics:
         self.port: int | None = None
         self.requests = Counter(
             f"{prefix}_requests",
-            "Requests finished, by finish reason (stop, length, abort, error)",
-            ["finish_reason"],
+            "Requests finished, by front end and finish reason (stop, length, abort, error)",
+            ["frontend", "finish_reason"],
             registry=r,
         )
-        self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter(f"{prefix}_generation_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter(
+            f"{prefix}_prompt_tokens", "Prompt tokens of admitted requests", ["frontend"], registry=r
+        )
+        self.generation_tokens = Counter(f"{prefix}_generation_tokens", "Tokens generated", ["frontend"], registry=r)
         self.ttft = Histogram(
             f"{prefix}_time_to_first_token_seconds",
             "Time from arrival to the first generated token",
+            ["frontend"],
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.tpot = Histogram(
             f"{prefix}_time_per_output_token_seconds",
             "Mean time per generated token after the first, per request",
+            ["frontend"],
             buckets=TPOT_BUCKETS,
             registry=r,
         )
         self.auth_failures = Counter(
             f"{prefix}_auth_failures",
-            "Calls refused for a missing or invalid bearer token, by reason",
-            ["reason"],
+            "Calls refused for a missing or invalid bearer token, by front end and reason",
+            ["frontend", "reason"],
             registry=r,
         )
         self.queue_depth = Gauge(f"{prefix}_queue_depth", "Requests waiting for a slot", registry=r)
@@ -128,12 +138,13 @@ class ServerMetrics:
         num_output_tokens: int,
         decode_s: float | None,
         stats: SpecStats | None,
+        frontend: str = GRPC,
     ) -> None:
         """Record a request that ended: its reason, its TPOT (decode_s spread over tokens after the first)
         and its speculation counters. TTFT is observed separately, when the first token arrives."""
-        self.requests.labels(finish_reason=reason).inc()
+        self.requests.labels(frontend=frontend, finish_reason=reason).inc()
         if decode_s is not None and num_output_tokens > 1:
-            self.tpot.observe(decode_s / (num_output_tokens - 1))
+            self.tpot.labels(frontend=frontend).observe(decode_s / (num_output_tokens - 1))
         if stats is None:
             return
         self.drafted.inc(stats.drafted)

@@ -7,8 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.errors import invalid_field
 from speculative.stats import SpecStats
 
 
@@ -29,6 +30,15 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         """True when decoding is argmax."""
         return self.temperature == 0.0
+
+
+def sampling_params(data: dict[str, Any], prefix: str = "") -> SamplingParams:
+    """Validated SamplingParams from plain values (absent ones take the defaults); InvalidRequestError names
+    `prefix` + the field (the gRPC servicer passes "sampling.", the HTTP API none)."""
+    try:
+        return SamplingParams.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_field(exc, prefix) from None
 
 
 class RequestStatus(enum.Enum):

@@ -1,5 +1,5 @@
-"""The scheduler as a Ray actor: it owns the engine (scheduler + step loop) and serves the public gRPC
-API from the same process, so the per-step path has no extra hop between a front end and a scheduler."""
+"""The scheduler as a Ray actor: it owns the engine (scheduler + step loop) and serves the public gRPC (and
+HTTP) API from the same process, so the per-step path has no extra hop between a front end and a scheduler."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ class SchedulerActor:
         self.server = MTPServer(self.engine, self.cfg)
         self.server.start()
 
-    def endpoints(self) -> tuple[str, int | None]:
-        """(gRPC host:port, metrics port)."""
-        return self.server.address, self.server.metrics_port
+    def endpoints(self) -> tuple[str, int | None, str | None]:
+        """(gRPC host:port, metrics port, HTTP host:port or None)."""
+        return self.server.address, self.server.metrics_port, self.server.http_address
 
     def ready(self) -> bool:
         """Liveness probe for Ray."""
@@ -42,8 +42,8 @@ class SchedulerActor:
         self.engine.shutdown()
 
 
-def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None]:
-    """Start the scheduler actor pinned to this node; returns (handle, gRPC address, metrics port).
+def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None, str | None]:
+    """Start the scheduler actor pinned to this node; returns (handle, gRPC address, metrics port, HTTP address).
 
     If its process dies, Ray starts it again (up to RESTARTS times): it builds new workers and serves the
     same server.port again, so clients reconnect to the same address (with port 0 the new port differs)."""
@@ -61,8 +61,8 @@ def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None]:
         max_restarts=RESTARTS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
     ).remote(cfg.model_dump_json())
-    address, metrics_port = ray.get(actor.endpoints.remote(), timeout=900)
-    return actor, address, metrics_port
+    address, metrics_port, http_address = ray.get(actor.endpoints.remote(), timeout=900)
+    return actor, address, metrics_port, http_address
 
 
 def stop_scheduler_actor(actor: Any) -> None:

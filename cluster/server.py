@@ -1,5 +1,6 @@
-"""Public gRPC server: the Inference servicer, health, reflection and the metrics endpoint around one
-engine loop (cluster/engine_loop.py; the servicer is cluster/servicer.py)."""
+"""Public servers around one engine loop (cluster/engine_loop.py): gRPC (the Inference servicer,
+cluster/servicer.py, health, reflection), the optional OpenAI-compatible HTTP API (cluster/http_api.py, on its
+own thread and event loop) and the metrics endpoint."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.auth import BearerTokenInterceptor, read_secret, server_credentials
+from cluster.auth import BearerTokenInterceptor, read_secret, server_credentials, ssl_context
 from cluster.engine import LLMEngine
 from cluster.engine_loop import EngineLoop
-from cluster.metrics import ServerMetrics
-from cluster.servicer import SERVICE_NAME, InferenceServicer
+from cluster.http_api import OpenAIAPI
+from cluster.http_server import HTTPServer
+from cluster.metrics import GRPC, ServerMetrics
+from cluster.servicer import SERVICE_NAME, InferenceServicer, model_info
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from workers.config import MTPServeConfig
 
@@ -26,7 +29,8 @@ def _host_port(host: str, port: int) -> str:
 
 
 class MTPServer:
-    """The gRPC server (Inference, Health, reflection), its engine loop and its metrics endpoint."""
+    """The gRPC server (Inference, Health, reflection), the HTTP API when `server.http_port` is set, their
+    engine loop and the metrics endpoint."""
 
     def __init__(self, engine: LLMEngine, cfg: MTPServeConfig | None = None, metrics: bool = True) -> None:
         self.cfg = cfg or engine.cfg
@@ -40,12 +44,19 @@ class MTPServer:
         engine.health_listeners.append(self.set_serving)
         self.port = 0
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
         self._grpc: grpc.Server | None = None
+        self._http: HTTPServer | None = None
 
     @property
     def address(self) -> str:
         """host:port the gRPC server is bound to."""
         return _host_port(self.cfg.server.host, self.port)
+
+    @property
+    def http_address(self) -> str | None:
+        """host:port the HTTP API is bound to; None when it is off."""
+        return None if self.http_port is None else _host_port(self.cfg.server.host, self.http_port)
 
     def accepting(self) -> bool:
         """Whether Generate takes new requests: not stopped, set_serving(False) not in force, loop alive.
@@ -81,10 +92,12 @@ class MTPServer:
         sched = self.cfg.scheduler
         workers = min(sched.max_num_requests + sched.max_queue, 1024) + 16
         interceptors = []
-        if sc.auth_token_file is not None:
-            token = read_secret(sc.auth_token_file, "server.auth_token_file")
+        token = read_secret(sc.auth_token_file, "server.auth_token_file") if sc.auth_token_file else None
+        if token is not None:
             refused = self.metrics.auth_failures
-            interceptors.append(BearerTokenInterceptor(token, lambda reason: refused.labels(reason=reason).inc()))
+            interceptors.append(
+                BearerTokenInterceptor(token, lambda reason: refused.labels(frontend=GRPC, reason=reason).inc())
+            )
         credentials = server_credentials(sc.tls) if sc.tls.enabled else None
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtpserve-grpc"),
@@ -107,10 +120,29 @@ class MTPServer:
         self.loop.start()
         server.start()
         self._grpc = server
+        if sc.http_port is not None:
+            self._start_http(token)
         if self._metrics_on:
             self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.host)
         self._refresh_health()
-        log.info("gRPC on %s, metrics on %s", self.address, self.metrics_port)
+        log.info("gRPC on %s, HTTP on %s, metrics on %s", self.address, self.http_address, self.metrics_port)
+
+    def _start_http(self, token: bytes | None) -> None:
+        sc = self.cfg.server
+        assert sc.http_port is not None
+        api = OpenAIAPI(
+            self.loop,
+            self.servicer.tokenizer_lock,
+            model_info(self.engine).model_name,
+            self.accepting,
+            self.is_serving,
+            token=token,
+            metrics=self.metrics,
+            max_body_bytes=sc.http_max_body_mb * 1024 * 1024,
+        )
+        tls = ssl_context(sc.tls) if sc.tls.enabled else None
+        self._http = HTTPServer(api.app, sc.host, sc.http_port, tls)
+        self.http_port = self._http.start()
 
     def stop(self, grace: float = 1.0) -> None:
         """Report NOT_SERVING, stop accepting RPCs, cancel streams after `grace` s, stop the loop."""
@@ -118,5 +150,7 @@ class MTPServer:
         self.health.enter_graceful_shutdown()
         if self._grpc is not None:
             self._grpc.stop(grace).wait(grace + 2.0)
+        if self._http is not None:
+            self._http.stop()
         self.loop.stop()
         self.metrics.stop_http()

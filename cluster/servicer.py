@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
-from pydantic import ValidationError
 
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.engine import LLMEngine
 from cluster.engine_loop import EngineFailure, EngineLoop, RequestHandle, ServerShuttingDown
 from cluster.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
-from cluster.request import SamplingParams
+from cluster.request import SamplingParams, sampling_params
 from proto.mtpserve.v1 import inference_pb2 as pb
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from speculative.stats import SpecStats
@@ -64,12 +63,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     }
     data["stop_token_ids"] = list(msg.stop_token_ids)
     data["ignore_eos"] = msg.ignore_eos
-    try:
-        return SamplingParams.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise InvalidRequestError(f"sampling.{loc}", err["msg"].lower()) from None
+    return sampling_params(data, "sampling.")
 
 
 def _abort_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -1,9 +1,10 @@
 """Cross-file checks for one rendered deployment: do the pieces agree with each other?
 
 The service config (ConfigMap config.yaml, loaded with MTPServeConfig) is the source of truth for
-the gRPC and metrics ports. Against it, check_consistency compares the Service, the Ray head's
-container ports and probes, the PodMonitor, the Dockerfile's EXPOSE, the image everywhere, the
-RayJob's --config path, the GPU worker groups and every container's security settings.
+the gRPC, HTTP and metrics ports. Against it, check_consistency compares the Service, the Ray head's
+container ports and probes (gRPC probes on the gRPC port, HTTP probes on /health of the HTTP port),
+the PodMonitor, the Dockerfile's EXPOSE, the image everywhere, the RayJob's --config path, the GPU
+worker groups and every container's security settings.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ IMAGE = "ghcr.io/mtpserve/mtpserve:0.1.0"
 DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile"
 CONFIG_KEY = "config.yaml"
 GPU = "nvidia.com/gpu"
+HEALTH_PATH = "/health"
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def served_ports(cfg: Any) -> dict[str, int]:
+    """Port name -> number of every port the config serves (the HTTP API only when server.http_port is set)."""
+    ports = {"grpc": cfg.server.port, "metrics": cfg.server.metrics_port}
+    if cfg.server.http_port is not None:
+        ports["http"] = cfg.server.http_port
+    return ports
 
 
 def project_version(pyproject: Path = REPO_ROOT / "pyproject.toml") -> str:
@@ -86,7 +97,7 @@ def _selects(selector: Any, labels: dict[str, str]) -> bool:
 
 
 def _service_errors(docs: list[Doc], cfg: Any, heads: list[Doc]) -> Iterator[str]:
-    wanted = {"grpc": cfg.server.port, "metrics": cfg.server.metrics_port}
+    wanted = served_ports(cfg)
     for svc in _by_kind(docs, "Service"):
         spec = svc.get("spec") or {}
         ports = {p.get("name"): (i, p) for i, p in enumerate(spec.get("ports") or [])}
@@ -168,13 +179,10 @@ def _head_errors(
     where = f"{_label(owner)}: {json_path(path)}"
     container = template["spec"]["containers"][0]
     ports = _ports(container)
-    for name, number in (("grpc", cfg.server.port), ("metrics", cfg.server.metrics_port)):
+    for name, number in served_ports(cfg).items():
         if ports.get(name) != number:
             yield f"{where}: container port {name!r} is {ports.get(name)}, config says {number}"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        grpc = (container.get(probe) or {}).get("grpc")
-        if grpc is not None and grpc.get("port") != cfg.server.port:
-            yield f"{where}: {probe}.grpc.port is {grpc.get('port')}, config says {cfg.server.port}"
+    yield from _probe_errors(where, container, cfg)
     head_spec = _group_of(owner, path)
     if str((head_spec.get("rayStartParams") or {}).get("num-gpus")) != "0":
         yield f"{where}: the head must start with rayStartParams num-gpus: '0'"
@@ -189,6 +197,28 @@ def _head_errors(
         config_arg = f"--config {mount}/{CONFIG_KEY}"
         if config_arg not in str((job.get("spec") or {}).get("entrypoint", "")):
             yield f"{_label(job)}: entrypoint does not pass {config_arg!r}"
+
+
+def _probe_errors(where: str, container: Doc, cfg: Any) -> Iterator[str]:
+    """gRPC probes on the gRPC port; HTTP probes on /health of the HTTP API (which the config must serve),
+    over HTTPS when it serves TLS."""
+    for probe in PROBES:
+        spec = container.get(probe) or {}
+        grpc = spec.get("grpc")
+        if grpc is not None and grpc.get("port") != cfg.server.port:
+            yield f"{where}: {probe}.grpc.port is {grpc.get('port')}, config says {cfg.server.port}"
+        get = spec.get("httpGet")
+        if get is None:
+            continue
+        if cfg.server.http_port is None:
+            yield f"{where}: {probe}.httpGet needs the HTTP API, but server.http_port is not set"
+        elif get.get("port") not in ("http", cfg.server.http_port):
+            yield f"{where}: {probe}.httpGet.port is {get.get('port')!r}, config says {cfg.server.http_port}"
+        if get.get("path") != HEALTH_PATH:
+            yield f"{where}: {probe}.httpGet.path is {get.get('path')!r}, not {HEALTH_PATH!r}"
+        scheme = "HTTPS" if cfg.server.tls.enabled else "HTTP"
+        if get.get("scheme", "HTTP") != scheme:
+            yield f"{where}: {probe}.httpGet.scheme is {get.get('scheme', 'HTTP')}, the API serves {scheme}"
 
 
 def _gpu_errors(docs: list[Doc], cfg: Any) -> Iterator[str]:
@@ -260,7 +290,7 @@ def check_consistency(docs: list[Doc], dockerfile: Path | None = DOCKERFILE, ima
     errors.extend(_container_errors(docs, image))
     if dockerfile is not None:
         exposed = dockerfile_exposed_ports(Path(dockerfile).read_text(encoding="utf-8"))
-        for port in (cfg.server.port, cfg.server.metrics_port):
+        for port in served_ports(cfg).values():
             if port not in exposed:
                 errors.append(f"{dockerfile}: EXPOSE lacks {port}")
     return errors

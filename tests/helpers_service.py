@@ -19,7 +19,10 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-SERVING_LINE = re.compile(r"mtpserve: serving gRPC on (?P<host>\S+):(?P<port>\d+), metrics on :(?P<metrics>\d+)")
+SERVING_LINE = re.compile(
+    r"mtpserve: serving gRPC on (?P<host>\S+):(?P<port>\d+), metrics on :(?P<metrics>\d+)"
+    r"(, HTTP on (?P<http_host>\S+):(?P<http>\d+))?"
+)
 
 
 def tiny_config(vocab_size: int, num_layers: int = 1) -> dict[str, Any]:
@@ -104,6 +107,7 @@ class ServeProcess:
         self.lines: list[str] = []
         self.port = 0
         self.metrics_port = 0
+        self.http_port = 0
         self._ready = threading.Event()
         self.proc: subprocess.Popen[str] | None = None
 
@@ -111,6 +115,11 @@ class ServeProcess:
     def address(self) -> str:
         """host:port of the gRPC server."""
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP API (with --http-port)."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def log(self) -> str:
@@ -124,6 +133,7 @@ class ServeProcess:
             m = SERVING_LINE.search(line)
             if m:
                 self.port, self.metrics_port = int(m["port"]), int(m["metrics"])
+                self.http_port = int(m["http"] or 0)
                 self._ready.set()
         self._ready.set()
 

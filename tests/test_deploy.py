@@ -198,7 +198,9 @@ def test_files_agree(target: str) -> None:
 def test_dockerfile_exposes_the_config_ports() -> None:
     text = consistency.DOCKERFILE.read_text()
     cfg, _ = consistency.load_service_config(rendered("base"))
-    assert {cfg.server.port, cfg.server.metrics_port} <= consistency.dockerfile_exposed_ports(text)
+    assert {cfg.server.port, cfg.server.http_port, cfg.server.metrics_port} <= consistency.dockerfile_exposed_ports(
+        text
+    )
     assert consistency.dockerfile_exposed_ports("FROM x\nEXPOSE 1/tcp 2\nexpose 3\n") == {1, 2, 3}
 
 
@@ -253,6 +255,28 @@ def _mutations() -> list[tuple[str, Any, str]]:
             m for m in spec["containers"][0]["volumeMounts"] if m["name"] != "api-token"
         ]
 
+    def http_service_port(docs: list[dict[str, Any]]) -> None:
+        ports = one(docs, "Service")["spec"]["ports"]
+        next(p for p in ports if p["name"] == "http")["port"] = 8080
+
+    def http_container_port(docs: list[dict[str, Any]]) -> None:
+        ports = head_container(one(docs, "RayJob"))["ports"]
+        head_container(one(docs, "RayJob"))["ports"] = [p for p in ports if p["name"] != "http"]
+
+    def health_path(docs: list[dict[str, Any]]) -> None:
+        head_container(one(docs, "RayJob"))["readinessProbe"]["httpGet"]["path"] = "/v1/models"
+
+    def http_probe_port(docs: list[dict[str, Any]]) -> None:
+        head_container(one(docs, "RayJob"))["readinessProbe"]["httpGet"]["port"] = 9090
+
+    def http_off(docs: list[dict[str, Any]]) -> None:
+        cm = one(docs, "ConfigMap")
+        text = "\n".join(x for x in cm["data"]["config.yaml"].splitlines() if "http_port" not in x)
+        cm["data"]["config.yaml"] = text
+
+    def http_scheme(docs: list[dict[str, Any]]) -> None:
+        head_container(one(docs, "RayJob"))["readinessProbe"]["httpGet"]["scheme"] = "HTTPS"
+
     def open_bind(docs: list[dict[str, Any]]) -> None:
         cm = one(docs, "ConfigMap")
         text = "\n".join(x for x in cm["data"]["config.yaml"].splitlines() if "auth_token_file" not in x)
@@ -262,6 +286,12 @@ def _mutations() -> list[tuple[str, Any, str]]:
         ("api token unmounted", token_unmounted, "server.auth_token_file '/etc/mtpserve-api/token' is not inside"),
         ("open bind", open_bind, "server.host '0.0.0.0' is reachable"),
         ("service port", svc_port, "$.spec.ports[0].port: 50052 != 50051"),
+        ("http service port", http_service_port, "$.spec.ports[1].port: 8080 != 8000"),
+        ("http container port", http_container_port, "container port 'http' is None, config says 8000"),
+        ("health probe path", health_path, "readinessProbe.httpGet.path is '/v1/models', not '/health'"),
+        ("http probe port", http_probe_port, "readinessProbe.httpGet.port is 9090, config says 8000"),
+        ("http api off", http_off, "readinessProbe.httpGet needs the HTTP API, but server.http_port is not set"),
+        ("http probe scheme", http_scheme, "readinessProbe.httpGet.scheme is HTTPS, the API serves HTTP"),
         ("probe port", probe_port, "livenessProbe.grpc.port is 50052, config says 50051"),
         ("config metrics port", metrics_port, "EXPOSE lacks 9091"),
         ("podmonitor port", monitor_port, "no head container port named 'prometheus'"),
@@ -287,11 +317,13 @@ def test_disagreements_are_found(name: str, mutate: Any, expected: str) -> None:
 # --- what the manifests promise ------------------------------------------------------------------
 
 
-def test_head_has_native_grpc_probes_and_no_gpus() -> None:
+def test_head_probes_grpc_health_and_http_health_and_has_no_gpus() -> None:
     job = one(rendered("base"), "RayJob")
     head = head_container(job)
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+    for probe in ("livenessProbe", "startupProbe"):
         assert head[probe]["grpc"] == {"port": 50051}, probe
+    assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {"name": "http", "containerPort": 8000} in head["ports"]
     assert job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     # Gated on the driver's port, the head is Ready only after the job runs; only SidecarMode
     # submits before that (KubeRay waits for a Ready cluster in the other modes).
@@ -303,6 +335,7 @@ def test_service_ports_and_token_auth() -> None:
     docs = rendered("overlays/gpu")
     ports = {p["name"]: p for p in one(docs, "Service")["spec"]["ports"]}
     assert (ports["grpc"]["port"], ports["grpc"]["appProtocol"], ports["metrics"]["port"]) == (50051, "grpc", 9090)
+    assert (ports["http"]["port"], ports["http"]["targetPort"], ports["http"]["appProtocol"]) == (8000, "http", "http")
     assert one(docs, "RayJob")["spec"]["rayClusterSpec"]["authOptions"]["mode"] == "token"
     cfg = consistency.load_service_config(docs)[0]
     assert cfg.server.auth_token_file == "/etc/mtpserve-api/token"
@@ -323,7 +356,7 @@ def test_cpu_dev_has_no_gpus() -> None:
     assert [g["groupName"] for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]] == ["cpu"]
     assert "nvidia.com/gpu" not in yaml.safe_dump(job)
     assert "PodMonitor" not in {d["kind"] for d in docs}
-    assert head_container(job)["readinessProbe"]["grpc"]["port"] == 50051  # the head kept its container
+    assert head_container(job)["readinessProbe"]["httpGet"]["path"] == "/health"  # the head kept its container
 
 
 def test_existing_cluster_uses_cluster_selector() -> None:
@@ -343,7 +376,7 @@ def test_dockerfile_builds_on_ray_and_bakes_the_model() -> None:
     assert 'resolve_model(None)"' in text
     users = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
     assert users and all(not u.startswith(("0", "root")) for u in users)
-    assert "EXPOSE 50051 9090" in text
+    assert "EXPOSE 50051 8000 9090" in text
 
 
 # --- the renderer --------------------------------------------------------------------------------

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -317,14 +319,14 @@ def test_config_dir_exists(model) -> None:
     assert Path(model[0], "config.json").is_file()
 
 
-def test_scheduler_actor_serves_grpc(ray_local, model) -> None:
+def test_scheduler_actor_serves_grpc_and_http(ray_local, model) -> None:
+    """The scheduler actor serves gRPC and, from the same engine, the HTTP API; both give the reference tokens."""
     from cluster.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     cfg = dist_config(model, chunk_size=6)
-    cfg = cfg.model_copy(
-        update={"server": cfg.server.model_copy(update={"host": "127.0.0.1", "port": 0, "metrics_port": 0})}
-    )
-    actor, address, _ = start_scheduler_actor(cfg)
+    server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "http_port": 0}
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update=server)})
+    actor, address, _, http_address = start_scheduler_actor(cfg)
     try:
         assert ray_local.get(actor.ready.remote()) is True
         prompts = random_prompts(2, 96, [11, 25], seed=16)
@@ -332,6 +334,15 @@ def test_scheduler_actor_serves_grpc(ray_local, model) -> None:
             assert client.health() == "SERVING"
             got = [client.generate(token_ids=p, max_tokens=10)["token_ids"] for p in prompts]
         assert got == reference(prompts, 10)
+        over_http = []
+        for p in prompts:
+            body = {"prompt": p, "max_tokens": 10, "return_token_ids": True}
+            req = urllib.request.Request(
+                f"http://{http_address}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                over_http.append(json.loads(resp.read())["choices"][0]["token_ids"])
+        assert over_http == got
     finally:
         stop_scheduler_actor(actor)
 
@@ -345,7 +356,7 @@ def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model) -
     port = free_port()
     cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"port": port, "metrics_port": 0})})
     before = live_groups(ray_local)
-    actor, address, _ = start_scheduler_actor(cfg)
+    actor, address, _, _ = start_scheduler_actor(cfg)
     try:
         with MTPServeClient(address, timeout=60) as client:
             load = StreamLoad(client, LOAD_STREAMS)

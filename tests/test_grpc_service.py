@@ -326,11 +326,11 @@ def test_get_stats_and_prometheus_metrics(client: MTPServeClient, server: ServeP
     t = s["totals"]
     assert t["drafted"] > before["totals"]["drafted"] and t["verify_steps"] > 0 and t["accepted"] > 0
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    assert _metric(text, 'mtpserve_requests_total{finish_reason="length"}') >= 1
-    assert _metric(text, "mtpserve_generation_tokens_total") >= s["generated_tokens"]
-    assert _metric(text, "mtpserve_prompt_tokens_total") >= len(PROMPT)
-    assert _metric(text, "mtpserve_time_to_first_token_seconds_count") >= 1
-    assert _metric(text, "mtpserve_time_per_output_token_seconds_count") >= 1
+    assert _metric(text, 'mtpserve_requests_total{finish_reason="length",frontend="grpc"}') >= 1
+    assert _metric(text, 'mtpserve_generation_tokens_total{frontend="grpc"}') >= s["generated_tokens"]
+    assert _metric(text, 'mtpserve_prompt_tokens_total{frontend="grpc"}') >= len(PROMPT)
+    assert _metric(text, 'mtpserve_time_to_first_token_seconds_count{frontend="grpc"}') >= 1
+    assert _metric(text, 'mtpserve_time_per_output_token_seconds_count{frontend="grpc"}') >= 1
     assert _metric(text, "mtpserve_spec_drafted_tokens_total") == t["drafted"]
     assert _metric(text, "mtpserve_spec_accepted_tokens_total") == t["accepted"]
     assert _metric(text, 'mtpserve_spec_accepted_per_position_total{position="0"}') >= 1

@@ -1,18 +1,24 @@
-"""TLS, mutual TLS and the bearer-token check on the public gRPC API, on loopback with real certificates."""
+"""TLS, mutual TLS and the bearer-token check on the public gRPC and HTTP APIs, on loopback with real
+certificates."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import re
+import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx2
+import openai
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -143,8 +149,8 @@ def free_blocks(srv: MTPServer) -> int:
 # ---- bearer token --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def token_server(model_dir: Path, pki: dict[str, Path]) -> Iterator[MTPServer]:
-    """A plaintext server that requires the bearer token, with metrics on."""
-    srv = start_server(model_dir, {"auth_token_file": str(pki["token"])}, metrics=True)
+    """A plaintext server that requires the bearer token, with metrics and the HTTP API on."""
+    srv = start_server(model_dir, {"auth_token_file": str(pki["token"]), "http_port": 0}, metrics=True)
     yield srv
     srv.stop()
 
@@ -168,8 +174,39 @@ def test_missing_or_wrong_token_is_unauthenticated_and_counted(token_server: MTP
         assert good.stats()["requests_finished"] >= 1
     assert free_blocks(token_server) == total
     page = urllib.request.urlopen(f"http://127.0.0.1:{token_server.metrics_port}/metrics", timeout=10).read().decode()
-    assert 'mtpserve_auth_failures_total{reason="missing"} 2.0' in page
-    assert 'mtpserve_auth_failures_total{reason="invalid"} 1.0' in page
+    assert 'mtpserve_auth_failures_total{frontend="grpc",reason="missing"} 2.0' in page
+    assert 'mtpserve_auth_failures_total{frontend="grpc",reason="invalid"} 1.0' in page
+
+
+def _http_status(url: str, token: str | None = None) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read())
+        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        return exc.code
+
+
+def test_http_api_takes_the_same_token(token_server: MTPServer) -> None:
+    """Over HTTP the same token is needed: none or a wrong one gets 401 (counted under frontend="http"),
+    /health stays open, the right token completes; no KV block is held afterwards."""
+    base = f"http://{token_server.http_address}"
+    assert _http_status(f"{base}/health") == 200
+    assert _http_status(f"{base}/v1/models") == 401
+    wrong = openai.OpenAI(base_url=f"{base}/v1", api_key="not-" + TOKEN, max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as denied:
+        wrong.completions.create(model="x", prompt=PROMPT, max_tokens=2)
+    assert denied.value.status_code == 401 and "invalid bearer token" in denied.value.message
+    good = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=30)
+    model = good.models.list().data[0].id
+    out = good.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+    assert free_blocks(token_server) == token_server.engine.scheduler.blocks.num_blocks
+    page = urllib.request.urlopen(f"http://127.0.0.1:{token_server.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'mtpserve_auth_failures_total{frontend="http",reason="missing"} 1.0' in page
+    assert 'mtpserve_auth_failures_total{frontend="http",reason="invalid"} 1.0' in page
 
 
 def test_generate_cli_sends_the_token(token_server: MTPServer, pki: dict[str, Path]) -> None:
@@ -245,6 +282,46 @@ def test_mutual_tls_and_token_together(model_dir: Path, pki: dict[str, Path]) ->
             with MTPServeClient(addr, timeout=5, tls_ca_file=ca, auth_token=TOKEN, **who) as refused:
                 err = rpc_error(lambda c=refused: c.generate(token_ids=PROMPT, max_tokens=3))
                 assert err.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()
+
+
+def _https_client(base: str, pki: dict[str, Path], ca: str, who: str | None, token: str) -> openai.OpenAI:
+    """An openai client over HTTPS trusting `ca`, presenting the client certificate `who` (if any)."""
+    ctx = ssl.create_default_context(cafile=str(pki[ca]))
+    if who is not None:
+        ctx.load_cert_chain(str(pki[f"{who}_cert"]), str(pki[f"{who}_key"]))
+    http = httpx2.Client(verify=ctx, timeout=10)
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=token, max_retries=0, http_client=http)
+
+
+def test_http_api_takes_the_same_mutual_tls(model_dir: Path, pki: dict[str, Path]) -> None:
+    """The HTTP port speaks TLS from the same files: a client with a certificate the client CA signed and the
+    token completes; without the token it gets 401; plaintext, an untrusting client, no certificate or a
+    rogue one cannot connect."""
+    tls = {
+        "cert_file": str(pki["server_cert"]),
+        "key_file": str(pki["server_key"]),
+        "client_ca_file": str(pki["client_ca"]),
+    }
+    srv = start_server(model_dir, {"tls": tls, "auth_token_file": str(pki["token"]), "http_port": 0})
+    base = f"https://127.0.0.1:{srv.http_port}"
+    try:
+        good = _https_client(base, pki, "server_ca", "client", TOKEN)
+        model = good.models.list().data[0].id
+        assert good.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            _https_client(base, pki, "server_ca", "client", "wrong").models.list()
+        refused = [
+            openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key=TOKEN, max_retries=0, timeout=10),
+            _https_client(base, pki, "other_ca", "client", TOKEN),
+            _https_client(base, pki, "server_ca", None, TOKEN),
+            _https_client(base, pki, "server_ca", "rogue", TOKEN),
+        ]
+        for client in refused:
+            with pytest.raises(openai.APIConnectionError):
+                client.models.list()
+        assert free_blocks(srv) == srv.engine.scheduler.blocks.num_blocks
     finally:
         srv.stop()
 

@@ -163,7 +163,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 class TLSConfig(_Strict):
-    """TLS on the public gRPC port: a server certificate, and client certificates when a CA is given."""
+    """TLS on the public gRPC and HTTP ports: a server certificate, and client certificates when a CA is given."""
 
     cert_file: str | None = Field(None, description="PEM certificate chain of the server")
     key_file: str | None = Field(None, description="PEM private key of cert_file")
@@ -184,20 +184,31 @@ class TLSConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    """Public gRPC and metrics endpoints, and who may call them."""
+    """Public gRPC, OpenAI-compatible HTTP and metrics endpoints, and who may call them."""
 
     host: str = Field("127.0.0.1", description="bind address; other than loopback needs TLS or a token")
     port: int = Field(50051, ge=0, le=65535)
     metrics_port: int = Field(9090, ge=0, le=65535)
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on "
+        "this port, same host, TLS and token as gRPC; 0 picks a free port; None: off",
+    )
+    http_max_body_mb: int = Field(4, gt=0, description="largest HTTP request body; a larger one gets 413")
     max_message_mb: int = Field(256, gt=0)
     tls: TLSConfig = TLSConfig()
     auth_token_file: str | None = Field(
-        None, description="file holding the bearer token every Inference call must carry (health is open)"
+        None,
+        description="file holding the bearer token every Inference call and HTTP API call must carry (health is open)",
     )
     allow_insecure: bool = Field(False, description="serve a non-loopback address without TLS and without a token")
 
     @model_validator(mode="after")
     def _check_exposure(self) -> ServerConfig:
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ValueError(f"server.http_port {self.http_port} is already server.port or server.metrics_port")
         secured = self.tls.enabled or self.auth_token_file is not None
         if self.host not in LOOPBACK_HOSTS and not secured and not self.allow_insecure:
             raise ValueError(

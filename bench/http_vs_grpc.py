@@ -1,0 +1,353 @@
+"""The OpenAI-compatible HTTP API against gRPC on the same server: time to first token and output tok/s at each
+batch size (default 1 and 64).
+
+It starts one `mtpserve serve --http-port 0` subprocess (so the client does not compete with the engine loop for
+the interpreter) and, per batch size, runs rounds of `batch` concurrent streaming requests over each front end in
+turn (gRPC, HTTP, gRPC, HTTP, ...; one warm-up round of each first): the same random token-id prompts of
+--prompt-len tokens, greedy, `ignore_eos`, --output-len tokens each, fresh prompts every round (no prefix-cache
+hits). The gRPC client is grpc.aio over a few channels; the HTTP client is aiohttp, streaming
+`POST /v1/completions` as server-sent events with `return_token_ids`, one connection per stream. TTFT is from
+the request's send to its first chunk that carries a token; tok/s is the round's output tokens over its wall
+time. Prints a table and writes http_vs_grpc.json under --out.
+
+    python3 bench/http_vs_grpc.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --out $OUT
+    python3 bench/http_vs_grpc.py --tiny --device cpu --output-len 32 --out /tmp/hvg      # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from proto.mtpserve.v1 import inference_pb2 as pb  # noqa: E402
+from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
+
+SERVING = re.compile(r"serving gRPC on (?P<grpc>\S+), metrics on :\d+, HTTP on (?P<http>\S+)")
+FRONT_ENDS = ("grpc", "http")
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 4096,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+@dataclass
+class Stream:
+    """One request's timings (seconds from the round's start) and tokens."""
+
+    first: float | None = None
+    end: float = 0.0
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Round:
+    """One round of `batch` concurrent streams over one front end."""
+
+    front_end: str
+    batch: int
+    warmup: bool
+    seconds: float
+    tokens: int
+    ttft_ms: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def tok_per_s(self) -> float:
+        """Output tokens per second of wall time."""
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+async def grpc_stream(stub: Any, prompt: list[int], output_len: int, t0: float) -> Stream:
+    """One gRPC Generate stream."""
+    s = Stream()
+    req = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=output_len, ignore_eos=True)
+    )
+    try:
+        async for msg in stub.Generate(req, timeout=900.0):
+            if msg.token_ids and s.first is None:
+                s.first = time.perf_counter() - t0
+            s.tokens += len(msg.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        s.error = f"{exc.code().name}: {exc.details()}"
+    s.end = time.perf_counter() - t0
+    return s
+
+
+async def http_stream(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int, t0: float
+) -> Stream:
+    """One streamed `POST /v1/completions`, read as server-sent events."""
+    s = Stream()
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            s.error = f"{resp.status}: {await resp.text()}"
+            s.end = time.perf_counter() - t0
+            return s
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line == b"data: [DONE]":
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                s.error = chunk["error"]["message"]
+                break
+            n = sum(len(c.get("token_ids", [])) for c in chunk["choices"])
+            if n and s.first is None:
+                s.first = time.perf_counter() - t0
+            s.tokens += n
+    s.end = time.perf_counter() - t0
+    return s
+
+
+async def one_round(
+    front_end: str, addresses: dict[str, str], prompts: list[list[int]], args: argparse.Namespace
+) -> Round:
+    """All prompts at once over one front end."""
+    channels = [
+        grpc.aio.insecure_channel(addresses["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(args.channels)
+    ]
+    stubs = [pb_grpc.InferenceStub(c) for c in channels]
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=900))
+    url = f"http://{addresses['http']}/v1/completions"
+    try:
+        t0 = time.perf_counter()
+        if front_end == "grpc":
+            jobs = [grpc_stream(stubs[i % len(stubs)], p, args.output_len, t0) for i, p in enumerate(prompts)]
+        else:
+            jobs = [http_stream(session, url, p, args.output_len, t0) for p in prompts]
+        streams = await asyncio.gather(*jobs)
+        seconds = time.perf_counter() - t0
+    finally:
+        await session.close()
+        for c in channels:
+            await c.close()
+    r = Round(front_end, len(prompts), False, seconds, sum(s.tokens for s in streams))
+    for s in streams:
+        if s.error or s.tokens != args.output_len or s.first is None:
+            r.errors.append(s.error or f"{s.tokens} tokens")
+            continue
+        r.ttft_ms.append(1e3 * s.first)
+        if s.tokens > 1:
+            r.tpot_ms.append(1e3 * (s.end - s.first) / (s.tokens - 1))
+    return r
+
+
+async def settle(address: str, timeout: float = 120.0) -> None:
+    """Wait until the server holds no request and no KV block."""
+    async with grpc.aio.insecure_channel(address) as chan:
+        stub = pb_grpc.InferenceStub(chan)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            s = await stub.GetStats(pb.GetStatsRequest(), timeout=30.0)
+            if s.requests_running == s.requests_waiting == s.kv_blocks_used == 0:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def vocab_size(address: str) -> int:
+    """The served model's vocabulary size."""
+    async with grpc.aio.insecure_channel(address) as chan:
+        return int((await pb_grpc.InferenceStub(chan).GetModelInfo(pb.GetModelInfoRequest(), timeout=30.0)).vocab_size)
+
+
+def start_server(
+    args: argparse.Namespace, config: Path, model: str | None
+) -> tuple[subprocess.Popen[str], dict[str, str], list[str]]:
+    """`python -m cluster serve --http-port 0` in a subprocess; its gRPC and HTTP addresses once it serves."""
+    cmd = [sys.executable, "-m", "cluster", "serve", "--config", str(config), "--host", "127.0.0.1"]
+    cmd += ["--port", "0", "--http-port", "0", "--metrics-port", "0", "--device", args.device, "--dtype", args.dtype]
+    if model:
+        cmd += ["--model", model]
+    if args.tiny:
+        cmd += ["--load-format", "dummy", "--draft", "random"]
+    if args.draft:
+        cmd += ["--draft", args.draft]
+    if args.no_speculation:
+        cmd += ["--no-speculation"]
+    cmd += args.serve_args.split() if args.serve_args else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    found: dict[str, str] = {}
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            m = SERVING.search(line)
+            if m and not ready.is_set():
+                found.update(grpc=m["grpc"], http=m["http"])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(args.startup_timeout) or not found:
+        proc.kill()
+        raise SystemExit("server did not start:\n" + "\n".join(lines[-40:]))
+    return proc, found, lines
+
+
+def summarize(rounds: list[Round]) -> dict[str, Any]:
+    """Per batch size and front end: tok/s (median over rounds), TTFT and TPOT (over every request);
+    and HTTP over gRPC."""
+    out: dict[str, Any] = {}
+    for batch in sorted({r.batch for r in rounds}):
+        row: dict[str, Any] = {}
+        for fe in FRONT_ENDS:
+            rs = [r for r in rounds if r.batch == batch and r.front_end == fe and not r.warmup]
+            ttft = sorted(t for r in rs for t in r.ttft_ms)
+            tpot = [t for r in rs for t in r.tpot_ms]
+            row[fe] = {
+                "rounds": len(rs),
+                "tok_per_s": statistics.median(r.tok_per_s for r in rs) if rs else None,
+                "ttft_ms_mean": statistics.fmean(ttft) if ttft else None,
+                "ttft_ms_p50": ttft[len(ttft) // 2] if ttft else None,
+                "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None,
+                "tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
+                "errors": sum(len(r.errors) for r in rs),
+            }
+        g, h = row["grpc"], row["http"]
+        if g["tok_per_s"] and h["tok_per_s"] and g["ttft_ms_mean"] and h["ttft_ms_mean"]:
+            row["http_over_grpc"] = {
+                "tok_per_s": h["tok_per_s"] / g["tok_per_s"],
+                "ttft_ms_mean": h["ttft_ms_mean"] / g["ttft_ms_mean"],
+            }
+        out[str(batch)] = row
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF file or HF Llama directory (default: the default model)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny random Llama (dummy weights, random draft): a CPU smoke run"
+    )
+    ap.add_argument("--draft", help="draft head (default: the shipped one)")
+    ap.add_argument("--no-speculation", action="store_true", help="target-only decoding")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", default="1,64", help="concurrent streams per round (comma-separated)")
+    ap.add_argument("--repeats", type=int, default=3, help="measured rounds per batch size and front end")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--channels", type=int, default=8, help="gRPC client channels the streams spread over")
+    ap.add_argument("--serve-args", default="", help="more `mtpserve serve` flags, space-separated")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="out", help="folder for http_vs_grpc.json")
+    args = ap.parse_args()
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    block, length = 16, args.prompt_len + args.output_len + 64
+    config = {
+        "model": {"max_model_len": length},
+        "scheduler": {
+            "max_num_requests": max(batches),
+            "max_queue": 4 * max(batches),
+            "block_size": block,
+            "num_kv_blocks": max(batches) * -(-length // block) + 64,
+            "prefix_caching": False,
+        },
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="http-vs-grpc-"))
+    (tmp / "serve.yaml").write_text(yaml.safe_dump(config))
+    model = args.model
+    if args.tiny:
+        (tmp / "tiny").mkdir()
+        (tmp / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG))
+        model = str(tmp / "tiny")
+    proc, addresses, log = start_server(args, tmp / "serve.yaml", model)
+    rng = random.Random(args.seed)
+    rounds: list[Round] = []
+    try:
+        vocab = asyncio.run(vocab_size(addresses["grpc"]))
+        for batch in batches:
+            for i in range(args.repeats + 1):
+                for fe in FRONT_ENDS if i % 2 == 0 else FRONT_ENDS[::-1]:
+                    prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+                    r = asyncio.run(one_round(fe, addresses, prompts, args))
+                    r.warmup = i == 0
+                    rounds.append(r)
+                    asyncio.run(settle(addresses["grpc"]))
+                    ttft = statistics.fmean(r.ttft_ms) if r.ttft_ms else float("nan")
+                    tag = " (warm-up)" if r.warmup else ""
+                    line = f"batch {batch:>3} {fe:>4}: {r.tok_per_s:9.1f} tok/s, TTFT {ttft:8.1f} ms"
+                    print(f"{line}, {len(r.errors)} errors{tag}", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    summary = summarize(rounds)
+    report = {
+        "benchmark": "http_vs_grpc",
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "settings": vars(args),
+        "server_config": config,
+        "summary": summary,
+        "rounds": [asdict(r) | {"tok_per_s": r.tok_per_s} for r in rounds],
+        "server_log_tail": log[-20:],
+    }
+    (out_dir / "http_vs_grpc.json").write_text(json.dumps(report, indent=1) + "\n")
+    head = f"{'batch':>5} {'front end':>9} {'tok/s':>10} {'TTFT mean':>10} {'p50':>8} {'p90':>8}"
+    print(f"\n{head} {'TPOT':>7} {'errors':>6}")
+    for batch, row in summary.items():
+        for fe in FRONT_ENDS:
+            f = row[fe]
+            if f["tok_per_s"] is None or f["ttft_ms_mean"] is None:
+                print(f"{batch:>5} {fe:>9}  no complete round")
+                continue
+            print(
+                f"{batch:>5} {fe:>9} {f['tok_per_s']:>10.1f} {f['ttft_ms_mean']:>9.1f}ms {f['ttft_ms_p50']:>6.1f}ms "
+                f"{f['ttft_ms_p90']:>6.1f}ms {f['tpot_ms_mean'] or 0:>5.2f}ms {f['errors']:>6}"
+            )
+        if "http_over_grpc" in row:
+            ratio = row["http_over_grpc"]
+            print(f"{batch:>5} {'http/grpc':>9} {ratio['tok_per_s']:>10.3f} {ratio['ttft_ms_mean']:>10.3f}")
+    print(f"wrote {out_dir / 'http_vs_grpc.json'}")
+    return 1 if any(r.errors for r in rounds) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

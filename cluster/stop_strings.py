@@ -1,0 +1,43 @@
+"""Stop strings on a stream of text deltas: cut at the first one, never emitting text that may begin one."""
+
+from __future__ import annotations
+
+
+class StopStrings:
+    """Cuts a text stream at the earliest occurrence of any stop string (the stop string itself is dropped).
+
+    Text that could be the start of a stop string is held back until the next delta settles it, so what
+    `push` returns never has to be taken back.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.hit = False
+
+    def push(self, delta: str) -> str:
+        """Text that may be emitted now; once a stop string is found (`hit`), the text before it, then nothing."""
+        if self.hit:
+            return ""
+        text = self.held + delta
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.hit, self.held = True, ""
+            return text[: min(found)]
+        keep = self._open_prefix(text)
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """The text held back when the stream ends without a stop string."""
+        out, self.held = self.held, ""
+        return out
+
+    def _open_prefix(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        longest = max((len(s) for s in self.stops), default=0)
+        for k in range(min(len(text), longest - 1), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0

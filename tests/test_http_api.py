@@ -1,0 +1,460 @@
+"""The OpenAI-compatible HTTP API against a real `mtpserve serve --http-port` on loopback, called with the real
+`openai` client (and raw HTTP for what the client would not send), plus health and failures in process."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from cluster.client import MTPServeClient
+from cluster.engine import LLMEngine
+from cluster.server import MTPServer
+from workers.config import MTPServeConfig
+
+from helpers_service import ROOT, ServeProcess, child_env, wait_for, write_dummy_model, write_tiny_model
+
+VOCAB = 49152
+MAX_LEN = 512
+SERVER_YAML = {
+    "model": {"device": "cpu", "dtype": "float32"},
+    "scheduler": {"max_num_requests": 32, "max_queue": 1024, "num_kv_blocks": 512, "block_size": 16},
+    "server": {"http_max_body_mb": 1},
+}
+QUESTION = "Write a haiku about the sea."
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model dir, draft head path) of a tiny model with SmolLM2's tokenizer and chat template."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """`mtpserve serve --http-port 0`; SIGTERM must stop it cleanly."""
+    config = tmp_path_factory.mktemp("cfg") / "serve.yaml"
+    config.write_text(yaml.safe_dump(SERVER_YAML))
+    model, head = tiny
+    args = ["--config", str(config), "--model", str(model), "--draft", str(head), "--http-port", "0"]
+    proc = ServeProcess(args).start()
+    assert proc.http_port, proc.log
+    yield proc
+    assert proc.stop() == 0, proc.log
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> openai.OpenAI:
+    """The openai client of the server (no retries: every error must surface)."""
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server: ServeProcess) -> Iterator[MTPServeClient]:
+    """A gRPC client of the same server, for its KV and request counters."""
+    with MTPServeClient(server.address, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny: tuple[Path, Path]) -> Any:
+    """The served model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny[0]))
+
+
+@pytest.fixture(scope="module")
+def model_id(tiny: tuple[Path, Path]) -> str:
+    """The id the server gives its model: the model directory's name."""
+    return tiny[0].name
+
+
+def wait_idle(c: MTPServeClient, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until nothing runs or waits and every KV block is free; returns the stats."""
+    return wait_for(
+        lambda: (
+            (s := c.stats())["kv_blocks_used"] == 0 and s["requests_running"] == 0 and s["requests_waiting"] == 0 and s
+        ),
+        timeout,
+    )
+
+
+def http(
+    method: str, url: str, body: bytes | dict[str, Any] | None = None, token: str | None = None
+) -> tuple[int, Any]:
+    """(status, decoded JSON body) of one raw HTTP call."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+# ---- models, health ------------------------------------------------------------------------------
+def test_models_and_health(client: openai.OpenAI, server: ServeProcess, model_id: str) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [model_id] and models[0].owned_by == "mtpserve"
+    assert http("GET", f"{server.http_url}/health") == (200, {"status": "serving"})
+
+
+# ---- completions ---------------------------------------------------------------------------------
+def test_chat_whole_and_streamed_agree_with_right_usage(client: openai.OpenAI, tokenizer: Any, model_id: str) -> None:
+    """A greedy chat completion, whole and streamed: same text and tokens; usage counts the chat-templated
+    prompt and the answer's tokens; the speculative figures add up."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    whole = client.chat.completions.create(model=model_id, messages=messages, max_tokens=20, extra_body=extra)
+    choice = whole.choices[0]
+    ids = choice.token_ids  # type: ignore[attr-defined]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant" and len(ids) == 20
+    assert choice.message.content == tokenizer.decode(ids, skip_special_tokens=True)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    usage = whole.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(prompt), 20, len(prompt) + 20)
+    spec = usage.speculative  # type: ignore[attr-defined]
+    assert spec["verify_steps"] > 0 and spec["drafted"] >= spec["verify_steps"] and spec["accepted"] > 0
+    assert spec["acceptance_length"] == pytest.approx(1 + spec["accepted"] / spec["verify_steps"], abs=1e-5)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=model_id,
+            messages=messages,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len(chunks) >= 4, "the answer was not streamed"
+    *body, final = chunks
+    assert final.choices == [] and final.usage is not None and final.usage.completion_tokens == 20
+    assert all(c.usage is None for c in body)
+    assert [c.choices[0].finish_reason for c in body].count("length") == 1 and body[-1].choices[0].finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in body) == choice.message.content
+    assert [t for c in body for t in c.choices[0].token_ids] == ids  # type: ignore[attr-defined]
+
+
+def test_stream_is_server_sent_events_ending_with_done(server: ServeProcess, model_id: str) -> None:
+    """On the wire: text/event-stream, every event one `data: ...` line and a blank line, the last `[DONE]`."""
+    body = json.dumps({"model": model_id, "prompt": "Hello", "max_tokens": 5, "stream": True}).encode()
+    req = urllib.request.Request(f"{server.http_url}{TEXT}", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: ") and "\n" not in e for e in events[:-1])
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop") and chunks[0]["object"] == "text_completion"
+
+
+def test_text_completion_whole_and_streamed(client: openai.OpenAI, tokenizer: Any, model_id: str) -> None:
+    """/v1/completions takes the prompt as is: text without the chat template, or token ids."""
+    prompt = "The tide rolls in and"
+    whole = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, extra_body={"ignore_eos": True})
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    streamed = list(
+        client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert len(streamed) >= 2 and streamed[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    by_ids = client.completions.create(model=model_id, prompt=ids, max_tokens=12, extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == whole.choices[0].text
+
+
+def _generate_local(tiny: tuple[Path, Path], *args: str) -> dict[str, Any]:
+    model, head = tiny
+    cmd = [sys.executable, "-m", "cluster", "generate", "--local", "--model", str(model), "--draft", str(head)]
+    cmd += ["--device", "cpu", "--dtype", "float32", "--json", *args]
+    out = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_greedy_text_equals_generate_local(client: openai.OpenAI, tiny: tuple[Path, Path], model_id: str) -> None:
+    """The same prompt and settings give the same greedy text as `mtpserve generate --local`, through the
+    chat template (chat) and without it (text completion)."""
+    local = _generate_local(tiny, "--prompt", QUESTION, "--max-tokens", "24")
+    chat = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert chat.choices[0].token_ids == local["token_ids"]  # type: ignore[attr-defined]
+    assert chat.choices[0].message.content == local["text"] and chat.choices[0].finish_reason == local["finish_reason"]
+    raw = _generate_local(tiny, "--prompt", "Once upon a time", "--max-tokens", "16", "--raw")
+    text = client.completions.create(model=model_id, prompt="Once upon a time", max_tokens=16, temperature=0)
+    assert text.choices[0].text == raw["text"] and text.usage.completion_tokens == len(raw["token_ids"])
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(
+    client: openai.OpenAI, grpc_client: MTPServeClient, model_id: str
+) -> None:
+    """A stop string taken from the middle of a greedy answer ends it there (whole and streamed), with
+    finish_reason "stop" and fewer tokens; the request is gone from the engine afterwards."""
+    kw: dict[str, Any] = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0}
+    full = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = full[: full.index(stop)]
+    wait_idle(grpc_client)
+    before = grpc_client.stats()["generated_tokens"]
+    whole = client.completions.create(**kw, stop=[stop, "never-in-this-text"], extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens < 40
+    streamed = list(client.completions.create(**kw, stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == cut and streamed[-1].choices[0].finish_reason == "stop"
+    after = wait_idle(grpc_client)
+    assert after["generated_tokens"] - before < 80, "a request ran on past its stop string"
+
+
+def test_seeded_sampling_repeats(client: openai.OpenAI, model_id: str) -> None:
+    kw: dict[str, Any] = {"model": model_id, "prompt": "Hello", "max_tokens": 16, "temperature": 0.9, "top_p": 0.9}
+    a = client.completions.create(**kw, seed=11, extra_body={"ignore_eos": True}).choices[0].text
+    b = client.completions.create(**kw, seed=11, extra_body={"ignore_eos": True}).choices[0].text
+    assert a == b
+
+
+def test_client_disconnect_mid_stream_frees_the_request(
+    server: ServeProcess, grpc_client: MTPServeClient, model_id: str
+) -> None:
+    """Closing a stream after two chunks aborts the request: nothing runs and every KV block is free soon
+    after, long before its 400 tokens would have been generated."""
+    before = wait_idle(grpc_client)
+    c = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = c.completions.create(
+        model=model_id, prompt=[5, 6, 7, 8], max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
+    it = iter(stream)
+    next(it), next(it)
+    assert grpc_client.stats()["kv_blocks_used"] > 0
+    stream.close()
+    c.close()
+    after = wait_idle(grpc_client)
+    assert after["requests_finished"] == before["requests_finished"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < 400, "the request ran on after the disconnect"
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
+    ("negative max_tokens", CHAT, {"messages": USER, "max_tokens": -1}, 400, "max_tokens"),
+    ("zero max_tokens", TEXT, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens past the model length", CHAT, {"messages": USER, "max_tokens": 100_000}, 400, "max_tokens"),
+    ("max_tokens past int32", TEXT, {"prompt": "hi", "max_tokens": 2**40}, 400, "max_tokens"),
+    (
+        "max_completion_tokens too big",
+        CHAT,
+        {"messages": USER, "max_completion_tokens": 600},
+        400,
+        "max_completion_tokens",
+    ),
+    (
+        "NaN temperature",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+    ),
+    ("infinite top_p", TEXT, b'{"prompt": "hi", "top_p": Infinity}', 400, "top_p"),
+    ("temperature above 2", CHAT, {"messages": USER, "temperature": 2.5}, 400, "temperature"),
+    ("negative temperature", TEXT, {"prompt": "hi", "temperature": -0.1}, 400, "temperature"),
+    ("top_p 0", TEXT, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("empty messages", CHAT, {"messages": []}, 400, "messages"),
+    ("no messages", CHAT, {"max_tokens": 3}, 400, "messages"),
+    ("unknown role", CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("tool role", CHAT, {"messages": [*USER, {"role": "tool", "content": "x"}]}, 400, "messages[1].role"),
+    (
+        "image content",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content",
+    ),
+    ("unknown model", CHAT, {"model": "gpt-4o", "messages": USER}, 404, "model"),
+    ("not JSON", CHAT, b"{messages: hi", 400, None),
+    ("JSON but not an object", TEXT, b"[1, 2]", 400, "body"),
+    ("n = 2", CHAT, {"messages": USER, "n": 2}, 400, "n"),
+    ("logprobs", TEXT, {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("five stop strings", TEXT, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("prompt too long", TEXT, {"prompt": [7] * MAX_LEN}, 400, "prompt"),
+    ("token id outside the vocabulary", TEXT, {"prompt": [1, VOCAB]}, 400, "prompt"),
+    ("empty prompt", TEXT, {"prompt": ""}, 400, "prompt"),
+    ("body over http_max_body_mb", TEXT, b'{"prompt": "' + b"a" * (1024 * 1024 + 10) + b'"}', 413, None),
+]
+
+
+def test_bad_inputs_get_openai_errors_while_a_good_stream_completes(
+    server: ServeProcess, client: openai.OpenAI, grpc_client: MTPServeClient, model_id: str
+) -> None:
+    """Each bad request gets its status and an OpenAI error body naming the field; a stream running
+    meanwhile completes untouched, and nothing is left running afterwards."""
+    wait_idle(grpc_client)
+    good: dict[str, Any] = {}
+
+    def run_good() -> None:
+        stream = client.completions.create(
+            model=model_id, prompt=[9, 8, 7], max_tokens=300, stream=True, extra_body={"ignore_eos": True}
+        )
+        good["text"] = [c.choices[0] for c in stream]
+        good["done_at"] = time.monotonic()
+
+    thread = threading.Thread(target=run_good)
+    thread.start()
+    wait_for(lambda: grpc_client.stats()["requests_running"] == 1)
+    failures = []
+    for name, path, body, status, param in BAD_INPUTS:
+        got, obj = http("POST", server.http_url + path, body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        ok = got == status and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
+        if not ok or err["param"] != param or (param and not err["message"].startswith(f"{param}: ")):  # type: ignore[index]
+            failures.append(f"{name}: got {got} {obj}, want {status} naming {param}")
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", CHAT, 405)):
+        got, obj = http(method, server.http_url + path)
+        if got != status or "error" not in obj:
+            failures.append(f"{method} {path}: got {got} {obj}")
+    bad_done_at = time.monotonic()
+    thread.join(120)
+    assert not failures, "\n".join(failures)
+    assert good["text"][-1].finish_reason == "length" and good["done_at"] > bad_done_at
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model_id, messages=USER, max_tokens=-5)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=USER)
+    assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert client.completions.create(model=model_id, prompt="hi", max_tokens=2).choices[0].finish_reason
+    wait_idle(grpc_client)
+
+
+def test_metrics_are_labelled_by_front_end(client: openai.OpenAI, server: ServeProcess, model_id: str) -> None:
+    client.completions.create(model=model_id, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    page = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{re.escape(name)} (\S+)$", page, re.MULTILINE)
+        assert m, f"{name} not in /metrics"
+        return float(m.group(1))
+
+    assert value('mtpserve_requests_total{finish_reason="length",frontend="http"}') >= 1
+    assert value('mtpserve_generation_tokens_total{frontend="http"}') >= 3
+    assert value('mtpserve_time_to_first_token_seconds_count{frontend="http"}') >= 1
+
+
+def test_serve_refuses_a_taken_http_port_and_a_clash(tmp_path: Path) -> None:
+    """An HTTP port already in use stops `serve` with exit code 2 naming it; the same number as the gRPC port
+    is refused by the config, naming server.http_port."""
+    model = write_dummy_model(tmp_path / "dummy")
+    base = [sys.executable, "-m", "cluster", "serve", "--model", str(model), "--load-format", "dummy"]
+    base += ["--device", "cpu", "--port", "0", "--metrics-port", "0"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [*base, "--http-port", str(port)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300
+        )
+    assert out.returncode == 2 and f"http_port {port}" in out.stderr, out.stderr
+    clash = subprocess.run(
+        [*base, "--port", "8000", "--http-port", "8000", "--print-config"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert clash.returncode == 2 and "server.http_port 8000 is already" in clash.stderr
+
+
+# ---- in process: health follows the workers, engine failures -------------------------------------
+@pytest.fixture(scope="module")
+def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MTPServer]:
+    """An MTPServer in this process with the HTTP API on a dummy-weight model (token ids only)."""
+    model = write_dummy_model(tmp_path_factory.mktemp("dummy"))
+    cfg = MTPServeConfig.from_dict(
+        {
+            "model": {"path": str(model), "load_format": "dummy", "device": "cpu"},
+            "speculative": {"draft": "random"},
+            "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
+            "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
+        }
+    )
+    srv = MTPServer(LLMEngine.from_config(cfg), metrics=False)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _fail_next_step(srv: MTPServer, exc: Exception) -> None:
+    """Fault injection: the engine's next target step raises `exc`, later steps run normally."""
+    target = srv.engine.target
+    real: Callable[..., Any] = target.execute
+
+    def execute(plan: Any) -> Any:
+        target.execute = real  # type: ignore[method-assign]
+        raise exc
+
+    target.execute = execute  # type: ignore[method-assign]
+
+
+def test_health_and_admission_follow_the_workers(inproc: MTPServer) -> None:
+    """/health turns 503 while the workers are down, and completions get 503 with an error body."""
+    url = f"http://{inproc.http_address}"
+    body = {"prompt": [3, 4, 5], "max_tokens": 2}
+    inproc.set_serving(False)
+    try:
+        assert http("GET", f"{url}/health") == (503, {"status": "not_serving"})
+        status, obj = http("POST", f"{url}{TEXT}", body)
+        assert status == 503 and obj["error"]["type"] == "server_error"
+    finally:
+        inproc.set_serving(True)
+    assert http("GET", f"{url}/health")[0] == 200
+    status, obj = http("POST", f"{url}{TEXT}", body)
+    assert status == 200 and obj["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_engine_failure_mid_stream_reaches_the_client(inproc: MTPServer) -> None:
+    """An engine error after the stream began arrives as an error event (the openai client raises); the
+    server then serves the next request and holds no KV block."""
+    c = openai.OpenAI(base_url=f"http://{inproc.http_address}/v1", api_key="unused", max_retries=0, timeout=30)
+    model = c.models.list().data[0].id
+    stream = c.completions.create(
+        model=model, prompt=[3, 4, 5, 6], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
+    it = iter(stream)
+    next(it)
+    _fail_next_step(inproc, RuntimeError("boom"))
+    with pytest.raises(openai.APIError, match="boom"):
+        list(it)
+    out = c.completions.create(model=model, prompt=[3, 4], max_tokens=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+    blocks = inproc.engine.scheduler.blocks
+    wait_for(lambda: blocks.num_free == blocks.num_blocks)

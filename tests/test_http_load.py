@@ -1,0 +1,163 @@
+"""256 concurrent streams from the openai async client against `mtpserve serve --http-port` on loopback, some
+closed mid-stream: every stream ends right, and every KV block is free afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+import yaml
+
+from cluster.client import MTPServeClient
+
+from helpers_service import ServeProcess, wait_for, write_tiny_model
+
+STREAMS = 256
+MAX_TOKENS = 6
+CANCELLED_MAX_TOKENS = 300  # streams closed after their first tokens ask for many more
+RERUN_ALONE = 16  # greedy streams checked against the same request run alone
+SERVER_YAML = {
+    "model": {"device": "cpu", "dtype": "float32"},
+    "scheduler": {"max_num_requests": 64, "max_queue": 1024, "num_kv_blocks": 1024, "block_size": 16},
+}
+
+
+@dataclass
+class Spec:
+    """One planned stream."""
+
+    chat: bool
+    prompt: list[int] | str
+    sampling: dict[str, Any]
+    cancel: bool
+
+
+@dataclass
+class Outcome:
+    """What one stream received."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+    usage: Any = None
+    closed_early: bool = False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """A speculative tiny-model server with SmolLM2's tokenizer, 64 running slots, the HTTP API on."""
+    model, head = write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    config = tmp_path_factory.mktemp("cfg") / "serve.yaml"
+    config.write_text(yaml.safe_dump(SERVER_YAML))
+    proc = ServeProcess(["--config", str(config), "--model", str(model), "--draft", str(head), "--http-port", "0"])
+    proc.start()
+    yield proc
+    assert proc.stop() == 0, proc.log
+
+
+def plan(seed: int) -> list[Spec]:
+    """A quarter chat, the rest text completions of random token ids; half greedy, half sampled; 1 in 8 closed
+    after its first tokens (and asking for CANCELLED_MAX_TOKENS, so that it is cut mid-stream)."""
+    rng = random.Random(seed)
+    specs = []
+    for i in range(STREAMS):
+        sampling: dict[str, Any] = {"temperature": 0.0}
+        if i % 2:
+            sampling = {"temperature": 0.8, "top_p": 0.9, "seed": i}
+        prompt: list[int] | str = [rng.randrange(10, 49152) for _ in range(rng.choice([3, 9, 17, 30]))]
+        if i % 4 == 0:
+            prompt = f"Question {i}: what comes after {rng.randrange(1000)}?"
+        specs.append(Spec(i % 4 == 0, prompt, sampling, rng.random() < 0.125))
+    return specs
+
+
+async def run_stream(client: openai.AsyncOpenAI, model: str, spec: Spec, go: asyncio.Event) -> Outcome:
+    """One stream; a planned cancel closes it after the first chunk that carries tokens."""
+    out = Outcome()
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    max_tokens = CANCELLED_MAX_TOKENS if spec.cancel else MAX_TOKENS
+    kw: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True, "extra_body": extra}
+    kw |= {"stream_options": {"include_usage": True}, **spec.sampling}
+    await go.wait()
+    if spec.chat:
+        stream: Any = await client.chat.completions.create(messages=[{"role": "user", "content": spec.prompt}], **kw)
+    else:
+        stream = await client.completions.create(prompt=spec.prompt, **kw)
+    async for chunk in stream:
+        if chunk.usage is not None:
+            out.usage = chunk.usage
+        for choice in chunk.choices:
+            out.tokens.extend(choice.token_ids)
+            out.text += (choice.delta.content or "") if spec.chat else choice.text
+            out.finish = choice.finish_reason or out.finish
+        if spec.cancel and out.tokens:
+            await stream.close()
+            out.closed_early = True
+            break
+    return out
+
+
+async def one_round(base_url: str, model: str, specs: list[Spec]) -> list[Outcome]:
+    """Every stream at once over one client whose pool holds a connection per stream."""
+    limits = httpx2.Limits(max_connections=STREAMS + 16, max_keepalive_connections=STREAMS + 16)
+    http_client = openai.DefaultAsyncHttpxClient(limits=limits)
+    async with openai.AsyncOpenAI(
+        base_url=base_url, api_key="unused", max_retries=0, timeout=180, http_client=http_client
+    ) as client:
+        go = asyncio.Event()
+        tasks = [asyncio.create_task(run_stream(client, model, s, go)) for s in specs]
+        go.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+
+
+@pytest.mark.slow
+def test_256_concurrent_streams_end_right_and_free_every_block(server: ServeProcess) -> None:
+    """Each stream closed early got tokens first, and its request stopped far short of its max_tokens; every
+    other one ends with finish_reason "length", its MAX_TOKENS tokens and a final usage chunk that counts
+    them; greedy ones equal the same request run alone; afterwards nothing runs or waits and every KV block
+    is free."""
+    specs = plan(seed=0)
+    cancelled = sum(s.cancel for s in specs)
+    assert 10 <= cancelled <= 60
+    base_url = f"{server.http_url}/v1"
+    with MTPServeClient(server.address, timeout=60) as grpc_client:
+        before = grpc_client.stats()
+        model = openai.OpenAI(base_url=base_url, api_key="unused").models.list().data[0].id
+        outcomes = asyncio.run(one_round(base_url, model, specs))
+        wrong = []
+        for i, (spec, out) in enumerate(zip(specs, outcomes, strict=True)):
+            if spec.cancel:
+                if not (out.closed_early and out.tokens):
+                    wrong.append(f"{i}: cancel planned, got {out}")
+            elif not (
+                out.finish == "length"
+                and len(out.tokens) == MAX_TOKENS
+                and out.usage is not None
+                and out.usage.completion_tokens == MAX_TOKENS
+            ):
+                wrong.append(f"{i}: {out}")
+        assert not wrong, "\n".join(wrong[:10])
+        after = wait_for(
+            lambda: (s := grpc_client.stats())["kv_blocks_used"] == 0 and s["requests_running"] == 0 and s,
+            timeout=60,
+        )
+        assert after["requests_waiting"] == 0
+        assert after["requests_finished"] - before["requests_finished"] == STREAMS
+        generated = after["generated_tokens"] - before["generated_tokens"]
+        assert generated < (STREAMS - cancelled) * MAX_TOKENS + cancelled * CANCELLED_MAX_TOKENS // 3, generated
+    greedy = [(s, o) for s, o in zip(specs, outcomes, strict=True) if not s.cancel and not s.sampling.get("seed")]
+    alone = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    for spec, out in greedy[:RERUN_ALONE]:
+        kw: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0}
+        kw["extra_body"] = {"ignore_eos": True, "return_token_ids": True}
+        if spec.chat:
+            got = alone.chat.completions.create(messages=[{"role": "user", "content": spec.prompt}], **kw)
+        else:
+            got = alone.completions.create(prompt=spec.prompt, **kw)
+        assert got.choices[0].token_ids == out.tokens, spec  # type: ignore[attr-defined]
