@@ -13,10 +13,9 @@ Setups: `in-process` (the engine in this process), `ray-tp1` (a scheduler-side e
 worker actor with the draft colocated, steps over the Unix-socket link, decode steps queued ahead),
 `ray-tp1-sync` (the same, every step answered before the next is planned: the per-hop timeline),
 `ray-tp1-grpc` (the gRPC stream instead of the socket), `ray-tp2`, `ray-tp2-separate` (plus a draft
-worker actor). Per Ray step the breakdown gives the scheduler's encode and decode, its wait for the
-reply, the worker's busy time (decode, run or launch + collect, draft, encode) and the rest of the
-round trip (transport, thread hand-offs; for queued steps also the time the reply waits for the next
-message).
+worker actor). Per Ray step the timeline follows one step through both processes (`SEGMENTS`: to the rank, queued on
+the device, results read, reply encoded, back to the scheduler, the scheduler's turn until its next
+send), as medians; `hops_per_step` adds the scheduler's encode/decode and wait and the bytes per hop.
 """
 
 from __future__ import annotations
@@ -79,7 +78,32 @@ def measure(engine: LLMEngine, batch: int, steps: int) -> dict[str, Any]:
     if hops:
         n = max(hops["steps"] - hops0.get("steps", 0), 1)
         per_step = {k: (hops.get(k, 0.0) - hops0.get(k, 0.0)) / n for k in HOP_KEYS}
-    return {"batch": batch, "step_ms": 1e3 * dt, "hops_per_step": per_step}
+    timeline = getattr(engine.target, "timeline", None)
+    row: dict[str, Any] = {"batch": batch, "step_ms": 1e3 * dt, "hops_per_step": per_step}
+    if timeline:
+        row["timeline_ms"] = segments([r for r in timeline if t0 <= r["sent"] and "next_send" in r])
+    return row
+
+
+SEGMENTS = {  # one answered step's path, in the order it happens (both hosts' perf_counter clocks agree)
+    "to_rank": ("sent", "t_received"),  # scheduler encodes and sends, the rank's link thread wakes and reads
+    "rank_queue": ("t_received", "t_queued"),  # the rank decodes, checks and queues (launch) or starts it
+    "rank_device": ("t_queued", "t_done"),  # queued until its results are read (device time, and for a queued
+    # step also the next message's wait and queueing)
+    "rank_reply": ("t_done", "t_replied"),  # the rank encodes its answer
+    "to_scheduler": ("t_replied", "got"),  # the answer crosses back and the scheduler decodes it
+    "scheduler_turn": ("got", "next_send"),  # the scheduler applies the step, plans and encodes the next
+}
+
+
+def segments(records: list[dict[str, float]]) -> dict[str, float]:
+    """Median milliseconds of each timeline segment over the steps measured."""
+    out: dict[str, float] = {}
+    for name, (a, b) in SEGMENTS.items():
+        spans = sorted(1e3 * (r[b] - r[a]) for r in records if r.get(a) and r.get(b))
+        if spans:
+            out[name] = spans[len(spans) // 2]
+    return out
 
 
 def config(args: argparse.Namespace, k: int) -> dict[str, Any]:
@@ -147,12 +171,11 @@ def main() -> int:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
-    timeline = ("encode_s", "wait_s", "worker_s", "transit_s", "decode_s")
-    print("\nsetup | K | batch | step ms (best) | x in-process | " + " | ".join(k[:-2] + " ms" for k in timeline))
+    print("\nsetup | K | batch | step ms (best) | x in-process | median ms: " + " | ".join(SEGMENTS))
     for s in report["summary"]:
-        h = s["hops"]
+        t = s["timeline_ms"]
         cells = [s["setup"], str(s["k"]), str(s["batch"]), f"{s['step_ms']:.3f}", f"{s['vs_in_process']:.2f}"]
-        cells += [f"{1e3 * h.get(key, 0.0):.3f}" for key in timeline]
+        cells += [f"{t[key]:.3f}" if key in t else "-" for key in SEGMENTS]
         print(" | ".join(cells))
     return 0
 
@@ -169,7 +192,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ref = best.get(("in-process", k, batch))
         ratio = ref["step_ms"] / r["step_ms"] if ref else float("nan")
         out.append({"setup": setup, "k": k, "batch": batch, "step_ms": r["step_ms"], "vs_in_process": ratio,
-                    "hops": r["hops_per_step"]})  # fmt: skip
+                    "hops": r["hops_per_step"], "timeline_ms": r.get("timeline_ms", {})})  # fmt: skip
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from speculative.messages import StepPlan, TargetOutput
 from workers.builders import depth_policy, draft_source, max_model_len, num_blocks_for
 from workers.config import MTPServeConfig
-from workers.convert import plan_to_proto, target_output_from_proto
+from workers.convert import TIMELINE, plan_to_proto, target_output_from_proto
 from workers.grpc_util import channel_options, node_ip
 from workers.runner import LaunchSpec
 from workers.step_link import LinkClosed, StepLink, connect
@@ -193,6 +194,8 @@ class RemoteTarget:
         self.listeners: list[Callable[[bool], None]] = []
         self.hops: dict[str, float] = {"steps": 0.0}
         self._unanswered: RemoteStep | None = None  # launched, and no later message sent to release its reply
+        self.timeline: deque[dict[str, float]] = deque(maxlen=4096)  # per answered step, both hosts' stamps
+        self._turn: list[dict[str, float]] = []  # answered steps waiting for the scheduler's next send
         self._recovering = threading.Lock()
         self._stopped = False
 
@@ -241,6 +244,9 @@ class RemoteTarget:
         if plan is not None:
             req.plan.CopyFrom(plan_to_proto(plan))
         self._unanswered = None
+        for record in self._turn:
+            record["next_send"] = t0
+        self._turn = []
         size = 0
         try:
             for link in self.group.links:
@@ -254,7 +260,11 @@ class RemoteTarget:
 
     def _count(self, step: RemoteStep, out: TargetOutput, size: int, wait: float, decode: float) -> None:
         h, t = self.hops, out.timing
-        round_trip = time.perf_counter() - step.sent
+        now = time.perf_counter()
+        round_trip = now - step.sent
+        record = {"sent": step.sent, "got": now - decode, **{k: t[k] for k in TIMELINE if k.startswith("t_")}}
+        self.timeline.append(record)
+        self._turn.append(record)
         adds = {
             "steps": 1.0,
             "output_bytes": float(size),

@@ -8,6 +8,8 @@ from proto.codec import decode_tensor, encode_tensor
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 
+TIMELINE = ("decode_s", "worker_s", "t_received", "t_queued", "t_done", "t_replied")  # StepTiming's rank-0 figures
+
 
 def plan_to_proto(plan: StepPlan) -> wpb.StepPlan:
     """StepPlan -> wire."""
@@ -149,8 +151,7 @@ def target_output_to_proto(o: TargetOutput) -> wpb.TargetOutput:
             draft_hop_s=o.timing.get("draft_hop_s", 0.0),
             draft_inputs_bytes=int(o.timing.get("draft_inputs_bytes", 0)),
             draft_outputs_bytes=int(o.timing.get("draft_outputs_bytes", 0)),
-            decode_s=o.timing.get("decode_s", 0.0),
-            worker_s=o.timing.get("worker_s", 0.0),
+            **{key: o.timing.get(key, 0.0) for key in TIMELINE},
         ),
     )
     if o.draft_outputs is not None:
@@ -168,7 +169,6 @@ def target_output_from_proto(m: wpb.TargetOutput) -> TargetOutput:
         "draft_hop_s": t.draft_hop_s,
         "draft_inputs_bytes": float(t.draft_inputs_bytes),
         "draft_outputs_bytes": float(t.draft_outputs_bytes),
-        "worker_decode_s": t.decode_s,
-        "worker_s": t.worker_s,
+        **{key: getattr(t, key) for key in TIMELINE},
     }
     return TargetOutput(m.step_id, results, None, drafts, timing)

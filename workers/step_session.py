@@ -60,7 +60,7 @@ class StepSession:
         self.limits = limits
         self.rank = rank
         self.run_draft = run_draft
-        self.pending: tuple[LaunchedStep, float] | None = None  # the launched step and its busy seconds so far
+        self.pending: tuple[LaunchedStep, dict[str, float]] | None = None  # launched, and its timeline so far
 
     def handle(self, req: wpb.StepRequest) -> tuple[list[wpb.TargetOutput], bool]:
         """The replies one request releases (the launched step's, then its own), and False on an error."""
@@ -84,16 +84,18 @@ class StepSession:
         if launched is None:
             why = f"step {plan.step_id} is not a captured generation step of this rank; it cannot be launched"
             raise StepFailure("FAILED_PRECONDITION", why)
+        t1 = time.perf_counter()
         replies = [self._finish()] if self.pending is not None else []
-        self.pending = (launched, time.perf_counter() - t0)
+        self.pending = (launched, {"t_received": t0, "t_queued": t1, "decode_s": decode_s, "worker_s": t1 - t0})
         return replies
 
     def _execute(self, plan: StepPlan, t0: float, decode_s: float) -> wpb.TargetOutput:
+        t1 = time.perf_counter()
         out = self.execute(plan)
         if self.rank != 0:
             return wpb.TargetOutput(step_id=out.step_id)
-        out.timing["decode_s"] = decode_s
-        return self._encode(out, t0, 0.0)
+        out.timing.update(t_received=t0, t_queued=t1, decode_s=decode_s, worker_s=0.0)
+        return self._encode(out, t0)
 
     def execute(self, plan: StepPlan) -> TargetOutput:
         """Run a step now: the target, then (rank 0) its draft, with their wall times in `timing`."""
@@ -108,15 +110,19 @@ class StepSession:
 
     def _finish(self) -> wpb.TargetOutput:
         assert self.pending is not None
-        (launched, busy), self.pending = self.pending, None
+        (launched, timing), self.pending = self.pending, None
         t0 = time.perf_counter()
         out = self.runner.collect(launched)
         if self.rank != 0:
             return wpb.TargetOutput(step_id=out.step_id)
-        return self._encode(out, t0, busy)
+        out.timing.update(timing)
+        return self._encode(out, t0)
 
     @staticmethod
-    def _encode(out: TargetOutput, t0: float, busy: float) -> wpb.TargetOutput:
+    def _encode(out: TargetOutput, t0: float) -> wpb.TargetOutput:
+        """The reply, with the rank's busy time since t0 added and its timeline stamps."""
+        out.timing["t_done"] = time.perf_counter()
         msg = target_output_to_proto(out)
-        msg.timing.worker_s = busy + time.perf_counter() - t0
+        msg.timing.t_replied = time.perf_counter()
+        msg.timing.worker_s += msg.timing.t_replied - t0
         return msg

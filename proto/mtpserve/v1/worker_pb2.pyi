@@ -140,20 +140,28 @@ class DraftOutputs(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_parents: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("target_s", "draft_hop_s", "draft_inputs_bytes", "draft_outputs_bytes", "decode_s", "worker_s")
+    __slots__ = ("target_s", "draft_hop_s", "draft_inputs_bytes", "draft_outputs_bytes", "decode_s", "worker_s", "t_received", "t_queued", "t_done", "t_replied")
     TARGET_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HOP_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_INPUTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_OUTPUTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     WORKER_S_FIELD_NUMBER: _ClassVar[int]
+    T_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    T_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    T_DONE_FIELD_NUMBER: _ClassVar[int]
+    T_REPLIED_FIELD_NUMBER: _ClassVar[int]
     target_s: float
     draft_hop_s: float
     draft_inputs_bytes: int
     draft_outputs_bytes: int
     decode_s: float
     worker_s: float
-    def __init__(self, target_s: _Optional[float] = ..., draft_hop_s: _Optional[float] = ..., draft_inputs_bytes: _Optional[int] = ..., draft_outputs_bytes: _Optional[int] = ..., decode_s: _Optional[float] = ..., worker_s: _Optional[float] = ...) -> None: ...
+    t_received: float
+    t_queued: float
+    t_done: float
+    t_replied: float
+    def __init__(self, target_s: _Optional[float] = ..., draft_hop_s: _Optional[float] = ..., draft_inputs_bytes: _Optional[int] = ..., draft_outputs_bytes: _Optional[int] = ..., decode_s: _Optional[float] = ..., worker_s: _Optional[float] = ..., t_received: _Optional[float] = ..., t_queued: _Optional[float] = ..., t_done: _Optional[float] = ..., t_replied: _Optional[float] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
