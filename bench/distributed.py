@@ -4,7 +4,8 @@
     python bench/distributed.py --device cuda --shape smollm2 --json $OUT/distributed_smollm2.json
     python bench/distributed.py --device cuda --shape ../shared/device/llama3-8b --json $OUT/distributed_8b.json
 
-Every setup runs target-only and with K draft tokens, in one process per setup, over the same prompt.
+Every setup runs target-only and with K draft tokens over the same prompt; per depth all setups are built
+first and measured in turn, `--repeats` times, and the best of each row is kept.
 `--shape smollm2` loads the real SmolLM2 and its shipped head; `tiny` (hidden 128, 4 layers) and a
 directory holding a config.json load random weights and a random head (timing only: a random head
 accepts almost nothing, so K=3 steps there cost drafting without its gain).
@@ -144,21 +145,23 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     for k in (int(x) for x in args.ks.split(",")):
+        engines: dict[str, LLMEngine] = {}
         for name in (s.strip() for s in args.setups.split(",")):
             try:
-                engine = build_engine(MTPServeConfig.from_dict(config(args, k), SETUPS[name]))
+                engines[name] = build_engine(MTPServeConfig.from_dict(config(args, k), SETUPS[name]))
             except Exception as exc:  # a setup this machine cannot run: say so, measure the rest
                 errors.append({"setup": name, "k": k, "error": f"{type(exc).__name__}: {exc}"})
                 print(json.dumps(errors[-1]), flush=True)
-                continue
-            try:
-                for rep in range(args.repeats):
+        try:
+            for rep in range(args.repeats):  # setups alternate, so a slow moment of the host hits them alike
+                for name, engine in engines.items():
                     for batch in args.batches:
                         r = measure(engine, batch, args.steps)
                         r.update(setup=name, k=k, repeat=rep)
                         rows.append(r)
                         print(json.dumps(r), flush=True)
-            finally:
+        finally:
+            for engine in engines.values():
                 engine.shutdown()
     report = {
         "command": " ".join(sys.argv),

@@ -120,12 +120,12 @@ class WorkerGroup:
         import ray
 
         ray.get([a.ready.remote() for a in self.actors], timeout=timeout)
-        draft_addr = None
+        draft_endpoint = None
         if self.draft is not None:
             ray.get(self.draft.setup.remote(), timeout=timeout)
-            draft_addr = ray.get(self.draft.address.remote())
+            draft_endpoint = ray.get(self.draft.endpoint.remote())
         master = ray.get(self.targets[0].master_address.remote())
-        ray.get([t.setup.remote(master, draft_addr) for t in self.targets], timeout=timeout)
+        ray.get([t.setup.remote(master, draft_endpoint) for t in self.targets], timeout=timeout)
         endpoints = ray.get([t.endpoint.remote() for t in self.targets])
         self.stubs = [wpb_grpc.TargetWorkerStub(grpc.insecure_channel(e[0], channel_options())) for e in endpoints]
         self.close_links()

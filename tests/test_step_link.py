@@ -23,7 +23,7 @@ from speculative.mtp_chain import MTPEagleChain
 from workers.config import MTPServeConfig
 from workers.fused_step import FusedSpecStep
 from workers.runner import LaunchSpec
-from workers.step_link import FrameSocket, SocketLink, StepLink, connect
+from workers.step_link import FrameSocket, StepLink, connect, socket_link
 from workers.target_worker import TargetWorker
 from workers.uniform_step import UniformTargetStep
 
@@ -130,7 +130,7 @@ def test_a_bad_message_gets_invalid_argument_and_the_rank_serves_on(model: tuple
         assert reply.error.code == "INVALID_ARGUMENT" and "block_ids" in reply.error.message
         r.links[0].close()
         _, name, _ = r.worker.endpoint()
-        r.links = [SocketLink(name)]
+        r.links = [socket_link(name)]
         eng = engine_over(r.cfg, r)
         out = eng.generate([[1, 2, 3, 4]], {"max_tokens": 5})[0]
         assert len(out.token_ids) == 5

@@ -1,9 +1,11 @@
-"""DraftWorker: the MTP Eagle chain on its own device, serving DraftInputs over gRPC."""
+"""DraftWorker: the MTP Eagle chain on its own device, serving DraftInputs over its draft link (rank 0 on
+the same node) or gRPC (`Propose`)."""
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -25,6 +27,8 @@ from workers.config import MTPServeConfig
 from workers.convert import draft_inputs_from_proto, draft_outputs_to_proto
 from workers.grpc_util import node_ip, start_server
 from workers.message_checks import StepLimits, check_draft_inputs
+from workers.step_link import draft_listener
+from workers.step_session import StepFailure
 from workers.target_worker import step_limits, worker_device
 
 
@@ -40,10 +44,15 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         self.limits: StepLimits | None = None
         self._lock = threading.Lock()
         self._server, self.port = start_server(lambda s: wpb_grpc.add_DraftWorkerServicer_to_server(self, s))
+        self._listener = draft_listener(self._serve_link)
 
     def address(self) -> str:
         """host:port of the gRPC server."""
         return f"{node_ip()}:{self.port}"
+
+    def endpoint(self) -> tuple[str, str, str]:
+        """(gRPC host:port, Unix socket name, node address) for rank 0's draft link."""
+        return self.address(), self._listener.name, node_ip()
 
     def setup(self) -> int:
         """Load the draft head and the target's shared embedding / final norm / lm_head."""
@@ -71,16 +80,32 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
 
     def Propose(self, request: wpb.DraftInputs, context: grpc.ServicerContext) -> wpb.DraftOutputs:
         """Copy the step's rows into the draft's buffers, update draft KV, return K proposals per request."""
+        try:
+            return self._propose(request)
+        except StepFailure as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            raise  # abort raises; this line is never reached
+
+    def _propose(self, request: wpb.DraftInputs) -> wpb.DraftOutputs:
         if self.method is None or self.limits is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draft worker is not set up")
+            raise StepFailure("FAILED_PRECONDITION", "draft worker is not set up")
         try:
             inputs = draft_inputs_from_proto(request, self.device)
-            check_draft_inputs(inputs, self.limits)  # type: ignore[arg-type]
+            check_draft_inputs(inputs, self.limits)
         except ValueError as exc:  # InvalidStepMessage, or a tensor the codec refuses
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"DraftInputs.{exc}")
+            raise StepFailure("INVALID_ARGUMENT", f"DraftInputs.{exc}") from None
         with self._lock:
-            out = self.method.propose(inputs)  # type: ignore[union-attr]
+            out = self.method.propose(inputs)
         return draft_outputs_to_proto(out)
+
+    def _serve_link(self, requests: Iterator[wpb.DraftInputs]) -> Iterator[wpb.DraftOutputs]:
+        """Answer rank 0's draft steps in order; a failure is answered, then ends the link."""
+        for request in requests:
+            try:
+                yield self._propose(request)
+            except StepFailure as exc:
+                yield wpb.DraftOutputs(step_id=request.step_id, error=wpb.StepError(code=exc.code, message=str(exc)))
+                return
 
     def draft_kv(self, block_ids: list[int], n: int) -> torch.Tensor:
         """Draft K and V [2, n, H, D] of positions [0, n) under a block table (for invariance checks)."""
@@ -92,4 +117,5 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
 
     def stop(self) -> None:
         """Stop serving."""
+        self._listener.close()
         self._server.stop(0)

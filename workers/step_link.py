@@ -1,9 +1,10 @@
-"""The long-lived per-step link between the scheduler and a target rank.
+"""The long-lived per-step links: scheduler to each target rank, and rank 0 to a separate draft worker.
 
-Every step message is a serialized `StepRequest` one way and a `TargetOutput` the other. On the
-scheduler's node the link is a Unix socket carrying length-prefixed frames: a blocking send and receive
-in the calling threads, with no thread hand-off and no per-call set-up. Across nodes it is one
-bidirectional gRPC stream (`TargetWorker.Steps`). Both carry the same messages in the same order.
+A step message is a serialized `StepRequest` to a rank and a `TargetOutput` back; `DraftInputs` to the
+draft worker and `DraftOutputs` back. On one node a link is a Unix socket carrying length-prefixed frames:
+a blocking send and receive in the calling threads, with no thread hand-off and no per-call set-up.
+Across nodes the scheduler's link is one bidirectional gRPC stream (`TargetWorker.Steps`) carrying the
+same messages in the same order, and rank 0 calls the draft worker's `Propose`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -73,13 +74,12 @@ class FrameSocket:
         self.sock.close()
 
 
-Serve = Callable[[Iterator[wpb.StepRequest]], Iterator[wpb.TargetOutput]]
+class FrameListener:
+    """A worker's Unix-socket endpoint: each connection's frames, parsed by `parse`, are answered by
+    `serve` (a generator of reply messages) on the connection's own thread."""
 
-
-class StepListener:
-    """A worker's Unix-socket endpoint: each connection is served by `serve` on its own thread."""
-
-    def __init__(self, serve: Serve) -> None:
+    def __init__(self, parse: Callable[[bytes], Any], serve: Callable[[Iterator[Any]], Iterator[Any]]) -> None:
+        self.parse = parse
         self.serve = serve
         self.name = f"mtpserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -96,13 +96,13 @@ class StepListener:
             threading.Thread(target=self._serve, args=(FrameSocket(conn),), name="mtpserve-steps", daemon=True).start()
 
     def _serve(self, link: FrameSocket) -> None:
-        def requests() -> Iterator[wpb.StepRequest]:
+        def requests() -> Iterator[Any]:
             while True:
                 try:
                     frame = link.recv()
                 except LinkClosed:
                     return
-                yield wpb.StepRequest.FromString(frame)
+                yield self.parse(frame)
 
         try:
             for reply in self.serve(requests()):
@@ -133,28 +133,42 @@ class StepLink(Protocol):
         ...
 
 
-class SocketLink:
-    """A link over the rank's Unix socket (same node)."""
+Reply = TypeVar("Reply")
 
-    def __init__(self, name: str) -> None:
+
+class FrameLink(Generic[Reply]):
+    """The calling end of a `FrameListener` on this node: protobuf requests out, `parse`d replies back."""
+
+    def __init__(self, name: str, parse: Callable[[bytes], Reply]) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect("\0" + name)
         self.frames = FrameSocket(sock)
+        self.parse = parse
 
-    def send(self, request: wpb.StepRequest) -> int:
+    def send(self, request: Any) -> int:
         """Send a request; returns its size in bytes."""
         data = request.SerializeToString()
         self.frames.send(data)
         return len(data)
 
-    def recv(self, timeout: float) -> tuple[wpb.TargetOutput, int]:
+    def recv(self, timeout: float) -> tuple[Reply, int]:
         """The next reply and its size."""
         data = self.frames.recv(timeout)
-        return wpb.TargetOutput.FromString(data), len(data)
+        return self.parse(data), len(data)
 
     def close(self) -> None:
-        """Close the socket; the rank drops its launched step."""
+        """Close the socket (a rank drops the step it launched for it)."""
         self.frames.close()
+
+
+def step_listener(serve: Callable[[Iterator[wpb.StepRequest]], Iterator[wpb.TargetOutput]]) -> FrameListener:
+    """A target rank's endpoint for the scheduler's steps."""
+    return FrameListener(wpb.StepRequest.FromString, serve)
+
+
+def socket_link(name: str) -> FrameLink[wpb.TargetOutput]:
+    """The scheduler's link to a rank's Unix socket (same node)."""
+    return FrameLink(name, wpb.TargetOutput.FromString)
 
 
 class GrpcStreamLink:
@@ -197,8 +211,18 @@ class GrpcStreamLink:
         self._channel.close()
 
 
+def draft_listener(serve: Callable[[Iterator[wpb.DraftInputs]], Iterator[wpb.DraftOutputs]]) -> FrameListener:
+    """A separate draft worker's endpoint for rank 0's draft steps."""
+    return FrameListener(wpb.DraftInputs.FromString, serve)
+
+
+def draft_link(name: str) -> FrameLink[wpb.DraftOutputs]:
+    """Rank 0's link to a draft worker's Unix socket (same node)."""
+    return FrameLink(name, wpb.DraftOutputs.FromString)
+
+
 def connect(address: str, socket_name: str, same_node: bool) -> StepLink:
     """The fastest link to a rank: its Unix socket on this node, else the gRPC stream at `address`."""
     if same_node and socket_name:
-        return SocketLink(socket_name)
+        return socket_link(socket_name)
     return GrpcStreamLink(address)

@@ -41,7 +41,7 @@ from workers.fused_step import FusedDepthSteps
 from workers.grpc_util import channel_options, node_ip, start_server
 from workers.message_checks import StepLimits
 from workers.runner import LaunchSpec, TargetRunner
-from workers.step_link import StepListener
+from workers.step_link import FrameLink, LinkClosed, draft_link, step_listener
 from workers.step_session import StepFailure, StepSession, decode_plan
 
 
@@ -80,11 +80,12 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
             torch.set_num_threads(1)
         self.runner: TargetRunner | None = None
         self.draft: DraftMethod | None = None
-        self.draft_stub: wpb_grpc.DraftWorkerStub | None = None
+        self.draft_stub: wpb_grpc.DraftWorkerStub | None = None  # a draft worker on another node
+        self.draft_link: FrameLink[wpb.DraftOutputs] | None = None  # a draft worker on this node
         self.limits: StepLimits | None = None
         self._lock = threading.Lock()
         self._server, self.port = start_server(lambda s: wpb_grpc.add_TargetWorkerServicer_to_server(self, s))
-        self._listener = StepListener(self._serve_steps)
+        self._listener = step_listener(self._serve_steps)
 
     def address(self) -> str:
         """host:port of this rank's gRPC server."""
@@ -108,8 +109,9 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         """A fresh host:port for the process group's rendezvous (asked of rank 0)."""
         return f"{node_ip()}:{free_port()}"
 
-    def setup(self, master: str, draft_address: str | None) -> int:
-        """Join the TP group, load this rank's shard and (rank 0) the draft; returns the KV block count."""
+    def setup(self, master: str, draft: tuple[str, str, str] | None) -> int:
+        """Join the TP group, load this rank's shard and (rank 0) the draft, colocated or reached at the draft
+        worker's `endpoint()` when given; returns the KV block count."""
         cfg = self.cfg
         tp = init_tp_group(self.rank, self.world, master, self.device)
         _, args, weights = load_target(cfg)
@@ -126,8 +128,12 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         proposed = cfg.speculative.proposed_tokens if heads else 0
         self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, proposed)
         if self.rank == 0 and heads:
-            if draft_address:
-                self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address, channel_options()))
+            if draft is not None:
+                address, name, node = draft
+                if node == node_ip() and cfg.parallel.step_transport == "auto":
+                    self.draft_link = draft_link(name)
+                else:
+                    self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(address, channel_options()))
             elif self.world == 1:  # the draft shares this process's model: the same captured steps as in process
                 self.draft = build_draft(cfg, heads, model, num_blocks, self.device, dtype)
                 capture_local_steps(cfg, self.runner, self.draft, k, max_len)
@@ -188,17 +194,34 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
             return
         if self.draft is not None:
             out.draft_outputs = self.draft.propose(inputs)
-        elif self.draft_stub is not None:
+        else:
             msg = draft_inputs_to_proto(inputs)
-            try:
-                reply = self.draft_stub.Propose(msg, timeout=self.cfg.parallel.step_timeout_s)
-            except grpc.RpcError as exc:
-                raise StepFailure("UNAVAILABLE", f"draft worker failed: {exc.code().name}: {exc.details()}") from None
+            reply = self._propose(msg)
             out.draft_outputs = draft_outputs_from_proto(reply)
             out.timing["draft_inputs_bytes"] = msg.ByteSize()
             out.timing["draft_outputs_bytes"] = reply.ByteSize()
 
+    def _propose(self, msg: wpb.DraftInputs) -> wpb.DraftOutputs:
+        """The separate draft worker's answer, over the draft link on this node or gRPC from another."""
+        timeout = self.cfg.parallel.step_timeout_s
+        if self.draft_link is not None:
+            try:
+                self.draft_link.send(msg)
+                reply, _ = self.draft_link.recv(timeout)
+            except (TimeoutError, LinkClosed) as exc:
+                raise StepFailure("UNAVAILABLE", f"draft worker failed: {type(exc).__name__}: {exc}") from None
+            if reply.HasField("error"):
+                raise StepFailure("UNAVAILABLE", f"draft worker failed: {reply.error.code}: {reply.error.message}")
+            return reply
+        assert self.draft_stub is not None
+        try:
+            return self.draft_stub.Propose(msg, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise StepFailure("UNAVAILABLE", f"draft worker failed: {exc.code().name}: {exc.details()}") from None
+
     def stop(self) -> None:
         """Stop serving."""
+        if self.draft_link is not None:
+            self.draft_link.close()
         self._listener.close()
         self._server.stop(0)

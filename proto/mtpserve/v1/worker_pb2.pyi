@@ -126,18 +126,20 @@ class OptionalSeed(_message.Message):
     def __init__(self, value: _Optional[int] = ...) -> None: ...
 
 class DraftOutputs(_message.Message):
-    __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs", "draft_parents")
+    __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs", "draft_parents", "error")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     draft_token_ids: Tensor
     draft_probs: Tensor
     draft_parents: Tensor
-    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_parents: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    error: StepError
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_parents: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("target_s", "draft_hop_s", "draft_inputs_bytes", "draft_outputs_bytes", "decode_s", "worker_s", "t_received", "t_queued", "t_done", "t_replied")
