@@ -27,6 +27,10 @@ from deploy import consistency, render
 from helpers_service import SERVING_LINE, child_env, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(
+    os.environ.get("MTPSERVE_IMAGE_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtpserve" / "image"
+)
 IMAGE = consistency.IMAGE
 PROMPT = "Explain speculative decoding in two sentences."
 MAX_TOKENS = 32
@@ -59,6 +63,7 @@ class Built:
 
     storage: Path
     build_seconds: float
+    build_log: str
     container: str = ""
 
     def buildah(self, *args: str, timeout: float = 600) -> str:
@@ -82,10 +87,11 @@ class Built:
 def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     storage = tmp_path_factory.mktemp("buildah") / "storage"
     env = {**os.environ, "BUILDAH_ROOT": str(storage), "MTPSERVE_IMAGE": IMAGE, "PYTHON": sys.executable}
+    env["MTPSERVE_IMAGE_CACHE"] = str(CACHE)
     t0 = time.monotonic()
     script = ROOT / "deploy" / "docker" / "build-local.sh"
     done = subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=1500, check=False)
-    image = Built(storage, time.monotonic() - t0)
+    image = Built(storage, time.monotonic() - t0, done.stdout)
     try:
         assert done.returncode == 0, f"build-local.sh failed:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
         image.container = image.buildah("from", "--pull-never", IMAGE).strip()
@@ -108,8 +114,11 @@ def test_the_built_image_agrees_with_the_manifests(built: Built, capsys: pytest.
     config = info["OCIv1"]["config"]
     assert consistency.built_image_errors(config, render.render(ROOT / "deploy" / "k8s" / "base")) == []
     assert config["Labels"]["org.opencontainers.image.version"] == IMAGE.rsplit(":", 1)[1]
+    tarballs = list(CACHE.glob("debian-*/rootfs.tar"))
+    assert tarballs and all(t.is_file() for t in tarballs), tarballs  # the cache a later build reuses
     size = next(i["size"] for i in json.loads(built.buildah("images", "--json")) if IMAGE in (i.get("names") or []))
-    report(capsys, f"built {IMAGE} in {built.build_seconds:.0f} s; size {size}")
+    base = "cached" if "cached root file system" in built.build_log else "made by mmdebstrap"
+    report(capsys, f"built {IMAGE} in {built.build_seconds:.0f} s (Debian root file system {base}); size {size}")
 
 
 def test_the_image_runs_as_uid_1000_with_the_model_baked_in(built: Built) -> None:

@@ -43,13 +43,16 @@ BUILDAH=(buildah --storage-driver vfs)
 start=$SECONDS
 
 # 1. The Debian root file system, kept under a name derived from everything that makes it.
-key=$(printf '%s\n' "$SUITE" "$MIRROR" "$PACKAGES" minbase | sha256sum | cut -c1-16)
+key=$(printf '%s\n' "$SUITE" "$MIRROR" "$PACKAGES" minbase tar | sha256sum | cut -c1-16)
 rootfs_dir="$CACHE/debian-$SUITE-$key"
-if [[ ! -f $rootfs_dir/rootfs.tar ]]; then
+if [[ -f $rootfs_dir/rootfs.tar ]]; then
+    echo "build-local.sh: cached root file system $rootfs_dir/rootfs.tar"
+else
     echo "build-local.sh: mmdebstrap $SUITE ($PACKAGES) from $MIRROR"
     mkdir -p "$rootfs_dir"
-    mmdebstrap --quiet --variant=minbase --include="$PACKAGES" "$SUITE" "$rootfs_dir/rootfs.tar.part" "$MIRROR"
-    mv "$rootfs_dir/rootfs.tar.part" "$rootfs_dir/rootfs.tar"
+    part="$rootfs_dir/rootfs.tar.$$.part"  # renamed into place whole, so a cut-off run leaves no tarball
+    mmdebstrap --quiet --variant=minbase --format=tar --include="$PACKAGES" "$SUITE" "$part" "$MIRROR"
+    mv -f "$part" "$rootfs_dir/rootfs.tar"
 fi
 
 # 2. The stand-in base image, named after the root file system and its Containerfile.
