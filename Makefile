@@ -1,11 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   install, start the service on the default model, send a sample request through the client
 #   make test   install, then run every test (slow ones included)
+# `make image` builds the container image without Docker (root, buildah, mmdebstrap; deploy/README.md).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test test-fast lint bench-cpu clean
+.PHONY: install demo test test-fast lint bench-cpu image clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,6 +36,9 @@ lint: install
 bench-cpu: install
 	$(VENV)/bin/mtpserve bench throughput --no-speculation --device cpu --batch-sizes 1,8,64 --prompt-len 128 \
 	    --output-len 64 --threads 1 --json bench/results/cpu_throughput_target_only.json
+
+image: install
+	PYTHON=$(abspath $(PY)) deploy/docker/build-local.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

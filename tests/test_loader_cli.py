@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 from cluster.engine import LLMEngine
 from cluster.errors import ModelLoadError
-from modeling.loader import resolve_model
+from modeling.loader import convert_gguf, file_key, resolve_model
 from workers.config import MTPServeConfig
 
 from helpers_service import write_tiny_model
@@ -38,6 +39,29 @@ def test_corrupt_files_are_reported(tmp_path: Path) -> None:
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(ModelLoadError, match="GGUF"):
         resolve_model(str(bad), cache_dir=str(tmp_path / "cache"))
+
+
+def test_conversion_cache_survives_what_image_layers_do_to_mtimes(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.gguf"
+    data = bytearray(range(256)) * (3 * 4096 + 7)  # a little over 3 MiB: three samples that do not overlap
+    gguf.write_bytes(data)
+    key = file_key(gguf)
+    done = tmp_path / "cache" / f"m-{key}"
+    done.mkdir(parents=True)
+    (done / ".complete").write_text(str(gguf))
+    os.utime(gguf, ns=(0, 1_700_000_000_123_456_789))
+    os.utime(gguf, (1_700_000_000, 1_700_000_000))  # a layer's tar keeps whole seconds only
+    assert convert_gguf(gguf, cache_dir=str(tmp_path / "cache")) == done  # found, not converted again
+    copy = tmp_path / "elsewhere.gguf"
+    copy.write_bytes(data)
+    assert file_key(copy) == key
+    for offset in (0, len(data) // 2, len(data) - 1):  # a change in any sampled region, or in size, is seen
+        changed = bytearray(data)
+        changed[offset] ^= 1
+        copy.write_bytes(changed)
+        assert file_key(copy) != key, offset
+    copy.write_bytes(data + b"\0")
+    assert file_key(copy) != key
 
 
 def test_hf_directory_loads_and_generates(tmp_path: Path) -> None:
