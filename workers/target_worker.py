@@ -3,8 +3,8 @@
 Run as a Ray actor (`cluster/actors.py`). Steps arrive on a long-lived link (`workers/step_link.py`: a
 Unix socket on the scheduler's node, else the gRPC `Steps` stream; the unary `Execute` call serves
 one-off steps). Rank 0 also forwards DraftInputs to the draft, either in its own process (colocated;
-with TP=1 on CUDA the target's captured steps include it) or to the DraftWorker over gRPC (separate),
-and returns both results.
+with TP=1 on CUDA the target's captured steps include it) or to the DraftWorker (separate: over its
+draft link on this node, gRPC from another), and returns both results.
 """
 
 from __future__ import annotations
