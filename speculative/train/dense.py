@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from modeling import layer_ops
 from modeling.model import Attention, DecoderLayer, LlamaModel, Rotary
+from modeling.qwen import QwenAttention
 from speculative.mtp_head import MTPEagleHead
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -49,8 +50,11 @@ def attention(
     if att.tp.size != 1:
         raise ValueError("dense training forwards need an unsharded (tp=1) model")
     hd = att.head_dim
-    q = apply_rope(rotary, _heads(att.q_proj(x), att.num_heads, hd), positions).transpose(1, 2)
-    k = apply_rope(rotary, _heads(att.k_proj(x), att.num_kv_heads, hd), positions).transpose(1, 2)
+    q, k = _heads(att.q_proj(x), att.num_heads, hd), _heads(att.k_proj(x), att.num_kv_heads, hd)
+    if isinstance(att, QwenAttention):
+        q, k = att.norm_heads(q, k)
+    q = apply_rope(rotary, q, positions).transpose(1, 2)
+    k = apply_rope(rotary, k, positions).transpose(1, 2)
     v = _heads(att.v_proj(x), att.num_kv_heads, hd).transpose(1, 2)
     keys = torch.cat([*(p[0] for p in past), k], dim=2) if past else k
     values = torch.cat([*(p[1] for p in past), v], dim=2) if past else v

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from modeling.model import LlamaArgs, random_llama_weights
+from modeling.families import family_of
+from modeling.model import LlamaArgs
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.data import DataConfig, TokenDataset, build_parts, load_dataset
 from speculative.train.errors import TrainSetupError
@@ -85,7 +86,7 @@ def load_target(opts: TrainDraftOptions) -> LoadedTarget:
     source = _target_source(opts)
     args = source.args()
     if source.dummy:
-        weights = random_llama_weights(args, seed=opts.train.seed, std=opts.dummy_std)
+        weights = family_of(args).random_weights(args, seed=opts.train.seed, std=opts.dummy_std)
         tokenizer = None
     else:
         weights = source.weights()

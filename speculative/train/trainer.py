@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from modeling.families import model_class
 from modeling.model import LlamaArgs, LlamaModel
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import HiddenStore, autocast_ctx, epoch_batches
@@ -107,7 +108,7 @@ def next_replan(step: int, run_start: int) -> int:
 
 def build_shared(args: LlamaArgs, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> LlamaModel:
     """The frozen target (embedding, layers, final norm, lm_head) for hidden states and the shared head."""
-    model = LlamaModel(args)
+    model = model_class(args)(args)
     model.load_hf_state_dict(weights)
     model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
