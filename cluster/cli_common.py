@@ -53,12 +53,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft",
         help="draft head: 'default' (shipped head, or the checkpoint's MTP modules), 'native' (the checkpoint's "
-        "MTP modules), 'random' (untrained, explicit), or a .safetensors path",
+        "MTP modules), 'random' (untrained, explicit), a .safetensors path, or an EAGLE-3 checkpoint directory "
+        "(with --spec-method eagle3)",
     )
     g.add_argument(
         "--spec-method",
-        choices=["mtp_eagle", "mtp_vanilla"],
-        help="mtp_eagle: one MTP module reused K times (default); mtp_vanilla: one native module per draft position",
+        choices=["mtp_eagle", "eagle3", "mtp_vanilla"],
+        help="mtp_eagle: one MTP module reused K times (default); eagle3: an EAGLE-3 head (SpecForge / SGLang / "
+        "vLLM speculators directory) reused K times; mtp_vanilla: one native module per draft position",
     )
     g.add_argument("--num-draft-tokens", type=int, help="K, draft tokens per step (1-8); with a tree, its depth")
     g.add_argument(

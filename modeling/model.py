@@ -333,25 +333,25 @@ class LlamaModel(nn.Module):
     def forward_features(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: Metadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`, plus the draft's features [T, n*d]: the outputs of `feature_layers`, concatenated (the
-        hidden states themselves when that is only the last layer)."""
+        """`forward`, plus the draft's features [T, n*d]: the outputs of `feature_layers`, concatenated in
+        that order (the hidden states themselves when that is only the last layer)."""
         x = self.embed(ids)
         rope = self.rotary.table(positions)
         residual = None
-        taps: list[torch.Tensor] = []
+        taps: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             read = i == last or i in self.feature_layers  # outputs that are read whole
             step = cast(DecoderLayer, layer).step
             x, residual = step(x, residual, rope, cache.keys[i], cache.values[i], meta, whole=read)
-            if read and i != last:
-                taps.append(x)
+            if read:
+                taps[i] = x
         hidden = x
         if self.normed_features:
             return hidden, self.norm(hidden)
-        if not taps:
+        if self.feature_layers == (last,):
             return hidden, hidden
-        return hidden, torch.cat([*taps, hidden], dim=-1)
+        return hidden, torch.cat([taps[i] for i in self.feature_layers], dim=-1)
 
     def prepare_for_inference(self, ops: TorchOps = TORCH_OPS) -> LlamaModel:
         """Fuse q/k/v and gate/up weights and pick the layer ops; call once, after loading and `.to()`."""

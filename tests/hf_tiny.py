@@ -42,9 +42,13 @@ def hf_config(kind: str, **overrides: Any) -> Any:
 
 
 @torch.no_grad()
-def write_hf_target(path: Path, kind: str, seed: int = 0, std: float = 0.15, **overrides: Any) -> tuple[str, Any]:
+def write_hf_target(
+    path: Path, kind: str, seed: int = 0, std: float = 0.15, mimic: bool = False, **overrides: Any
+) -> tuple[str, Any]:
     """Save a randomly initialised HF causal LM of `kind` (biases and norms random too, so that each one shows
-    in the logits) into `path`; returns (directory, HF model in eval mode)."""
+    in the logits) into `path`; returns (directory, HF model in eval mode). `mimic`: unit-RMS embeddings,
+    an lm_head of std 0.3 and layers of std 0.02, so the next token depends mostly on the current one (a
+    draft that reads the next token's embedding drafts well, though not always)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -52,7 +56,10 @@ def write_hf_target(path: Path, kind: str, seed: int = 0, std: float = 0.15, **o
     g = torch.Generator().manual_seed(seed)
     for name, p in hf.named_parameters():
         base = 1.0 if name.endswith("norm.weight") else 0.0
-        p.copy_(base + torch.randn(p.shape, generator=g) * std)
+        scale = std
+        if mimic:
+            scale = 1.0 if "embed_tokens" in name else 0.3 if name.startswith("lm_head") else 0.02
+        p.copy_(base + torch.randn(p.shape, generator=g) * scale)
     hf.save_pretrained(str(path))
     return str(path), hf
 
