@@ -28,6 +28,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
     normed_input: bool  # whether the target's features are its final-normed hidden states
     rotary: Rotary
     vocab_ids: torch.Tensor | None
+    mlp_size: int  # width of the decoder layers' MLP
 
     @property
     def feature_size(self) -> int:
@@ -88,6 +89,14 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         self, path: str | Path, metadata: dict[str, str] | None = None, dtype: torch.dtype = torch.float32
     ) -> None:
         """Write the head in its file format (floating tensors in `dtype`)."""
+
+    @abstractmethod
+    def init_from_target(self, target_weights: dict[str, torch.Tensor], layer: int | None = None) -> None:
+        """Start training from the target's weights (its last, or the given, decoder layer)."""
+
+    @abstractmethod
+    def init_from_head(self, other: DraftHead) -> None:
+        """Start from another head's weights (a trained head to continue); ValueError when it does not fit."""
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random initialisation (tests, or an explicit untrained head): norms 1, other weights normal."""

@@ -98,6 +98,7 @@ class Eagle3Head(DraftHead):
         super().__init__()
         self.args = args
         self.layer_args = layer or layer_args_for(args)
+        self.mlp_size = self.layer_args.intermediate_size
         d = self.layer_args.hidden_size
         if d != args.hidden_size:
             raise fmt.Eagle3FormatError("hidden_size", f"{d}, but the target's hidden size is {args.hidden_size}")
@@ -124,11 +125,6 @@ class Eagle3Head(DraftHead):
     def num_layers(self) -> int:
         """One decoder layer per draft step."""
         return 1
-
-    @property
-    def mlp_size(self) -> int:
-        """Width of the draft layer's MLP."""
-        return self.layer_args.intermediate_size
 
     @property
     def dtype(self) -> torch.dtype:

@@ -246,10 +246,12 @@ class MTPEagleHead(DraftHead):
                 self.fc.weight.zero_()
                 self.fc.weight[:, -d:] = torch.eye(d)
 
-    def init_from_head(self, other: MTPEagleHead) -> None:
+    def init_from_head(self, other: DraftHead) -> None:
         """Start from another head's weights (a trained head to continue). This head may have a wider MLP or
         more decoder layers; the extra units and layers start with no effect on the output (an extra layer as
         a copy of `other`'s last one with zero output projections)."""
+        if not isinstance(other, MTPEagleHead):
+            raise ValueError(f"cannot start an MTP Eagle head from a {type(other).__name__}")
         same = (
             other.feature_layers == self.feature_layers
             and (other.final_norm is None) == (self.final_norm is None)
