@@ -245,3 +245,32 @@ def test_method_and_source_must_agree(built: Callable[[str], Setup], tmp_path: P
     cfg.speculative.draft = head
     with pytest.raises(ModelLoadError, match="is not an EAGLE-3 checkpoint directory"):
         LLMEngine.from_config(cfg, load_tokenizer=False)
+
+
+@pytest.mark.slow
+def test_the_readme_command_serves_an_eagle3_head(tmp_path: Path) -> None:
+    """`mtpserve generate --local --model QWEN3_DIR --spec-method eagle3 --draft EAGLE3_DIR` (the README's
+    command) on a Qwen3-style target with SmolLM2's tokenizer and a reduced draft vocabulary."""
+    import subprocess
+    import sys
+
+    from helpers_service import TOKENIZER_FILES, default_tokenizer_dir
+
+    target, _ = write_hf_target(tmp_path / "qwen3", "qwen3", mimic=True, tie_word_embeddings=False, vocab_size=49152)
+    for name in TOKENIZER_FILES:
+        if (default_tokenizer_dir() / name).is_file():
+            shutil.copy(default_tokenizer_dir() / name, Path(target) / name)
+    source = resolve_model(target)
+    ids = torch.arange(0, 49152, 3)  # a draft vocabulary of every third token
+    draft = write_eagle3_dir(tmp_path / "eagle3", source.args(), mimic_tensors(source.args(), source.weights(), ids))
+    base = ["generate", "--local", "--model", target, "--device", "cpu", "--prompt", "Tell me about ships", "--json"]
+
+    def run(*extra: str) -> dict[str, Any]:
+        cmd = [sys.executable, "-m", "cluster", *base, "--max-tokens", "16", *extra]
+        done = subprocess.run(cmd, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    spec = run("--spec-method", "eagle3", "--draft", draft, "--num-draft-tokens", "3")
+    assert spec["stats"]["drafted"] > 0
+    assert run("--no-speculation")["token_ids"] == spec["token_ids"]
