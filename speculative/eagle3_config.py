@@ -125,13 +125,10 @@ def parse_spec(cfg: dict[str, Any], target: LlamaArgs) -> Eagle3Spec:
             raise Eagle3FormatError(key, "biases in the draft layer are not served")
     if layer_cfg.get("hidden_act", "silu") != "silu":
         raise Eagle3FormatError("hidden_act", f"'{layer_cfg['hidden_act']}'; only silu (SwiGLU) is served")
-    rope = layer_cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise Eagle3FormatError("rope_scaling", f"{rope}; only the default RoPE is served")
     try:
         layer = LlamaArgs.from_hf_dict(layer_cfg)
-    except TypeError as exc:
-        raise Eagle3FormatError("config.json", f"not a Llama layer config ({exc})") from None
+    except (TypeError, ValueError) as exc:
+        raise Eagle3FormatError("config.json", f"not a servable Llama layer config ({exc})") from None
     d = target.hidden_size
     if layer.hidden_size != d:
         raise Eagle3FormatError("hidden_size", f"{layer.hidden_size}, but the target's hidden size is {d}")
@@ -215,7 +212,7 @@ def hf_config(
         "num_hidden_layers": 1,
         "rms_norm_eps": layer.rms_norm_eps,
         "rope_theta": layer.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": layer.rope_scaling,
         "max_position_embeddings": layer.max_position_embeddings,
         "vocab_size": target.vocab_size,
         "draft_vocab_size": spec.draft_vocab_size,

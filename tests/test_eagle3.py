@@ -217,6 +217,7 @@ def _edit(setup: Setup, **changes: Any) -> None:
         ({"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}, "eagle_aux_hidden_state_layer_ids"),
         ({"draft_vocab_size": 90}, r"lm_head\.weight: shape \(96, 64\), expected \(90, 64\)|d2t"),
         ({"num_hidden_layers": 2}, "num_hidden_layers"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type 'dynamic' is not served"),
     ],
 )
 def test_mismatches_are_refused_at_start_up(

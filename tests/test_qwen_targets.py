@@ -1,5 +1,6 @@
-"""Qwen2 / Qwen3-style HF directories (and biased Llamas) load as Llama-family targets: logits equal HF
-transformers' in fp32, greedy decoding equals HF generate, and other architectures are refused by model_type."""
+"""Qwen2 / Qwen3-style HF directories (and biased Llamas, and Llama 3's scaled RoPE) load as Llama-family
+targets: logits equal HF transformers' in fp32, greedy decoding equals HF generate, and other architectures
+are refused by model_type."""
 
 from __future__ import annotations
 
@@ -18,23 +19,33 @@ from speculative.train.dense import target_features
 from hf_tiny import KINDS, load_ours, write_hf_target
 from tiny import engine_config, random_prompts
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+VARIANTS = {"llama-bias": {"attention_bias": True}, "llama-rope3": {"rope_parameters": LLAMA3_ROPE}}
 
-@pytest.mark.parametrize("kind", [*KINDS, "llama-bias"])
+
+@pytest.mark.parametrize("kind", [*KINDS, *VARIANTS])
 def test_logits_match_hf_transformers(tmp_path: Path, kind: str) -> None:
-    extra = {"attention_bias": True} if kind == "llama-bias" else {}
-    path, hf = write_hf_target(tmp_path / kind, kind.split("-")[0], **extra)
+    path, hf = write_hf_target(tmp_path / kind, kind.split("-")[0], **VARIANTS.get(kind, {}))
     model = load_ours(path)
-    assert isinstance(model, QwenModel) == (kind != "llama")
-    ids = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(1))
+    assert isinstance(model, QwenModel) == (kind not in ("llama", "llama-rope3"))
+    n = 90 if kind == "llama-rope3" else 23  # past the scaled RoPE's original 64 positions
+    ids = torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
         for prepared in (False, True):  # separate weights, then fused q/k/v (and biases) as served
             if prepared:
                 model.prepare_for_inference()
-            cache = model.allocate_cache(8, 8, "cpu")
+            cache = model.allocate_cache(12, 8, "cpu")
             parts = []
-            for lo, hi in ((0, 9), (9, 23)):  # two chunks through the paged cache
-                meta = AttentionMetadata.build([lo], [hi - lo], [[0, 1, 2]], 8)
+            for lo, hi in ((0, 9), (9, n)):  # two chunks through the paged cache
+                meta = AttentionMetadata.build([lo], [hi - lo], [list(range(12))], 8)
                 parts.append(model.logits(model(ids[lo:hi], torch.arange(lo, hi), cache, meta)))
             assert (torch.cat(parts) - ref).abs().max().item() <= 1e-5
         dense = target_features(model, ids[None], (model.args.num_hidden_layers - 1,))[0, :, 0]
@@ -69,6 +80,7 @@ def test_engine_greedy_matches_hf_generate(tmp_path: Path) -> None:
         ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type 'gemma2' is not supported"),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type 'dynamic' is not served"),
     ],
 )
 def test_unservable_configs_are_refused_naming_the_field(tmp_path: Path, change: dict, message: str) -> None:
