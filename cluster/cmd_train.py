@@ -57,9 +57,8 @@ Train an MTP Eagle draft head for a target model by self-distillation (no datase
           steps (--num-draft-tokens), AdamW with warmup + cosine, bf16 autocast on CUDA. Several heads
           (--head-spec, an ablation) train side by side on the same batches.
 3. eval:  teacher-forced K-chain acceptance on held-apart dev prompts, every --eval-every steps.
-4. out:   the chosen head (--out: a safetensors file; with --format eagle3 an EAGLE-3 checkpoint
-          directory that SGLang, vLLM and SpecForge load), one per head of an ablation, MODEL_CARD.md
-          beside it (inside an EAGLE-3 directory), and a results JSON.
+4. out:   the chosen head (--out: safetensors; an EAGLE-3 directory with --format eagle3), one per head
+          of an ablation, MODEL_CARD.md beside it (inside an EAGLE-3 directory), and a results JSON.
 """
 
 EPILOG = """\
@@ -397,16 +396,12 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
     device = resolve_device(args.device)
     name = Path(args.target).stem if args.target else "smollm2-135m-instruct"
     data_dir = args.data_dir or str(cache_root() / "draft-data" / name)
-    if args.out:
-        out = args.out
-    elif args.format == "eagle3":
-        out = "eagle3-head"
-    elif args.target is None:
+    out = args.out or ("eagle3-head" if args.format == "eagle3" else None)
+    if out is None and args.target is None:
         from workers.builders import DEFAULT_HEAD
 
         out = str(DEFAULT_HEAD)
-    else:
-        out = "mtp-head.safetensors"
+    out = out or "mtp-head.safetensors"
     settings = RecipeSettings(
         max_new_tokens=args.max_new_tokens,
         long_max_new_tokens=args.long_max_new_tokens,

@@ -192,6 +192,13 @@ def test_trees_are_lossless(built: Callable[[str], Setup]) -> None:
     assert 0 < eng.totals.accepted < eng.totals.drafted
 
 
+def test_adaptive_depth_is_lossless(built: Callable[[str], Setup]) -> None:
+    s = built("qwen3")
+    eng = s.engine(adaptive=True)
+    assert [c.token_ids for c in eng.generate(PROMPTS, {"max_tokens": 30})] == s.reference()
+    assert eng.totals.accepted > 0
+
+
 def test_every_step_path_proposes_the_same_drafts(built: Callable[[str], Setup]) -> None:
     """Eager, the fused captured step and the separate chain step (all eager on CPU) with an EAGLE-3 head."""
     s = built("qwen2")
