@@ -105,6 +105,17 @@ def test_checkpoint_loads_as_published(setup: Setup) -> None:
     assert head.rotary.cos.shape[0] == setup.args.max_position_embeddings, "positions past the draft config's 256"
 
 
+def test_pytorch_bin_checkpoints_load_too(built: Callable[[str], Setup], tmp_path: Path) -> None:
+    """The EAGLE authors' own heads ship `pytorch_model.bin` instead of safetensors."""
+    s = built("qwen2").with_draft_copy(tmp_path)
+    (Path(s.draft) / "model.safetensors").unlink()
+    torch.save(
+        {k.replace("midlayer.", "layers.0."): v for k, v in s.tensors.items()}, Path(s.draft) / "pytorch_model.bin"
+    )
+    head = Eagle3Head.load(s.draft, s.args)
+    assert torch.equal(head.fc.weight, s.tensors["fc.weight"]) and head.feature_layers == s.layers
+
+
 def test_greedy_is_lossless_with_prefix_caching(setup: Setup) -> None:
     ref = setup.reference()
     eng = setup.engine()

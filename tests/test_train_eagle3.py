@@ -19,6 +19,8 @@ from speculative.eagle3_head import Eagle3Head
 
 from tiny import engine_config, random_prompts
 
+pytestmark = pytest.mark.slow  # the dataset and the training run take about 25 s on 2 cores
+
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
