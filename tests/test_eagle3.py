@@ -106,7 +106,7 @@ def test_checkpoint_loads_as_published(setup: Setup) -> None:
 
 
 def test_pytorch_bin_checkpoints_load_too(built: Callable[[str], Setup], tmp_path: Path) -> None:
-    """The EAGLE authors' own heads ship `pytorch_model.bin` instead of safetensors."""
+    """A head may ship `pytorch_model.bin` instead of safetensors."""
     s = built("qwen2").with_draft_copy(tmp_path)
     (Path(s.draft) / "model.safetensors").unlink()
     torch.save(
