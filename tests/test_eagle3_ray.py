@@ -1,6 +1,6 @@
-"""An EAGLE-3 head through Ray actors: a Qwen3-style target over 2 TP ranks, the draft on its own worker (the
-three layers' outputs travel over gRPC) or colocated on rank 0; same tokens as one process without drafting,
-and the draft worker's KV is chunk-invariant."""
+"""An EAGLE-3 head through Ray actors: a Llama, Qwen2 or Qwen3-style target over 2 TP ranks, the draft on its
+own worker (the three layers' outputs travel over gRPC) or colocated on rank 0; same tokens as one process
+without drafting, and the draft worker's KV is chunk-invariant."""
 
 from __future__ import annotations
 
@@ -29,14 +29,18 @@ def ray_local():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("eagle3")
-    target, _ = write_hf_target(root / "target", "qwen3", mimic=True, tie_word_embeddings=False)
+def write_model(root: Path, kind: str) -> tuple[str, str]:
+    """A mimic target of `kind` and an EAGLE-3 checkpoint for it (SpecForge layout, layers 2, 4, 6)."""
+    target, _ = write_hf_target(root / "target", kind, mimic=True, tie_word_embeddings=False)
     source = resolve_model(target)
     args = source.args()
     draft = write_eagle3_dir(root / "draft", args, mimic_tensors(args, source.weights()), "specforge", [2, 4, 6])
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    return write_model(tmp_path_factory.mktemp("eagle3"), "qwen3")
 
 
 def config(model: tuple[str, str], placement: str, enabled: bool = True) -> MTPServeConfig:
@@ -50,10 +54,14 @@ def config(model: tuple[str, str], placement: str, enabled: bool = True) -> MTPS
     )
 
 
-@pytest.mark.parametrize("placement", ["separate", "colocated"])
-def test_eagle3_through_actors(ray_local, model: tuple[str, str], placement: str) -> None:
+PLACEMENTS = [("qwen3", "separate"), ("qwen3", "colocated"), ("llama", "separate"), ("qwen2", "separate")]
+
+
+@pytest.mark.parametrize(("kind", "placement"), PLACEMENTS)
+def test_eagle3_through_actors(ray_local, model: tuple[str, str], tmp_path: Path, kind: str, placement: str) -> None:
     import ray
 
+    model = model if kind == "qwen3" else write_model(tmp_path, kind)
     prompts = random_prompts(4, 96, [23, 1, 37, 9], seed=13)
     plain = LLMEngine.from_config(config(model, placement, enabled=False), load_tokenizer=False)
     ref = [c.token_ids for c in plain.generate(prompts, {"max_tokens": 16})]

@@ -491,7 +491,7 @@ class Trainer:
     def export(
         self, path: str | Path, metadata: dict[str, Any], name: str | None = None, dtype: torch.dtype = torch.float32
     ) -> Path:
-        """Save a head (the named one, else the first) as safetensors (`mtp.` names) with string metadata."""
+        """Save a head (the named one, else the first) in its layout's file format, with string metadata."""
         run = next((r for r in self.runs if r.spec.name == name), self.runs[0])
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
