@@ -15,7 +15,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Model, speculation and scheduling flags used by serve, generate --local and bench."""
     g = p.add_argument_group("engine")
     g.add_argument("--config", help="YAML config file; flags below override it")
-    g.add_argument("--model", help="HF Llama directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--model", help="HF Llama, Qwen or DeepSeek-V3 directory, or .gguf (default: SmolLM2-135M-Instruct)")
     g.add_argument(
         "--load-format",
         choices=["auto", "safetensors", "gguf", "dummy"],

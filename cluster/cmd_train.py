@@ -158,7 +158,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     d = t = argparse.Namespace(**DEFAULTS)
 
     g = p.add_argument_group("target")
-    g.add_argument("--target", help="HF Llama directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--target", help="HF Llama / Qwen2 / Qwen3 directory or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument(
         "--load-format",
         choices=["auto", "safetensors", "gguf", "dummy"],

@@ -22,7 +22,8 @@ class ModelConfig(_Strict):
 
     path: str | None = Field(
         None,
-        description="HF Llama or DeepSeek-V3 directory, or a .gguf file; None loads the default SmolLM2-135M-Instruct",
+        description="HF Llama-family (Llama, Mistral, Qwen2, Qwen3) or DeepSeek-V3 directory, or a .gguf file; None "
+        "loads the default SmolLM2-135M-Instruct",
     )
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
