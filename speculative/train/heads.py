@@ -143,6 +143,8 @@ def _weight(text: str, key: str, value: str) -> float:
 def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int, head_format: str = "mtp") -> None:
     """Raise TrainSetupError for duplicate names, bad layers, vocabularies larger than the target's, k > K, and
     what the EAGLE-3 layout cannot hold."""
+    if head_format not in HEAD_FORMATS:
+        raise TrainSetupError("--format", f"'{head_format}' is not one of {', '.join(HEAD_FORMATS)}")
     names = [s.name for s in specs]
     if not specs or len(set(names)) != len(names):
         raise TrainSetupError("--head-spec", f"heads need distinct names, got {names}")

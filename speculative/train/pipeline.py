@@ -30,7 +30,7 @@ from speculative.train.model_card import write_model_card
 from speculative.train.trainer import TrainConfig, Trainer, build_shared
 
 log = logging.getLogger(__name__)
-HEAD_FORMATS = {"mtp": "mtpserve-mtp-eagle/1", "eagle3": "mtpserve-eagle3/1"}  # by TrainConfig.head_format
+FORMAT_TAGS = {"mtp": "mtpserve-mtp-eagle/1", "eagle3": "mtpserve-eagle3/1"}  # by TrainConfig.head_format
 # Builds the `engine` generator from (args, weights, device, dtype, batch_size, max_len); the caller supplies it
 # (cluster/train_generator.py), since it drives the serving engine above this package.
 GeneratorFactory = Callable[[LlamaArgs, dict[str, torch.Tensor], str, str, int, int], Generator]
@@ -256,7 +256,7 @@ def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory 
     for name, head_res in res["heads"].items():
         hdev = head_res["dev"]
         meta = {
-            "format": HEAD_FORMATS[opts.train.head_format],
+            "format": FORMAT_TAGS[opts.train.head_format],
             "head": name,
             "target": target.name,
             "data_sequences": data.meta["counts"]["sequences"],
