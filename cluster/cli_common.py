@@ -15,7 +15,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Model, speculation and scheduling flags used by serve, generate --local and bench."""
     g = p.add_argument_group("engine")
     g.add_argument("--config", help="YAML config file; flags below override it")
-    g.add_argument("--model", help="HF Llama directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--model", help="HF Llama, Qwen or DeepSeek-V3 directory, or .gguf (default: SmolLM2-135M-Instruct)")
     g.add_argument(
         "--load-format",
         choices=["auto", "safetensors", "gguf", "dummy"],
@@ -53,12 +53,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft",
         help="draft head: 'default' (shipped head, or the checkpoint's MTP modules), 'native' (the checkpoint's "
-        "MTP modules), 'random' (untrained, explicit), or a .safetensors path",
+        "MTP modules), 'random' (untrained, explicit), a .safetensors path, or an EAGLE-3 checkpoint directory "
+        "(with --spec-method eagle3)",
     )
     g.add_argument(
         "--spec-method",
-        choices=["mtp_eagle", "mtp_vanilla"],
-        help="mtp_eagle: one MTP module reused K times (default); mtp_vanilla: one native module per draft position",
+        choices=["mtp_eagle", "eagle3", "mtp_vanilla"],
+        help="mtp_eagle: one MTP module reused K times (default); eagle3: an EAGLE-3 head (SpecForge / SGLang / "
+        "vLLM speculators directory) reused K times; mtp_vanilla: one native module per draft position",
     )
     g.add_argument("--num-draft-tokens", type=int, help="K, draft tokens per step (1-8); with a tree, its depth")
     g.add_argument(

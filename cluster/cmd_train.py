@@ -1,4 +1,4 @@
-"""`mtpserve train-draft`: build a self-distillation dataset and train an MTP Eagle draft head."""
+"""`mtpserve train-draft`: build a self-distillation dataset and train an MTP Eagle or EAGLE-3 draft head."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ Train an MTP Eagle draft head for a target model by self-distillation (no datase
           steps (--num-draft-tokens), AdamW with warmup + cosine, bf16 autocast on CUDA. Several heads
           (--head-spec, an ablation) train side by side on the same batches.
 3. eval:  teacher-forced K-chain acceptance on held-apart dev prompts, every --eval-every steps.
-4. out:   the chosen head (--out, safetensors), one file per head of an ablation, MODEL_CARD.md beside
-          it, and a results JSON.
+4. out:   the chosen head (--out: safetensors; an EAGLE-3 directory with --format eagle3), one per head
+          of an ablation, MODEL_CARD.md beside it (inside an EAGLE-3 directory), and a results JSON.
 """
 
 EPILOG = """\
@@ -68,6 +68,7 @@ examples:
       --head-spec fused:layers=fused --head-spec fused-v16k:layers=fused,vocab=16384 --time-budget 560
   mtpserve train-draft --target tiny/ --load-format dummy --dummy-std 0.5 --mix random=4 --steps 200
   mtpserve train-draft --stage eval --head speculative/heads/smollm2-135m-mtp.safetensors
+  mtpserve train-draft --target qwen-dir/ --format eagle3 --out qwen-eagle3/ --head-spec v32k:layers=eagle3,vocab=32768
 errors exit with status 2 and name the flag, e.g. `mtpserve: train-draft: --target: '/x' does not exist`.
 """
 
@@ -157,7 +158,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     d = t = argparse.Namespace(**DEFAULTS)
 
     g = p.add_argument_group("target")
-    g.add_argument("--target", help="HF Llama directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--target", help="HF Llama / Qwen2 / Qwen3 directory or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument(
         "--load-format",
         choices=["auto", "safetensors", "gguf", "dummy"],
@@ -189,9 +190,17 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "the training split), no training",
     )
     g.add_argument(
+        "--format",
+        choices=["mtp", "eagle3"],
+        default="mtp",
+        help="layout of the trained heads: mtp (this project's MTP Eagle head, one safetensors file; default) or "
+        "eagle3 (an EAGLE-3 checkpoint directory, LlamaForCausalLMEagle3, that SGLang, vLLM and SpecForge load, "
+        "served here with --spec-method eagle3)",
+    )
+    g.add_argument(
         "--out",
         help="exported head (default: speculative/heads/smollm2-135m-mtp.safetensors for "
-        "the default target, else ./mtp-head.safetensors)",
+        "the default target, else ./mtp-head.safetensors; with --format eagle3, ./eagle3-head/)",
     )
     g.add_argument("--model-card", help="model card path (default: MODEL_CARD.md beside --out)")
     g.add_argument("--results", help="results JSON (default: <out stem>.results.json beside --out)")
@@ -304,7 +313,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "layer's MLP width; 0 = the target's), path=W (chains that greedy decoding with the head would run "
         "weigh 1+W in the loss; default 0), decoder=N (decoder layers per draft step, 1-4; default 1), "
         "repeat=W (loss weight of rows whose token repeats an 8-gram earlier in its answer; default 1); "
-        "default one head, 'head:layers=last'",
+        "layers=eagle3 is EAGLE-3's 1, L/2-1, L-4; default one head, 'head:layers=last' ('head:layers=eagle3' "
+        "with --format eagle3, whose heads keep decoder=1 and read layers before the last)",
     )
     g.add_argument(
         "--prefer-margin",
@@ -386,14 +396,12 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
     device = resolve_device(args.device)
     name = Path(args.target).stem if args.target else "smollm2-135m-instruct"
     data_dir = args.data_dir or str(cache_root() / "draft-data" / name)
-    if args.out:
-        out = args.out
-    elif args.target is None:
+    out = args.out or ("eagle3-head" if args.format == "eagle3" else None)
+    if out is None and args.target is None:
         from workers.builders import DEFAULT_HEAD
 
         out = str(DEFAULT_HEAD)
-    else:
-        out = "mtp-head.safetensors"
+    out = out or "mtp-head.safetensors"
     settings = RecipeSettings(
         max_new_tokens=args.max_new_tokens,
         long_max_new_tokens=args.long_max_new_tokens,
@@ -430,7 +438,8 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
         pause_after=args.pause_after,
         keep_hidden=args.keep_hidden,
         max_batch_tokens=args.max_batch_tokens,
-        heads=args.head_spec or [HeadSpec()],
+        heads=args.head_spec or [HeadSpec(layers="eagle3" if args.format == "eagle3" else "last")],
+        head_format=args.format,
         prefer_margin=args.prefer_margin,
     )
     return TrainDraftOptions(

@@ -16,9 +16,9 @@ from cluster.request import Request, SamplingParams, sampling_params
 from cluster.scheduler import RequestOutput, Scheduler
 from modeling.loader import resolve_device, to_dtype
 from modeling.model import LlamaArgs
+from speculative.draft_head import DraftHead
 from speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain
-from speculative.mtp_head import MTPEagleHead
 from speculative.stats import SpecStats
 from workers.builders import (
     bind_features,
@@ -137,7 +137,7 @@ class LLMEngine:
         args: LlamaArgs,
         weights: dict[str, torch.Tensor],
         tokenizer: Any = None,
-        head: MTPEagleHead | None = None,
+        head: DraftHead | None = None,
     ) -> LLMEngine:
         """Build from in-memory weights; `head` overrides the configured draft head."""
         device = resolve_device(cfg.model.device)

@@ -209,7 +209,7 @@ def model_info(engine: LLMEngine) -> pb.ModelInfo:
         block_size=cfg.scheduler.block_size,
         draft=pb.DraftInfo(
             enabled=engine.draft is not None,
-            method="mtp_eagle" if engine.draft is not None else "",
+            method=spec.method if engine.draft is not None else "",
             source=spec.draft or "",
             num_draft_tokens=engine.scheduler.k,
             lookahead_source=spec.lookahead_source,

@@ -52,6 +52,7 @@ class DeepseekV3Args(LlamaArgs):
         names = cls.__dataclass_fields__
         kwargs = {k: cfg[k] for k in names if k in cfg and cfg[k] is not None}
         kwargs.pop("head_dim", None)  # HF stores the rotary width there; MLA has no single head size
+        kwargs.pop("rope_scaling", None)  # read into rope_parameters below
         if cfg.get("q_lora_rank") is None:
             kwargs["q_lora_rank"] = None
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})

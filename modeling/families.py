@@ -14,8 +14,10 @@ from modeling.deepseek_config import DeepseekV3Args
 from modeling.deepseek_weights import init_dummy_, random_deepseek_weights
 from modeling.errors import ModelLoadError
 from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
+from modeling.qwen import MODEL_TYPES as QWEN_TYPES
+from modeling.qwen import QwenArgs, QwenModel, is_qwen_style, random_qwen_weights
 
-LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2"})
+LLAMA_TYPES = frozenset({"llama", "mistral"})
 
 
 class InPlaceDummy(dict[str, torch.Tensor]):
@@ -45,6 +47,7 @@ class Family:
 
 LLAMA = Family("llama", LlamaArgs, LlamaModel, random_llama_weights)
 DEEPSEEK_V3 = Family("deepseek_v3", DeepseekV3Args, DeepseekV3Model, random_deepseek_weights, host_dummy_weights=False)
+QWEN = Family("qwen", QwenArgs, QwenModel, random_qwen_weights)
 
 
 def family_of_config(cfg: dict[str, Any], where: str = "config.json") -> Family:
@@ -53,15 +56,19 @@ def family_of_config(cfg: dict[str, Any], where: str = "config.json") -> Family:
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     if model_type in DEEPSEEK_TYPES:
         return DEEPSEEK_V3
+    if model_type in QWEN_TYPES:
+        return QWEN
     if model_type in LLAMA_TYPES or "Llama" in archs[0]:
-        return LLAMA
-    known = sorted(LLAMA_TYPES | DEEPSEEK_TYPES)
+        return QWEN if is_qwen_style(cfg) else LLAMA
+    known = sorted(LLAMA_TYPES | DEEPSEEK_TYPES | QWEN_TYPES)
     raise ModelLoadError(f"{where}: model_type '{model_type}' is not supported (known: {', '.join(known)})")
 
 
 def family_of(args: LlamaArgs) -> Family:
     """The family whose hyper-parameter class `args` is (the most derived one)."""
-    return DEEPSEEK_V3 if isinstance(args, DeepseekV3Args) else LLAMA
+    if isinstance(args, DeepseekV3Args):
+        return DEEPSEEK_V3
+    return QWEN if isinstance(args, QwenArgs) else LLAMA
 
 
 def args_from_config(cfg: dict[str, Any], where: str = "config.json") -> LlamaArgs:

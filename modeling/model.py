@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from modeling.attention import Metadata
 from modeling.kv_cache import KVCache, KVWrite
 from modeling.layer_ops import TORCH_OPS, TorchOps
 from modeling.parallel import TPContext
+from modeling.rope_scaling import rope_frequencies, rope_scaling_of
 
 
 @dataclass
@@ -33,6 +34,7 @@ class LlamaArgs:
     head_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    rope_scaling: dict[str, Any] | None = None  # a scaled RoPE's parameters (`rope_scaling_of`); None: plain
 
     @property
     def dim_per_head(self) -> int:
@@ -41,12 +43,13 @@ class LlamaArgs:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> LlamaArgs:
-        """Read the fields we use from an HF config.json dict."""
+        """Read the fields we use from an HF config.json dict; ValueError naming a field we cannot serve."""
         names = cls.__dataclass_fields__
         kwargs = {k: cfg[k] for k in names if k in cfg and cfg[k] is not None}
         rope = cfg.get("rope_parameters") or {}
         if "rope_theta" not in kwargs and "rope_theta" in rope:
             kwargs["rope_theta"] = rope["rope_theta"]
+        kwargs["rope_scaling"] = rope_scaling_of(cfg)
         return cls(**kwargs)
 
     def eos_ids(self) -> list[int]:
@@ -75,16 +78,19 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim] fp
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table."""
+    """Rotate-half RoPE with a precomputed cos/sin table (plain, or scaled as `rope_scaling` says)."""
 
     cos_sin: torch.Tensor
 
-    def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_pos: int, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv, attention_scaling = rope_frequencies(head_dim, theta, max_pos, scaling)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_tables(emb.cos().float(), emb.sin().float())
+        if scaling is None:
+            self.register_tables(emb.cos().float(), emb.sin().float())
+        else:
+            self.register_tables((emb.cos() * attention_scaling).float(), (emb.sin() * attention_scaling).float())
 
     def register_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Keep the cos and sin tables [max_pos, head_dim] side by side in one buffer, so that one gather
@@ -305,7 +311,7 @@ class LlamaModel(nn.Module):
     @classmethod
     def rotary_for(cls, args: LlamaArgs) -> Rotary:
         """The RoPE table of this architecture."""
-        return Rotary(args.dim_per_head, args.rope_theta, args.max_position_embeddings)
+        return Rotary(args.dim_per_head, args.rope_theta, args.max_position_embeddings, args.rope_scaling)
 
     @classmethod
     def cache_for(
@@ -333,25 +339,25 @@ class LlamaModel(nn.Module):
     def forward_features(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: Metadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`, plus the draft's features [T, n*d]: the outputs of `feature_layers`, concatenated (the
-        hidden states themselves when that is only the last layer)."""
+        """`forward`, plus the draft's features [T, n*d]: the outputs of `feature_layers`, concatenated in
+        that order (the hidden states themselves when that is only the last layer)."""
         x = self.embed(ids)
         rope = self.rotary.table(positions)
         residual = None
-        taps: list[torch.Tensor] = []
+        taps: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             read = i == last or i in self.feature_layers  # outputs that are read whole
             step = cast(DecoderLayer, layer).step
             x, residual = step(x, residual, rope, cache.keys[i], cache.values[i], meta, whole=read)
-            if read and i != last:
-                taps.append(x)
+            if read:
+                taps[i] = x
         hidden = x
         if self.normed_features:
             return hidden, self.norm(hidden)
-        if not taps:
+        if self.feature_layers == (last,):
             return hidden, hidden
-        return hidden, torch.cat([*taps, hidden], dim=-1)
+        return hidden, torch.cat([taps[i] for i in self.feature_layers], dim=-1)
 
     def prepare_for_inference(self, ops: TorchOps = TORCH_OPS) -> LlamaModel:
         """Fuse q/k/v and gate/up weights and pick the layer ops; call once, after loading and `.to()`."""

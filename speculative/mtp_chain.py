@@ -9,15 +9,15 @@ import torch
 from modeling.attention import UniformMetadata, ragged_metadata
 from modeling.kv_cache import KVCache
 from modeling.model import LlamaModel
+from speculative.draft_head import DraftHead
 from speculative.draft_inputs import draft_input_tokens, last_rows
 from speculative.lookahead import LookaheadBuffer
 from speculative.messages import DraftInputs, DraftOutputs
 from speculative.methods import DraftMethod
-from speculative.mtp_head import MTPEagleHead
 
 
 def propose_from_rows(
-    head: MTPEagleHead,
+    head: DraftHead,
     shared: LlamaModel,
     cache: KVCache,
     row_tokens: torch.Tensor,
@@ -44,7 +44,7 @@ def propose_from_rows(
 
 
 def chain_from(
-    head: MTPEagleHead,
+    head: DraftHead,
     shared: LlamaModel,
     cache: KVCache,
     h: torch.Tensor,
@@ -83,14 +83,14 @@ def chain_slots(
 class MTPEagleChain(DraftMethod):
     """Runs the draft head over accepted/context rows, then chains K greedy proposals.
 
-    `shared` supplies the target's embedding, final norm and lm_head (a LlamaModel, possibly with no
-    layers). Drafts are the head's argmax, so their distribution is one-hot and no draft probabilities
-    need to travel to the verifier.
+    `head` is any draft head layout (MTP Eagle, EAGLE-3); `shared` supplies the target's embedding, final norm
+    and lm_head (a LlamaModel, possibly with no layers). Drafts are the head's argmax, so their distribution is
+    one-hot and no draft probabilities need to travel to the verifier.
     """
 
     def __init__(
         self,
-        head: MTPEagleHead,
+        head: DraftHead,
         shared: LlamaModel,
         cache: KVCache,
         lookahead: LookaheadBuffer,
@@ -102,7 +102,7 @@ class MTPEagleChain(DraftMethod):
         self.cache = cache
         self.lookahead = lookahead
         self.device = torch.device(device)
-        dtype = head.eh_proj.weight.dtype
+        dtype = head.dtype
         # Fixed-address step inputs: incoming rows are copied in, never reallocated.
         self.token_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.position_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)

@@ -38,6 +38,7 @@ from modeling.families import model_class
 from modeling.kv_cache import KVCache
 from modeling.model import LlamaArgs, LlamaModel, RMSNorm, Rope
 from modeling.parallel import TPContext
+from speculative.draft_head import DraftHead
 
 PREFIX = "mtp."
 FEATURE_LAYERS_KEY = "feature_layers"
@@ -55,7 +56,7 @@ def fused_feature_layers(args: LlamaArgs) -> tuple[int, ...]:
     return tuple(sorted({min(2, n - 1), n // 2, n - 1}))
 
 
-class MTPEagleHead(nn.Module):
+class MTPEagleHead(DraftHead):
     """enorm(embed(token)) ++ hnorm(fc(features) or hidden) -> eh_proj -> decoder layer(s) -> hidden for the
     shared head, whose lm_head may be restricted to `vocab_ids` (a reduced draft vocabulary)."""
 
@@ -104,9 +105,9 @@ class MTPEagleHead(nn.Module):
 
     # ---- layout --------------------------------------------------------------------------------------
     @property
-    def feature_size(self) -> int:
-        """Width of the target features the first draft step reads (d per feature layer)."""
-        return self.args.hidden_size * len(self.feature_layers)
+    def dtype(self) -> torch.dtype:
+        """The dtype of the head's weights (what its inputs are cast to)."""
+        return self.eh_proj.weight.dtype
 
     def layout(self) -> dict[str, Any]:
         """The constructor's keyword arguments that give a head of this shape (override some to change it)."""
@@ -127,11 +128,6 @@ class MTPEagleHead(nn.Module):
     def decoder_layers(self) -> list[nn.Module]:
         """The decoder layers in the order they run."""
         return [self.layer, *self.extra_layers]
-
-    @property
-    def draft_vocab_size(self) -> int:
-        """Rows of the draft's lm_head: the reduced vocabulary's size, or the target's."""
-        return self.args.vocab_size if self.vocab_ids is None else int(self.vocab_ids.numel())
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target features [.., n*d] through fc to [.., d]; a d-wide hidden state (a draft output) as is."""
@@ -209,10 +205,6 @@ class MTPEagleHead(nn.Module):
         assert self._lm_rows is not None
         return F.linear(shared.norm(hidden), self._lm_rows).float()
 
-    def token_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
-        """Target token ids of draft-vocabulary indices."""
-        return draft_index if self.vocab_ids is None else self.vocab_ids[draft_index]
-
     def greedy_tokens(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's argmax token per row [N], as target token ids."""
         if self.final_norm is not None:
@@ -232,18 +224,7 @@ class MTPEagleHead(nn.Module):
     # ---- set-up --------------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """The draft's own paged KV cache, one layer per decoder layer."""
-        dtype = self.eh_proj.weight.dtype
-        return model_class(self.args).cache_for(self.args, self.num_layers, num_blocks, block_size, dtype, device)
-
-    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
-        """Random initialisation (tests, or an explicit untrained head)."""
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight") or "layernorm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return model_class(self.args).cache_for(self.args, self.num_layers, num_blocks, block_size, self.dtype, device)
 
     def init_from_target(self, target_weights: dict[str, torch.Tensor], layer: int | None = None) -> None:
         """Copy the target's last (or given) decoder layer into the head; eh_proj starts as [0.1 I | I] and fc
@@ -265,10 +246,12 @@ class MTPEagleHead(nn.Module):
                 self.fc.weight.zero_()
                 self.fc.weight[:, -d:] = torch.eye(d)
 
-    def init_from_head(self, other: MTPEagleHead) -> None:
+    def init_from_head(self, other: DraftHead) -> None:
         """Start from another head's weights (a trained head to continue). This head may have a wider MLP or
         more decoder layers; the extra units and layers start with no effect on the output (an extra layer as
         a copy of `other`'s last one with zero output projections)."""
+        if not isinstance(other, MTPEagleHead):
+            raise ValueError(f"cannot start an MTP Eagle head from a {type(other).__name__}")
         same = (
             other.feature_layers == self.feature_layers
             and (other.final_norm is None) == (self.final_norm is None)

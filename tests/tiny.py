@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
 from cluster.engine import LLMEngine
 from modeling.model import LlamaArgs, random_llama_weights
+from speculative.draft_head import DraftHead
 from speculative.mtp_head import MTPEagleHead
 from workers.config import MTPServeConfig
 from workers.uniform_step import UniformTargetStep
@@ -60,7 +62,7 @@ def engine_config(**sections: dict[str, Any]) -> MTPServeConfig:
 def tiny_engine(
     args: LlamaArgs,
     weights: dict[str, torch.Tensor],
-    head: MTPEagleHead | None = None,
+    head: DraftHead | None = None,
     **sections: dict[str, Any],
 ) -> LLMEngine:
     """An in-process engine over the given weights; speculation is on iff a head is given."""
@@ -72,10 +74,12 @@ def tiny_engine(
     return LLMEngine.from_weights(cfg, args, weights, head=head)
 
 
-def _clone(head: MTPEagleHead, args: LlamaArgs) -> MTPEagleHead:
-    copy = MTPEagleHead(args, **head.layout())
-    copy.load_state_dict(head.state_dict())
-    return copy
+def _clone(head: DraftHead, args: LlamaArgs) -> DraftHead:
+    if not isinstance(head, MTPEagleHead):
+        return copy.deepcopy(head)
+    clone = MTPEagleHead(args, **head.layout())
+    clone.load_state_dict(head.state_dict())
+    return clone
 
 
 def slots_of(block_ids: list[int], block_size: int, n: int) -> torch.Tensor:

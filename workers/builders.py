@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -22,6 +22,10 @@ from modeling.layer_ops import pick_ops
 from modeling.loader import ModelSource, resolve_model
 from modeling.model import LlamaArgs, LlamaModel, cast_keeping_fp32, prepare_for_inference
 from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
+from speculative.draft_head import DraftHead
+from speculative.eagle3_config import default_feature_layers as eagle3_layers
+from speculative.eagle3_config import is_eagle3_dir
+from speculative.eagle3_head import Eagle3Head
 from speculative.lookahead import LookaheadBuffer
 from speculative.methods import DraftMethod
 from speculative.mtp_chain import MTPEagleChain
@@ -216,6 +220,11 @@ def draft_source(cfg: MTPServeConfig, args: LlamaArgs) -> str | None:
     if not spec.enabled or spec.draft is None:
         return None
     source = spec.draft
+    if spec.method == "eagle3" and source in ("default", "native"):
+        raise ModelLoadError(
+            f"speculative.draft: speculative.method 'eagle3' needs an EAGLE-3 checkpoint directory (or 'random'), "
+            f"not '{source}'"
+        )
     if source == "default":
         if num_native_modules(args):
             source = "native"
@@ -234,9 +243,9 @@ def draft_source(cfg: MTPServeConfig, args: LlamaArgs) -> str | None:
 
 def load_heads(
     cfg: MTPServeConfig, args: LlamaArgs, weights: dict[str, torch.Tensor] | None = None
-) -> list[MTPEagleHead] | None:
-    """The configured draft modules (one for MTP Eagle, K for vanilla MTP), or None. Native modules are
-    read from the target's `weights`."""
+) -> list[DraftHead] | None:
+    """The configured draft modules (one for MTP Eagle and EAGLE-3, K for vanilla MTP), or None. Native modules
+    are read from the target's `weights`."""
     source = draft_source(cfg, args)
     if source is None:
         return None
@@ -244,30 +253,39 @@ def load_heads(
     if source == "native":
         if weights is None:
             raise ModelLoadError("native MTP modules are read from the target checkpoint; its weights are needed")
-        return native_heads(args, weights, DRAFT_METHODS[spec.method].modules(spec.num_draft_tokens))
+        return list(native_heads(args, weights, DRAFT_METHODS[spec.method].modules(spec.num_draft_tokens)))
+    method = DRAFT_METHODS[spec.method]
     if source == "random":
-        log.warning("using an untrained random MTP head (explicitly requested): acceptance will be near zero")
-        head = MTPEagleHead(args)
+        log.warning("using an untrained random draft head (explicitly requested): acceptance will be near zero")
+        head = method.random(args)
         head.init_random(seed=cfg.model.seed)
         return [head]
     path = Path(source)
-    if not path.is_file():
-        raise ModelLoadError(f"speculative.draft '{spec.draft}' is not a file; train one with `mtpserve train-draft`")
+    if spec.method == "eagle3" and not is_eagle3_dir(path):
+        raise ModelLoadError(
+            f"speculative.draft '{spec.draft}' is not an EAGLE-3 checkpoint directory (config.json naming "
+            "LlamaForCausalLMEagle3 or Eagle3Speculator, and its weights)"
+        )
+    if spec.method != "eagle3" and not path.is_file():
+        hint = " (an EAGLE-3 checkpoint: pass --spec-method eagle3)" if is_eagle3_dir(path) else ""
+        raise ModelLoadError(
+            f"speculative.draft '{spec.draft}' is not a file{hint}; train one with `mtpserve train-draft`"
+        )
     try:
-        return [MTPEagleHead.load(path, args)]
+        return [method.load(path, args)]
     except Exception as exc:
         raise ModelLoadError(f"draft head {path} does not fit this target: {exc}") from exc
 
 
-def bind_features(model: LlamaModel, heads: list[MTPEagleHead] | None) -> None:
+def bind_features(model: LlamaModel, heads: list[DraftHead] | None) -> None:
     """Make the target return the features the first draft module reads."""
     if heads:
         model.feature_layers = heads[0].feature_layers
         model.normed_features = heads[0].normed_input
 
 
-def _prepared(cfg: MTPServeConfig, head: MTPEagleHead, device: str, dtype: torch.dtype) -> MTPEagleHead:
-    if head.eh_proj.weight.is_meta:  # a dummy native module
+def _prepared(cfg: MTPServeConfig, head: DraftHead, device: str, dtype: torch.dtype) -> DraftHead:
+    if any(p.is_meta for p in head.parameters()):  # a dummy native module
         materialize_dummy(head, device, dtype, seed=cfg.model.seed + 1)
     else:
         cast_keeping_fp32(head, device, dtype)
@@ -278,7 +296,7 @@ def _prepared(cfg: MTPServeConfig, head: MTPEagleHead, device: str, dtype: torch
 
 def build_draft(
     cfg: MTPServeConfig,
-    heads: list[MTPEagleHead] | None,
+    heads: list[DraftHead] | None,
     shared: LlamaModel,
     num_blocks: int,
     device: str,
@@ -297,24 +315,25 @@ def build_draft(
     return method
 
 
-DraftBuilder = Callable[
-    [MTPServeConfig, list[MTPEagleHead], LlamaModel, list[KVCache], LookaheadBuffer, str], DraftMethod
-]
+DraftBuilder = Callable[[MTPServeConfig, list[DraftHead], LlamaModel, list[KVCache], LookaheadBuffer, str], DraftMethod]
 
 
 @dataclass(frozen=True)
 class DraftMethodSpec:
     """How a `speculative.method` is built: its chain, how many draft modules it runs for K draft tokens,
-    and whether they must be the checkpoint's own MTP modules."""
+    whether they must be the checkpoint's own MTP modules, how its head is read from `speculative.draft`
+    and how an untrained one is shaped (`speculative.draft: random`)."""
 
     build: DraftBuilder
     modules: Callable[[int], int]
     needs_native: bool = False
+    load: Callable[[Path, LlamaArgs], DraftHead] = MTPEagleHead.load
+    random: Callable[[LlamaArgs], DraftHead] = MTPEagleHead
 
 
 def _eagle(
     cfg: MTPServeConfig,
-    heads: list[MTPEagleHead],
+    heads: list[DraftHead],
     shared: LlamaModel,
     caches: list[KVCache],
     look: LookaheadBuffer,
@@ -325,9 +344,15 @@ def _eagle(
 
 DRAFT_METHODS: dict[str, DraftMethodSpec] = {
     "mtp_eagle": DraftMethodSpec(_eagle, modules=lambda k: 1),
+    "eagle3": DraftMethodSpec(
+        _eagle,
+        modules=lambda k: 1,
+        load=Eagle3Head.load,
+        random=lambda args: Eagle3Head(args, eagle3_layers(args.num_hidden_layers)),
+    ),
     "mtp_vanilla": DraftMethodSpec(
         lambda cfg, heads, shared, caches, look, dev: (
-            VanillaMTPChain(heads, shared, caches, look, dev)
+            VanillaMTPChain([cast(MTPEagleHead, h) for h in heads], shared, caches, look, dev)
             if len(heads) > 1
             else _eagle(cfg, heads, shared, caches, look, dev)  # one module: the same chain, captured on CUDA
         ),

@@ -34,7 +34,7 @@ class UniformChainStep:
         rows = max_batch * self.q
         self.buffers = StepBuffers.allocate(max_batch, self.q, max_blocks, cache.block_size, cache.scratch_block, dev)
         self.buffers.fill([], [], [], max_batch)
-        dtype = chain.head.eh_proj.weight.dtype
+        dtype = chain.head.dtype
         self.hidden = torch.zeros(rows, chain.head.feature_size, dtype=dtype, device=dev)
         self.num_accepted = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.steps = CapturedSteps(self._forward, capture_sizes(max_batch), dev, use_graphs)

@@ -22,7 +22,8 @@ class ModelConfig(_Strict):
 
     path: str | None = Field(
         None,
-        description="HF Llama or DeepSeek-V3 directory, or a .gguf file; None loads the default SmolLM2-135M-Instruct",
+        description="HF Llama-family (Llama, Mistral, Qwen2, Qwen3) or DeepSeek-V3 directory, or a .gguf file; None "
+        "loads the default SmolLM2-135M-Instruct",
     )
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -65,11 +66,13 @@ class SpeculativeConfig(_Strict):
     draft: str | None = Field(
         "default",
         description="'default' (the shipped head, or the checkpoint's own MTP modules where it has them), "
-        "'native' (the checkpoint's MTP modules), 'random' (untrained, tests only), a safetensors path, or None",
+        "'native' (the checkpoint's MTP modules), 'random' (untrained, tests only), a safetensors path (an MTP "
+        "Eagle head), an EAGLE-3 checkpoint directory (method 'eagle3'), or None",
     )
-    method: Literal["mtp_eagle", "mtp_vanilla"] = Field(
+    method: Literal["mtp_eagle", "eagle3", "mtp_vanilla"] = Field(
         "mtp_eagle",
-        description="'mtp_eagle': one MTP module reused for every draft position; 'mtp_vanilla': module j "
+        description="'mtp_eagle': one MTP module reused for every draft position; 'eagle3': an EAGLE-3 head "
+        "(SpecForge / SGLang / vLLM speculators checkpoint) reused the same way; 'mtp_vanilla': module j "
         "drafts position j+1 (needs num_draft_tokens native MTP modules)",
     )
     num_draft_tokens: int = Field(3, ge=1, le=8, description="draft tokens per step; with trees, the tree depth")
@@ -91,11 +94,17 @@ class SpeculativeConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_tree(self) -> SpeculativeConfig:
-        if self.adaptive and (self.tree_budget or self.method != "mtp_eagle"):
-            raise ValueError("adaptive: chooses the depth of an MTP Eagle chain (method 'mtp_eagle', tree_budget 0)")
+        if self.adaptive and (self.tree_budget or self.method == "mtp_vanilla"):
+            raise ValueError(
+                "adaptive: chooses the depth of a chain reusing one head (method 'mtp_eagle' or 'eagle3', "
+                "tree_budget 0)"
+            )
         if self.tree_budget:
-            if self.method != "mtp_eagle":
-                raise ValueError("tree_budget: draft trees reuse one MTP module (speculative.method 'mtp_eagle')")
+            if self.method == "mtp_vanilla":
+                raise ValueError(
+                    "tree_budget: draft trees reuse one MTP module or EAGLE-3 head (speculative.method 'mtp_eagle' or "
+                    "'eagle3')"
+                )
             if (self.num_draft_tokens - 1) * self.tree_width > 64:
                 raise ValueError(
                     f"tree_width: (num_draft_tokens - 1) x tree_width = {(self.num_draft_tokens - 1) * self.tree_width}"

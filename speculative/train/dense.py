@@ -19,6 +19,9 @@ import torch.nn.functional as F
 
 from modeling import layer_ops
 from modeling.model import Attention, DecoderLayer, LlamaModel, Rotary
+from modeling.qwen import QwenAttention
+from speculative.draft_head import DraftHead
+from speculative.eagle3_head import Eagle3Head
 from speculative.mtp_head import MTPEagleHead
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -49,8 +52,11 @@ def attention(
     if att.tp.size != 1:
         raise ValueError("dense training forwards need an unsharded (tp=1) model")
     hd = att.head_dim
-    q = apply_rope(rotary, _heads(att.q_proj(x), att.num_heads, hd), positions).transpose(1, 2)
-    k = apply_rope(rotary, _heads(att.k_proj(x), att.num_kv_heads, hd), positions).transpose(1, 2)
+    q, k = _heads(att.q_proj(x), att.num_heads, hd), _heads(att.k_proj(x), att.num_kv_heads, hd)
+    if isinstance(att, QwenAttention):
+        q, k = att.norm_heads(q, k)
+    q = apply_rope(rotary, q, positions).transpose(1, 2)
+    k = apply_rope(rotary, k, positions).transpose(1, 2)
     v = _heads(att.v_proj(x), att.num_kv_heads, hd).transpose(1, 2)
     keys = torch.cat([*(p[0] for p in past), k], dim=2) if past else k
     values = torch.cat([*(p[1] for p in past), v], dim=2) if past else v
@@ -122,7 +128,7 @@ def unroll_mask(length: int, step: int, device: torch.device | str = "cpu") -> t
 
 
 def head_unrolled(
-    head: MTPEagleHead, shared: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, steps: int
+    head: DraftHead, shared: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, steps: int
 ) -> list[torch.Tensor]:
     """Draft hidden states per unrolled step, each [B, L, d]; row q of step k predicts token q + k + 1.
 
@@ -132,6 +138,10 @@ def head_unrolled(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if isinstance(head, Eagle3Head):
+        return eagle3_unrolled(head, shared, ids, hidden, steps)
+    if not isinstance(head, MTPEagleHead):
+        raise ValueError(f"train-draft does not unroll {type(head).__name__} heads")
     length = ids.shape[1]
     next_ids = F.pad(ids[:, 1:], (0, 1))
     emb = head.enorm(shared.embed(next_ids))
@@ -146,6 +156,30 @@ def head_unrolled(
         for layer, layer_past in zip(layers, past, strict=True):
             out, kv = decoder_layer(layer, head.rotary, out, positions, mask, layer_past)
             layer_past.append(kv)
+        outs.append(out)
+        h_in = F.pad(out[:, :-1], (0, 0, 1, 0))
+    return outs
+
+
+def eagle3_unrolled(
+    head: Eagle3Head, shared: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, steps: int
+) -> list[torch.Tensor]:
+    """`head_unrolled` for an EAGLE-3 head: its layer attends over concat(normed embedding, normed hidden),
+    with the hidden state (fc of the features, then the previous step's output) as the residual."""
+    length = ids.shape[1]
+    m = head.midlayer
+    emb = m.input_layernorm(head.embed(shared, F.pad(ids[:, 1:], (0, 1))))
+    positions = torch.arange(length, device=ids.device)
+    past: list[KV] = []
+    outs: list[torch.Tensor] = []
+    h_in = head.project(hidden)
+    for k in range(1, steps + 1):
+        h = m.hidden_norm(h_in)
+        mask = None if k == 1 else unroll_mask(length, k, ids.device)
+        a, kv = attention(m.self_attn, head.rotary, torch.cat([emb, h], dim=-1), positions, mask, past)
+        past.append(kv)
+        x = (h if m.norm_before_residual else h_in) + a
+        out = x + m.mlp(m.post_attention_layernorm(x))
         outs.append(out)
         h_in = F.pad(out[:, :-1], (0, 0, 1, 0))
     return outs

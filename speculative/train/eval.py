@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from modeling.model import LlamaModel
-from speculative.mtp_head import MTPEagleHead
+from speculative.draft_head import DraftHead
 from speculative.train.batches import Batch, HiddenStore, autocast_ctx
 from speculative.train.dense import head_unrolled
 
@@ -54,7 +54,7 @@ def target_argmax(shared: LlamaModel, batch: Batch) -> torch.Tensor:
 
 @torch.no_grad()
 def accepted_runs(
-    head: MTPEagleHead, shared: LlamaModel, batch: Batch, k: int, tgt: torch.Tensor | None = None
+    head: DraftHead, shared: LlamaModel, batch: Batch, k: int, tgt: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`run` [B, L-K]: drafts accepted by the chain at each base, `base_ok` [B, L-K]: where a whole chain
     fits in the stored response). `tgt` (from `target_argmax`) may be shared by several heads."""
@@ -85,7 +85,7 @@ def accepted_runs(
 
 @torch.no_grad()
 def batch_acceptance(
-    head: MTPEagleHead,
+    head: DraftHead,
     shared: LlamaModel,
     batch: Batch,
     k: int,
@@ -155,7 +155,7 @@ def summarize(
 
 @torch.no_grad()
 def evaluate(
-    head: MTPEagleHead,
+    head: DraftHead,
     shared: LlamaModel,
     store: HiddenStore,
     indices: list[int],
@@ -170,7 +170,7 @@ def evaluate(
 
 @torch.no_grad()
 def evaluate_heads(
-    heads: dict[str, MTPEagleHead],
+    heads: dict[str, DraftHead],
     shared: LlamaModel,
     store: HiddenStore,
     indices: list[int],

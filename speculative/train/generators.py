@@ -78,7 +78,7 @@ class HFGenerator:
             num_key_value_heads=args.num_key_value_heads,
             head_dim=args.dim_per_head,
             rms_norm_eps=args.rms_norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+            rope_parameters={**(args.rope_scaling or {"rope_type": "default"}), "rope_theta": args.rope_theta},
             max_position_embeddings=args.max_position_embeddings,
             tie_word_embeddings=args.tie_word_embeddings,
             attention_bias=False,

@@ -5,6 +5,8 @@
 #   bash speculative/train/gpu_run.sh eval  [HEAD...]  online acceptance on the held-apart sets, throughput, data export
 #   bash speculative/train/gpu_run.sh vocab SECONDS SIZES  a small dataset (MIX), the shipped head restricted to each
 #        draft-vocabulary size (e.g. 8192,16384), and every head's online acceptance
+#   bash speculative/train/gpu_run.sh eagle3 SECONDS  EAGLE-3 heads (train-draft --format eagle3, E3_SPECS) on the
+#        finished dataset, then their online acceptance and a K=1 / K=3 throughput run
 # Run from the checkout root after staging the model in /root/model and the wheels in /tmp/site. Writes under $OUT.
 set -uo pipefail
 MODEL=/root/model/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -67,15 +69,45 @@ train() {  # $1: seconds for this step
   return $status
 }
 
+SETS=(--prompts bench/prompts/heldout/chat.jsonl --prompts bench/prompts/heldout/code.jsonl
+      --prompts bench/prompts/heldout/math.jsonl --prompts bench/prompts/chat_dev.jsonl)
+
 evaluate() {  # heads: the trained ones and any given
-  sets=(--prompts bench/prompts/heldout/chat.jsonl --prompts bench/prompts/heldout/code.jsonl
-        --prompts bench/prompts/heldout/math.jsonl --prompts bench/prompts/chat_dev.jsonl)
   for h in "$HEADS"/*.safetensors "$@"; do
     name=$(basename "$(dirname "$h")")-$(basename "$h" .safetensors)
     python3 -m cluster bench acceptance --device cuda --model "$MODEL" --draft "$h" --num-draft-tokens 3 \
-      --max-tokens 128 "${sets[@]}" --quiet --json "$OUT/acc-$name.json" > "$OUT/acc-$name.log" 2>&1
+      --max-tokens 128 "${SETS[@]}" --quiet --json "$OUT/acc-$name.json" > "$OUT/acc-$name.log" 2>&1
     tail -n 8 "$OUT/acc-$name.log"
   done
+}
+
+eagle3() {  # $1: seconds for the training; EAGLE-3 heads on the finished dataset, exported as checkpoint directories
+  # under $HEADS (they stay on the warm machine); $OUT gets at most six JSON files (results, acceptance, speed)
+  [ -f "$DATA/meta.json" ] || { echo "dataset unfinished: run the data step first"; return 1; }
+  specs=${E3_SPECS:-"e3:layers=eagle3 e3-v16k:layers=eagle3,vocab=16384"}
+  python3 -m cluster train-draft --stage train --format eagle3 --device cuda --target "$MODEL" --data-dir "$DATA" \
+    --seed 0 --holdout-source seed --dev-fraction 0.006 --batch-size 64 --max-batch-tokens 24576 --lr "$LR" \
+    --warmup-steps "$WARMUP" --steps 100000 --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 \
+    --ckpt-every 0 $(for s in $specs; do printf -- '--head-spec %s ' "$s"; done) \
+    --export-dtype bfloat16 --out "$HEADS/smollm2-135m-eagle3" > /tmp/train-eagle3.log 2>&1
+  status=$?
+  tail -c 1500 /tmp/train-eagle3.log
+  cp "$HEADS/smollm2-135m-eagle3.results.json" "$HEADS/smollm2-135m-eagle3/config.json" "$OUT"/ 2>/dev/null
+  dirs=("$HEADS"/smollm2-135m-eagle3-*/)  # one directory per head of an ablation; a lone head has only the chosen one
+  [ -d "${dirs[0]}" ] || dirs=("$HEADS/smollm2-135m-eagle3/")
+  for d in "${dirs[@]}"; do
+    name=$(basename "$d")
+    python3 -m cluster bench acceptance --device cuda --model "$MODEL" --spec-method eagle3 --draft "$d" \
+      --num-draft-tokens 3 --max-tokens 128 "${SETS[@]}" --quiet --json "$OUT/acc-$name.json" > "/tmp/acc-$name.log" 2>&1
+    tail -n 8 "/tmp/acc-$name.log"
+  done
+  for k in 1 3; do
+    python3 -m cluster bench throughput --device cuda --model "$MODEL" --spec-method eagle3 \
+      --draft "$HEADS/smollm2-135m-eagle3" --num-draft-tokens "$k" --batch-sizes 1,8,64 --output-len 128 \
+      --json "$OUT/tput-eagle3-k$k.json" > "/tmp/tput-eagle3-k$k.log" 2>&1
+    tail -n 6 "/tmp/tput-eagle3-k$k.log"
+  done
+  return $status
 }
 
 vocab() {  # $1: seconds for the data; $2: comma-separated draft-vocabulary sizes
@@ -93,5 +125,6 @@ case "${1:-}" in
   train) train "${2:-560}" ;;
   eval) shift; evaluate "$@" ;;
   vocab) vocab "${2:-120}" "${3:-16384}" ;;
-  *) echo "usage: $0 data|train SECONDS | eval [HEAD...] | vocab SECONDS SIZES" >&2; exit 2 ;;
+  eagle3) eagle3 "${2:-480}" ;;
+  *) echo "usage: $0 data|train|eagle3 SECONDS | eval [HEAD...] | vocab SECONDS SIZES" >&2; exit 2 ;;
 esac

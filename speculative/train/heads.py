@@ -1,8 +1,9 @@
 """Draft heads to train side by side: their specs (the choices an ablation varies) and how they are built.
 
 A spec reads `name:key=value,...` on the command line, e.g. `fused-v16k:layers=fused,vocab=16384,k=3`:
-- layers: `last` (the target's last layer only, the plain MTP input), `fused` (EAGLE-3's low / middle /
-  high layers) or explicit 0-based layer indices joined by `/` (ascending, ending at the last layer);
+- layers: `last` (the target's last layer only, the plain MTP input), `fused` (low / middle / last layers),
+  `eagle3` (EAGLE-3's common default, layers 1, L/2-1 and L-4) or explicit 0-based layer indices joined by
+  `/` (ascending; an MTP head's end at the last layer, an EAGLE-3 head's stop before it);
 - vocab: 0 for the target's whole vocabulary, else the N most frequent response tokens of the training split;
 - k: unrolled steps in the loss (training-time test); 1 trains only the first draft position;
 - mlp: the draft layer's MLP width (0: the target's); wider units start with no effect on the output;
@@ -12,6 +13,10 @@ A spec reads `name:key=value,...` on the command line, e.g. `fused-v16k:layers=f
   begin with no effect on the output;
 - repeat: loss weight of rows whose token repeats an 8-gram earlier in its answer (default 1; below 1 the
   head spends less of itself on the loops long greedy answers fall into).
+
+A run trains heads of one layout (`--format`): `mtp` (this project's MTP Eagle head, one safetensors file) or
+`eagle3` (an EAGLE-3 checkpoint directory that SGLang, vLLM and SpecForge load; one decoder layer of the
+target's MLP width, three or more feature layers before the last).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from pathlib import Path
 import torch
 
 from modeling.model import LlamaArgs
+from speculative import eagle3_config
+from speculative.draft_head import DraftHead
+from speculative.eagle3_head import Eagle3Head
 from speculative.mtp_head import (
     MAX_LAYERS,
     MTPEagleHead,
@@ -35,6 +43,7 @@ from speculative.train.data import TokenDataset
 from speculative.train.errors import TrainSetupError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+HEAD_FORMATS = ("mtp", "eagle3")
 
 
 @dataclass
@@ -42,7 +51,7 @@ class HeadSpec:
     """One head to train: its name and the choices an ablation varies."""
 
     name: str = "head"
-    layers: str = "last"  # 'last', 'fused' or '2/15/29'
+    layers: str = "last"  # 'last', 'fused', 'eagle3' or '2/15/29'
     draft_vocab: int = 0  # 0: the target's whole vocabulary
     num_draft_tokens: int | None = None  # unrolled loss steps; None: the run's --num-draft-tokens
     mlp: int = 0  # the draft layer's MLP width; 0: the target's intermediate size
@@ -56,10 +65,12 @@ class HeadSpec:
             return default_feature_layers(args)
         if self.layers == "fused":
             return fused_feature_layers(args)
+        if self.layers == "eagle3":
+            return eagle3_config.default_feature_layers(args.num_hidden_layers)
         try:
             return tuple(int(x) for x in self.layers.split("/"))
         except ValueError:
-            raise TrainSetupError("--head-spec", f"{self.name}: layers must be last, fused or i/j/k") from None
+            raise TrainSetupError("--head-spec", f"{self.name}: layers must be last, fused, eagle3 or i/j/k") from None
 
     def text(self) -> str:
         """The spec as `--head-spec` reads it."""
@@ -129,14 +140,20 @@ def _weight(text: str, key: str, value: str) -> float:
     return w
 
 
-def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int) -> None:
-    """Raise TrainSetupError for duplicate names, bad layers, vocabularies larger than the target's, k > K."""
+def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int, head_format: str = "mtp") -> None:
+    """Raise TrainSetupError for duplicate names, bad layers, vocabularies larger than the target's, k > K, and
+    what the EAGLE-3 layout cannot hold."""
+    if head_format not in HEAD_FORMATS:
+        raise TrainSetupError("--format", f"'{head_format}' is not one of {', '.join(HEAD_FORMATS)}")
     names = [s.name for s in specs]
     if not specs or len(set(names)) != len(names):
         raise TrainSetupError("--head-spec", f"heads need distinct names, got {names}")
     for s in specs:
         try:
-            check_feature_layers(s.feature_layers(args), args)
+            if head_format == "eagle3":
+                check_eagle3_spec(s, args)
+            else:
+                check_feature_layers(s.feature_layers(args), args)
         except ValueError as exc:
             raise TrainSetupError("--head-spec", f"{s.name}: {exc}") from None
         if s.draft_vocab > args.vocab_size:
@@ -147,12 +164,31 @@ def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int) -> None:
             raise TrainSetupError("--head-spec", f"{s.name}: k {s.num_draft_tokens} > --num-draft-tokens {k}")
 
 
-def drafting_cost(head: MTPEagleHead) -> tuple[int, int, int]:
+def check_eagle3_spec(spec: HeadSpec, args: LlamaArgs) -> None:
+    """ValueError unless `spec` fits the EAGLE-3 layout: one decoder layer of the target's MLP width, and two or
+    more feature layers before the last (SGLang and vLLM capture a layer's input, so the last layer's output is
+    out of their reach)."""
+    if spec.decoder != 1 or spec.mlp:
+        raise ValueError("an EAGLE-3 head has one decoder layer of the target's MLP width (decoder=1, no mlp=)")
+    n = args.num_hidden_layers
+    field = f"layers (an EAGLE-3 head's stop before the last, {n - 1})"
+    eagle3_config.check_feature_layers(spec.feature_layers(args), n - 1, field)
+
+
+def new_head(head_format: str, args: LlamaArgs, spec: HeadSpec, vocab_ids: torch.Tensor | None) -> DraftHead:
+    """An untrained head of `spec` in the run's layout."""
+    layers = spec.feature_layers(args)
+    if head_format == "eagle3":
+        return Eagle3Head(args, layers, vocab_ids)
+    return MTPEagleHead(args, layers, vocab_ids, mlp_size=spec.mlp or None, num_layers=spec.decoder)
+
+
+def drafting_cost(head: DraftHead) -> tuple[int, int, int]:
     """What a head costs per draft step, most telling first: decoder layers, draft vocabulary, MLP width."""
     return (head.num_layers, head.draft_vocab_size, head.mlp_size)
 
 
-def choose_head(scores: dict[str, float], heads: dict[str, MTPEagleHead], margin: float) -> str:
+def choose_head(scores: dict[str, float], heads: dict[str, DraftHead], margin: float) -> str:
     """The best-scoring head, or the cheapest (`drafting_cost`) of those within `margin` of it, since it
     drafts faster at nearly equal acceptance."""
     top = max(scores.values())
@@ -177,11 +213,16 @@ def frequent_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, float
     return ids, (int(counts[ids].sum()) / total if total else 1.0)
 
 
-def load_init_head(path: str, args: LlamaArgs) -> MTPEagleHead:
+def load_head_file(path: str | Path, args: LlamaArgs) -> DraftHead:
+    """A saved head: an EAGLE-3 checkpoint directory, or an MTP Eagle safetensors file."""
+    return Eagle3Head.load(path, args) if Path(path).is_dir() else MTPEagleHead.load(path, args)
+
+
+def load_init_head(path: str, args: LlamaArgs) -> DraftHead:
     """The trained head that every head of a run starts from (`--init-head`)."""
-    if not Path(path).is_file():
-        raise TrainSetupError("--init-head", f"'{path}' is not a file")
+    if not Path(path).exists():
+        raise TrainSetupError("--init-head", f"'{path}' does not exist")
     try:
-        return MTPEagleHead.load(path, args)
+        return load_head_file(path, args)
     except (OSError, ValueError) as exc:
         raise TrainSetupError("--init-head", str(exc)) from None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from modeling.model import LlamaModel
-from speculative.mtp_head import MTPEagleHead
+from speculative.draft_head import DraftHead
 from speculative.train.batches import Batch
 from speculative.train.dense import head_unrolled
 from speculative.train.eval import path_bases
@@ -49,7 +49,7 @@ def target_rows(shared: LlamaModel, batch: Batch, repeats: bool = False) -> Targ
     return TargetRows(rb, rq, torch.softmax(logits, dim=-1), logits.argmax(-1), repeated)
 
 
-def draft_distribution(head: MTPEagleHead, prob: torch.Tensor) -> torch.Tensor:
+def draft_distribution(head: DraftHead, prob: torch.Tensor) -> torch.Tensor:
     """The target distribution restricted to the head's draft vocabulary and renormalised (as is when full)."""
     if head.vocab_ids is None:
         return prob
@@ -100,7 +100,7 @@ def repeated_tokens(
 
 
 def unrolled_loss(
-    head: MTPEagleHead,
+    head: DraftHead,
     shared: LlamaModel,
     batch: Batch,
     weights: list[float],

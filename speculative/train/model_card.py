@@ -7,6 +7,18 @@ from typing import Any
 
 from speculative.train.eval import FIRST_TOKENS
 
+LAYOUTS = {  # what the head is, by train-draft's --format
+    "mtp": [
+        "An MTP Eagle draft head (DeepSeek-V3 MTP layout: enorm/hnorm, eh_proj, one decoder layer; the target's",
+        "embedding, final norm and lm_head are shared and not stored),",
+    ],
+    "eagle3": [
+        "An EAGLE-3 draft head (`LlamaForCausalLMEagle3` checkpoint directory: fc over the target's feature layers,",
+        "one decoder layer over [normed embedding | normed hidden], its own norm, lm_head and d2t/t2d vocabulary",
+        "map; the target's embedding is shared and not stored; SGLang, vLLM and SpecForge load it),",
+    ],
+}
+
 
 def _fmt_rates(rates: list[float]) -> str:
     return " / ".join(f"{r:.2f}" for r in rates)
@@ -83,9 +95,9 @@ def render_model_card(info: dict[str, Any]) -> str:
     lines = [
         f"# Draft head: {info.get('head', 'MTP Eagle head')}",
         "",
-        "An MTP Eagle draft head (DeepSeek-V3 MTP layout: enorm/hnorm, eh_proj, one decoder layer; the target's",
-        "embedding, final norm and lm_head are shared and not stored), trained by `mtpserve train-draft` by",
-        "self-distillation on the target's own outputs. No dataset was downloaded.",
+        *LAYOUTS[info.get("format", "mtp")],
+        "trained by `mtpserve train-draft` by self-distillation on the target's own outputs. No dataset was",
+        "downloaded.",
         "",
         "## Target",
         f"- model: `{info.get('target', '?')}`",

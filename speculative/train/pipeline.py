@@ -3,7 +3,8 @@
 Stages: `data` builds (or continues) the dataset only, one shard of it when asked; `train` needs a finished
 dataset; `eval` scores an existing head on the dev split; `all` builds the dataset when the folder has
 none, then trains.
-Outputs: the head (safetensors), a model card, and a results JSON (dev acceptance, history, settings).
+Outputs: the head (an MTP Eagle safetensors file, or with `--format eagle3` an EAGLE-3 checkpoint directory),
+a model card, and a results JSON (dev acceptance, history, settings).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 import torch
 
-from modeling.model import LlamaArgs, random_llama_weights
-from speculative.mtp_head import MTPEagleHead
+from modeling.families import family_of
+from modeling.model import LlamaArgs
 from speculative.train.data import DataConfig, TokenDataset, build_parts, load_dataset
 from speculative.train.errors import TrainSetupError
 from speculative.train.generators import Generator, HFGenerator
@@ -29,7 +30,7 @@ from speculative.train.model_card import write_model_card
 from speculative.train.trainer import TrainConfig, Trainer, build_shared
 
 log = logging.getLogger(__name__)
-HEAD_FORMAT = "mtpserve-mtp-eagle/1"
+FORMAT_TAGS = {"mtp": "mtpserve-mtp-eagle/1", "eagle3": "mtpserve-eagle3/1"}  # by TrainConfig.head_format
 # Builds the `engine` generator from (args, weights, device, dtype, batch_size, max_len); the caller supplies it
 # (cluster/train_generator.py), since it drives the serving engine above this package.
 GeneratorFactory = Callable[[LlamaArgs, dict[str, torch.Tensor], str, str, int, int], Generator]
@@ -85,7 +86,7 @@ def load_target(opts: TrainDraftOptions) -> LoadedTarget:
     source = _target_source(opts)
     args = source.args()
     if source.dummy:
-        weights = random_llama_weights(args, seed=opts.train.seed, std=opts.dummy_std)
+        weights = family_of(args).random_weights(args, seed=opts.train.seed, std=opts.dummy_std)
         tokenizer = None
     else:
         weights = source.weights()
@@ -170,7 +171,8 @@ def ensure_dataset(
 
 def _paths(opts: TrainDraftOptions) -> tuple[Path, Path, Path]:
     out = Path(opts.out)
-    card = Path(opts.model_card) if opts.model_card else out.parent / "MODEL_CARD.md"
+    beside = out if opts.train.head_format == "eagle3" else out.parent  # an EAGLE-3 head is a directory
+    card = Path(opts.model_card) if opts.model_card else beside / "MODEL_CARD.md"
     results = Path(opts.results) if opts.results else out.with_name(out.stem + ".results.json")
     return out, card, results
 
@@ -186,15 +188,16 @@ def run_eval_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDat
     """Score an existing head on the dev split (same split rule as training)."""
     from speculative.train.batches import HiddenStore
     from speculative.train.eval import evaluate
+    from speculative.train.heads import load_head_file
 
     path = Path(opts.head or opts.out)
-    if not path.is_file():
-        raise TrainSetupError("--head", f"'{path}' is not a file")
+    if not path.exists():
+        raise TrainSetupError("--head", f"'{path}' does not exist")
     cfg = opts.train
     device = torch.device(cfg.device)
     dtype = cfg.compute_dtype()
     shared = build_shared(target.args, target.weights, cfg.device, dtype if device.type == "cuda" else torch.float32)
-    head = MTPEagleHead.load(path, target.args).to(device)
+    head = load_head_file(path, target.args).to(device)
     _, dev = data.split(cfg.dev_fraction, cfg.seed, cfg.holdout_sources)
     store = HiddenStore(shared, data, device, keep=False, layers=head.feature_layers)
     res = evaluate(head, shared, store, dev, cfg.num_draft_tokens, cfg.eval_batch_size, dtype)
@@ -208,6 +211,8 @@ def run_vocab_stage(opts: TrainDraftOptions) -> dict[str, Any]:
 
     if opts.head is None:
         raise TrainSetupError("--head", "--stage vocab needs the head to restrict")
+    if opts.train.head_format != "mtp":
+        raise TrainSetupError("--format", "--stage vocab rewrites MTP Eagle heads; train EAGLE-3 heads with vocab=N")
     args = _target_source(opts).args()
     data = load_dataset(opts.data_dir)
     cfg = opts.train
@@ -251,7 +256,7 @@ def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory 
     for name, head_res in res["heads"].items():
         hdev = head_res["dev"]
         meta = {
-            "format": HEAD_FORMAT,
+            "format": FORMAT_TAGS[opts.train.head_format],
             "head": name,
             "target": target.name,
             "data_sequences": data.meta["counts"]["sequences"],
@@ -270,7 +275,9 @@ def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory 
             trainer.export(out.with_name(f"{out.stem}-{name}{out.suffix}"), meta, name, dtype)
         if name == res["best"]:
             trainer.export(out, meta, name, dtype)
-    info["head_bytes"] = out.stat().st_size
+    files = list(out.glob("*.safetensors")) if out.is_dir() else [out]
+    info["head_bytes"] = sum(f.stat().st_size for f in files)
+    info["format"] = opts.train.head_format
     info["prefer_margin"] = opts.train.prefer_margin
     write_model_card(card, info)
     results_path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from modeling.families import model_class
 from modeling.model import LlamaArgs, LlamaModel
-from speculative.mtp_head import MTPEagleHead
+from speculative.draft_head import DraftHead
 from speculative.train.batches import HiddenStore, autocast_ctx, epoch_batches
 from speculative.train.data import TokenDataset
 from speculative.train.errors import TrainSetupError
@@ -35,6 +36,7 @@ from speculative.train.heads import (
     choose_head,
     frequent_vocab,
     load_init_head,
+    new_head,
     response_token_counts,
 )
 from speculative.train.loss import default_step_weights, target_rows, unrolled_loss
@@ -75,6 +77,7 @@ class TrainConfig:
     max_batch_tokens: int | None = None  # cap on a batch's padded tokens (None: only batch_size counts)
     log_every: int = 10
     heads: list[HeadSpec] = field(default_factory=lambda: [HeadSpec()])  # trained side by side on the same batches
+    head_format: str = "mtp"  # the heads' layout: 'mtp' (MTP Eagle) or 'eagle3' (`heads.HEAD_FORMATS`)
     prefer_margin: float = 0.01  # a head within this much dev acceptance length of the best wins if smaller
 
     def weights(self) -> list[float]:
@@ -107,12 +110,10 @@ def next_replan(step: int, run_start: int) -> int:
 
 def build_shared(args: LlamaArgs, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> LlamaModel:
     """The frozen target (embedding, layers, final norm, lm_head) for hidden states and the shared head."""
-    model = LlamaModel(args)
+    model = model_class(args)(args)
     model.load_hf_state_dict(weights)
     model = model.to(device=device, dtype=dtype).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
+    return model.requires_grad_(False)
 
 
 @dataclass
@@ -120,7 +121,7 @@ class HeadRun:
     """One head being trained: its spec, module, optimizer, schedule and latest metrics."""
 
     spec: HeadSpec
-    head: MTPEagleHead
+    head: DraftHead
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     weights: list[float]
@@ -134,7 +135,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, args: LlamaArgs, weights: dict[str, torch.Tensor], data: TokenDataset) -> None:
         if cfg.num_draft_tokens < 1:
             raise TrainSetupError("--num-draft-tokens", f"must be >= 1, got {cfg.num_draft_tokens}")
-        check_specs(cfg.heads, args, cfg.num_draft_tokens)
+        check_specs(cfg.heads, args, cfg.num_draft_tokens, cfg.head_format)
         self.cfg = cfg
         self.args = args
         self.data = data
@@ -165,14 +166,13 @@ class Trainer:
         self.lengths = data.lengths()
         self._epochs: dict[int, list[list[int]]] = {}
 
-    def _build_run(self, spec: HeadSpec, weights: dict[str, torch.Tensor], source: MTPEagleHead | None) -> HeadRun:
+    def _build_run(self, spec: HeadSpec, weights: dict[str, torch.Tensor], source: DraftHead | None) -> HeadRun:
         cfg = self.cfg
         vocab_ids, coverage = None, None
         if spec.draft_vocab:
             counts = response_token_counts(self.data, self.train_idx, self.args.vocab_size)
             vocab_ids, coverage = frequent_vocab(counts, spec.draft_vocab)
-        layers = spec.feature_layers(self.args)
-        head = MTPEagleHead(self.args, layers, vocab_ids, mlp_size=spec.mlp or None, num_layers=spec.decoder)
+        head = new_head(cfg.head_format, self.args, spec, vocab_ids)
         if source is not None:
             try:
                 head.init_from_head(source)
@@ -205,7 +205,7 @@ class Trainer:
         return sum(self.data.lengths()) * per_token < free / 3
 
     @property
-    def head(self) -> MTPEagleHead:
+    def head(self) -> DraftHead:
         """The first head (the only one in a plain run)."""
         return self.runs[0].head
 
@@ -491,7 +491,7 @@ class Trainer:
     def export(
         self, path: str | Path, metadata: dict[str, Any], name: str | None = None, dtype: torch.dtype = torch.float32
     ) -> Path:
-        """Save a head (the named one, else the first) as safetensors (`mtp.` names) with string metadata."""
+        """Save a head (the named one, else the first) in its layout's file format, with string metadata."""
         run = next((r for r in self.runs if r.spec.name == name), self.runs[0])
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
