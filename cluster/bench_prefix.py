@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from cluster import bench_report
 from cluster.bench_report import BenchError, EngineFactory, environment, model_info, table, with_sections
 from cluster.engine import LLMEngine
 from workers.config import MTPServeConfig
@@ -346,3 +347,16 @@ def format_prefix_table(result: dict[str, Any]) -> str:
         table(head, body) + f"\nshared prefix {result['shared_prefix_tokens']} tokens; equal tokens "
         f"{eq['tokens']:.0%}, equal acceptance {eq['acceptance']:.0%} of requests"
     )
+
+
+def plot_prefix(result: dict[str, Any], path: str) -> None:
+    """TTFT (ms) per turn, cached against uncached, as grouped bars."""
+    bars = {
+        label: {mode: result["modes"][mode]["ttft_ms"][key] or 0.0 for mode in ("cached", "uncached")}
+        for key, label in (
+            ("turn1_first", "first turn, first chat"),
+            ("turn1_rest_median", "first turns, rest"),
+            ("turn2_median", "second turns"),
+        )
+    }
+    bench_report.plot_bars(path, bars, "prefix caching: TTFT alone", "ms (median)")

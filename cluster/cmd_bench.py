@@ -1,24 +1,31 @@
-"""`mtpserve bench`: `throughput` (tok/s and step time per batch size), `acceptance` (draft acceptance) and
-`prefix-cache` (multi-turn chats with and without prefix caching).
+"""`mtpserve bench`: `throughput` (tok/s and step time per batch size), `acceptance` (draft acceptance),
+`prefix-cache` (multi-turn chats with and without prefix caching), `ttft` (time to first token by prompt
+length), `trees` (draft trees against chains, any Llama shape), `load` (concurrent streams against a server),
+and `distributed` / `http-vs-grpc` (the checkout's `bench/distributed.py` and `bench/http_vs_grpc.py`).
 
-The flags live here; the measurements live in `cluster/bench_throughput.py`, `cluster/bench_acceptance.py`
-and `cluster/bench_prefix.py`.
+The flags of the first three live here; each other benchmark module registers its own sub-command.
 """
 
 from __future__ import annotations
 
 import argparse
+import runpy
 import sys
 from pathlib import Path
 
-from cluster import bench_acceptance, bench_prefix, bench_report, bench_throughput
+import cluster
+from cluster import bench_acceptance, bench_load, bench_prefix, bench_report, bench_throughput, bench_trees, bench_ttft
 from cluster.cli_common import add_engine_flags, config_from_args
 from cluster.errors import MTPServeError
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
-    """Register `bench throughput`, `bench acceptance` and `bench prefix-cache`."""
-    p = sub.add_parser(name, help="measure throughput, draft acceptance or prefix caching", description="Benchmarks.")
+    """Register every `bench` sub-command."""
+    p = sub.add_parser(
+        name,
+        help="measure throughput, acceptance, prefix caching, TTFT, trees, load, the distributed path",
+        description="Benchmarks; every one writes the same report (command, environment, settings, results).",
+    )
     kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
     t = kinds.add_parser(
@@ -29,7 +36,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "speculative when a draft head is configured. Works with --load-format dummy --model DIR for any Llama "
         "shape (DIR needs only a config.json).",
     )
-    t.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 64], help="comma-separated (default 1,8,64)")
+    t.add_argument(
+        "--batch-sizes", type=bench_report.int_list, default=[1, 8, 64], help="comma-separated (default 1,8,64)"
+    )
     t.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     t.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
     t.add_argument("--warmup-steps", type=int, default=3, help="engine steps of one throw-away request first")
@@ -87,19 +96,38 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     c.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (default 64)")
     c.add_argument("--json", metavar="OUT", help="write the results, command and environment as JSON")
     c.add_argument("--quiet", action="store_true", help="no per-request progress lines")
+    c.add_argument("--plot", metavar="OUT.png", help="plot TTFT and tok/s with and without the cache")
     c.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add_engine_flags(c)
     c.set_defaults(func=run_prefix_cache)
 
+    for module in (bench_ttft, bench_trees, bench_load):
+        module.add_parser(kinds)
+    for script, path in SCRIPTS.items():
+        s = kinds.add_parser(
+            script, help=f"run the checkout's {path} (its own flags; --help shows them)", add_help=False
+        )
+        s.set_defaults(func=run_script, script=path, passes_unknown_flags=True)
 
-def _int_list(text: str) -> list[int]:
+
+SCRIPTS = {"distributed": "bench/distributed.py", "http-vs-grpc": "bench/http_vs_grpc.py"}
+
+
+def run_script(args: argparse.Namespace) -> int:
+    """`mtpserve bench distributed|http-vs-grpc`: the checkout's script with the remaining flags."""
+    path = Path(cluster.__file__).resolve().parent.parent / args.script
+    if not path.is_file():
+        print(f"mtpserve: {args.script} is part of the source checkout, not the installed package", file=sys.stderr)
+        return 2
+    argv = sys.argv
+    sys.argv = [str(path), *args.unknown_flags]
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError("batch sizes must be positive integers")
-    return values
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    return 0
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -254,6 +282,8 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
         report = bench_prefix.prefix_report(cfg, source.args(), result, settings, command)
         bench_report.write_json(args.json, report)
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        bench_prefix.plot_prefix(result, args.plot)
     return 0
 
 

@@ -4,8 +4,10 @@ The extra layers start as copies of the head's last layer with zero output proje
 units with zero down-projection columns (`MTPEagleHead.init_from_head`), so acceptance is unchanged and a
 benchmark of the grown file measures only what the larger head costs per step:
 
-    python bench/grow_head.py --head speculative/heads/smollm2-135m-mtp.safetensors --decoder 2 --out deep.safetensors
-    python3 bench/h200.py --model M --head deep.safetensors --main-only --skip-hf --ks 1,3 --batches 1,64 --out $OUT
+    python3 bench/probes/grow_head.py --head speculative/heads/smollm2-135m-mtp.safetensors --decoder 2 \\
+        --out deep.safetensors
+    python3 bench/gpu.py --model M --draft deep.safetensors --groups decode --skip-hf --ks 1,3 --batches 1,64 \\
+        --variants none --out $OUT
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from safetensors import safe_open

@@ -1,5 +1,5 @@
-"""Many concurrent gRPC streams against one `mtpserve serve` process: how each ends, tokens, KV blocks and
-memory, over several rounds.
+"""`mtpserve bench load`: many concurrent gRPC streams against one `mtpserve serve` process: how each ends,
+tokens, KV blocks and memory, over several rounds.
 
 The server runs in a subprocess (so client threads do not compete with its engine loop); the client
 opens --streams streams at once over a few channels with grpc.aio. Each stream is greedy or sampled
@@ -9,9 +9,8 @@ stream ended, wrong ends (a finished stream without its max_tokens tokens, or a 
 fate's), output tok/s, and after the round settles the server's KV blocks in use, running and waiting
 requests and resident memory. After the first round every greedy stream that finished is run again
 alone; the report gives the fraction with identical tokens (bf16 on a GPU can differ at near ties
-between batch shapes; fp32 on CPU must match exactly).
-
-    python3 bench/load.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --streams 1024 --out $OUT
+between batch shapes; fp32 on CPU must match exactly). Exit status 1 when any stream ended wrongly or a
+KV block stayed held.
 """
 
 from __future__ import annotations
@@ -34,11 +33,47 @@ from typing import Any
 import grpc
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import cluster
+from cluster import bench_report
+from proto.mtpserve.v1 import inference_pb2 as pb
+from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from workers.config import MTPServeConfig
 
-from proto.mtpserve.v1 import inference_pb2 as pb  # noqa: E402
-from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
+ROOT = Path(cluster.__file__).resolve().parent.parent  # the checkout the server subprocess imports from
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    """Register `bench load`."""
+    p = kinds.add_parser(
+        "load",
+        help="many concurrent gRPC streams against a `serve` subprocess: ends, KV blocks, memory",
+        description=(__doc__ or "").split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="GGUF file or HF Llama directory (default: the default model)")
+    p.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], help="the server's")
+    p.add_argument("--draft", help="draft head (default: the shipped one)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--dtype", default="auto", help="the server's dtype (float32 shows whether greedy mismatches are bf16)"
+    )
+    p.add_argument("--streams", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--channels", type=int, default=8, help="client channels the streams spread over")
+    p.add_argument(
+        "--lengths", type=bench_report.int_list, default=[16, 64, 256, 512], help="prompt lengths to pick from"
+    )
+    p.add_argument(
+        "--max-tokens", type=bench_report.int_list, default=[8, 64], help="min,max of each stream's max_tokens"
+    )
+    p.add_argument("--deadline-ms", type=float, default=50.0, help="deadline of the 'deadline' streams")
+    p.add_argument("--max-num-requests", type=int, default=256, help="the server's running slots")
+    p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--json", metavar="OUT", help="write the report (command, environment, settings, results)")
+    p.add_argument("--plot", metavar="OUT.png", help="plot tok/s and server memory per round")
+    p.set_defaults(func=main)
+
 
 SERVING = re.compile(r"serving gRPC on (?P<host>\S+):(?P<port>\d+)")
 ALLOWED = {"cancel": "CANCELLED", "deadline": "DEADLINE_EXCEEDED"}
@@ -206,6 +241,8 @@ def start_server(args: argparse.Namespace, config: Path) -> tuple[subprocess.Pop
     cmd += ["--metrics-port", "0", "--device", args.device, "--dtype", args.dtype]
     if args.model:
         cmd += ["--model", args.model]
+    if args.load_format:
+        cmd += ["--load-format", args.load_format]
     if args.draft:
         cmd += ["--draft", args.draft]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -227,109 +264,131 @@ def start_server(args: argparse.Namespace, config: Path) -> tuple[subprocess.Pop
     threading.Thread(target=read, daemon=True).start()
     if not ready.wait(args.startup_timeout) or "address" not in found:
         proc.kill()
-        raise SystemExit("server did not start:\n" + "\n".join(lines[-40:]))
+        raise bench_report.BenchError("the server did not start:\n" + "\n".join(lines[-40:]))
     return proc, found["address"], lines
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="GGUF file or HF Llama directory (default: the default model)")
-    ap.add_argument("--draft", help="draft head (default: the shipped one)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument(
-        "--dtype", default="auto", help="the server's dtype (float32 shows whether greedy mismatches are bf16)"
-    )
-    ap.add_argument("--streams", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--channels", type=int, default=8, help="client channels the streams spread over")
-    ap.add_argument("--lengths", default="16,64,256,512", help="prompt lengths to pick from (comma-separated)")
-    ap.add_argument("--max-tokens", default="8,64", help="min,max of each stream's max_tokens")
-    ap.add_argument("--deadline-ms", type=float, default=50.0, help="deadline of the 'deadline' streams")
-    ap.add_argument("--max-num-requests", type=int, default=256, help="the server's running slots")
-    ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--out", default="out", help="folder for load.json")
-    args = ap.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    lo, hi = (int(x) for x in args.max_tokens.split(","))
-    block = 16
-    config = {
-        "model": {"max_model_len": max(lengths) + hi + 64},
+def server_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The served config: slots, queue and a KV cache that holds every running stream at its longest."""
+    longest, hi, block = max(args.lengths), max(args.max_tokens), 16
+    return {
+        "model": {"max_model_len": longest + hi + 64},
         "scheduler": {
             "max_num_requests": args.max_num_requests,
             "max_queue": max(1024, 2 * args.streams),
             "block_size": block,
-            "num_kv_blocks": args.max_num_requests * -(-(max(lengths) + hi + 16) // block) + 64,
+            "num_kv_blocks": args.max_num_requests * -(-(longest + hi + 16) // block) + 64,
         },
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(config, f)
-    proc, address, log = start_server(args, Path(f.name))
+
+
+def run_rounds(args: argparse.Namespace, proc: subprocess.Popen[str], address: str) -> tuple[list, dict]:
+    """Every round against the running server: (rounds, the first round's greedy streams run alone)."""
+    lo, hi = min(args.max_tokens), max(args.max_tokens)
     rounds: list[dict[str, Any]] = []
     equal: dict[str, Any] = {}
+    for r in range(args.rounds):
+        specs = plan(args.streams, r, args.vocab, args.lengths, (lo, hi))
+        outcomes, seconds = asyncio.run(one_round(address, specs, args.channels, args.deadline_ms / 1e3))
+        settled = asyncio.run(settle(address))
+        row = {
+            "round": r,
+            "streams": len(specs),
+            "seconds": seconds,
+            "output_tokens": sum(len(o.tokens) for o in outcomes),
+            **check(specs, outcomes),
+            "after": {
+                "kv_blocks_used": settled.kv_blocks_used,
+                "kv_blocks_total": settled.kv_blocks_total,
+                "requests_running": settled.requests_running,
+                "requests_waiting": settled.requests_waiting,
+                "server_rss_mb": rss_mb(proc.pid),
+                "server_gpu_mb": gpu_mb(proc.pid),
+            },
+        }
+        row["tok_per_s"] = row["output_tokens"] / seconds
+        rounds.append(row)
+        print(
+            json.dumps({k: v for k, v in row.items() if k != "wrong"} | {"wrong": len(row["wrong"])}),
+            file=sys.stderr,
+            flush=True,
+        )
+        if r == 0:
+            greedy = [(s, o) for s, o in zip(specs, outcomes, strict=True) if s.mode == "greedy" and o.code is None]
+            again = asyncio.run(alone(address, [s for s, _ in greedy]))
+            same = [a == o.tokens for a, (_, o) in zip(again, greedy, strict=True)]
+            first_diff = [
+                next(i for i, (x, y) in enumerate(zip(a, o.tokens, strict=False)) if x != y)
+                for a, (_, o) in zip(again, greedy, strict=True)
+                if a != o.tokens and len(a) == len(o.tokens)
+            ]
+            equal = {"greedy_streams": len(greedy), "identical": sum(same), "first_divergence": first_diff}
+    return rounds, equal
+
+
+def table(rounds: list[dict[str, Any]]) -> str:
+    """One line per round."""
+    body = [
+        [
+            str(row["round"]),
+            str(row["streams"]),
+            f"{row['seconds']:.1f}",
+            f"{row['tok_per_s']:.0f}",
+            str(len(row["wrong"])),
+            str(row["after"]["kv_blocks_used"]),
+            f"{row['after']['server_rss_mb']:.0f}",
+            str(row["ends"]),
+        ]
+        for row in rounds
+    ]
+    return bench_report.table(["round", "streams", "s", "tok/s", "wrong", "kv used", "rss MB", "ends"], body)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`mtpserve bench load`: 0 when every stream ended as its fate asked and no KV block stayed held."""
+    if len(args.max_tokens) != 2:
+        print("mtpserve: --max-tokens takes two values, min,max", file=sys.stderr)
+        return 2
+    config = server_config(args)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(config, f)
     try:
-        for r in range(args.rounds):
-            specs = plan(args.streams, r, args.vocab, lengths, (lo, hi))
-            outcomes, seconds = asyncio.run(one_round(address, specs, args.channels, args.deadline_ms / 1e3))
-            settled = asyncio.run(settle(address))
-            row = {
-                "round": r,
-                "streams": len(specs),
-                "seconds": seconds,
-                "output_tokens": sum(len(o.tokens) for o in outcomes),
-                **check(specs, outcomes),
-                "after": {
-                    "kv_blocks_used": settled.kv_blocks_used,
-                    "kv_blocks_total": settled.kv_blocks_total,
-                    "requests_running": settled.requests_running,
-                    "requests_waiting": settled.requests_waiting,
-                    "server_rss_mb": rss_mb(proc.pid),
-                    "server_gpu_mb": gpu_mb(proc.pid),
-                },
-            }
-            row["tok_per_s"] = row["output_tokens"] / seconds
-            rounds.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "wrong"} | {"wrong": len(row["wrong"])}), flush=True)
-            if r == 0:
-                greedy = [(s, o) for s, o in zip(specs, outcomes, strict=True) if s.mode == "greedy" and o.code is None]
-                again = asyncio.run(alone(address, [s for s, _ in greedy]))
-                same = [a == o.tokens for a, (_, o) in zip(again, greedy, strict=True)]
-                first_diff = [
-                    next(i for i, (x, y) in enumerate(zip(a, o.tokens, strict=False)) if x != y)
-                    for a, (_, o) in zip(again, greedy, strict=True)
-                    if a != o.tokens and len(a) == len(o.tokens)
-                ]
-                equal = {"greedy_streams": len(greedy), "identical": sum(same), "first_divergence": first_diff}
-                print(json.dumps({"greedy_alone": equal}), flush=True)
+        proc, address, log = start_server(args, Path(f.name))
+    except bench_report.BenchError as exc:
+        os.unlink(f.name)
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rounds, equal = run_rounds(args, proc, address)
     finally:
         proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    report = {
-        "benchmark": "load",
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "settings": vars(args),
-        "server_config": config,
-        "rounds": rounds,
-        "greedy_alone": equal,
-        "server_log_tail": log[-20:],
-    }
-    (out_dir / "load.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{'round':>5} {'streams':>7} {'s':>7} {'tok/s':>8} {'wrong':>5} {'kv used':>7} {'rss MB':>7}  ends")
-    for row in rounds:
-        a = row["after"]
-        print(
-            f"{row['round']:>5} {row['streams']:>7} {row['seconds']:>7.1f} {row['tok_per_s']:>8.0f} "
-            f"{len(row['wrong']):>5} {a['kv_blocks_used']:>7} {a['server_rss_mb']:>7.0f}  {row['ends']}"
-        )
+        os.unlink(f.name)
+    cfg = MTPServeConfig.from_dict({"model": {"device": args.device, "dtype": args.dtype}})
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "json", "plot", "command", "bench")}
+    doc = bench_report.report(
+        "load",
+        bench_report.command_line(),
+        cfg,
+        settings,
+        rounds,
+        server_config=config,
+        greedy_alone=equal,
+        server_log_tail=log[-20:],
+    )
+    print(doc["command"])
+    print(table(rounds))
     if equal:
         print(f"greedy streams equal to the same request alone: {equal['identical']}/{equal['greedy_streams']}")
+    if args.json:
+        bench_report.write_json(args.json, doc)
+    if args.plot:
+        series = {
+            "output tok/s": [(r["round"], r["tok_per_s"]) for r in rounds],
+            "server RSS MB": [(r["round"], r["after"]["server_rss_mb"]) for r in rounds],
+        }
+        bench_report.plot_lines(args.plot, series, f"{args.streams} concurrent streams", "round", "value")
     return 0 if all(not row["wrong"] and row["after"]["kv_blocks_used"] == 0 for row in rounds) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Where does a decode step's time go? Phase timings and a torch.profiler table, any device.
 
-python bench/profile_step.py --device cuda --out $OUT        # SmolLM2-135M shape, random weights
+python3 bench/probes/profile_step.py --device cuda --out $OUT        # SmolLM2-135M shape, random weights
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.engine import LLMEngine
 from modeling.layer_ops import TritonOps

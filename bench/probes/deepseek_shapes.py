@@ -8,7 +8,7 @@ with the native module (vanilla MTP, K=1; and the module reused as MTP Eagle, K=
 measures decode tok/s and step time per batch size and the TTFT of a 512-token prompt; then the MoE grouped
 GEMM against a per-expert loop, and GPU memory. Prints a table and writes `deepseek_shapes.json` under --out.
 
-    python3 bench/deepseek_shapes.py --out $OUT
+    python3 bench/probes/deepseek_shapes.py --out $OUT
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.bench_throughput import measure_batch, random_token_prompts, warm_up
 from cluster.engine import LLMEngine

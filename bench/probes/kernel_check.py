@@ -6,9 +6,9 @@
 - uniform paged attention at batch 1, 8 and 64, Q = 1 and 4, for several context lengths, with and
   without split key ranges, against float64.
 
-Each variant runs 50 times inside one CUDA graph (bench/gemv_check.py's `graph_us`).
+Each variant runs 50 times inside one CUDA graph (`graph_us`).
 
-python bench/kernel_check.py --out $OUT      # one GPU; writes kernel_check.json
+python3 bench/probes/kernel_check.py --out $OUT      # one GPU; writes kernel_check.json
 """
 
 from __future__ import annotations
@@ -16,19 +16,46 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.gemv_check import graph_us
 from modeling import argmax_kernels, draft_kernels, triton_attention
 from modeling.attention import uniform_paged_attention
 from modeling.layer_ops import TORCH_OPS, TritonOps
 
 VOCAB, D, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 49152, 576, 9, 3, 64, 16
+REPS = 50
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    """GPU microseconds per call of fn, replayed REPS times inside one captured graph (best of five)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(REPS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (10 * REPS))
+    return best
 
 
 def argmax_report(dev: str, g: torch.Generator) -> dict[str, object]:

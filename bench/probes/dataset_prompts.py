@@ -5,7 +5,7 @@ separates what the prompts' register costs from what the head cannot do on its o
 
     mtpserve train-draft --stage data --mix chat=1,steered=1,magpie=1 --part-size 40 --seed 7 \\
         --data-dir /tmp/d7 --max-new-tokens 132 --sampled-fraction 0 --device cpu
-    python bench/dataset_prompts.py /tmp/d7 --out /tmp/d7.jsonl
+    python3 bench/probes/dataset_prompts.py /tmp/d7 --out /tmp/d7.jsonl
     mtpserve bench acceptance --prompts /tmp/d7.jsonl --prompts bench/prompts/chat_dev.jsonl --device cpu
 
 Chat prompts become `prompt` records (a conversation of several turns keeps the template's turn markers
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from modeling.errors import ModelLoadError
 from modeling.loader import resolve_model

@@ -2,7 +2,7 @@
 graph cost, then the adaptive policy itself against target-only and fixed depths, per batch size.
 
 Usage (on the GPU machine, from the repo root):
-    python bench/adaptive_depths.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+    python3 bench/probes/adaptive_depths.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
 Prints a table last and writes adaptive_depths.json under --out.
 """
 
@@ -16,11 +16,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from h200 import PROMPTS, decode_run, engine_for
-
+from cluster.bench_decode import PROMPTS, decode_run, engine_for
 from cluster.engine import LLMEngine
 from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
 from workers.builders import DEFAULT_HEAD
@@ -44,7 +42,7 @@ def main() -> int:
     """Run every configuration and write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--head", default=str(DEFAULT_HEAD))
+    ap.add_argument("--draft", default=str(DEFAULT_HEAD))
     ap.add_argument("--k", type=int, default=3, help="the deepest draft depth")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per request in every run")

@@ -4,7 +4,7 @@ response tokens that repeat an 8-gram earlier in their answer.
 Long greedy answers of a small target fall into loops that are easy to draft, so a figure over whole
 answers reads above what the start of an answer gets. This shows how much, per cut:
 
-    python bench/answer_length.py DATA_DIR --head speculative/heads/smollm2-135m-mtp.safetensors \\
+    python3 bench/probes/answer_length.py DATA_DIR --head speculative/heads/smollm2-135m-mtp.safetensors \\
         --cuts 64,132,256,0 --json bench/results/cpu_answer_length.json
 
 A cut of 0 keeps whole answers. Sequences are scored teacher-forced, as `train-draft --stage eval` does.
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
