@@ -97,7 +97,7 @@ def engine_for(
         TritonOps.small_rows = small_rows
     if variant == "chain-graphs":
         eng.target.fused = None  # type: ignore[attr-defined]
-        build_chain_graphs(eng.cfg, eng.draft, eng.max_model_len)
+        build_chain_graphs(eng.cfg, eng.draft, eng.max_model_len)  # type: ignore[arg-type]
     return eng
 
 
