@@ -233,6 +233,7 @@ def run_group(name: str, args: argparse.Namespace, out: Path, errors: list[str])
             compare_eager_prefill=False,
         )
         doc = bench_ttft.run(a)
+        doc["benchmark"], doc["command"] = "gpu ttft", command()
         bench_report.write_json(js, doc)
         print(bench_ttft.table(doc["results"]), flush=True)
         bench_ttft.plot(doc["results"], str(png), f"TTFT, {doc['device_name']}")
@@ -259,7 +260,7 @@ def run_group(name: str, args: argparse.Namespace, out: Path, errors: list[str])
                     num_prompts=8,
                 )
             doc = bench_trees.run(a)
-        doc["benchmark"] = f"gpu {name}"
+        doc["benchmark"], doc["command"] = f"gpu {name}", command()
         bench_report.write_json(js, doc)
         print(bench_trees.table(doc["results"]), flush=True)
         bench_trees.plot(doc["results"], str(png), f"{name}, {doc['device_name']}")
@@ -270,7 +271,14 @@ def run_group(name: str, args: argparse.Namespace, out: Path, errors: list[str])
             flags += ["--prefix-len", str(args.prefix_len), "--conversations", "8", "--max-tokens", "64", "--quiet"]
             code = mtpserve(["bench", "prefix-cache", *flags])
         else:
-            flags += ["--streams", str(args.load_streams), "--rounds", str(args.load_rounds)]
+            flags += [
+                "--streams",
+                str(args.load_streams),
+                "--rounds",
+                str(args.load_rounds),
+                "--load-format",
+                args.load_format,
+            ]
             code = mtpserve(["bench", "load", *flags])
         if code:
             errors.append(f"{name}: exit status {code}")

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = config(args, None, max(args.batches))
     return bench_report.report(
         "trees",
-        bench_report.command_line(),
+        bench_report.command_line(getattr(args, "argv", None)),
         cfg,
         settings,
         rows,

@@ -185,7 +185,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = [row for k in args.ks for graphs in modes for row in measure(args, k, graphs)]
     settings = {key: getattr(args, key) for key in SETTINGS}
     return bench_report.report(
-        "ttft", bench_report.command_line(), config(args, 0, True), settings, rows, model=args.model, draft=args.draft
+        "ttft",
+        bench_report.command_line(getattr(args, "argv", None)),
+        config(args, 0, True),
+        settings,
+        rows,
+        model=args.model,
+        draft=args.draft,
     )
 
 

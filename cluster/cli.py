@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and not getattr(args, "passes_unknown_flags", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.unknown_flags = unknown
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -143,7 +143,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         size_slots=args.max_num_requests is None,
         size_cache=args.num_kv_blocks is None,
     )
-    command = bench_report.command_line()
+    command = bench_report.command_line(getattr(args, "argv", None))
     try:
         engine = build_engine(cfg)
         try:
@@ -191,7 +191,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
         return 2
     _set_threads(args.threads)
     cfg = config_from_args(args)
-    command = bench_report.command_line()
+    command = bench_report.command_line(getattr(args, "argv", None))
     try:
         records = {path: bench_acceptance.load_prompt_records(path, args.num_prompts) for path in args.prompts}
         source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
@@ -253,7 +253,7 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
         print(
             "mtpserve: bench prefix-cache runs with and without caching; --prefix-caching is ignored", file=sys.stderr
         )
-    command = bench_report.command_line()
+    command = bench_report.command_line(getattr(args, "argv", None))
     try:
         source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
         if source.dummy:

@@ -1,4 +1,4 @@
-"""`bench/probes/dataset_prompts.py`: a dataset's prompts as a prompts file that the acceptance bench sends unchanged."""
+"""`bench/probes/dataset_prompts.py`: a dataset's prompts as a prompts file the acceptance bench sends unchanged."""
 
 from __future__ import annotations
 
