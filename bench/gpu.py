@@ -28,9 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster import bench_decode, bench_report, bench_trees, bench_ttft
-from cluster.bench_report import depth_list, int_list
-from cluster.cli import main as mtpserve
+from cluster.bench import decode as bench_decode
+from cluster.bench import report as bench_report
+from cluster.bench import trees as bench_trees
+from cluster.bench import ttft as bench_ttft
+from cluster.bench.report import depth_list, int_list
+from cluster.cli.mtpserve import main as mtpserve
 
 GROUPS = ("decode", "ttft", "trees", "llama8b", "prefix", "load")
 LLAMA_8B = {  # Llama-3-8B's config.json shape fields; weights are random (--load-format dummy)

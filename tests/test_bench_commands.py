@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import bench_report
-from cluster.cli import main
+from cluster.bench import report as bench_report
+from cluster.cli.mtpserve import main
 
 from helpers_service import ROOT, child_env, write_dummy_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.probes.dataset_prompts import main, prompt_records
-from cluster.bench_acceptance import encode_texts, load_prompt_records
+from cluster.bench.acceptance import encode_texts, load_prompt_records
 from speculative.train.data import TokenDataset, chat_prompt_ids
 
 from smol import smollm2

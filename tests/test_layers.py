@@ -49,13 +49,14 @@ def test_contracts_hold(tree: Path) -> None:
 
 def test_upward_import_fails(tree: Path) -> None:
     add_line(
-        tree / "speculative" / "verify.py", "from cluster import engine  # upward: the algorithm reaching the cluster"
+        tree / "speculative" / "verify.py",
+        "from cluster.engine import llm_engine  # upward: the algorithm reaching the cluster",
     )
     res = lint_imports(tree)
     assert res.returncode != 0
     assert f"{LAYERS} BROKEN" in res.stdout
     assert "speculative is not allowed to import cluster" in res.stdout
-    assert "speculative.verify -> cluster.engine" in res.stdout
+    assert "speculative.verify -> cluster.engine.llm_engine" in res.stdout
 
 
 def test_model_layer_cannot_import_runtimes(tree: Path) -> None:
@@ -73,14 +74,14 @@ def test_proto_imports_no_project_package(tree: Path) -> None:
 
 
 def test_circle_between_two_modules_fails(tree: Path) -> None:
-    add_line(tree / "cluster" / "client.py", "import cluster.cmd_generate")
+    add_line(tree / "cluster" / "service" / "client.py", "import cluster.cli.cmd_generate")
     res = lint_imports(tree)
     assert res.returncode != 0
     assert f"{NO_CYCLES} BROKEN" in res.stdout
 
 
 def test_service_never_imports_deploy(tree: Path) -> None:
-    add_line(tree / "cluster" / "cli.py", "import deploy.render")
+    add_line(tree / "cluster" / "cli" / "mtpserve.py", "import deploy.render")
     res = lint_imports(tree)
     assert res.returncode != 0
     assert "The service does not import deploy BROKEN" in res.stdout

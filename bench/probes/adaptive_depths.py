@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench_decode import PROMPTS, decode_run, engine_for
-from cluster.engine import LLMEngine
+from cluster.bench.decode import PROMPTS, decode_run, engine_for
+from cluster.engine.llm_engine import LLMEngine
 from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
 from workers.builders import DEFAULT_HEAD
 

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench_throughput import measure_batch, random_token_prompts, warm_up
-from cluster.engine import LLMEngine
+from cluster.bench.throughput import measure_batch, random_token_prompts, warm_up
+from cluster.engine.llm_engine import LLMEngine
 from modeling.moe import grouped_linear
 from workers.config import MTPServeConfig
 

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from modeling.layer_ops import TritonOps
 from workers.config import MTPServeConfig
 
