@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(PY) -m cluster.demo
+	$(PY) -m cluster.cli.demo
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15

@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.build import build_engine
-from cluster.engine import LLMEngine
+from cluster.distributed.build import build_engine
+from cluster.engine.llm_engine import LLMEngine
 from workers.config import MTPServeConfig
 
 HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"

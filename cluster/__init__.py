@@ -1,1 +1,1 @@
-"""Control plane: config, requests, scheduler, engine, server, client, CLI, metrics, benchmarks."""
+"""The service: engine core, public front ends, the Ray path, benchmarks and the CLI, one sub-package each."""

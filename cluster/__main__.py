@@ -2,6 +2,6 @@
 
 import sys
 
-from cluster.cli import main
+from cluster.cli.mtpserve import main
 
 sys.exit(main())

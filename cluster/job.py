@@ -1,77 +1,8 @@
-"""Ray job entrypoint: `ray job submit --working-dir . -- python -m cluster.job [serve flags]`.
+"""`python -m cluster.job`, the Ray job entry point the manifests name (`cluster/cli/job.py`)."""
 
-It joins the Ray cluster the job runs in (the job supervisor sets RAY_ADDRESS), serves the gRPC API
-exactly as `mtpserve serve` does, and exits cleanly on the SIGTERM that `ray job stop` sends.
-"""
-
-from __future__ import annotations
-
-import argparse
-import logging
-import os
 import sys
 
-from cluster.cli_common import config_from_args
-from cluster.cmd_serve import add_serve_flags, print_config, serve
-from workers.config import MTPServeConfig
-
-log = logging.getLogger("cluster.job")
-JOB_ENV_VARS = ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")
-
-
-def in_ray_job() -> bool:
-    """True when started by a Ray job supervisor or pointed at a cluster through RAY_ADDRESS."""
-    return any(os.environ.get(name) for name in JOB_ENV_VARS)
-
-
-def ray_address(cfg: MTPServeConfig) -> str | None:
-    """--address if given; inside a job the job's cluster (RAY_ADDRESS, else 'auto'); else None (local)."""
-    if cfg.parallel.ray_address:
-        return cfg.parallel.ray_address
-    if in_ray_job():
-        return os.environ.get("RAY_ADDRESS") or "auto"
-    return None
-
-
-def connect_ray(cfg: MTPServeConfig) -> None:
-    """ray.init on the job's cluster (or a new local one) and record the address in cfg for the actors."""
-    import ray
-
-    address = ray_address(cfg)
-    ray.init(address=address, namespace="mtpserve", ignore_reinit_error=True)
-    cfg.parallel.ray_address = address or ray.get_runtime_context().gcs_address
-    log.info("connected to Ray %s at %s (python %s)", ray.__version__, cfg.parallel.ray_address, sys.executable)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The job's flags: the same as `mtpserve serve`."""
-    p = argparse.ArgumentParser(
-        prog="python -m cluster.job",
-        description="Ray job entrypoint: serve mtpserve's gRPC API inside the job's Ray cluster until `ray job stop`.",
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    add_serve_flags(p)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse flags, connect to Ray, serve until SIGTERM/SIGINT, disconnect."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
-    cfg = config_from_args(args)
-    if args.print_config:
-        print_config(cfg)
-        return 0
-    connect_ray(cfg)
-    import ray
-
-    try:
-        return serve(cfg)
-    finally:
-        ray.shutdown()
-
+from cluster.cli.job import main
 
 if __name__ == "__main__":
     sys.exit(main())

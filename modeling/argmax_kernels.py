@@ -97,7 +97,7 @@ if triton is not None:
 
 
 ARGMAX_MAX_ROWS = 16  # rows are padded to one 16-row tensor-core tile
-ARGMAX_BLOCK_N = 256  # vocabulary rows per program of the first launch (bench/kernel_check.py)
+ARGMAX_BLOCK_N = 256  # vocabulary rows per program of the first launch (bench/probes/kernel_check.py)
 ARGMAX_BLOCK_K = 64  # hidden-size chunk per loop iteration
 ARGMAX_STAGES = 3  # loads in flight per program
 

@@ -194,7 +194,7 @@ if triton is not None:
                     tl.atomic_xchg(count_ptr + group, 0)
 
     # The block-table width varies from step to step; specialising on it (Triton's divisible-by-16 and
-    # equal-to-1 variants) compiled new kernels while serving, 0.5-0.65 s each (bench/prefix_steps.py).
+    # equal-to-1 variants) compiled new kernels while serving, 0.5-0.65 s each (bench/prefix_steps.py, git 3de923b).
     @triton.jit(do_not_specialize=["stride_bt"])
     def _ragged_paged_attn(
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, qlen_ptr, lens_ptr, bits_ptr, scale,
@@ -225,7 +225,7 @@ if triton is not None:
 
 # Keys per loop iteration (several cache blocks, so fewer dependent round trips per sequence) and the key
 # loop's pipelining depth (None: the launch default). The uniform values are measured on an H200
-# (bench/kernel_check.py: 128 keys and depth 2 beat 64 keys by 25-40% at batch 1 and 64).
+# (bench/probes/kernel_check.py: 128 keys and depth 2 beat 64 keys by 25-40% at batch 1 and 64).
 UNIFORM_TILE, UNIFORM_STAGES = 128, 2
 RAGGED_TILE, RAGGED_STAGES = 64, None
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from modeling.loader import ModelSource, resolve_model
 from modeling.model import LlamaArgs
 from speculative.mtp_head import MTPEagleHead

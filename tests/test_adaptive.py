@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cluster.cli_common import add_engine_flags, config_from_args
-from cluster.engine import LLMEngine
+from cluster.cli.common import add_engine_flags, config_from_args
+from cluster.engine.llm_engine import LLMEngine
 from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
 from speculative.mtp_chain import MTPEagleChain
 from workers.config import SpeculativeConfig
@@ -307,8 +307,8 @@ def test_adaptive_config_and_flag() -> None:
 def test_scheduler_cuts_or_pads_the_stored_drafts_to_the_step_depth() -> None:
     """A step deeper than the drafts its request holds pads them with the last token, and the padding is
     left out of the acceptance counts; a shallower step keeps the first drafts."""
-    from cluster.request import Request, SamplingParams
-    from cluster.scheduler import Scheduler
+    from cluster.engine.request import Request, SamplingParams
+    from cluster.engine.scheduler import Scheduler
     from speculative.messages import DraftOutputs, SeqResult, TargetOutput
     from workers.config import SchedulerConfig
 
@@ -335,7 +335,7 @@ def test_scheduler_cuts_or_pads_the_stored_drafts_to_the_step_depth() -> None:
 
 def test_prometheus_counts_steps_per_depth() -> None:
     """The per-depth step counters follow the policy's running totals; the gauge shows its depth."""
-    from cluster.metrics import ServerMetrics
+    from cluster.service.metrics import ServerMetrics
 
     m = ServerMetrics()
     m.observe_depths([3, 0, 5], 2)

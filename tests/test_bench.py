@@ -12,9 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster import bench_acceptance, bench_report, bench_throughput
-from cluster.cli import main
-from cluster.engine import LLMEngine
+from cluster.bench import acceptance as bench_acceptance
+from cluster.bench import report as bench_report
+from cluster.bench import throughput as bench_throughput
+from cluster.cli.mtpserve import main
+from cluster.engine.llm_engine import LLMEngine
 from speculative.train.openers import OPENERS
 from speculative.train.seed_prompts import SEED_PROMPTS
 from workers.config import MTPServeConfig

@@ -1,4 +1,4 @@
-"""`bench/dataset_prompts.py`: a dataset's prompts as a prompts file that the acceptance bench sends unchanged."""
+"""`bench/probes/dataset_prompts.py`: a dataset's prompts as a prompts file the acceptance bench sends unchanged."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.dataset_prompts import main, prompt_records
-from cluster.bench_acceptance import encode_texts, load_prompt_records
+from bench.probes.dataset_prompts import main, prompt_records
+from cluster.bench.acceptance import encode_texts, load_prompt_records
 from speculative.train.data import TokenDataset, chat_prompt_ids
 
 from smol import smollm2

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_head_layouts import check_step_paths_agree, fused_head, layered_target
 
-from bench.grow_head import main as grow_main
+from bench.probes.grow_head import main as grow_main
 from modeling.attention import AttentionMetadata
 from modeling.model import LlamaArgs, LlamaModel
 from speculative.mtp_head import MTPEagleHead
@@ -129,7 +129,7 @@ def test_dense_unrolled_two_layer_head_equals_the_paged_chain() -> None:
 
 
 def test_grow_head_script_writes_a_deeper_head_that_drafts_the_same(tmp_path: Path) -> None:
-    """`bench/grow_head.py`: the grown file has two layers and the engine's counters of its source."""
+    """`bench/probes/grow_head.py`: the grown file has two layers and the engine's counters of its source."""
     args, w = layered_target()
     model_dir = save_model_dir(tmp_path / "target", args, w)
     src = fused_head(args, w)

@@ -14,8 +14,8 @@ import torch
 from deepseek_tiny import mimic_deepseek_args, tiny_deepseek_args, tiny_deepseek_weights, write_tiny_deepseek
 from safetensors.torch import load_file, save_file
 
-from cluster.engine import LLMEngine
-from cluster.errors import ModelLoadError
+from cluster.engine.errors import ModelLoadError
+from cluster.engine.llm_engine import LLMEngine
 from modeling.attention import AttentionMetadata
 from modeling.deepseek import DeepseekV3Model
 from modeling.families import InPlaceDummy, args_from_config

@@ -16,11 +16,11 @@ import grpc
 import pytest
 import torch
 
-from cluster.build import build_engine
-from cluster.client import MTPServeClient
-from cluster.engine import LLMEngine
-from cluster.errors import WorkerUnavailableError
-from cluster.server import MTPServer
+from cluster.distributed.build import build_engine
+from cluster.engine.errors import WorkerUnavailableError
+from cluster.engine.llm_engine import LLMEngine
+from cluster.service.client import MTPServeClient
+from cluster.service.server import MTPServer
 from workers.config import MTPServeConfig
 
 from helpers_service import free_port
@@ -321,7 +321,7 @@ def test_config_dir_exists(model) -> None:
 
 def test_scheduler_actor_serves_grpc_and_http(ray_local, model) -> None:
     """The scheduler actor serves gRPC and, from the same engine, the HTTP API; both give the reference tokens."""
-    from cluster.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
+    from cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     cfg = dist_config(model, chunk_size=6)
     server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "http_port": 0}
@@ -350,7 +350,7 @@ def test_scheduler_actor_serves_grpc_and_http(ray_local, model) -> None:
 def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model) -> None:
     """The front end's process dies mid-stream: the stream ends with UNAVAILABLE within 5 s, and within 60 s
     the same address is SERVING again with new workers, giving the reference tokens."""
-    from cluster.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
+    from cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     cfg = dist_config(model, "colocated", chunk_size=6)
     port = free_port()
@@ -393,8 +393,8 @@ def live_groups(ray: Any) -> int:
 
 def test_too_few_gpus_is_a_clear_error_not_a_hang(ray_local, model) -> None:
     """Asking for GPU workers the cluster lacks fails at once, naming the settings to change."""
-    from cluster.actors import WorkerGroup
-    from cluster.errors import PlacementError
+    from cluster.distributed.actors import WorkerGroup
+    from cluster.engine.errors import PlacementError
 
     cfg = dist_config(model, "separate")
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": "cuda"})})
@@ -409,8 +409,8 @@ def test_too_few_gpus_is_a_clear_error_not_a_hang(ray_local, model) -> None:
 
 def test_gpu_check_counts_per_node() -> None:
     """Workers are packed on one node: GPUs spread over nodes do not add up."""
-    from cluster.actors import check_gpus, node_gpus
-    from cluster.errors import PlacementError
+    from cluster.distributed.actors import check_gpus, node_gpus
+    from cluster.engine.errors import PlacementError
 
     nodes = [{"Alive": True, "Resources": {"GPU": 2.0}}, {"Alive": True, "Resources": {"GPU": 2.0}},
              {"Alive": False, "Resources": {"GPU": 8.0}}, {"Alive": True, "Resources": {"CPU": 4.0}}]  # fmt: skip

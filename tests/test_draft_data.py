@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.train_generator import EngineGenerator
+from cluster.cli.train_generator import EngineGenerator
 from modeling.model import LlamaArgs
 from speculative.train.batches import epoch_batches
 from speculative.train.data import DataConfig, build_parts, load_dataset, part_path

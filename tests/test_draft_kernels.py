@@ -2,7 +2,7 @@
 head's fused input; greedy tokens and head steps through the models with and without them.
 
 The interpreter's `tl.dot` mishandles bf16 operands, so the argmax kernel (tensor-core products) is
-checked here in fp32; bench/kernel_check.py checks it in bf16 on the GPU against the separate kernels."""
+checked here in fp32; bench/probes/kernel_check.py checks it in bf16 on the GPU against the separate kernels."""
 
 from __future__ import annotations
 

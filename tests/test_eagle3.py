@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_head_layouts import check_step_paths_agree
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from modeling.errors import ModelLoadError
 from modeling.loader import resolve_model
 from modeling.model import LlamaArgs

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.build import build_engine
-from cluster.engine import LLMEngine
+from cluster.distributed.build import build_engine
+from cluster.engine.llm_engine import LLMEngine
 from modeling.loader import resolve_model
 from workers.config import MTPServeConfig
 

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.client import MTPServeClient
-from cluster.engine import LLMEngine
-from cluster.server import MTPServer
+from cluster.engine.llm_engine import LLMEngine
+from cluster.service.client import MTPServeClient
+from cluster.service.server import MTPServer
 from proto.codec import decode_tensor, encode_tensor
 from proto.mtpserve.v1 import inference_pb2 as pb
 from proto.mtpserve.v1 import worker_pb2 as wpb

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from speculative.sampling import SamplingMode
 from workers.graph_runner import CapturedSteps, pick_bucket
 from workers.step_buffers import StepBuffers

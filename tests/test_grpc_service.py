@@ -20,11 +20,11 @@ import yaml
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.client import MTPServeClient
-from cluster.detokenizer import IncrementalDetokenizer
-from cluster.engine import LLMEngine
-from cluster.errors import WorkerUnavailableError
-from cluster.server import MTPServer
+from cluster.engine.errors import WorkerUnavailableError
+from cluster.engine.llm_engine import LLMEngine
+from cluster.service.client import MTPServeClient
+from cluster.service.detokenizer import IncrementalDetokenizer
+from cluster.service.server import MTPServer
 from proto.mtpserve.v1 import inference_pb2 as pb
 from workers.config import MTPServeConfig
 

@@ -20,9 +20,9 @@ import openai
 import pytest
 import yaml
 
-from cluster.client import MTPServeClient
-from cluster.engine import LLMEngine
-from cluster.server import MTPServer
+from cluster.engine.llm_engine import LLMEngine
+from cluster.service.client import MTPServeClient
+from cluster.service.server import MTPServer
 from workers.config import MTPServeConfig
 
 from helpers_service import ROOT, ServeProcess, child_env, wait_for, write_dummy_model, write_tiny_model

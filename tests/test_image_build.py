@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.client import MTPServeClient
+from cluster.service.client import MTPServeClient
 from deploy import consistency, render
 
 from helpers_service import SERVING_LINE, child_env, free_port

@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("cluster", "workers", "speculative", "modeling", "proto", "deploy")
 MAX_LINES = 500
 LAYERS = "Layers: cluster > workers > speculative > modeling > proto"
+FLOORS = "Cluster floors: cli > bench | distributed > service > engine"
+ENGINE_CORE = "The engine core imports no Ray, gRPC, HTTP or metrics library"
 NO_CYCLES = "No import cycles between the modules of one package"
 
 
@@ -49,13 +51,14 @@ def test_contracts_hold(tree: Path) -> None:
 
 def test_upward_import_fails(tree: Path) -> None:
     add_line(
-        tree / "speculative" / "verify.py", "from cluster import engine  # upward: the algorithm reaching the cluster"
+        tree / "speculative" / "verify.py",
+        "from cluster.engine import llm_engine  # upward: the algorithm reaching the cluster",
     )
     res = lint_imports(tree)
     assert res.returncode != 0
     assert f"{LAYERS} BROKEN" in res.stdout
     assert "speculative is not allowed to import cluster" in res.stdout
-    assert "speculative.verify -> cluster.engine" in res.stdout
+    assert "speculative.verify -> cluster.engine.llm_engine" in res.stdout
 
 
 def test_model_layer_cannot_import_runtimes(tree: Path) -> None:
@@ -73,17 +76,56 @@ def test_proto_imports_no_project_package(tree: Path) -> None:
 
 
 def test_circle_between_two_modules_fails(tree: Path) -> None:
-    add_line(tree / "cluster" / "client.py", "import cluster.cmd_generate")
+    add_line(tree / "cluster" / "service" / "client.py", "import cluster.cli.cmd_generate")
     res = lint_imports(tree)
     assert res.returncode != 0
     assert f"{NO_CYCLES} BROKEN" in res.stdout
 
 
 def test_service_never_imports_deploy(tree: Path) -> None:
-    add_line(tree / "cluster" / "cli.py", "import deploy.render")
+    add_line(tree / "cluster" / "cli" / "mtpserve.py", "import deploy.render")
     res = lint_imports(tree)
     assert res.returncode != 0
     assert "The service does not import deploy BROKEN" in res.stdout
+
+
+def test_engine_core_cannot_import_the_service(tree: Path) -> None:
+    add_line(tree / "cluster" / "engine" / "scheduler.py", "from cluster.service import metrics")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert f"{FLOORS} BROKEN" in res.stdout
+    assert "cluster.engine is not allowed to import cluster.service" in res.stdout
+    assert "cluster.engine.scheduler -> cluster.service.metrics" in res.stdout
+
+
+def test_engine_core_cannot_import_the_ray_actors(tree: Path) -> None:
+    add_line(tree / "cluster" / "engine" / "llm_engine.py", "import cluster.distributed.actors")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert "cluster.engine is not allowed to import cluster.distributed" in res.stdout
+
+
+def test_service_cannot_import_the_ray_actors(tree: Path) -> None:
+    add_line(tree / "cluster" / "service" / "server.py", "from cluster.distributed import build")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert "cluster.service is not allowed to import cluster.distributed" in res.stdout
+
+
+def test_benchmarks_and_ray_actors_stay_apart(tree: Path) -> None:
+    add_line(tree / "cluster" / "bench" / "trees.py", "import cluster.distributed.build")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert f"{FLOORS} BROKEN" in res.stdout
+    assert "cluster.bench is not allowed to import cluster.distributed" in res.stdout
+
+
+def test_engine_core_imports_no_ray_library(tree: Path) -> None:
+    add_line(tree / "cluster" / "engine" / "block_manager.py", "import ray")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert f"{ENGINE_CORE} BROKEN" in res.stdout
+    assert "cluster.engine.block_manager -> ray" in res.stdout
 
 
 def test_no_source_file_over_limit() -> None:

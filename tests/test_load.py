@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.client import MTPServeClient
-from cluster.server import MTPServer
+from cluster.service.client import MTPServeClient
+from cluster.service.server import MTPServer
 from proto.mtpserve.v1 import inference_pb2 as pb
 
 from helpers_service import wait_for

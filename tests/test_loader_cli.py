@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
-from cluster.errors import ModelLoadError
+from cluster.engine.errors import ModelLoadError
+from cluster.engine.llm_engine import LLMEngine
 from modeling.loader import convert_gguf, file_key, resolve_model
 from workers.config import MTPServeConfig
 

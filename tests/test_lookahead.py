@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.request import Request, SamplingParams
-from cluster.scheduler import Scheduler
+from cluster.engine.request import Request, SamplingParams
+from cluster.engine.scheduler import Scheduler
 from speculative.draft_inputs import draft_input_tokens
 from speculative.lookahead import INVALID_TOKEN, LookaheadBuffer, lookahead_for_chunk
 from workers.config import SchedulerConfig

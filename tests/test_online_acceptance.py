@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine import encode_text
+from cluster.engine.llm_engine import encode_text
 from modeling.model import LlamaArgs
 from speculative.mtp_head import MTPEagleHead
 from speculative.train.batches import HiddenStore

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from speculative.mtp_chain import MTPEagleChain
 from speculative.mtp_head import MTPEagleHead
 from workers.config import MTPServeConfig
@@ -228,7 +228,7 @@ def test_overlap_flags_map_onto_the_config() -> None:
     default both are on."""
     import argparse
 
-    from cluster.cli_common import add_engine_flags, config_from_args
+    from cluster.cli.common import add_engine_flags, config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_flags(p)

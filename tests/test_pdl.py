@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.cli_common import add_engine_flags, config_from_args
+from cluster.cli.common import add_engine_flags, config_from_args
 from modeling import fused_kernels, pdl
 from workers.config import MTPServeConfig
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from speculative.messages import SeqPlan, StepPlan
 from tests.tiny import mimic_head, mimic_target, random_prompts, slots_of, tiny_engine
 from workers.builders import build_prefill

@@ -64,7 +64,7 @@ def test_engine_greedy_matches_hf_generate(tmp_path: Path) -> None:
     path, hf = write_hf_target(tmp_path / "q3", "qwen3")
     cfg = engine_config(speculative={"enabled": False})
     cfg.model.path = path
-    from cluster.engine import LLMEngine
+    from cluster.engine.llm_engine import LLMEngine
 
     eng = LLMEngine.from_config(cfg, load_tokenizer=False)
     prompt = random_prompts(1, 96, [13], seed=4)[0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.train_generator import EngineGenerator
+from cluster.cli.train_generator import EngineGenerator
 from speculative.train import prompt_parts
 from speculative.train.data import DataConfig, build_parts, load_dataset
 from speculative.train.openers import OPENERS

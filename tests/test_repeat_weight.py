@@ -7,8 +7,8 @@ import pytest
 import torch
 from test_online_acceptance import mimic_batch
 
-from bench.answer_length import main as answer_length_main
-from bench.answer_length import measure
+from bench.probes.answer_length import main as answer_length_main
+from bench.probes.answer_length import measure
 from speculative.train.batches import HiddenStore, pad_ids
 from speculative.train.eval import evaluate
 from speculative.train.loss import repeated_tokens, target_rows, unrolled_loss
@@ -74,7 +74,7 @@ def test_repeat_weight_one_is_the_plain_loss_and_zero_ignores_repeated_rows() ->
 
 
 def test_answer_length_bench_cuts_answers_and_scores_each_cut() -> None:
-    """`bench/answer_length.py`: whole answers score what the evaluation scores; a cut keeps that many
+    """`bench/probes/answer_length.py`: whole answers score what the evaluation scores; a cut keeps that many
     response tokens per answer; bad cuts are refused."""
     args, w, head, ds = mimic_batch(length=40)
     shared = build_shared(args, w, "cpu", torch.float32)

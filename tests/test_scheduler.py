@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from cluster.request import Request, SamplingParams
-from cluster.scheduler import Scheduler
+from cluster.engine.request import Request, SamplingParams
+from cluster.engine.scheduler import Scheduler
 from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from workers.config import SchedulerConfig
 

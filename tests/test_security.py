@@ -26,10 +26,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from pydantic import ValidationError
 
-from cluster.client import MTPServeClient
-from cluster.engine import LLMEngine
-from cluster.errors import ConfigError
-from cluster.server import MTPServer
+from cluster.engine.errors import ConfigError
+from cluster.engine.llm_engine import LLMEngine
+from cluster.service.client import MTPServeClient
+from cluster.service.server import MTPServer
 from workers.config import MTPServeConfig
 
 from helpers_service import ROOT, child_env, rpc_error, write_dummy_model

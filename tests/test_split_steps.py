@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from speculative.messages import StepPlan
 from tests.tiny import mimic_head, mimic_target, random_prompts, tiny_engine
 from workers.fused_step import FusedSpecStep

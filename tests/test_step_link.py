@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from test_overlap import PARAMS, drive
 
-from cluster.actors import RemoteTarget, engine_over
-from cluster.engine import LLMEngine
-from cluster.errors import WorkerUnavailableError
+from cluster.distributed.actors import RemoteTarget, engine_over
+from cluster.engine.errors import WorkerUnavailableError
+from cluster.engine.llm_engine import LLMEngine
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from speculative.mtp_chain import MTPEagleChain
 from workers.config import MTPServeConfig

@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cluster.cli import main
-from cluster.cmd_train import DEFAULTS, _mix
-from cluster.train_generator import EngineGenerator
+from cluster.cli.cmd_train import DEFAULTS, _mix
+from cluster.cli.mtpserve import main
+from cluster.cli.train_generator import EngineGenerator
 from modeling.attention import AttentionMetadata
 from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
 from speculative.mtp_head import MTPEagleHead

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cluster.cli import main
-from cluster.engine import LLMEngine
+from cluster.cli.mtpserve import main
+from cluster.engine.llm_engine import LLMEngine
 from modeling.qwen import QwenArgs, random_qwen_weights
 from speculative.eagle3_head import Eagle3Head
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from modeling.attention import ragged_metadata
 from speculative.mtp_head import MTPEagleHead
 from speculative.mtp_tree import MTPEagleTree

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from modeling.model import LlamaArgs, random_llama_weights
 from speculative.draft_head import DraftHead
 from speculative.mtp_head import MTPEagleHead

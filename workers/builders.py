@@ -1,6 +1,6 @@
 """Builders of the in-process target and draft: model, KV cache, runner, captured steps, MTP chain.
 
-The in-process engine (cluster/engine.py) and the Ray worker actors (target_worker.py, draft_worker.py)
+The in-process engine (cluster/engine/llm_engine.py) and the Ray worker actors (target_worker.py, draft_worker.py)
 build their parts with these functions from one MTPServeConfig.
 """
 

@@ -1,6 +1,6 @@
 """TargetWorker: one tensor-parallel rank (model shard, KV cache) serving StepPlans.
 
-Run as a Ray actor (`cluster/actors.py`). Steps arrive on a long-lived link (`workers/step_link.py`: a
+Run as a Ray actor (`cluster/distributed/actors.py`). Steps arrive on a long-lived link (`workers/step_link.py`: a
 Unix socket on the scheduler's node, else the gRPC `Steps` stream; the unary `Execute` call serves
 one-off steps). Rank 0 also forwards DraftInputs to the draft, either in its own process (colocated;
 with TP=1 on CUDA the target's captured steps include it) or to the DraftWorker (separate: over its

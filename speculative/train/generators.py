@@ -1,6 +1,6 @@
 """Text generators used only while building the draft dataset: the `Generator` protocol and HF `generate`.
 
-The project's engine is the other backend (cluster/train_generator.py, passed in by the caller). Both
+The project's engine is the other backend (cluster/cli/train_generator.py, passed in by the caller). Both
 take token-id prompts and return each continuation's ids (including the stop token when one was
 produced) and why it ended. The `hf` backend exists for the GPU data build: our engine is not
 CUDA-graphed and its per-step Python cost makes thousands of long responses too slow there.

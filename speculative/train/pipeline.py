@@ -32,7 +32,7 @@ from speculative.train.trainer import TrainConfig, Trainer, build_shared
 log = logging.getLogger(__name__)
 FORMAT_TAGS = {"mtp": "mtpserve-mtp-eagle/1", "eagle3": "mtpserve-eagle3/1"}  # by TrainConfig.head_format
 # Builds the `engine` generator from (args, weights, device, dtype, batch_size, max_len); the caller supplies it
-# (cluster/train_generator.py), since it drives the serving engine above this package.
+# (cluster/cli/train_generator.py), since it drives the serving engine above this package.
 GeneratorFactory = Callable[[LlamaArgs, dict[str, torch.Tensor], str, str, int, int], Generator]
 
 

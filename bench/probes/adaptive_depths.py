@@ -1,0 +1,116 @@
+"""Adaptive speculation on the GPU: serving step time at each forced draft depth against the start-up timed
+graph cost, then the adaptive policy itself against target-only and fixed depths, per batch size.
+
+Usage (on the GPU machine, from the repo root):
+    python3 bench/probes/adaptive_depths.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+Prints a table last and writes adaptive_depths.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cluster.bench.decode import PROMPTS, decode_run, engine_for
+from cluster.engine.llm_engine import LLMEngine
+from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
+from workers.builders import DEFAULT_HEAD
+
+
+def forced(policy: AdaptiveDepth, depth: int) -> AdaptiveDepth:
+    """A policy over the same buckets that always picks `depth` (no exploration)."""
+    costs = StepCosts(policy.costs.buckets, policy.max_depth, online=False)
+    for b in costs.buckets:
+        for d in range(policy.max_depth + 1):
+            costs.set(b, d, 1.0 if d == depth else 100.0)
+    return AdaptiveDepth(costs, AcceptanceTracker(policy.max_depth), explore_steps=0)
+
+
+def row(r: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A decode run without its token lists."""
+    return {**{k: v for k, v in r.items() if k != "outputs"}, **extra}
+
+
+def main() -> int:
+    """Run every configuration and write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", default=str(DEFAULT_HEAD))
+    ap.add_argument("--k", type=int, default=3, help="the deepest draft depth")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--max-tokens", type=int, default=256, help="tokens per request in every run")
+    ap.add_argument(
+        "--num-kv-blocks", type=int, default=2048, help="KV blocks: enough that no run at the largest batch preempts"
+    )
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    top = max(batches)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu, "runs": []}
+
+    def record(eng: LLMEngine, label: str, depth: int | None, tokens: int) -> None:
+        for b in batches:
+            preempted = eng.scheduler.num_preemptions
+            r = decode_run(eng, prompts[:b], tokens)
+            r["preemptions"] = eng.scheduler.num_preemptions - preempted
+            report["runs"].append(row(r, label=label, depth=depth))
+            print(label, b, f"{r['tok_s']:.0f} tok/s {r['step_ms']:.3f} ms", r.get("steps_per_depth"), flush=True)
+        (out / "adaptive_depths.json").write_text(json.dumps(report, indent=2))
+
+    base = engine_for(args, 0, True, top)
+    prompts = [base.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(top)]
+    decode_run(base, prompts[:2], 8)
+    record(base, "target-only", 0, args.max_tokens)
+    del base
+    for k in (1, args.k):
+        eng = engine_for(args, k, True, top)
+        decode_run(eng, prompts[:2], 8)
+        record(eng, f"fixed K={k}", k, args.max_tokens)
+        del eng
+    eng = engine_for(args, args.k, True, top, variant="adaptive")
+    policy = eng.scheduler.depth
+    assert policy is not None
+    report["timed_step_ms"] = {f"b{b}/d{d}": 1e3 * c for (b, d), c in sorted(policy.costs.seconds.items())}
+    decode_run(eng, prompts[:2], 8)
+    for depth in range(args.k + 1):
+        eng.scheduler.depth = forced(policy, depth)
+        record(eng, f"forced depth {depth}", depth, args.max_tokens)
+    eng.scheduler.depth = policy
+    record(eng, "adaptive", None, args.max_tokens)
+    print_table(report, batches)
+    return 0
+
+
+def print_table(report: dict[str, Any], batches: list[int]) -> None:
+    """tok/s per configuration and batch, with the forced depths' serving step against the timed replay."""
+    runs = report["runs"]
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    print(f"\n{'configuration':<18}" + "".join(f"{b:>10}" for b in batches))
+    for label in labels:
+        cells = {r["batch"]: r for r in runs if r["label"] == label}
+        print(f"{label:<18}" + "".join(f"{cells[b]['tok_s']:>10.0f}" if b in cells else f"{'-':>10}" for b in batches))
+    timed = report.get("timed_step_ms", {})
+    print("\nforced depth: serving step ms / timed replay ms")
+    for r in runs:
+        if r["label"].startswith("forced"):
+            buckets = [int(k[1:].split("/")[0]) for k in timed]
+            bucket = min((b for b in buckets if b >= r["batch"]), default=None)
+            t = timed.get(f"b{bucket}/d{r['depth']}")
+            print(f"  depth {r['depth']} batch {r['batch']:>3}: {r['step_ms']:.3f} / " + (f"{t:.3f}" if t else "-"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

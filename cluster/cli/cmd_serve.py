@@ -1,0 +1,163 @@
+"""`mtpserve serve`: load the engine and serve the gRPC API, the OpenAI-compatible HTTP API (with --http-port)
+and Prometheus metrics until signalled."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+
+import yaml
+
+from cluster.cli.common import add_engine_flags, config_from_args
+from cluster.engine.errors import MTPServeError
+from workers.config import MTPServeConfig
+
+log = logging.getLogger(__name__)
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """Server flags plus the shared engine flags (also used by `python -m cluster.job`)."""
+    g = p.add_argument_group("server")
+    g.add_argument(
+        "--host",
+        help="address to bind (default 127.0.0.1); any other address needs --auth-token-file and/or TLS, "
+        "or --allow-insecure",
+    )
+    g.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free one)")
+    g.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+        "/health) on this port, from the same engine (default: off; 0 picks a free one)",
+    )
+    g.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
+    g = p.add_argument_group("security (docs: README, 'Security')")
+    g.add_argument("--auth-token-file", help="file with the bearer token that every Inference call must carry")
+    g.add_argument("--tls-cert", help="PEM server certificate chain (with --tls-key: serve TLS)")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    g.add_argument(
+        "--allow-insecure", action="store_true", help="serve a non-loopback --host without TLS and without a token"
+    )
+    add_engine_flags(p)
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    """Register the sub-command."""
+    p = sub.add_parser(
+        name,
+        help="serve the gRPC API (and, with --http-port, the OpenAI-compatible HTTP API)",
+        description="Load the target (and draft head) and serve mtpserve.v1.Inference over gRPC, with the "
+        "grpc.health.v1 Health service, server reflection and Prometheus metrics, and with --http-port the "
+        "OpenAI-compatible HTTP API from the same engine, until SIGINT or SIGTERM.",
+    )
+    add_serve_flags(p)
+    p.set_defaults(func=run)
+
+
+def print_config(cfg: MTPServeConfig) -> None:
+    """The merged config as YAML on stdout."""
+    sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def install_stop_signals(stop: threading.Event) -> None:
+    """SIGINT and SIGTERM set `stop`; repeats are logged and ignored (the shutdown is bounded)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.info("received %s again; already shutting down", name)
+            return
+        log.info("received %s; shutting down", name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
+    """Build the engine, serve until `stop` is set (by SIGINT/SIGTERM by default), shut down cleanly.
+
+    With Ray (tp_size > 1, --distributed or --address) the scheduler and the gRPC front end run in a
+    scheduler actor on this node, which starts the worker actors; this process only waits.
+    """
+    from cluster.distributed.build import build_engine, uses_ray
+    from cluster.service.auth import check_server_files
+    from cluster.service.server import MTPServer
+
+    try:
+        check_server_files(cfg.server)
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    if uses_ray(cfg):
+        return serve_with_actor(cfg, stop)
+
+    try:
+        engine = build_engine(cfg)
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    if stop is None:  # after build_engine: ray.init replaces the SIGTERM handler
+        stop = threading.Event()
+        install_stop_signals(stop)
+    server = MTPServer(engine, cfg)
+    try:
+        try:
+            server.start()
+        except (RuntimeError, OSError) as exc:  # a port that cannot be bound (gRPC, HTTP or metrics)
+            sc = cfg.server
+            ports = f"port {sc.port}, http_port {sc.http_port}, metrics_port {sc.metrics_port}"
+            print(f"mtpserve: cannot serve on {sc.host} ({ports}): {exc}", file=sys.stderr)
+            return 2
+        print(f"mtpserve: {serving_line(server.address, server.metrics_port, server.http_address)}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        engine.shutdown()
+        log.info("stopped")
+    print("mtpserve: stopped", flush=True)
+    return 0
+
+
+def serving_line(grpc_address: str, metrics_port: int | None, http_address: str | None) -> str:
+    """What `serve` prints once it serves (tests and scripts parse it)."""
+    line = f"serving gRPC on {grpc_address}, metrics on :{metrics_port}"
+    return line + (f", HTTP on {http_address}" if http_address else "")
+
+
+def serve_with_actor(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
+    """Serve from a scheduler actor until `stop` is set."""
+    from cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
+
+    try:
+        actor, address, metrics_port, http_address = start_scheduler_actor(cfg)
+    except Exception as exc:  # actor construction errors arrive wrapped by Ray
+        print(f"mtpserve: could not start the scheduler actor: {exc}", file=sys.stderr)
+        return 2
+    if stop is None:
+        stop = threading.Event()
+        install_stop_signals(stop)
+    print(f"mtpserve: {serving_line(address, metrics_port, http_address)} (scheduler actor)", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        stop_scheduler_actor(actor)
+    print("mtpserve: stopped", flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `mtpserve serve`."""
+    cfg = config_from_args(args)
+    if args.print_config:
+        print_config(cfg)
+        return 0
+    return serve(cfg)

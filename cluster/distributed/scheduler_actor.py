@@ -1,0 +1,75 @@
+"""The scheduler as a Ray actor: it owns the engine (scheduler + step loop) and serves the public gRPC (and
+HTTP) API from the same process, so the per-step path has no extra hop between a front end and a scheduler."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from workers.config import MTPServeConfig
+
+log = logging.getLogger(__name__)
+RESTARTS = 3  # Ray restarts a crashed scheduler actor this often; it rebuilds its workers and rebinds its port
+
+
+class SchedulerActor:
+    """Runs on a CPU of the driver's node; creates the TP target and draft worker actors itself."""
+
+    def __init__(self, cfg_json: str) -> None:
+        import ray
+
+        from cluster.distributed.actors import build_distributed_engine
+        from cluster.service.server import MTPServer
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        self.cfg = MTPServeConfig.model_validate_json(cfg_json)
+        workers = f"mtpserve-workers-{ray.get_runtime_context().get_actor_id()}"  # the same after a restart
+        self.engine = build_distributed_engine(self.cfg, workers)
+        self.server = MTPServer(self.engine, self.cfg)
+        self.server.start()
+
+    def endpoints(self) -> tuple[str, int | None, str | None]:
+        """(gRPC host:port, metrics port, HTTP host:port or None)."""
+        return self.server.address, self.server.metrics_port, self.server.http_address
+
+    def ready(self) -> bool:
+        """Liveness probe for Ray."""
+        return True
+
+    def stop(self) -> None:
+        """Stop serving and release the worker actors."""
+        self.server.stop()
+        self.engine.shutdown()
+
+
+def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None, str | None]:
+    """Start the scheduler actor pinned to this node; returns (handle, gRPC address, metrics port, HTTP address).
+
+    If its process dies, Ray starts it again (up to RESTARTS times): it builds new workers and serves the
+    same server.port again, so clients reconnect to the same address (with port 0 the new port differs)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from cluster.distributed.actors import connect_ray
+
+    connect_ray(cfg.parallel.ray_address)
+    here = ray.get_runtime_context().get_node_id()
+    actor_cls = ray.remote(SchedulerActor)
+    actor: Any = actor_cls.options(  # type: ignore[attr-defined]
+        name=None,
+        num_cpus=0,
+        max_restarts=RESTARTS,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+    ).remote(cfg.model_dump_json())
+    address, metrics_port, http_address = ray.get(actor.endpoints.remote(), timeout=900)
+    return actor, address, metrics_port, http_address
+
+
+def stop_scheduler_actor(actor: Any) -> None:
+    """Shut the actor (and through it the workers) down."""
+    import ray
+
+    try:
+        ray.get(actor.stop.remote(), timeout=60)
+    finally:
+        ray.kill(actor, no_restart=True)

@@ -1,0 +1,356 @@
+"""In-process engine: request validation and the step loop over a target and a draft executor."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from cluster.engine.errors import InvalidRequestError, ModelLoadError, QueueFullError
+from cluster.engine.request import Request, SamplingParams, sampling_params
+from cluster.engine.scheduler import RequestOutput, Scheduler
+from modeling.loader import resolve_device, to_dtype
+from modeling.model import LlamaArgs
+from speculative.draft_head import DraftHead
+from speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
+from speculative.mtp_chain import MTPEagleChain
+from speculative.stats import SpecStats
+from workers.builders import (
+    bind_features,
+    build_draft,
+    build_runner,
+    build_target,
+    capture_local_steps,
+    depth_policy,
+    load_heads,
+    load_target,
+    max_model_len,
+    num_blocks_for,
+)
+from workers.config import MTPServeConfig
+
+
+class TargetExecutor(Protocol):
+    """Runs a StepPlan on the target (one process, or a TP group of actors)."""
+
+    def execute(self, plan: StepPlan) -> TargetOutput:
+        """Forward, sample/verify, and return tokens plus the draft's inputs."""
+        ...
+
+
+class QueuedStep(Protocol):
+    """A step queued on the device (in this process or on the ranks) whose tokens are not read yet."""
+
+    plan: StepPlan
+
+
+@runtime_checkable
+class OverlapTarget(Protocol):
+    """A target that can queue a captured generation step before the one ahead of it has been read."""
+
+    def launch(self, plan: StepPlan, after: Any = None) -> QueuedStep | None:
+        """Queue `plan` (inputs from `after`'s results when given); None when it cannot be queued."""
+        ...
+
+    def collect(self, step: Any) -> TargetOutput:
+        """Wait for a queued step and return its output."""
+        ...
+
+
+class DraftExecutor(Protocol):
+    """Proposes drafts from DraftInputs (in process, or a draft worker actor)."""
+
+    def propose(self, inputs: DraftInputs) -> DraftOutputs:
+        """Draft K tokens for the requests that asked."""
+        ...
+
+
+@dataclass
+class Completion:
+    """A finished request as returned by `generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: SpecStats = field(default_factory=SpecStats)
+    text: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` contract: token_ids, text, finish_reason, stats."""
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+class LLMEngine:
+    """Validates requests and runs `step()`: schedule, target forward+verify, draft propose, update."""
+
+    def __init__(
+        self,
+        cfg: MTPServeConfig,
+        args: LlamaArgs,
+        scheduler: Scheduler,
+        target: TargetExecutor,
+        draft: DraftExecutor | None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.args = args
+        self.scheduler = scheduler
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.max_model_len = scheduler.max_model_len
+        self.totals = SpecStats()
+        self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
+        self._ids = itertools.count()
+        self._overlap_runner: OverlapTarget | None = None  # set when steps may be queued ahead (see `step`)
+        speculative = draft is not None or bool(getattr(target, "drafting", False))
+        if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
+            self._overlap_runner = target if isinstance(target, OverlapTarget) else None
+        self._launched: QueuedStep | None = None  # a queued step whose tokens are not read yet (see `step`)
+        # Given, a step whose draft runs here after the target hands its tokens to this callback before the
+        # draft proposes (the next step needs the drafts, the client does not), and `step` leaves them out.
+        self.on_tokens: Callable[[list[RequestOutput]], None] | None = None
+
+    # ---- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: MTPServeConfig, load_tokenizer: bool = True) -> LLMEngine:
+        """Load the target (and draft) in this process."""
+        source, args, weights = load_target(cfg)
+        tok = source.tokenizer() if load_tokenizer and not source.dummy else None
+        return cls.from_weights(cfg, args, weights, tok)
+
+    @classmethod
+    def from_weights(
+        cls,
+        cfg: MTPServeConfig,
+        args: LlamaArgs,
+        weights: dict[str, torch.Tensor],
+        tokenizer: Any = None,
+        head: DraftHead | None = None,
+    ) -> LLMEngine:
+        """Build from in-memory weights; `head` overrides the configured draft head."""
+        device = resolve_device(cfg.model.device)
+        dtype = to_dtype(cfg.model.dtype, device)
+        model = build_target(
+            args, weights, dtype, device, fused_kernels=cfg.model.fused_kernels, pdl_launch=cfg.model.pdl
+        )
+        max_len = max_model_len(cfg, args)
+        num_blocks = num_blocks_for(cfg, max_len)
+        cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
+        heads = load_heads(cfg, args, weights) if head is None else [head]
+        bind_features(model, heads)
+        draft = build_draft(cfg, heads, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
+        spec = cfg.speculative
+        k = spec.num_draft_tokens if draft is not None else 0
+        target = build_runner(cfg, model, cache, device, k, max_len)
+        target.drafting = draft is not None
+        adaptive = spec.adaptive and isinstance(draft, MTPEagleChain)
+        capture_local_steps(cfg, target, draft, k, max_len)
+        proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
+        depth = depth_policy(cfg, k, target.fused) if adaptive else None
+        sched = Scheduler(
+            cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth
+        )
+        return cls(cfg, args, sched, target, draft, tokenizer)
+
+    # ---- requests --------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | dict[str, Any]) -> SamplingParams:
+        """Check a request; raises InvalidRequestError naming the field and the reason."""
+        if not isinstance(params, SamplingParams):
+            params = sampling_params(params)
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"has {n} tokens; the model's maximum length is {self.max_model_len} (prompt + output)",
+            )
+        vocab = self.args.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if not 0 <= t < vocab:
+                raise InvalidRequestError("prompt_token_ids", f"token id {t} at index {i} is outside [0, {vocab})")
+        for t in params.stop_token_ids:
+            if not 0 <= t < vocab:
+                raise InvalidRequestError("stop_token_ids", f"token id {t} is outside [0, {vocab})")
+        total = min(n + params.max_tokens, self.max_model_len)
+        sched = self.scheduler
+        if sched.blocks.blocks_for(sched.slots_needed(total + sched.k)) > sched.blocks.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt + max_tokens = {total} tokens do not fit in the KV cache; lower max_tokens",
+            )
+        return params
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id."""
+        params = self.validate(prompt_token_ids, params if params is not None else SamplingParams())
+        if self.scheduler.num_waiting >= self.cfg.scheduler.max_queue:
+            raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting (scheduler.max_queue)")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise InvalidRequestError("request_id", f"'{rid}' is already in flight")
+        if params.seed is None and params.temperature > 0:
+            # every TP rank then draws the same numbers: a tree's accepted branch decides which KV moves
+            params = params.model_copy(update={"seed": secrets.randbits(62)})
+        self.scheduler.add(Request(rid, list(prompt_token_ids), params))
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while requests wait or run."""
+        return self.scheduler.has_unfinished()
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step over every running request.
+
+        In steady decoding on captured steps (`model.overlap_steps`; speculative steps too with the draft
+        in process, unless `model.overlap_speculative` is off), the next step is queued
+        on the device before this one's tokens are read, its
+        inputs taken from this step's results on the device, so host work overlaps GPU work. A request
+        that stops at this step then computes one extra step, which is dropped. A step that raises drops
+        the queued step with it."""
+        try:
+            return self._step()
+        except Exception:
+            self._launched = None
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        runner = self._overlap_runner
+        if self._launched is None:
+            plan = self.scheduler.schedule()
+            self._launched = runner.launch(plan) if runner is not None else None
+            if self._launched is None:
+                return self._execute(plan)
+        assert runner is not None
+        current = self._launched
+        ahead = self.scheduler.plan_ahead(current.plan)
+        self._launched = runner.launch(ahead, current) if ahead is not None else None
+        if ahead is not None and self._launched is None:
+            self.scheduler.cancel_ahead(ahead)
+        out = runner.collect(current)
+        outputs = self._apply(current.plan, out, out.draft_outputs)
+        if self._launched is not None and not self.has_unfinished():
+            self.drain()  # every request in the step queued ahead has finished: wait for it now, not later
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Read and apply a step queued ahead by `step`, if any, so that the scheduler's state is current
+        (for callers that drive the scheduler and target directly)."""
+        launched, self._launched = self._launched, None
+        if launched is None or self._overlap_runner is None:
+            return []
+        out = self._overlap_runner.collect(launched)
+        return self._apply(launched.plan, out, out.draft_outputs)
+
+    def _execute(self, plan: StepPlan) -> list[RequestOutput]:
+        depth = self.scheduler.depth
+        if depth is None or not depth.costs.online or not plan.seqs or any(s.is_context for s in plan.seqs):
+            return self._run(plan)
+        t0 = time.perf_counter()
+        outputs = self._run(plan)
+        depth.costs.observe(len(plan.seqs), plan.num_draft_tokens, time.perf_counter() - t0)
+        return outputs
+
+    def _run(self, plan: StepPlan) -> list[RequestOutput]:
+        out = self.target.execute(plan)
+        if out.draft_outputs is not None or self.draft is None or out.draft_inputs is None:
+            return self._apply(plan, out, out.draft_outputs)
+        outputs = self._apply(plan, out, None)
+        if self.on_tokens is not None and any(o.new_token_ids or o.finished for o in outputs):
+            self.on_tokens(outputs)
+            outputs = []
+        self.scheduler.apply_drafts(self.draft.propose(out.draft_inputs))
+        return outputs
+
+    def _apply(self, plan: StepPlan, out: TargetOutput, drafts: DraftOutputs | None) -> list[RequestOutput]:
+        outputs = self.scheduler.update(plan, out, drafts)
+        for o in outputs:
+            if o.finished:
+                self.totals.merge(o.stats)
+        return outputs
+
+    def generate(
+        self, prompts: Iterable[list[int]], params: SamplingParams | dict[str, Any] | None = None
+    ) -> list[Completion]:
+        """Run prompts to completion (continuous batching); results in input order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        prompts_by_id = {rid: self.scheduler.requests[rid].prompt_token_ids for rid in ids}
+        done: dict[str, Completion] = {}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                tokens[o.request_id].extend(o.new_token_ids)
+                if o.finished:
+                    done[o.request_id] = Completion(
+                        o.request_id,
+                        prompts_by_id[o.request_id],
+                        tokens[o.request_id],
+                        o.finish_reason,
+                        o.stats,
+                    )
+        for c in done.values():
+            c.text = self.decode(c.token_ids)
+        return [done[rid] for rid in ids]
+
+    def shutdown(self) -> None:
+        """Release executors (actors, process groups); the in-process engine has nothing to release."""
+        for part in (self.target, self.draft):
+            close = getattr(part, "shutdown", None)
+            if close is not None:
+                close()
+
+    # ---- text ------------------------------------------------------------------------------------
+    def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids for `text`, wrapped in the chat template unless chat is False."""
+        if self.tokenizer is None:
+            raise ModelLoadError("this engine has no tokenizer; pass token ids")
+        return encode_text(self.tokenizer, text, chat)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text for token ids (special tokens dropped); empty without a tokenizer."""
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+def encode_text(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
+    """Token ids for `text` with `tokenizer`, as a user turn of its chat template when chat is True."""
+    if chat and has_chat_template(tokenizer):
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation ({"role", "content"} turns) in the tokenizer's chat template, with the
+    assistant's turn opened for the answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

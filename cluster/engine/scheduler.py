@@ -1,0 +1,426 @@
+"""Context-chunk scheduler: token-budgeted continuous batching with chunked prefill and preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
+from cluster.engine.request import Request, RequestStatus
+from speculative.adaptive import AdaptiveDepth
+from speculative.messages import DraftOutputs, SeqPlan, StepPlan, TargetOutput
+from speculative.stats import SpecStats
+from workers.config import SchedulerConfig
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class Scheduler:
+    """Plans each step within `max_num_batched_tokens` and applies its results.
+
+    Generation requests are scheduled first (1 + K rows each), then running context requests, then
+    waiting ones, each context request taking at most `chunk_size` tokens from its cursor. When KV
+    blocks run out, the most recently admitted request is preempted and later recomputes its context
+    (prompt plus tokens generated so far).
+
+    With an `AdaptiveDepth` policy each step drafts its own depth (at most K): a request's stored drafts are
+    cut to it, or padded with copies of its last token when the step before proposed fewer (padding is
+    verified like any draft, so output is unchanged, and is left out of the acceptance counts).
+    """
+
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        num_blocks: int,
+        num_draft_tokens: int,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        prefix_caching: bool | None = None,
+        scratch_slots: int | None = None,
+        depth: AdaptiveDepth | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.depth = depth
+        self._next_depth: int | None = None  # a depth `plan_ahead` chose for the step `schedule` plans next
+        self._real_drafts: dict[int, dict[str, int]] = {}  # step -> request -> drafts not padding, where padded
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.prefix_caching = cfg.prefix_caching if prefix_caching is None else prefix_caching
+        self.prefix_query_tokens = 0  # sequence tokens of admitted requests, looked up in the cache
+        self.prefix_hit_tokens = 0  # of those, tokens whose KV came from the cache
+        self.k = num_draft_tokens
+        self.scratch_slots = num_draft_tokens if scratch_slots is None else scratch_slots
+        self.eos = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_plan: list[str] = []
+        self._step = 0
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------------
+    def slots_needed(self, num_tokens: int) -> int:
+        """KV slots a sequence of `num_tokens` needs, including the draft's writes past it (a chain's next
+        drafts, or a tree's frontier rows)."""
+        return num_tokens + self.scratch_slots
+
+    def add(self, req: Request) -> None:
+        """Queue a validated request."""
+        p = req.params
+        req.stop_set = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos))
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Finish a request now and free its blocks; False if unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self._finish(req, reason)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks (prefilling or decoding)."""
+        return len(self.running)
+
+    # ---- planning --------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Choose this step's rows: generation first, then context chunks, within the token budget."""
+        budget = self.cfg.max_num_batched_tokens
+        gen: list[SeqPlan] = []
+        ctx: list[SeqPlan] = []
+        scheduled: set[str] = set()
+        decoding = [r for r in self.running if not r.in_context and r.status is RequestStatus.RUNNING]
+        depth = self._step_depth(len(decoding))
+        padded: dict[str, int] = {}
+        for req in decoding:
+            if req.status is not RequestStatus.RUNNING:  # preempted by an earlier row's reservation
+                continue
+            drafts = req.draft_token_ids if self.depth is None else req.draft_token_ids[:depth]
+            n = 1 + len(drafts) if self.depth is None else 1 + depth
+            if n > budget:
+                continue
+            if not self._reserve(req, self.slots_needed(req.num_computed_tokens + n), scheduled):
+                continue
+            last = req.all_token_ids[-1]
+            if len(drafts) < n - 1:
+                padded[req.request_id] = len(drafts)
+                drafts = drafts + [last] * (n - 1 - len(drafts))
+            tokens = [last, *drafts]
+            gen.append(self._gen_plan(req, tokens, req.num_computed_tokens, req.draft_probs, req.draft_parents))
+            scheduled.add(req.request_id)
+            budget -= n
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if not req.in_context or req.status is not RequestStatus.RUNNING:
+                continue
+            plan = self._chunk_plan(req, budget, scheduled, allow_preempt=True)
+            if plan is not None:
+                ctx.append(plan)
+                scheduled.add(req.request_id)
+                budget -= len(plan.token_ids)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_requests:
+            req = self.waiting[0]
+            self._attach_cached(req)
+            plan = self._chunk_plan(req, budget, scheduled, allow_preempt=False)
+            if plan is None:
+                self._release(req)
+                break
+            self.prefix_query_tokens += req.num_tokens
+            self.prefix_hit_tokens += req.num_computed_tokens
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            ctx.append(plan)
+            scheduled.add(req.request_id)
+            budget -= len(plan.token_ids)
+        self._step += 1
+        if padded:
+            self._real_drafts[self._step] = padded
+        finished, self._finished_since_plan = self._finished_since_plan, []
+        return StepPlan(self._step, ctx + gen, depth, finished)
+
+    def _step_depth(self, batch: int) -> int:
+        """Draft tokens the next step proposes (and verifies): K, or the adaptive policy's choice."""
+        if self.depth is None:
+            return self.k
+        if self._next_depth is not None:
+            depth, self._next_depth = self._next_depth, None
+            return depth
+        return self.depth.choose(batch)
+
+    def plan_ahead(self, pending: StepPlan) -> StepPlan | None:
+        """The generation step after `pending`, a generation step whose results are not applied yet.
+
+        Each sequence's token_ids[0] holds its row in `pending`: its inputs (last token, and the drafts
+        and position when speculating) come from that row's results on the device. Requests that
+        `pending` surely finishes (by max_tokens), or whose next positions could pass max_model_len, are
+        left out; those it may finish (a stop token, or enough accepted drafts) stay in, and `update`
+        drops their extra step. Blocks are grown for the most tokens `pending` can accept. None
+        when the step should go through `schedule` instead: requests are waiting or running outside
+        `pending`, blocks would need a preemption, or nothing is left to run."""
+        k = pending.num_draft_tokens
+        planned = {sp.request_id for sp in pending.seqs}
+        if self.waiting or any(r.request_id not in planned for r in self.running):
+            return None
+        if self.depth is not None:
+            depth = self._step_depth(len(pending.seqs))
+            if depth != k:  # a new depth starts from `schedule`, with the stored drafts cut or padded
+                self._next_depth = depth
+                return None
+        seqs: list[SeqPlan] = []
+        for row, sp in enumerate(pending.seqs):
+            req = self.requests.get(sp.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING or sp.is_context or len(sp.token_ids) != k + 1:
+                continue
+            most = k + 1  # tokens `pending` can emit (at least one)
+            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + most >= self.max_model_len:
+                continue
+            start = req.num_computed_tokens + most  # an upper bound (pending's own start is exact here)
+            if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):
+                return None
+            seqs.append(self._gen_plan(req, [row] + [0] * k, start))
+        if not seqs:
+            return None
+        self._step += 1
+        finished, self._finished_since_plan = self._finished_since_plan, []
+        return StepPlan(self._step, seqs, k, finished)
+
+    def cancel_ahead(self, plan: StepPlan) -> None:
+        """Give back a `plan_ahead` plan that will not run: its finished request ids go to the next plan
+        (the blocks it grew stay with their requests, which use them later)."""
+        self._finished_since_plan[:0] = plan.finished_request_ids
+
+    def _chunk_plan(self, req: Request, budget: int, scheduled: set[str], allow_preempt: bool) -> SeqPlan | None:
+        start = req.num_computed_tokens
+        seq = req.all_token_ids
+        n = min(self.cfg.chunk_size, len(seq) - start, budget)
+        if n <= 0:
+            return None
+        end = start + n
+        final = end == len(seq)
+        need = self.slots_needed(end) if final else end
+        if allow_preempt:
+            if not self._reserve(req, need, scheduled):
+                return None
+        elif not self.blocks.grow(req.block_ids, need):
+            return None
+        p = req.params
+        return SeqPlan(
+            request_id=req.request_id,
+            token_ids=seq[start:end],
+            start=start,
+            block_ids=list(req.block_ids),
+            is_context=True,
+            is_final_chunk=final,
+            lookahead_token=-1 if final else seq[end],
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+        )
+
+    def _gen_plan(
+        self,
+        req: Request,
+        token_ids: list[int],
+        start: int,
+        draft_probs: torch.Tensor | None = None,
+        draft_parents: list[int] | None = None,
+    ) -> SeqPlan:
+        """A generation row: token_ids are the last token (or, planned ahead, its row) and the drafts."""
+        p = req.params
+        return SeqPlan(
+            request_id=req.request_id,
+            token_ids=token_ids,
+            start=start,
+            block_ids=list(req.block_ids),
+            is_context=False,
+            is_final_chunk=True,
+            lookahead_token=-1,
+            num_draft_tokens=len(token_ids) - 1,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            draft_probs=draft_probs,
+            draft_parents=draft_parents,
+        )
+
+    def _reserve(self, req: Request, num_slots: int, scheduled: set[str]) -> bool:
+        """Grow req's blocks to `num_slots`, preempting the latest unscheduled requests if needed."""
+        while not self.blocks.grow(req.block_ids, num_slots):
+            victims = [r for r in self.running if r.request_id not in scheduled]
+            victim = victims[-1] if victims else req
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def _attach_cached(self, req: Request) -> None:
+        """Give a request without blocks the cached blocks of its longest known prefix."""
+        if not self.prefix_caching or req.block_ids:
+            return
+        size = self.cfg.block_size
+        n = num_keyable_blocks(req.num_tokens, size)
+        keys = self._keys(req, n)
+        req.block_ids = self.blocks.match(keys[:n])
+        req.num_keyed_blocks = len(req.block_ids)
+        req.num_computed_tokens = len(req.block_ids) * size
+
+    def _keys(self, req: Request, n: int) -> list[bytes]:
+        """The request's block keys, computed up to block n (reading only the tokens not yet keyed)."""
+        size = self.cfg.block_size
+        return extend_keys(req.block_keys, req.token_ids_from(len(req.block_keys) * size), size, n)
+
+    def _register(self, req: Request) -> None:
+        """Key the request's full blocks whose target and draft KV are final."""
+        size = self.cfg.block_size
+        if not self.prefix_caching or req.num_computed_tokens // size <= req.num_keyed_blocks:
+            return  # no block has filled since the last call (most steps)
+        n = min(req.num_computed_tokens // size, len(req.block_ids), num_keyable_blocks(req.num_tokens, size))
+        if n <= req.num_keyed_blocks:
+            return
+        keys = self._keys(req, n)
+        for b in range(req.num_keyed_blocks, n):
+            self.blocks.register(req.block_ids[b], keys[b])
+        req.num_keyed_blocks = n
+
+    def _release(self, req: Request) -> None:
+        """Give back a request's blocks and rewind its context cursor to the start."""
+        self.blocks.free(req.block_ids)
+        req.num_keyed_blocks = 0
+        req.num_computed_tokens = 0
+
+    def forget_cached(self) -> int:
+        """Drop every prefix-cache key (the workers' KV contents were lost); returns how many there were."""
+        for req in self.running:
+            req.num_keyed_blocks = len(req.block_ids)  # their blocks stay theirs, but are never keyed again
+        return self.blocks.forget()
+
+    def preempt(self, req: Request) -> None:
+        """Evict a running request: free its blocks; it later recomputes prompt + output from position 0
+        (or from the end of its prefix still in the cache)."""
+        self._release(req)
+        req.in_context = True
+        req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # ---- results ---------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, out: TargetOutput, drafts: DraftOutputs | None) -> list[RequestOutput]:
+        """Apply a step's tokens and proposals; finish requests that hit a stop condition."""
+        outputs: list[RequestOutput] = []
+        real = self._real_drafts.pop(plan.step_id, {})
+        for sp, res in zip(plan.seqs, out.results, strict=True):
+            req = self.requests.get(sp.request_id)
+            if req is None or req.finished or req.status is not RequestStatus.RUNNING:
+                continue
+            if sp.is_context:
+                req.num_computed_tokens = sp.end
+                if not sp.is_final_chunk:
+                    self._register(req)
+                    continue
+                req.in_context = False
+            else:
+                req.num_computed_tokens += 1 + res.num_accepted
+                drafted = min(res.num_drafted, real.get(req.request_id, res.num_drafted))
+                if drafted:
+                    req.stats.record(drafted, min(res.num_accepted, drafted))
+                    if self.depth is not None:
+                        self.depth.tracker.record(drafted, res.num_accepted)
+            req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
+            outputs.append(self._append(req, res.new_token_ids))
+        if drafts is not None:
+            self.apply_drafts(drafts)
+        return outputs
+
+    def apply_drafts(self, drafts: DraftOutputs) -> None:
+        """Store a step's proposals for the next step (requests that finished or left are skipped)."""
+        proposed = drafts.draft_token_ids.tolist()
+        parents = None if drafts.draft_parents is None else drafts.draft_parents.tolist()
+        for i, rid in enumerate(drafts.request_ids):
+            req = self.requests.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING or req.in_context:
+                continue
+            req.draft_token_ids = proposed[i]
+            req.draft_probs = None if drafts.draft_probs is None else drafts.draft_probs[i]
+            req.draft_parents = None if parents is None else parents[i]
+
+    def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
+        p = req.params
+        out = req.output_token_ids
+        room = min(p.max_tokens - len(out), self.max_model_len - req.num_tokens)
+        if len(tokens) < room and req.stop_set.isdisjoint(tokens):
+            out += tokens  # the common step: no stop token, and no limit reached
+            emitted, reason = list(tokens), None
+        else:
+            emitted, reason = self._append_until_stop(req, tokens)
+        self._register(req)
+        if reason:
+            self._finish(req, reason)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=emitted,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_output_tokens=len(req.output_token_ids),
+            stats=req.stats,
+        )
+
+    def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Append tokens one by one up to the first stop condition: (the tokens appended, the reason)."""
+        p = req.params
+        emitted: list[int] = []
+        reason = None
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            emitted.append(tok)
+            if tok in req.stop_set:
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        return emitted, reason
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.status = RequestStatus.FINISHED
+        self.blocks.free(req.block_ids)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finished_since_plan.append(req.request_id)
+        self.requests.pop(req.request_id, None)

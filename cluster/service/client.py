@@ -1,0 +1,227 @@
+"""Python client of the mtpserve gRPC API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.mtpserve.v1 import inference_pb2 as pb
+from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+
+FINISH_NAMES = {
+    pb.FINISH_REASON_UNSPECIFIED: None,
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+
+
+def stats_dict(msg: pb.AcceptanceStats) -> dict[str, Any]:
+    """AcceptanceStats as the `stats` object of the --json contract (same keys as SpecStats.to_dict)."""
+    return {
+        "drafted": msg.drafted,
+        "accepted": msg.accepted,
+        "verify_steps": msg.verify_steps,
+        "acceptance_rate": round(msg.acceptance_rate, 6),
+        "acceptance_length": round(msg.acceptance_length, 6),
+        "accepted_per_position": [round(r, 6) for r in msg.accepted_per_position],
+    }
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a completion; the last one has finish_reason, usage and stats."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
+        """Convert a GenerateResponse."""
+        reason = FINISH_NAMES.get(msg.finish_reason, "unknown")
+        chunk = cls(msg.request_id, msg.text, list(msg.token_ids), reason)
+        if reason is not None:
+            chunk.usage = {
+                "prompt_tokens": msg.usage.prompt_tokens,
+                "completion_tokens": msg.usage.completion_tokens,
+            }
+            chunk.stats = stats_dict(msg.stats)
+        return chunk
+
+
+def build_request(
+    prompt: str | None = None,
+    token_ids: list[int] | None = None,
+    raw: bool = False,
+    request_id: str = "",
+    **sampling: Any,
+) -> pb.GenerateRequest:
+    """A GenerateRequest from a text prompt or token ids plus SamplingParams fields (None = default)."""
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("give exactly one of prompt or token_ids")
+    unknown = set(sampling) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling fields: {sorted(unknown)}; known: {list(SAMPLING_FIELDS)}")
+    req = pb.GenerateRequest(request_id=request_id, raw=raw)
+    if prompt is not None:
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(token_ids or [])
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name == "stop_token_ids":
+            req.sampling.stop_token_ids.extend(value)
+        else:
+            setattr(req.sampling, name, value)
+    req.sampling.SetInParent()
+    return req
+
+
+def _read(path: str | None) -> bytes | None:
+    """A PEM file's bytes (None for None)."""
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class MTPServeClient:
+    """A connection to an mtpserve server; `timeout` is the default deadline per call in seconds.
+
+    auth_token: sent as `authorization: Bearer <token>` on every call. TLS is used when `tls` is true or any
+    TLS file is given: `tls_ca_file` is the CA bundle that signed the server's certificate (None: the
+    system's roots), `tls_cert_file` / `tls_key_file` the client certificate for mutual TLS.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = 300.0,
+        max_message_mb: int = 256,
+        *,
+        auth_token: str | None = None,
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+    ) -> None:
+        limit = max_message_mb * 1024 * 1024
+        self.address = address
+        self.timeout = timeout
+        options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together (the client certificate and its key)")
+        if tls or tls_ca_file or tls_cert_file:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca_file),
+                private_key=_read(tls_key_file),
+                certificate_chain=_read(tls_cert_file),
+            )
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> MTPServeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the channel connects; raises grpc.FutureTimeoutError after `timeout` seconds."""
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        *,
+        raw: bool = False,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Iterator[Chunk]:
+        """Yield chunks as the server produces them; closing the iterator early cancels the request."""
+        req = build_request(prompt, token_ids, raw, request_id, **sampling)
+        call = self.stub.Generate(req, timeout=timeout if timeout is not None else self.timeout, metadata=self.metadata)
+        try:
+            for msg in call:
+                yield Chunk.from_proto(msg)
+        finally:
+            call.cancel()  # no-op once the stream has ended
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        *,
+        raw: bool = False,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> dict[str, Any]:
+        """Run one request to the end; returns the --json contract: token_ids, text, finish_reason, stats."""
+        ids: list[int] = []
+        text: list[str] = []
+        last: Chunk | None = None
+        for chunk in self.stream(prompt, token_ids, raw=raw, request_id=request_id, timeout=timeout, **sampling):
+            ids.extend(chunk.token_ids)
+            text.append(chunk.text)
+            last = chunk
+        if last is None:
+            raise RuntimeError("the server closed the stream without a final message")
+        return {"token_ids": ids, "text": "".join(text), "finish_reason": last.finish_reason, "stats": last.stats}
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; True if it was in flight."""
+        return bool(
+            self.stub.Abort(
+                pb.AbortRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata
+            ).aborted
+        )
+
+    def model_info(self) -> dict[str, Any]:
+        """The served model and draft head, as a dict with the proto's field names."""
+        msg = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self.metadata)
+        return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    def stats(self) -> dict[str, Any]:
+        """Aggregate acceptance statistics, load and KV-cache use."""
+        msg = self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=self.metadata)
+        return {
+            "totals": stats_dict(msg.totals),
+            "requests_running": msg.requests_running,
+            "requests_waiting": msg.requests_waiting,
+            "kv_blocks_used": msg.kv_blocks_used,
+            "kv_blocks_total": msg.kv_blocks_total,
+            "requests_finished": msg.requests_finished,
+            "generated_tokens": msg.generated_tokens,
+            "uptime_s": msg.uptime_s,
+            "kv_blocks_cached": msg.kv_blocks_cached,
+            "prefix_cache_query_tokens": msg.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens": msg.prefix_cache_hit_tokens,
+            "prefix_cache_hit_rate": msg.prefix_cache_hit_rate,
+        }
+
+    def health(self, service: str = "") -> str:
+        """grpc.health.v1 status name: SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN."""
+        resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))

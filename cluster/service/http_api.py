@@ -1,0 +1,313 @@
+"""The OpenAI-compatible HTTP API (aiohttp): chat and text completions, streamed as server-sent events or whole,
+`GET /v1/models` and `GET /health`, over the same EngineLoop as the gRPC servicer.
+
+Requests are validated by the models in cluster/service/openai_schema.py and by the engine, as gRPC requests are;
+every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 naming the field,
+401 without the bearer token (when one is configured), 404 for another model or path, 413 for a body over
+`server.http_max_body_mb`, 429 when the queue is full, 503 while workers are down or the server stops.
+A client that disconnects aborts its request (aiohttp cancels the handler), which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
+from cluster.engine.llm_engine import encode_chat, encode_text, has_chat_template
+from cluster.engine.request import sampling_params
+from cluster.service.auth import bearer
+from cluster.service.engine_loop import EngineFailure, EngineLoop, ServerShuttingDown
+from cluster.service.http_stream import EngineStream
+from cluster.service.metrics import HTTP, ServerMetrics
+from cluster.service.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    choice_body,
+    completion_body,
+    error_body,
+    parse,
+    usage_body,
+)
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = ("/health",)  # answered without the bearer token (Kubernetes probes cannot send one)
+ERROR_KINDS = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "queue_full"),
+    503: ("server_error", "unavailable"),
+}
+
+
+class APIError(Exception):
+    """An error response in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        kind, default_code = ERROR_KINDS.get(status, ("server_error", None))
+        self.type = kind
+        self.code = code if code is not None else default_code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error object."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> web.Response:
+        """The error as an HTTP response."""
+        return web.json_response(self.body(), status=self.status)
+
+
+def api_error(exc: Exception, prompt_field: str) -> APIError:
+    """The HTTP error of an engine-side exception; the engine's prompt fields are named as the caller sent them."""
+    if isinstance(exc, InvalidRequestError):
+        field = prompt_field if exc.field in ("prompt", "prompt_token_ids") else exc.field
+        return APIError(400, f"{field}: {exc.reason}", param=field)
+    if isinstance(exc, QueueFullError):
+        return APIError(429, f"queue full: {exc}")
+    if isinstance(exc, WorkerUnavailableError):
+        return APIError(503, f"workers are down: {exc}")
+    if isinstance(exc, EngineFailure | ServerShuttingDown):
+        return APIError(503, str(exc))
+    return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
+
+
+class OpenAIAPI:
+    """Routes and handlers of the OpenAI-compatible API over one EngineLoop."""
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        tokenizer_lock: threading.Lock,
+        model_id: str,
+        accepting: Callable[[], bool],
+        serving: Callable[[], bool],
+        token: bytes | None = None,
+        metrics: ServerMetrics | None = None,
+        max_body_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
+        self.loop = loop
+        self.engine = loop.engine
+        self.lock = tokenizer_lock
+        self.model_id = model_id
+        self.accepting = accepting
+        self.serving = serving
+        self.token = token
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        """The aiohttp application (build it on the event loop that serves it)."""
+
+        @web.middleware
+        async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+            return await self._errors(request, handler)
+
+        @web.middleware
+        async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+            return await self._auth(request, handler)
+
+        app = web.Application(middlewares=[errors, auth], client_max_size=self.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    # ---- middlewares -------------------------------------------------------------------------------
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return exc.response()
+        except InvalidRequestError as exc:
+            return api_error(exc, "prompt").response()
+        except web.HTTPException as exc:  # routing (404, 405) and the body limit (413) raise these
+            if exc.status < 400:
+                raise
+            reason = f"{request.method} {request.path}: {exc.reason.lower()}"
+            if exc.status == 413:
+                reason = f"body: larger than {self.max_body_bytes} bytes (server.http_max_body_mb)"
+            return APIError(exc.status, reason).response()
+        except Exception as exc:
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return api_error(exc, "prompt").response()
+
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.token is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        token = bearer(request.headers.items())
+        if token is None:
+            self._refused("missing")
+            raise APIError(401, "missing bearer token: send the header 'Authorization: Bearer <token>'")
+        if not hmac.compare_digest(token.encode(), self.token):
+            self._refused("invalid")
+            raise APIError(401, "invalid bearer token")
+        return await handler(request)
+
+    def _refused(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.auth_failures.labels(frontend=HTTP, reason=reason).inc()
+
+    # ---- plain routes ------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while serving, 503 when not (as grpc.health.v1 reports SERVING / NOT_SERVING)."""
+        ok = self.serving()
+        return web.json_response({"status": "serving" if ok else "not_serving"}, status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The one served model."""
+        entry = {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "mtpserve",
+            "max_model_len": self.engine.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [entry]})
+
+    # ---- completions -------------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions: the messages in the tokenizer's chat template."""
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._json(request))
+        self._check_model(req.model)
+        tok = self.engine.tokenizer
+        if tok is None or not has_chat_template(tok):
+            raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
+        turns = [m.turn() for m in req.messages]
+        try:
+            ids = await asyncio.to_thread(self._locked, encode_chat, tok, turns)
+        except Exception as exc:  # a template may refuse a conversation (roles out of order)
+            raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from None
+        return await self._generate(request, req, ids, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions: the prompt as is (text without a template, or token ids)."""
+        req: CompletionRequest = parse(CompletionRequest, await self._json(request))
+        self._check_model(req.model)
+        if isinstance(req.prompt, list):
+            ids = list(req.prompt)
+        elif self.engine.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer; send token ids")
+        else:
+            ids = await asyncio.to_thread(self._locked, encode_text, self.engine.tokenizer, req.prompt, False)
+        return await self._generate(request, req, ids, chat=False)
+
+    def _locked(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        with self.lock:  # the gRPC servicer's tokenizer lock
+            return fn(*args)
+
+    async def _json(self, request: web.Request) -> Any:
+        raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge (413)
+        try:
+            return json.loads(raw)
+        except ValueError as exc:  # also UnicodeDecodeError
+            raise APIError(400, f"body: not valid JSON ({exc})", code="invalid_json") from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            message = f"model: '{model}' is not served here; this server serves '{self.model_id}'"
+            raise APIError(404, message, "model", "model_not_found")
+
+    async def _generate(
+        self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int], chat: bool
+    ) -> web.StreamResponse:
+        prompt_field = "messages" if chat else "prompt"
+        if not self.accepting():
+            raise APIError(503, "workers are down or the server is stopping")
+        n, limit = len(ids), self.engine.max_model_len
+        if n >= limit:
+            raise InvalidRequestError(prompt_field, f"has {n} tokens; the model's maximum length is {limit}")
+        field, asked = req.requested_max_tokens()
+        if asked is not None and n + asked > limit:
+            raise InvalidRequestError(field, f"{asked} + {n} prompt tokens exceed the model's maximum length {limit}")
+        try:
+            params = sampling_params(req.sampling(asked if asked is not None else limit - n))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(field if exc.field == "max_tokens" else exc.field, exc.reason) from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = EngineStream(self.loop, self.engine.tokenizer, self.lock, req.stop)
+        try:
+            try:
+                await stream.start(ids, params, rid)
+            except (InvalidRequestError, QueueFullError, WorkerUnavailableError, ServerShuttingDown) as exc:
+                raise api_error(exc, prompt_field) from None
+            if req.stream:
+                return await self._sse(request, req, stream, rid, chat)
+            return await self._whole(req, stream, rid, chat)
+        finally:
+            stream.close()
+
+    async def _whole(
+        self, req: ChatCompletionRequest | CompletionRequest, stream: EngineStream, rid: str, chat: bool
+    ) -> web.Response:
+        texts, ids, last = [], [], None
+        try:
+            async for piece in stream.pieces():
+                texts.append(piece.text)
+                ids.extend(piece.token_ids)
+                last = piece
+        except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
+            raise api_error(exc, "prompt") from None
+        assert last is not None and last.finish_reason is not None
+        choice = choice_body(chat, "".join(texts), last.finish_reason, ids if req.return_token_ids else None, False)
+        body = completion_body(chat, rid, int(time.time()), self.model_id, [choice], chunk=False)
+        body["usage"] = usage_body(last.prompt_tokens, last.completion_tokens, last.stats)
+        return web.json_response(body)
+
+    async def _sse(
+        self,
+        request: web.Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        stream: EngineStream,
+        rid: str,
+        chat: bool,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        created, ids = int(time.time()), req.return_token_ids
+
+        async def send(body: dict[str, Any]) -> None:
+            await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            body = completion_body(chat, rid, created, self.model_id, choices, chunk=True)
+            if req.include_usage:
+                body["usage"] = None
+            return body
+
+        try:
+            if chat:
+                await send(chunk([choice_body(chat, "", None, [] if ids else None, True, first=True)]))
+            try:
+                async for piece in stream.pieces():
+                    token_ids = piece.token_ids if ids else None
+                    await send(chunk([choice_body(chat, piece.text, piece.finish_reason, token_ids, True)]))
+                    if piece.finish_reason is not None and req.include_usage:
+                        last = chunk([])
+                        last["usage"] = usage_body(piece.prompt_tokens, piece.completion_tokens, piece.stats)
+                        await send(last)
+            except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
+                await send(api_error(exc, "prompt").body())  # the status line is sent: report it in the stream
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client left while we wrote; the caller aborts the request
+            pass
+        return resp

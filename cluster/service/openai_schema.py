@@ -1,0 +1,203 @@
+"""Messages of the OpenAI-compatible HTTP API: pydantic request models and the response, chunk and error bodies.
+
+Fields this server does not know are ignored (SDKs add new ones); fields it knows but does not implement are
+refused by name when set to anything but their neutral value. Extensions beyond OpenAI's fields: `top_k`,
+`ignore_eos`, `return_token_ids` (each choice, and each streamed chunk, carries its token ids) and, in the
+response's `usage`, `speculative`: the request's drafted and accepted draft tokens and acceptance length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cluster.engine.errors import InvalidRequestError, invalid_field
+from speculative.stats import SpecStats
+
+MAX_STOP_STRINGS = 4
+INT32_MAX = 2**31 - 1
+# Known fields this server does not implement: refused unless absent or set to their neutral value.
+UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "tools",
+    "functions",
+    "response_format",
+    "echo",
+    "suffix",
+)
+NEUTRAL_VALUES: tuple[Any, ...] = (None, False, 0, "", [], {}, {"type": "text"})
+ONE_CHOICE = ("n", "best_of")  # only one completion per request
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    """`stream_options`: with include_usage, a last chunk (no choices) carries the usage."""
+
+    include_usage: bool = False
+
+
+class ChatMessage(_Body):
+    """One turn of a conversation; `content` is a string or a list of text parts, joined here."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text parts ({'type': 'text', 'text': ...}) are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def turn(self) -> dict[str, str]:
+        """The turn for the chat template ("developer" is the system turn of newer OpenAI models)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class _Generation(_Body):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, le=INT32_MAX)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list) and len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+        if isinstance(items, list) and any(s == "" for s in items):
+            raise ValueError("stop strings must not be empty")
+        return items
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """(field, value) of the answer's token limit the caller set (value None when unset)."""
+        return "max_tokens", self.max_tokens
+
+    def sampling(self, max_tokens: int) -> dict[str, Any]:
+        """The engine's SamplingParams fields (unset ones left to its defaults)."""
+        data: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                data[name] = value
+        return data
+
+
+class ChatCompletionRequest(_Generation):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, le=INT32_MAX)
+
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """max_completion_tokens (OpenAI's newer name) if set, else max_tokens."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+class CompletionRequest(_Generation):
+    """POST /v1/completions: one prompt, as text or token ids (a list of one of them is accepted too)."""
+
+    prompt: Any
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError(f"one prompt per request is supported, got {len(value)}")
+            value = value[0]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        raise ValueError("must be a string or a list of token ids")
+
+
+def parse(model: type[_Generation], body: Any) -> Any:
+    """A validated request of `model` from a decoded JSON body; InvalidRequestError names the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
+    for name in UNSUPPORTED:
+        if not any(body.get(name) is v or body.get(name) == v for v in NEUTRAL_VALUES):
+            raise InvalidRequestError(name, "is not supported by this server")
+    for name in ONE_CHOICE:
+        if body.get(name) not in (None, 1):
+            raise InvalidRequestError(name, f"only 1 is supported, got {body.get(name)!r}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_field(exc) from None
+
+
+# ---- response bodies ---------------------------------------------------------------------------------
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -> dict[str, Any]:
+    """`usage`, with the request's speculative decoding figures under the extra key `speculative`."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculative": (stats or SpecStats()).to_dict(),
+    }
+
+
+def choice_body(
+    chat: bool, text: str, finish_reason: str | None, token_ids: list[int] | None, delta: bool, first: bool = False
+) -> dict[str, Any]:
+    """One choice (index 0) of a response (`delta` False) or of a streamed chunk."""
+    choice: dict[str, Any] = {"index": 0}
+    if not chat:
+        choice["text"] = text
+    elif delta:
+        choice["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+    else:
+        choice["message"] = {"role": "assistant", "content": text}
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish_reason
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def completion_body(
+    chat: bool, request_id: str, created: int, model: str, choices: list[dict[str, Any]], chunk: bool
+) -> dict[str, Any]:
+    """The envelope of a response or a streamed chunk."""
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}

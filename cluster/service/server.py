@@ -1,0 +1,156 @@
+"""Public servers around one engine loop (cluster/service/engine_loop.py): gRPC (the Inference servicer,
+cluster/service/servicer.py, health, reflection), the optional OpenAI-compatible HTTP API
+(cluster/service/http_api.py, on its own thread and event loop) and the metrics endpoint."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.engine.llm_engine import LLMEngine
+from cluster.service.auth import BearerTokenInterceptor, read_secret, server_credentials, ssl_context
+from cluster.service.engine_loop import EngineLoop
+from cluster.service.http_api import OpenAIAPI
+from cluster.service.http_server import HTTPServer
+from cluster.service.metrics import GRPC, ServerMetrics
+from cluster.service.servicer import SERVICE_NAME, InferenceServicer, model_info
+from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from workers.config import MTPServeConfig
+
+log = logging.getLogger(__name__)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class MTPServer:
+    """The gRPC server (Inference, Health, reflection), the HTTP API when `server.http_port` is set, their
+    engine loop and the metrics endpoint."""
+
+    def __init__(self, engine: LLMEngine, cfg: MTPServeConfig | None = None, metrics: bool = True) -> None:
+        self.cfg = cfg or engine.cfg
+        self.engine = engine
+        self.metrics = ServerMetrics()
+        self._metrics_on = metrics
+        self._serving = True
+        self.health = health.HealthServicer()
+        self.loop = EngineLoop(engine, self.metrics, on_health_change=lambda _ok: self._refresh_health())
+        self.servicer = InferenceServicer(self.loop, self.accepting)
+        engine.health_listeners.append(self.set_serving)
+        self.port = 0
+        self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self._grpc: grpc.Server | None = None
+        self._http: HTTPServer | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port the gRPC server is bound to."""
+        return _host_port(self.cfg.server.host, self.port)
+
+    @property
+    def http_address(self) -> str | None:
+        """host:port the HTTP API is bound to; None when it is off."""
+        return None if self.http_port is None else _host_port(self.cfg.server.host, self.http_port)
+
+    def accepting(self) -> bool:
+        """Whether Generate takes new requests: not stopped, set_serving(False) not in force, loop alive.
+
+        A step that found workers down does not close the door: the next request tries again, and a
+        step that succeeds marks the loop healthy again.
+        """
+        return self._serving and self.loop.running
+
+    def is_serving(self) -> bool:
+        """Health SERVING: accepting requests and the last step found every worker up."""
+        return self.accepting() and self.loop.healthy
+
+    def set_serving(self, serving: bool) -> None:
+        """Hook for the distributed engine: report every actor up (True) or some down (False)."""
+        self._serving = serving
+        if serving:
+            self.loop.mark_healthy()
+        self._refresh_health()
+
+    def _refresh_health(self) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if self.is_serving() else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        """Start the engine loop, bind the gRPC port (TLS and the token check as configured) and the metrics
+        endpoint; ConfigError when a credential file cannot be read."""
+        sc = self.cfg.server
+        limit = sc.max_message_mb * 1024 * 1024
+        sched = self.cfg.scheduler
+        workers = min(sched.max_num_requests + sched.max_queue, 1024) + 16
+        interceptors = []
+        token = read_secret(sc.auth_token_file, "server.auth_token_file") if sc.auth_token_file else None
+        if token is not None:
+            refused = self.metrics.auth_failures
+            interceptors.append(
+                BearerTokenInterceptor(token, lambda reason: refused.labels(frontend=GRPC, reason=reason).inc())
+            )
+        credentials = server_credentials(sc.tls) if sc.tls.enabled else None
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtpserve-grpc"),
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=workers,
+            interceptors=interceptors,
+        )
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        bind = _host_port(sc.host, sc.port)
+        self.port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
+        self.loop.start()
+        server.start()
+        self._grpc = server
+        if sc.http_port is not None:
+            self._start_http(token)
+        if self._metrics_on:
+            self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.host)
+        self._refresh_health()
+        log.info("gRPC on %s, HTTP on %s, metrics on %s", self.address, self.http_address, self.metrics_port)
+
+    def _start_http(self, token: bytes | None) -> None:
+        sc = self.cfg.server
+        assert sc.http_port is not None
+        api = OpenAIAPI(
+            self.loop,
+            self.servicer.tokenizer_lock,
+            model_info(self.engine).model_name,
+            self.accepting,
+            self.is_serving,
+            token=token,
+            metrics=self.metrics,
+            max_body_bytes=sc.http_max_body_mb * 1024 * 1024,
+        )
+        tls = ssl_context(sc.tls) if sc.tls.enabled else None
+        self._http = HTTPServer(api.app, sc.host, sc.http_port, tls)
+        self.http_port = self._http.start()
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Report NOT_SERVING, stop accepting RPCs, cancel streams after `grace` s, stop the loop."""
+        self._serving = False
+        self.health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            self._grpc.stop(grace).wait(grace + 2.0)
+        if self._http is not None:
+            self._http.stop()
+        self.loop.stop()
+        self.metrics.stop_http()

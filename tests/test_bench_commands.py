@@ -1,0 +1,139 @@
+"""`mtpserve bench ttft|trees|load`, the forwarded scripts and `bench/gpu.py`, on tiny random models on CPU:
+each writes the shared report, and what it measures holds (greedy speculation equals target-only in fp32;
+every load stream ends as its fate asks and frees its KV blocks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.bench import report as bench_report
+from cluster.cli.mtpserve import main
+
+from helpers_service import ROOT, child_env, write_dummy_model
+
+REPORT_KEYS = ("benchmark", "command", "date", "torch", "device", "dtype", "torch_threads", "settings", "results")
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """These runs time nothing; one thread avoids OpenMP stalls on a busy 2-core host."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A config.json-only tiny Llama for --load-format dummy."""
+    return write_dummy_model(tmp_path / "model")
+
+
+def dummy_flags(model: Path) -> list[str]:
+    return ["--model", str(model), "--load-format", "dummy", "--draft", "random", "--device", "cpu"]
+
+
+def test_trees_report_and_greedy_speculation_equal_target_only(model: Path, tmp_path: Path) -> None:
+    out, png = tmp_path / "trees.json", tmp_path / "trees.png"
+    configs = "target-only,chain K=1,chain K=3,tree K=3 N=8 w=3"
+    argv = ["bench", "trees", *dummy_flags(model), "--configs", configs, "--batches", "1,2", "--max-tokens", "6"]
+    assert main([*argv, "--num-prompts", "2", "--json", str(out), "--plot", str(png)]) == 0
+    doc = json.loads(out.read_text())
+    assert all(k in doc for k in REPORT_KEYS)
+    assert doc["benchmark"] == "trees" and doc["command"].startswith("mtpserve bench trees")
+    rows = doc["results"]
+    assert [(r["config"], r["batch"]) for r in rows] == [(c, b) for c in configs.split(",") for b in (1, 2)]
+    for r in rows:
+        assert r["tok_s"] > 0 and r["step_ms"] > 0
+        assert r["outputs_equal_target_only"] == 1.0, r  # fp32 greedy: drafts never change the tokens
+        assert (r["acceptance_length"] is None) == (r["config"] == "target-only")
+    assert [r["speedup"] for r in rows if r["config"] == "target-only"] == [1.0, 1.0]
+    assert png.stat().st_size > 0
+
+
+def test_trees_refuses_an_unknown_configuration(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "trees", *dummy_flags(model), "--configs", "chain K=9"])
+    assert exc.value.code == 2
+    assert "unknown configuration(s) ['chain K=9']" in capsys.readouterr().err
+
+
+def test_ttft_rows_alone_and_busy(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ttft.json"
+    argv = ["bench", "ttft", *dummy_flags(model), "--lengths", "16,40", "--ks", "0,2", "--busy", "3"]
+    assert main([*argv, "--busy-tokens", "24", "--repeats", "2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert all(k in doc for k in REPORT_KEYS) and doc["benchmark"] == "ttft"
+    rows = doc["results"]
+    assert [(r["k"], r["prompt_tokens"], r["busy"]) for r in rows] == [
+        (k, n, busy) for k in (0, 2) for n in (16, 40) for busy in (0, 3)
+    ]
+    for r in rows:
+        assert len(r["ms"]) == (2 if r["busy"] == 0 else 1) and min(r["ms"]) > 0
+        assert r["steps"] >= 1
+    # the default chunk of 512 holds a 40-token prompt: alone, one step gives its first token
+    assert all(r["steps"] == 1 for r in rows if r["busy"] == 0)
+
+
+def test_load_every_stream_ends_as_planned_and_frees_its_blocks(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    argv = ["bench", "load", *dummy_flags(model), "--streams", "24", "--rounds", "2", "--lengths", "8,16"]
+    argv += ["--max-tokens", "4,8", "--vocab", "256", "--max-num-requests", "8", "--json", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert all(k in doc for k in REPORT_KEYS) and doc["benchmark"] == "load"
+    for rnd in doc["results"]:
+        assert rnd["wrong"] == [] and rnd["after"]["kv_blocks_used"] == 0
+        assert sum(rnd["ends"].values()) == 24
+        assert rnd["run_streams_finished"] == rnd["run_streams"]
+    alone = doc["greedy_alone"]
+    assert alone["greedy_streams"] > 0 and alone["identical"] == alone["greedy_streams"]  # fp32: exact
+
+
+def test_load_refuses_a_single_max_tokens(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "load", *dummy_flags(model), "--max-tokens", "8"]) == 2
+    assert "--max-tokens takes two values" in capsys.readouterr().err
+
+
+def test_forwarded_script_gets_its_flags_and_others_refuse_unknown_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "http-vs-grpc", "--help"]) == 0
+    assert "--batch-sizes" in capsys.readouterr().out  # bench/http_vs_grpc.py's own help
+    with pytest.raises(SystemExit):
+        main(["bench", "ttft", "--no-such-flag"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["", "1,x", "0,4", "-1"])
+def test_int_list_names_the_bad_value(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=f"'{text}'"):
+        bench_report.int_list(text)
+
+
+def test_gpu_set_runs_on_cpu_and_writes_one_json_and_png_per_group(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu.py"), *dummy_flags(model), "--out", str(out)]
+    cmd += ["--groups", "decode,trees", "--ks", "1", "--batches", "1,2", "--max-tokens", "6", "--variants", "none"]
+    cmd += ["--tree-configs", "target-only,chain K=2", "--tree-batches", "1"]
+    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_decode.json",
+        "gpu_decode.png",
+        "gpu_trees.json",
+        "gpu_trees.png",
+    ]
+    decode = json.loads((out / "gpu_decode.json").read_text())
+    assert all(k in decode for k in REPORT_KEYS) and decode["benchmark"] == "gpu decode"
+    assert decode["errors"] == []
+    assert [(r["k"], r["batch"]) for r in decode["results"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert all(r["outputs_equal_target_only"] == 1.0 for r in decode["results"])
+    trees = json.loads((out / "gpu_trees.json").read_text())
+    assert trees["benchmark"] == "gpu trees" and len(trees["results"]) == 2
