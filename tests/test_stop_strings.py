@@ -1,5 +1,5 @@
-"""Stop strings over text deltas: the streamed text equals the whole text cut at the earliest stop string,
-however the text is split."""
+"""Stop strings over text deltas: the streamed text equals the whole text cut at the stop string that
+completes first, however the text is split."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ ALPHABET = "ab c\n"
 
 
 def cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    """The reference: text before the earliest occurrence of any stop string, and whether one occurred."""
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return (text[: min(found)], True) if found else (text, False)
+    """The reference: text before the stop string whose first occurrence ends first (ties: starts first), and
+    whether one occurred."""
+    found = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
+    return (text[: min(found)[1]], True) if found else (text, False)
 
 
 @settings(max_examples=300, deadline=None)
@@ -45,3 +46,10 @@ def test_text_that_may_begin_a_stop_string_is_held_back() -> None:
     assert m.push("nv> more") == "</env> more"
     assert m.push(" and </end> tail") == " and "
     assert m.hit and m.push("later") == "" and m.flush() == ""
+
+
+def test_the_stop_string_that_completes_first_wins() -> None:
+    """' aa' starts before 'a' but completes after it: the cut falls before 'a', split or not."""
+    assert cut(" aa", ["a", " aa"]) == (" ", True)
+    m = StopStrings(["a", " aa"])
+    assert m.push(" a") == " " and m.hit

@@ -1,10 +1,13 @@
-"""Stop strings on a stream of text deltas: cut at the first one, never emitting text that may begin one."""
+"""Stop strings on a stream of text deltas: cut at the first one to complete, never emitting text that may
+begin one."""
 
 from __future__ import annotations
 
 
 class StopStrings:
-    """Cuts a text stream at the earliest occurrence of any stop string (the stop string itself is dropped).
+    """Cuts a text stream at the stop string that completes first (ties: the one that starts first); the
+    stop string itself is dropped. Generation checks stop strings as text arrives, so the first one to
+    complete ends it, and the cut does not depend on how the text is split into deltas.
 
     Text that could be the start of a stop string is held back until the next delta settles it, so what
     `push` returns never has to be taken back.
@@ -20,10 +23,10 @@ class StopStrings:
         if self.hit:
             return ""
         text = self.held + delta
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        found = [(i + len(s), i) for s in self.stops if (i := text.find(s)) >= 0]
         if found:
             self.hit, self.held = True, ""
-            return text[: min(found)]
+            return text[: min(found)[1]]
         keep = self._open_prefix(text)
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep]
