@@ -215,3 +215,28 @@ def plot_bars(path: str | Path, bars: dict[str, dict[str, float]], title: str, y
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def run_measurement(
+    args: argparse.Namespace,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    table_of: Callable[[list[dict[str, Any]]], str],
+    plot: Callable[[list[dict[str, Any]], str, str], None],
+    title: str,
+) -> int:
+    """The body of an in-process `mtpserve bench` measurement: run it, print its command and table, write
+    `--json` and `--plot` (titled `title`, then the device's name); 2 with the error when it is refused."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        doc = run(args)
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    print(doc["command"])
+    print(table_of(doc["results"]))
+    if args.json:
+        write_json(args.json, doc)
+    if args.plot:
+        plot(doc["results"], args.plot, f"{title}, {doc['device_name']}")
+    return 0

@@ -172,19 +172,4 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`mtpserve bench trees`."""
-    from cluster.engine.errors import MTPServeError
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        doc = run(args)
-    except MTPServeError as exc:
-        print(f"mtpserve: {exc}", file=sys.stderr)
-        return 2
-    print(doc["command"])
-    print(table(doc["results"]))
-    if args.json:
-        bench_report.write_json(args.json, doc)
-    if args.plot:
-        plot(doc["results"], args.plot, f"trees and chains, {doc['device_name']}")
-    return 0
+    return bench_report.run_measurement(args, run, table, plot, "trees and chains")
