@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -155,9 +154,9 @@ def test_a_stalled_link_times_out_and_a_closed_one_fails() -> None:
     assert issubclass(LinkClosed, ConnectionError) and not issubclass(WorkerUnavailableError, LinkClosed)
 
 
-def test_remote_target_reports_a_dead_rank_as_unavailable(model: tuple[str, str], tmp_path: Path) -> None:
-    """The rank's server going away mid-run fails the next step with WorkerUnavailableError and marks the
-    target unhealthy (recovery is Ray's part, covered in test_distributed)."""
+def test_a_broken_link_fails_the_step_as_unavailable(model: tuple[str, str]) -> None:
+    """The step link breaking mid-run fails the next step with WorkerUnavailableError and marks the target
+    unhealthy (a rank killed on Ray, and the restart that follows, are covered in test_distributed)."""
     r = LocalRank(config(model, 0), "socket")
     eng = engine_over(r.cfg, r)
     target = eng.target
@@ -170,3 +169,80 @@ def test_remote_target_reports_a_dead_rank_as_unavailable(model: tuple[str, str]
         for _ in range(5):
             eng.step()
     assert not target.healthy
+
+
+@pytest.mark.parametrize("k", [0, K])
+def test_a_step_that_raises_leaves_no_reply_behind(model: tuple[str, str], k: int) -> None:
+    """An engine step that raises after its next step was queued on the rank (here the scheduler's update,
+    once): the queued step's reply is read and dropped, so the next request's steps get their own replies
+    and the in-process engine's tokens, and the target stays healthy."""
+    r = LocalRank(config(model, k), "socket")
+    try:
+        eng = engine_over(r.cfg, r)
+        prompt = [5, 9, 2, 7, 1]
+        want = LLMEngine.from_config(r.cfg, load_tokenizer=False).generate([prompt], {"max_tokens": 12})[0].token_ids
+        rid = eng.add_request([3, 1, 4, 1, 5], {"max_tokens": 40})
+        for _ in range(4):
+            eng.step()
+        assert eng._launched is not None, "a step must be queued on the rank when update raises"
+        update = eng.scheduler.update
+
+        def broken(*a, **kw):  # type: ignore[no-untyped-def]
+            eng.scheduler.update = update  # type: ignore[method-assign]
+            raise RuntimeError("injected")
+
+        eng.scheduler.update = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.step()
+        eng.abort(rid)  # what EngineLoop does with the failed step's requests
+        assert eng.generate([prompt], {"max_tokens": 12})[0].token_ids == want
+        assert eng.target.healthy  # type: ignore[attr-defined]
+    finally:
+        r.stop()
+
+
+def test_out_of_order_messages_are_refused(model: tuple[str, str]) -> None:
+    """COLLECT or LAUNCH_AFTER with no launched step, and a LAUNCH_AFTER row past the launched step's
+    rows, are refused by name instead of answering garbage or nothing."""
+    r = LocalRank(config(model, 0), "socket")
+    try:
+        _, name, _ = r.worker.endpoint()
+        link = r.links[0]
+        link.send(wpb.StepRequest(kind=wpb.StepRequest.COLLECT))
+        reply, _ = link.recv(10.0)
+        assert reply.error.code == "FAILED_PRECONDITION" and "COLLECT" in reply.error.message
+        link.close()
+        r.links = [socket_link(name)]
+        eng = engine_over(r.cfg, r)
+        eng.add_request([1, 2, 3], {"max_tokens": 20})
+        eng.step()
+        eng.step()
+        plan = eng._launched.plan  # type: ignore[union-attr]
+        r.links[0].close()
+        from workers.convert import plan_to_proto
+
+        for pending, row, code in ((False, 0, "FAILED_PRECONDITION"), (True, 5, "INVALID_ARGUMENT")):
+            link = socket_link(name)
+            if pending:
+                first = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan))
+                first.plan.seqs[0].token_ids[0] = 1
+                link.send(first)
+            bad = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH_AFTER, plan=plan_to_proto(plan))
+            bad.plan.seqs[0].token_ids[0] = row
+            link.send(bad)
+            reply, _ = link.recv(10.0)
+            assert reply.error.code == code, reply
+            link.close()
+    finally:
+        r.stop()
+
+
+def test_a_closed_listener_accepts_no_more_connections() -> None:
+    """After close, connecting to the listener's name fails."""
+    from workers.step_link import FrameListener
+
+    listener = FrameListener(wpb.StepRequest.FromString, lambda requests: iter(()))
+    socket_link(listener.name).close()
+    listener.close()
+    with pytest.raises(OSError):
+        socket_link(listener.name)

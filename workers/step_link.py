@@ -15,6 +15,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
@@ -38,25 +39,32 @@ class FrameSocket:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
 
-    def send(self, payload: bytes) -> None:
-        """Send one frame."""
+    def send(self, payload: bytes, timeout: float | None = None) -> None:
+        """Send one frame; TimeoutError when the other end does not take it within `timeout` seconds."""
         try:
+            self.sock.settimeout(timeout)
             self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+        except TimeoutError:
+            raise
         except OSError as exc:
             raise LinkClosed(str(exc)) from None
 
     def recv(self, timeout: float | None = None) -> bytes:
-        """The next frame; TimeoutError after `timeout` seconds without one, LinkClosed at end of stream."""
-        self.sock.settimeout(timeout)
-        (n,) = _HEADER.unpack(self._exactly(_HEADER.size))
-        self.sock.settimeout(None)  # a frame that has started arrives whole
-        return bytes(self._exactly(n))
+        """The next frame, whole, within `timeout` seconds (None: wait for ever); TimeoutError otherwise,
+        LinkClosed at end of stream."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        (n,) = _HEADER.unpack(self._exactly(_HEADER.size, deadline))
+        return bytes(self._exactly(n, deadline))
 
-    def _exactly(self, n: int) -> bytearray:
+    def _exactly(self, n: int, deadline: float | None) -> bytearray:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"a frame did not arrive whole in time ({got} of {n} bytes)")
             try:
+                self.sock.settimeout(left)
                 k = self.sock.recv_into(view[got:])
             except TimeoutError:
                 raise
@@ -113,15 +121,17 @@ class FrameListener:
             link.close()
 
     def close(self) -> None:
-        """Stop accepting connections."""
+        """Stop accepting connections (shutdown wakes the thread blocked in accept)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
 
 class StepLink(Protocol):
     """The scheduler's end of a link to one rank."""
 
-    def send(self, request: wpb.StepRequest) -> int:
-        """Send a request; returns its size in bytes."""
+    def send(self, request: wpb.StepRequest, timeout: float | None = None) -> int:
+        """Send a request (TimeoutError if the rank takes none for `timeout` s); returns its size in bytes."""
         ...
 
     def recv(self, timeout: float) -> tuple[wpb.TargetOutput, int]:
@@ -145,10 +155,10 @@ class FrameLink(Generic[Reply]):
         self.frames = FrameSocket(sock)
         self.parse = parse
 
-    def send(self, request: Any) -> int:
-        """Send a request; returns its size in bytes."""
+    def send(self, request: Any, timeout: float | None = None) -> int:
+        """Send a request within `timeout` seconds; returns its size in bytes."""
         data = request.SerializeToString()
-        self.frames.send(data)
+        self.frames.send(data, timeout)
         return len(data)
 
     def recv(self, timeout: float) -> tuple[Reply, int]:
@@ -189,8 +199,8 @@ class GrpcStreamLink:
         except grpc.RpcError as exc:
             self._in.put(LinkClosed(f"{exc.code().name}: {exc.details()}"))
 
-    def send(self, request: wpb.StepRequest) -> int:
-        """Queue a request on the stream; returns its size in bytes."""
+    def send(self, request: wpb.StepRequest, timeout: float | None = None) -> int:
+        """Queue a request on the stream (never blocks); returns its size in bytes."""
         self._out.put(request)
         return request.ByteSize()
 

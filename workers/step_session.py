@@ -2,8 +2,9 @@
 
 The scheduler sends EXECUTE for a step it needs answered at once, LAUNCH / LAUNCH_AFTER for a captured
 generation step it wants queued on the device while it plans the next one, and COLLECT when nothing
-follows a launched step. A launched step is answered when the next message arrives, after that
-message's own step is queued, so the device is never idle between two launched steps for the hop.
+follows a launched step. A launched step is answered when the next message arrives: after that message's
+own step is queued (LAUNCH, LAUNCH_AFTER), or before it runs (EXECUTE), so the device is never idle
+between two launched steps for the hop. Messages that do not fit this order are refused.
 """
 
 from __future__ import annotations
@@ -73,13 +74,17 @@ class StepSession:
     def _handle(self, req: wpb.StepRequest) -> list[wpb.TargetOutput]:
         t0 = time.perf_counter()
         if req.kind == Kind.COLLECT:
-            return [self._finish()] if self.pending is not None else []
+            if self.pending is None:
+                raise StepFailure("FAILED_PRECONDITION", "COLLECT with no launched step to answer")
+            return [self._finish()]
         plan = decode_plan(req.plan, self.limits)
         decode_s = time.perf_counter() - t0
         if req.kind == Kind.EXECUTE:
             replies = [self._finish()] if self.pending is not None else []
             return [*replies, self._execute(plan, t0, decode_s)]
-        after = self.pending[0] if self.pending is not None and req.kind == Kind.LAUNCH_AFTER else None
+        after = None
+        if req.kind == Kind.LAUNCH_AFTER:
+            after = self._previous(plan)
         launched = self.runner.launch(plan, after)
         if launched is None:
             why = f"step {plan.step_id} is not a captured generation step of this rank; it cannot be launched"
@@ -88,6 +93,18 @@ class StepSession:
         replies = [self._finish()] if self.pending is not None else []
         self.pending = (launched, {"t_received": t0, "t_queued": t1, "decode_s": decode_s, "worker_s": t1 - t0})
         return replies
+
+    def _previous(self, plan: StepPlan) -> LaunchedStep:
+        """The launched step a LAUNCH_AFTER plan reads from, once its row references are checked."""
+        if self.pending is None:
+            raise StepFailure("FAILED_PRECONDITION", f"step {plan.step_id}: LAUNCH_AFTER with no launched step")
+        launched = self.pending[0]
+        rows = len(launched.plan.seqs)
+        for i, s in enumerate(plan.seqs):
+            if not 0 <= s.token_ids[0] < rows:
+                why = f"row {s.token_ids[0]} of the launched step, which has {rows}"
+                raise StepFailure("INVALID_ARGUMENT", f"StepPlan.seqs[{i}].token_ids[0]: {why}")
+        return launched
 
     def _execute(self, plan: StepPlan, t0: float, decode_s: float) -> wpb.TargetOutput:
         t1 = time.perf_counter()

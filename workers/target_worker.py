@@ -206,7 +206,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         timeout = self.cfg.parallel.step_timeout_s
         if self.draft_link is not None:
             try:
-                self.draft_link.send(msg)
+                self.draft_link.send(msg, timeout)
                 reply, _ = self.draft_link.recv(timeout)
             except (TimeoutError, LinkClosed) as exc:
                 raise StepFailure("UNAVAILABLE", f"draft worker failed: {type(exc).__name__}: {exc}") from None

@@ -107,6 +107,7 @@ class WorkerGroup:
             self.draft = draft_cls.options(**opts, scheduling_strategy=where(tp)).remote(cfg_json)  # type: ignore[attr-defined]
         self.stubs: list[wpb_grpc.TargetWorkerStub] = []
         self.links: list[StepLink] = []
+        self._channels: list[grpc.Channel] = []
         self.spec: LaunchSpec | None = None  # which steps rank 0 queues ahead
         self.step_costs: dict[tuple[int, int], float] | None = None  # timed fused depth steps (adaptive)
 
@@ -127,21 +128,25 @@ class WorkerGroup:
         master = ray.get(self.targets[0].master_address.remote())
         ray.get([t.setup.remote(master, draft_endpoint) for t in self.targets], timeout=timeout)
         endpoints = ray.get([t.endpoint.remote() for t in self.targets])
-        self.stubs = [wpb_grpc.TargetWorkerStub(grpc.insecure_channel(e[0], channel_options())) for e in endpoints]
         self.close_links()
+        self._channels = [grpc.insecure_channel(e[0], channel_options()) for e in endpoints]
+        self.stubs = [wpb_grpc.TargetWorkerStub(ch) for ch in self._channels]
         here, transport = node_ip(), self.cfg.parallel.step_transport
         self.links = [connect(addr, name, node == here and transport == "auto") for addr, name, node in endpoints]
         self.spec = ray.get(self.targets[0].launch_spec.remote())
         self.step_costs = ray.get(self.targets[0].step_costs.remote())
 
     def close_links(self) -> None:
-        """Close the step links (a rank drops the step it launched for a closed link)."""
+        """Close the step links and the ranks' gRPC channels (a rank drops the step it launched for a
+        closed link)."""
         for link in self.links:
             try:
                 link.close()
             except OSError as exc:
                 log.debug("closing a step link: %s", exc)
-        self.links = []
+        for channel in self._channels:
+            channel.close()
+        self.links, self._channels = [], []
 
     def restart(self) -> None:
         """Kill every actor so Ray restarts them all fresh (a surviving rank may be stuck in a collective)."""
@@ -194,6 +199,7 @@ class RemoteTarget:
         self.listeners: list[Callable[[bool], None]] = []
         self.hops: dict[str, float] = {"steps": 0.0}
         self._unanswered: RemoteStep | None = None  # launched, and no later message sent to release its reply
+        self._owed = 0  # replies every rank still sends for the steps sent so far
         self.timeline: deque[dict[str, float]] = deque(maxlen=4096)  # per answered step, both hosts' stamps
         self._turn: list[dict[str, float]] = []  # answered steps waiting for the scheduler's next send
         self._recovering = threading.Lock()
@@ -219,22 +225,43 @@ class RemoteTarget:
         if self._unanswered is step:
             self._send(Kind.COLLECT, None)
         t0 = time.perf_counter()
-        timeout = self.group.cfg.parallel.step_timeout_s
-        try:
-            replies = [link.recv(timeout) for link in self.group.links]
-        except TimeoutError:
-            why = f"a worker stalled: step {step.plan.step_id} took over parallel.step_timeout_s = {timeout:g} s"
-            raise self._fail(why) from None
-        except LinkClosed as exc:
-            raise self._fail(f"a worker failed during step {step.plan.step_id}: {exc}") from None
+        replies = self._receive(step.plan.step_id)
         t1 = time.perf_counter()
-        failed = [r.error for r, _ in replies if r.HasField("error")]
-        if failed:
-            raise self._fail(f"a worker failed step {step.plan.step_id}: {failed[0].code}: {failed[0].message}")
         reply, size = replies[0]
         out = target_output_from_proto(reply)
         self._count(step, out, size, wait=t1 - t0, decode=time.perf_counter() - t1)
         return out
+
+    def discard(self) -> None:
+        """Read and drop the replies still owed for steps the engine gave up on (a step that raised), so
+        that the next step's reply is its own."""
+        if not self.healthy:
+            return
+        if self._unanswered is not None:
+            self._send(Kind.COLLECT, None)
+        while self._owed:
+            self._receive(None)
+
+    def _receive(self, step_id: int | None) -> list[tuple[wpb.TargetOutput, int]]:
+        """One reply from every rank, all within one step timeout; any failure, or a reply to another step
+        than `step_id` (None: any), marks the workers failed."""
+        timeout = self.group.cfg.parallel.step_timeout_s
+        deadline = time.monotonic() + timeout
+        what = f"step {step_id}" if step_id is not None else "a dropped step"
+        try:
+            replies = [link.recv(max(deadline - time.monotonic(), 1e-3)) for link in self.group.links]
+        except TimeoutError:
+            raise self._fail(f"a worker stalled: {what} took over parallel.step_timeout_s = {timeout:g} s") from None
+        except LinkClosed as exc:
+            raise self._fail(f"a worker failed during {what}: {exc}") from None
+        self._owed -= 1
+        failed = [r.error for r, _ in replies if r.HasField("error")]
+        if failed:
+            raise self._fail(f"a worker failed {what}: {failed[0].code}: {failed[0].message}")
+        ids = {r.step_id for r, _ in replies}
+        if step_id is not None and ids != {step_id}:
+            raise self._fail(f"the ranks answered step(s) {sorted(ids)} where step {step_id} was due")
+        return replies
 
     def _send(self, kind: int, plan: StepPlan | None) -> RemoteStep:
         if not self.healthy:
@@ -248,11 +275,14 @@ class RemoteTarget:
             record["next_send"] = t0
         self._turn = []
         size = 0
+        timeout = self.group.cfg.parallel.step_timeout_s
         try:
             for link in self.group.links:
-                size = link.send(req)
-        except LinkClosed as exc:
-            raise self._fail(f"a worker's step link broke: {exc}") from None
+                size = link.send(req, timeout)
+        except (LinkClosed, TimeoutError) as exc:
+            raise self._fail(f"a worker's step link broke or stalled: {exc}") from None
+        if kind in (Kind.EXECUTE, Kind.LAUNCH, Kind.LAUNCH_AFTER):
+            self._owed += 1
         h = self.hops
         h["plan_bytes"] = h.get("plan_bytes", 0.0) + size
         h["encode_s"] = h.get("encode_s", 0.0) + time.perf_counter() - t0
@@ -281,7 +311,7 @@ class RemoteTarget:
 
     def _fail(self, reason: str) -> WorkerUnavailableError:
         """Start restarting the workers (once); returns the error for the step that saw the failure."""
-        self._unanswered = None
+        self._unanswered, self._owed = None, 0
         if self.healthy:
             log.error("worker failure: %s; restarting workers", reason)
             self.healthy = False

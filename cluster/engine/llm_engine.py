@@ -234,6 +234,9 @@ class LLMEngine:
             return self._step()
         except Exception:
             self._launched = None
+            discard = getattr(self.target, "discard", None)  # a remote target owes replies for dropped steps
+            if discard is not None:
+                discard()
             raise
 
     def _step(self) -> list[RequestOutput]:
