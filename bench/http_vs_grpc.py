@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cluster.bench import report as bench_report  # noqa: E402
 from proto.mtpserve.v1 import inference_pb2 as pb  # noqa: E402
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -203,27 +202,10 @@ def start_server(
     if args.no_speculation:
         cmd += ["--no-speculation"]
     cmd += args.serve_args.split() if args.serve_args else []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    found: dict[str, str] = {}
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            m = SERVING.search(line)
-            if m and not ready.is_set():
-                found.update(grpc=m["grpc"], http=m["http"])
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(args.startup_timeout) or not found:
-        proc.kill()
-        raise SystemExit("server did not start:\n" + "\n".join(lines[-40:]))
-    return proc, found, lines
+    try:
+        return bench_report.serve_subprocess(cmd, ROOT, SERVING, args.startup_timeout)
+    except bench_report.BenchError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def summarize(rounds: list[Round]) -> dict[str, Any]:
@@ -314,11 +296,7 @@ def main() -> int:
                     line = f"batch {batch:>3} {fe:>4}: {r.tok_per_s:9.1f} tok/s, TTFT {ttft:8.1f} ms"
                     print(f"{line}, {len(r.errors)} errors{tag}", flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        bench_report.stop_subprocess(proc)
     summary = summarize(rounds)
     report = {
         "benchmark": "http_vs_grpc",

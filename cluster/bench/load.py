@@ -24,7 +24,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,27 +244,8 @@ def start_server(args: argparse.Namespace, config: Path) -> tuple[subprocess.Pop
         cmd += ["--load-format", args.load_format]
     if args.draft:
         cmd += ["--draft", args.draft]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    found: dict[str, str] = {}
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            m = SERVING.search(line)
-            if m and not ready.is_set():
-                found["address"] = f"{m['host']}:{m['port']}"
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(args.startup_timeout) or "address" not in found:
-        proc.kill()
-        raise bench_report.BenchError("the server did not start:\n" + "\n".join(lines[-40:]))
-    return proc, found["address"], lines
+    proc, found, lines = bench_report.serve_subprocess(cmd, ROOT, SERVING, args.startup_timeout)
+    return proc, f"{found['host']}:{found['port']}", lines
 
 
 def server_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -361,11 +341,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         rounds, equal = run_rounds(args, proc, address)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        bench_report.stop_subprocess(proc)
         os.unlink(f.name)
     cfg = MTPServeConfig.from_dict({"model": {"device": args.device, "dtype": args.dtype}})
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "json", "plot", "command", "bench")}

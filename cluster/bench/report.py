@@ -9,8 +9,11 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shlex
+import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -185,6 +188,13 @@ def plot_lines(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _save(fig: Any, path: str | Path) -> None:
+    """Write a matplotlib figure as a PNG (its folder made) and release it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -210,11 +220,7 @@ def plot_bars(path: str | Path, bars: dict[str, dict[str, float]], title: str, y
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def run_measurement(
@@ -240,3 +246,41 @@ def run_measurement(
     if args.plot:
         plot(doc["results"], args.plot, f"{title}, {doc['device_name']}")
     return 0
+
+
+def serve_subprocess(
+    cmd: list[str], root: Path, serving: re.Pattern[str], timeout: float
+) -> tuple[subprocess.Popen[str], dict[str, str], list[str]]:
+    """Start `cmd` (an `mtpserve serve`) in `root`, importing that checkout; once a line matches `serving`,
+    return the process, the match's named groups, and the output lines so far (still growing). BenchError
+    with the last lines when it does not serve within `timeout` seconds."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    found: dict[str, str] = {}
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            m = serving.search(line)
+            if m and not ready.is_set():
+                found.update(m.groupdict())
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(timeout) or not found:
+        proc.kill()
+        raise BenchError("the server did not start:\n" + "\n".join(lines[-40:]))
+    return proc, found, lines
+
+
+def stop_subprocess(proc: subprocess.Popen[str], grace: float = 60.0) -> None:
+    """SIGTERM a server started by `serve_subprocess`, and SIGKILL it if it has not exited after `grace` s."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
