@@ -104,6 +104,15 @@ def allocate_on_device(module: nn.Module, device: str | torch.device, dtype: tor
     _rebuild_rotary(module, device)
 
 
+def approx_parameters(args: LlamaArgs) -> int:
+    """About how many parameters a dense Llama-shaped model of `args` holds (embeddings, attention, MLP)."""
+    d, hd = args.hidden_size, args.dim_per_head
+    attn = d * hd * (2 * args.num_attention_heads + 2 * args.num_key_value_heads)
+    layer = attn + 3 * d * args.intermediate_size
+    embed = args.vocab_size * d * (1 if args.tie_word_embeddings else 2)
+    return embed + args.num_hidden_layers * layer
+
+
 def unloaded_parameters(module: nn.Module) -> list[str]:
     """Parameters that still hold NaN after loading (absent from the checkpoint, or NaN in it)."""
     return [name for name, p in module.named_parameters() if p.is_floating_point() and bool(torch.isnan(p).any())]

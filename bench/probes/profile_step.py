@@ -1,6 +1,8 @@
 """Where does a decode step's time go? Phase timings and a torch.profiler table, any device.
 
 python3 bench/probes/profile_step.py --device cuda --out $OUT        # SmolLM2-135M shape, random weights
+python3 bench/probes/profile_step.py --device cuda --shape DIR --variants target-graph,tree4x16-graph --out $OUT
+    (DIR holds a config.json, e.g. Llama-3-8B's: that shape with random weights)
 """
 
 from __future__ import annotations
@@ -159,24 +161,33 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="concurrent requests")
     ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
+    ap.add_argument("--shape", help="a directory with a config.json to profile instead of SmolLM2-135M's shape")
+    ap.add_argument("--max-num-requests", type=int, default=8, help="batch slots (and CUDA-graph buckets) to build")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.prompt_len == 64 else f"_p{args.prompt_len}"
+    if args.shape:
+        suffix += "_" + Path(args.shape).name
     tmp = Path(tempfile.mkdtemp())
-    (tmp / "config.json").write_text(json.dumps(SMOLLM2))
+    config = json.loads((Path(args.shape) / "config.json").read_text()) if args.shape else SMOLLM2
+    (tmp / "config.json").write_text(json.dumps(config))
     report = {}
-    variants = [  # name, K, CUDA graphs, Triton layer kernels, matrix-vector kernels, speculative overlap
-        ("target-eager", 0, False, True, True, False),
-        ("target-graph", 0, True, True, True, False),
-        ("target-graph-no-gemv", 0, True, True, False, False),
-        ("target-graph-unfused", 0, True, False, False, False),
-        ("mtp1-graph", 1, True, True, True, True),
-        ("mtp1-graph-no-overlap", 1, True, True, True, False),
-        ("mtp3-graph", 3, True, True, True, True),
-        ("mtp3-graph-no-overlap", 3, True, True, True, False),
-        ("mtp3-graph-no-gemv", 3, True, True, False, True),
-        ("mtp3-graph-unfused", 3, True, False, False, True),
+    variants = [  # name, K, CUDA graphs, Triton layer kernels, matrix-vector kernels, speculative overlap, tree
+        ("target-eager", 0, False, True, True, False, None),
+        ("target-graph", 0, True, True, True, False, None),
+        ("target-graph-no-gemv", 0, True, True, False, False, None),
+        ("target-graph-unfused", 0, True, False, False, False, None),
+        ("mtp1-graph", 1, True, True, True, True, None),
+        ("mtp1-graph-no-overlap", 1, True, True, True, False, None),
+        ("mtp3-graph", 3, True, True, True, True, None),
+        ("mtp3-graph-no-overlap", 3, True, True, True, False, None),
+        ("mtp3-graph-no-gemv", 3, True, True, False, True, None),
+        ("mtp3-graph-unfused", 3, True, False, False, True, None),
+        ("tree3x8-graph", 3, True, True, True, True, (8, 3)),  # depth 3, 8 nodes, width 3
+        ("tree4x16-graph", 4, True, True, True, True, (16, 4)),
+        ("tree4x16-graph-no-gemv", 4, True, True, False, True, (16, 4)),
+        ("tree4x16-eager", 4, False, True, True, True, (16, 4)),
     ]
     if args.variants:
         chosen = args.variants.split(",")
@@ -185,15 +196,17 @@ def main() -> int:
             ap.error(f"--variants: unknown {sorted(unknown)}; choose from {[v[0] for v in variants]}")
         variants = [v for v in variants if v[0] in chosen]
     small_rows = TritonOps.small_rows
-    for name, k, graphs, fused, gemv, overlap_spec in variants:
+    for name, k, graphs, fused, gemv, overlap_spec, tree in variants:
+        budget, width = tree or (0, 4)
         TritonOps.small_rows = small_rows if gemv else 0
         cfg = MTPServeConfig.from_dict({
             "model": {"path": str(tmp), "load_format": "dummy", "device": args.device, "cuda_graphs": graphs,
                       "fused_kernels": fused, "max_model_len": max(2048, args.prompt_len + 1024),
                       "overlap_speculative": overlap_spec,
                       "dtype": "bfloat16" if args.device == "cuda" else "float32"},
-            "scheduler": {"max_num_requests": max(8, args.batch)},
-            "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1)},
+            "scheduler": {"max_num_requests": max(args.max_num_requests, args.batch)},
+            "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1),
+                            "tree_budget": budget, "tree_width": width},
         })  # fmt: skip
         eng = LLMEngine.from_config(cfg)
         for i in range(args.batch):
