@@ -109,17 +109,19 @@ if triton is not None:
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, tree_width,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
         TILE: tl.constexpr, STAGES: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
-        TREE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+        TREE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, ROW_TILES: tl.constexpr,
     ):  # fmt: skip
-        # program (b, kvh, split): a sequence's keys are cut into up to MAX_SPLITS ranges of at least
-        # SPLIT_TILES tiles, so a long sequence is read by several programs at once. One range: it stores
-        # the output itself. Several: each stores its partial softmax, and the last to finish (counted
-        # atomically) merges them, stores the output and resets the counter for the next launch.
+        # program (b, kvh, split * ROW_TILES + row tile): a sequence's keys are cut into up to MAX_SPLITS
+        # ranges of at least SPLIT_TILES tiles, so a long sequence is read by several programs at once, and
+        # its Q_LEN * GROUP query rows into ROW_TILES tiles of ROWS (a tree verify's many rows). One range: a
+        # program stores its rows' output itself. Several: each stores its partial softmax, and the last to
+        # finish (counted atomically per row tile) merges them, stores the output and resets the counter.
         # EARLY (with PDL): before waiting for the kernel ahead, a program reads its first tile of keys,
         # except the step's own Q_LEN rows per sequence: those, and q, are what that kernel writes.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        split = tl.program_id(2)
+        split = tl.program_id(2) // ROW_TILES
+        row_tile = tl.program_id(2) % ROW_TILES
         kv_heads = tl.num_programs(1)
         seq_len = tl.load(lens_ptr + b)
         n_tiles = tl.cdiv(seq_len, TILE)
@@ -138,7 +140,8 @@ if triton is not None:
                 k = tl.load(k_ptr + addr[:, None] + d[None, :], mask=cached, other=0.0)
                 v = tl.load(v_ptr + addr[:, None] + d[None, :], mask=cached, other=0.0)
             wait_for_inputs(PDL)
-            r = tl.arange(0, ROWS)
+            local = tl.arange(0, ROWS)
+            r = row_tile * ROWS + local
             qi = r // GROUP
             row = b * Q_LEN + qi
             head = kvh * GROUP + r % GROUP
@@ -168,11 +171,11 @@ if triton is not None:
             if splits == 1:
                 tl.store(out, (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=valid[:, None])
             else:
-                group = b * kv_heads + kvh
+                group = (b * kv_heads + kvh) * ROW_TILES + row_tile
                 slot = group * MAX_SPLITS + split
-                tl.store(part_ptr + slot * ROWS * DIM + r[:, None] * DIM + d[None, :], acc)
-                tl.store(stat_ptr + slot * 2 * ROWS + r, m)
-                tl.store(stat_ptr + slot * 2 * ROWS + ROWS + r, den)
+                tl.store(part_ptr + slot * ROWS * DIM + local[:, None] * DIM + d[None, :], acc)
+                tl.store(stat_ptr + slot * 2 * ROWS + local, m)
+                tl.store(stat_ptr + slot * 2 * ROWS + ROWS + local, den)
                 tl.debug_barrier()  # every thread's partial is written before the count moves
                 done = tl.atomic_add(count_ptr + group, 1, sem="acq_rel")
                 tl.debug_barrier()
@@ -180,10 +183,10 @@ if triton is not None:
                     big_m, total, merged = _softmax_start(ROWS, DIM)
                     for t in range(0, splits):
                         src = group * MAX_SPLITS + t
-                        m_t = tl.load(stat_ptr + src * 2 * ROWS + r, cache_modifier=".cg")
-                        den_t = tl.load(stat_ptr + src * 2 * ROWS + ROWS + r, cache_modifier=".cg")
+                        m_t = tl.load(stat_ptr + src * 2 * ROWS + local, cache_modifier=".cg")
+                        den_t = tl.load(stat_ptr + src * 2 * ROWS + ROWS + local, cache_modifier=".cg")
                         acc_t = tl.load(
-                            part_ptr + src * ROWS * DIM + r[:, None] * DIM + d[None, :], cache_modifier=".cg"
+                            part_ptr + src * ROWS * DIM + local[:, None] * DIM + d[None, :], cache_modifier=".cg"
                         )
                         m_new = tl.maximum(big_m, m_t)
                         keep, take = tl.exp(big_m - m_new), tl.exp(m_t - m_new)
@@ -303,23 +306,38 @@ def triton_uniform_attention(
     block, kv_heads, dim = k_cache.shape[1:]
     heads = q.shape[1]
     group = heads // kv_heads
-    rows = max(16, triton.next_power_of_2(q_len * group))
+    rows, row_tiles = row_tiling(q_len * group)
     q = q.contiguous()
     out = torch.empty_like(q)
     tile = kv_tile(block, UNIFORM_TILE)
-    splits = split_cap(bsz, kv_heads)
-    part, stat, count = _Scratch.get(q.device, bsz * kv_heads, splits, rows * dim, rows)
+    splits = split_cap(bsz * row_tiles, kv_heads)
+    part, stat, count = _Scratch.get(q.device, bsz * kv_heads * row_tiles, splits, rows * dim, rows)
     tree = tree_bits is not None
     # the kernel ahead (norm_qkv_rope, or rope_write_kv after cuBLAS) releases it early
     on = pdl.active(q, pdl.ATTENTION_STEP_ROWS)
-    _uniform_paged_attn[(bsz, kv_heads, splits)](
+    _uniform_paged_attn[(bsz, kv_heads, splits * row_tiles)](
         q, k_cache, v_cache, out, block_tables, seq_lens, part, stat, count, tree_bits if tree else seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         tree_width, Q_LEN=q_len, GROUP=group, ROWS=rows, BLOCK=block, DIM=dim, TILE=tile, STAGES=UNIFORM_STAGES,
         MAX_SPLITS=splits, SPLIT_TILES=max(1, SPLIT_KEYS // tile), TREE=tree, PDL=on,
-        EARLY=on if early is None else early, **pdl.launch_args(on),
+        EARLY=on if early is None else early, ROW_TILES=row_tiles, **pdl.launch_args(on),
     )  # fmt: skip
     return out.reshape(bsz * q_len, heads * dim)
+
+
+# Query rows (step rows x heads of a KV group) one uniform program holds at most: a tree verify at Llama-3-8B's
+# shape has 17 x 4 = 68; in one program of 128 rows they took 1.06 ms a step over 32 layers on an H200, against
+# 0.28 ms for the 4 rows of decoding (bench/probes/profile_step.py), with 16 programs for 132 SMs.
+PROGRAM_ROWS = 32
+
+
+def row_tiling(total: int) -> tuple[int, int]:
+    """(rows per program, programs per sequence and KV head) for `total` query rows: one tile of the next
+    power of two (at least 16) up to PROGRAM_ROWS, else tiles of PROGRAM_ROWS."""
+    rows = max(16, triton.next_power_of_2(total))
+    if rows <= PROGRAM_ROWS:
+        return rows, 1
+    return PROGRAM_ROWS, -(-total // PROGRAM_ROWS)
 
 
 TREE_BITS = 64  # widest tree mask the kernel reads: one int64 per row

@@ -3,6 +3,8 @@ lossless in greedy decoding and in sampling, and a width-1 tree is the chain."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,15 @@ from workers.config import MTPServeConfig
 from workers.tree_step import FusedTreeStep, TreeBuffers
 
 from smol import CHAT_PROMPTS, smollm2, smollm2_engine
-from tiny import mimic_head, mimic_target, random_prompts, same_distribution_pvalue, second_token_counts, tiny_engine
+from tiny import (
+    engine_config,
+    mimic_head,
+    mimic_target,
+    random_prompts,
+    same_distribution_pvalue,
+    second_token_counts,
+    tiny_engine,
+)
 
 TREES = [
     {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3},
@@ -239,3 +249,31 @@ def test_tree_buffers_hold_each_trees_depths_and_ancestors() -> None:
         for b in range(n, bucket):
             assert torch.equal(bufs.mask[b], torch.eye(q, dtype=torch.long)), "padding rows see only themselves"
             assert bufs.depth[b].tolist() == [0] * q and bufs.parents[b].tolist() == [-1] + [0] * (q - 1)
+
+
+def test_a_random_draft_with_a_reduced_vocabulary_scores_only_those_tokens(tmp_path: Path) -> None:
+    """`speculative.draft_vocab` restricts a random head's lm_head to the first N ids (every drafted token is
+    one of them) and greedy output stays the target's; it is refused for trained heads and past the vocabulary."""
+    from cluster.engine.errors import ModelLoadError
+
+    from tiny import save_model_dir, tiny_args, tiny_weights
+
+    args = tiny_args()
+    path = save_model_dir(tmp_path / "m", args, tiny_weights(args))
+
+    def engine(**spec: object) -> LLMEngine:
+        cfg = engine_config(model={"path": path}, speculative={"draft": "random", **spec})
+        return LLMEngine.from_config(cfg, load_tokenizer=False)
+
+    prompts = [[5, 9, 14, 3, 22, 7], [40, 41, 2]]
+    params = {"max_tokens": 12, "ignore_eos": True}
+    want = [c.token_ids for c in engine(enabled=False).generate(prompts, params)]
+    eng = engine(num_draft_tokens=3, tree_budget=6, tree_width=2, draft_vocab=17)
+    assert [c.token_ids for c in eng.generate(prompts, params)] == want
+    assert eng.draft is not None
+    tokens, _, _ = eng.draft.grow_eager(torch.randn(2, args.hidden_size), [1, 1], [[0], [1]])
+    assert tokens.shape == (2, 6) and int(tokens.max()) < 17
+    with pytest.raises(ValidationError, match="draft_vocab"):
+        engine_config(speculative={"draft": "default", "draft_vocab": 17})
+    with pytest.raises(ModelLoadError, match="draft_vocab"):
+        engine(draft_vocab=10**6)

@@ -205,3 +205,35 @@ def test_ragged_metadata_is_used_on_cuda_only() -> None:
     assert isinstance(meta, AttentionMetadata)
     with pytest.raises(ValueError, match="needs 9 slots"):
         RaggedMetadata.build([5], [4], [[0, 1]], 4)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_query_rows_cut_into_tiles_match_float64_reference(split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify of many rows (17 step rows x 2 heads per KV head, a tree mask over the last 17 keys) cut into
+    tiles of 16 query rows, one program each, with and without split key ranges, gives the float64 result,
+    and every arrival counter is back at zero."""
+    monkeypatch.setattr(triton_attention, "PROGRAM_ROWS", 16)
+    monkeypatch.setattr(triton_attention._Scratch, "buffers", {})
+    if split:
+        monkeypatch.setattr(triton_attention, "UNIFORM_TILE", 16)
+        monkeypatch.setattr(triton_attention, "SPLIT_KEYS", 16)
+    assert triton_attention.row_tiling(17 * 2) == (16, 3)
+    q_len, width, lens = 17, 17, [17, 60, 95]
+    g = torch.Generator().manual_seed(5)
+    bs, dim, heads, kv_heads, nb, max_blocks = 16, 32, 4, 2, 40, 7
+    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
+    tables = torch.randperm(nb, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens) * q_len, heads, dim, generator=g)
+    mask = torch.rand(len(lens), q_len, width, generator=g) < 0.5
+    mask[:, torch.arange(q_len), width - q_len + torch.arange(q_len)] = True
+    bits = triton_attention.tree_mask_bits(mask)
+    got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5, bits, width)
+    ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5, mask)
+    assert (got.double() - ref).abs().max().item() < 1e-4
+    causal = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5)
+    causal_ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
+    assert (causal.double() - causal_ref).abs().max().item() < 1e-4
+    ((_, _, counters),) = triton_attention._Scratch.buffers.values()
+    assert not counters.any()

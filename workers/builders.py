@@ -257,7 +257,11 @@ def load_heads(
     method = DRAFT_METHODS[spec.method]
     if source == "random":
         log.warning("using an untrained random draft head (explicitly requested): acceptance will be near zero")
-        head = method.random(args)
+        if spec.draft_vocab > args.vocab_size:
+            raise ModelLoadError(
+                f"speculative.draft_vocab: {spec.draft_vocab} exceeds the target's vocabulary of {args.vocab_size}"
+            )
+        head = method.random(args, torch.arange(spec.draft_vocab) if spec.draft_vocab else None)
         head.init_random(seed=cfg.model.seed)
         return [head]
     path = Path(source)
@@ -328,7 +332,9 @@ class DraftMethodSpec:
     modules: Callable[[int], int]
     needs_native: bool = False
     load: Callable[[Path, LlamaArgs], DraftHead] = MTPEagleHead.load
-    random: Callable[[LlamaArgs], DraftHead] = MTPEagleHead
+    random: Callable[[LlamaArgs, torch.Tensor | None], DraftHead] = lambda args, vocab: MTPEagleHead(
+        args, vocab_ids=vocab
+    )
 
 
 def _eagle(
@@ -348,7 +354,7 @@ DRAFT_METHODS: dict[str, DraftMethodSpec] = {
         _eagle,
         modules=lambda k: 1,
         load=Eagle3Head.load,
-        random=lambda args: Eagle3Head(args, eagle3_layers(args.num_hidden_layers)),
+        random=lambda args, vocab: Eagle3Head(args, eagle3_layers(args.num_hidden_layers), vocab_ids=vocab),
     ),
     "mtp_vanilla": DraftMethodSpec(
         lambda cfg, heads, shared, caches, look, dev: (

@@ -86,6 +86,12 @@ class SpeculativeConfig(_Strict):
         description="draft-tree nodes per request and step (EAGLE-2 style, depth num_draft_tokens); 0: a linear chain",
     )
     tree_width: int = Field(4, ge=1, le=16, description="children per expanded tree node, and nodes expanded per level")
+    draft_vocab: int = Field(
+        0,
+        ge=0,
+        description="with draft 'random': its lm_head scores only the first N token ids (0: all), to time a "
+        "reduced draft vocabulary (`train-draft --stage vocab`) at any shape",
+    )
     adaptive: bool = Field(
         False,
         description="choose each step's chain depth in [0, num_draft_tokens] from the batch size, the measured "
@@ -94,6 +100,8 @@ class SpeculativeConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_tree(self) -> SpeculativeConfig:
+        if self.draft_vocab and self.draft != "random":
+            raise ValueError("draft_vocab: applies to draft 'random' only (a trained head carries its own vocabulary)")
         if self.adaptive and (self.tree_budget or self.method == "mtp_vanilla"):
             raise ValueError(
                 "adaptive: chooses the depth of a chain reusing one head (method 'mtp_eagle' or 'eagle3', "
