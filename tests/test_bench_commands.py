@@ -1,6 +1,6 @@
-"""`mtpserve bench ttft|trees|load`, the forwarded scripts and `bench/gpu.py`, on tiny random models on CPU:
+"""`mtpserve bench ttft|trees|load|distributed|http-vs-grpc` and `bench/gpu.py`, on tiny random models on CPU:
 each writes the shared report, and what it measures holds (greedy speculation equals target-only in fp32;
-every load stream ends as its fate asks and frees its KV blocks)."""
+every load stream ends as its fate asks and frees its KV blocks; the Ray path reports its per-hop timeline)."""
 
 from __future__ import annotations
 
@@ -103,12 +103,83 @@ def test_load_refuses_a_single_max_tokens(model: Path, capsys: pytest.CaptureFix
     assert "--max-tokens takes two values" in capsys.readouterr().err
 
 
-def test_forwarded_script_gets_its_flags_and_others_refuse_unknown_ones(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "http-vs-grpc", "--help"]) == 0
-    assert "--batch-sizes" in capsys.readouterr().out  # bench/http_vs_grpc.py's own help
-    with pytest.raises(SystemExit):
-        main(["bench", "ttft", "--no-such-flag"])
-    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+def test_distributed_in_process_report(tmp_path: Path) -> None:
+    out, png = tmp_path / "distributed.json", tmp_path / "distributed.png"
+    argv = ["bench", "distributed", "--device", "cpu", "--shape", "tiny", "--setups", "in-process"]
+    argv += [
+        "--batches",
+        "1,2",
+        "--ks",
+        "0,1",
+        "--steps",
+        "3",
+        "--repeats",
+        "2",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert all(k in doc for k in REPORT_KEYS) and doc["benchmark"] == "distributed"
+    assert doc["command"].startswith("mtpserve bench distributed --device cpu")
+    assert doc["errors"] == [] and len(doc["runs"]) == 2 * 2 * 2  # repeats x depths x batches
+    rows = doc["results"]
+    assert [(r["setup"], r["k"], r["batch"]) for r in rows] == [("in-process", k, b) for k in (0, 1) for b in (1, 2)]
+    for r in rows:
+        runs = [x["step_ms"] for x in doc["runs"] if (x["k"], x["batch"]) == (r["k"], r["batch"])]
+        assert r["step_ms"] == min(runs) > 0 and r["vs_in_process"] == 1.0
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_distributed_ray_path_reports_its_timeline(tmp_path: Path) -> None:
+    from cluster.bench.distributed import SEGMENTS
+
+    out = tmp_path / "distributed.json"
+    argv = ["bench", "distributed", "--device", "cpu", "--shape", "tiny", "--setups", "in-process,ray-tp1-sync"]
+    assert main([*argv, "--batches", "2", "--ks", "1", "--steps", "6", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == []
+    local, ray = doc["results"]
+    assert (local["setup"], ray["setup"]) == ("in-process", "ray-tp1-sync")
+    assert ray["vs_in_process"] == pytest.approx(local["step_ms"] / ray["step_ms"])
+    assert sorted(ray["timeline_ms"]) == sorted(SEGMENTS) and min(ray["timeline_ms"].values()) >= 0
+    # every answered step's path fits inside the step it belongs to
+    assert sum(ray["timeline_ms"].values()) < 3 * ray["step_ms"]
+    assert ray["hops"]["plan_bytes"] > 0 and ray["hops"]["output_bytes"] > 0
+    assert local["timeline_ms"] == {} and local["hops"] == {}
+
+
+def test_distributed_refuses_an_unknown_setup(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "distributed", "--setups", "in-process,ray-tp3"])
+    assert exc.value.code == 2
+    assert "unknown setup(s) ['ray-tp3']" in capsys.readouterr().err
+
+
+def test_http_vs_grpc_report_on_a_tiny_server(tmp_path: Path) -> None:
+    argv = ["bench", "http-vs-grpc", "--tiny", "--device", "cpu", "--batch-sizes", "1,3", "--repeats", "1"]
+    assert main([*argv, "--prompt-len", "8", "--output-len", "6", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "http_vs_grpc.json").read_text())
+    assert all(k in doc for k in REPORT_KEYS) and doc["benchmark"] == "http_vs_grpc"
+    assert [r["batch"] for r in doc["results"]] == [1, 3]
+    for row in doc["results"]:
+        for fe in ("grpc", "http"):
+            assert row[fe]["errors"] == 0 and row[fe]["rounds"] == 1 and row[fe]["tok_per_s"] > 0
+            assert row[fe]["ttft_ms_p50"] <= row[fe]["ttft_ms_p90"]
+        assert row["http_over_grpc"]["tok_per_s"] == pytest.approx(row["http"]["tok_per_s"] / row["grpc"]["tok_per_s"])
+    # a warm-up and a measured round per front end and batch size; every stream got its 6 tokens
+    assert len(doc["rounds"]) == 2 * 2 * 2
+    assert all(r["tokens"] == 6 * r["batch"] and r["errors"] == [] for r in doc["rounds"])
+
+
+def test_unknown_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for kind in ("ttft", "distributed", "http-vs-grpc"):
+        with pytest.raises(SystemExit):
+            main(["bench", kind, "--no-such-flag"])
+        assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["", "1,x", "0,4", "-1"])
