@@ -151,7 +151,8 @@ def device_summary(prof: torch.profiler.profile, steps: int) -> dict[str, float]
     }
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="out")
@@ -159,6 +160,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="concurrent requests")
     ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
