@@ -188,23 +188,69 @@ def test_int_list_names_the_bad_value(text: str) -> None:
         bench_report.int_list(text)
 
 
-def test_gpu_set_runs_on_cpu_and_writes_one_json_and_png_per_group(model: Path, tmp_path: Path) -> None:
-    out = tmp_path / "gpu"
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu.py"), *dummy_flags(model), "--out", str(out)]
-    cmd += ["--groups", "decode,trees", "--ks", "1", "--batches", "1,2", "--max-tokens", "6", "--variants", "none"]
-    cmd += ["--tree-configs", "target-only,chain K=2", "--tree-batches", "1"]
+def run_gpu_set(model: Path, out: Path, *flags: str) -> None:
+    """`bench/gpu.py` on CPU with a tiny random model; fails the test with its output when it exits non-zero."""
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu.py"), *dummy_flags(model), "--out", str(out), *flags]
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert sorted(p.name for p in out.iterdir()) == [
-        "gpu_decode.json",
-        "gpu_decode.png",
-        "gpu_trees.json",
-        "gpu_trees.png",
+
+
+def reports(out: Path, groups: list[str]) -> dict[str, dict]:
+    """The JSON of each group, after checking that the run wrote one JSON and one PNG per group and no more."""
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"gpu_{g}.{x}" for g in groups for x in ("json", "png"))
+    docs = {g: json.loads((out / f"gpu_{g}.json").read_text()) for g in groups}
+    for g, doc in docs.items():
+        assert all(k in doc for k in REPORT_KEYS) and doc["device"] == "cpu"
+        if g == "load":  # run through `mtpserve bench load`, a server subprocess, as typed
+            assert doc["benchmark"] == "load" and doc["command"].startswith("mtpserve bench load --device cpu")
+        else:
+            assert doc["benchmark"] == f"gpu {g}" and doc["command"].startswith("python3 bench/gpu.py")
+    return docs
+
+
+def test_gpu_set_runs_on_cpu_and_writes_one_json_and_png_per_group(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    flags = [
+        "--groups",
+        "decode,trees,ttft",
+        "--ks",
+        "1",
+        "--batches",
+        "1,2",
+        "--max-tokens",
+        "6",
+        "--variants",
+        "none",
     ]
-    decode = json.loads((out / "gpu_decode.json").read_text())
-    assert all(k in decode for k in REPORT_KEYS) and decode["benchmark"] == "gpu decode"
+    flags += ["--tree-configs", "target-only,chain K=2", "--tree-batches", "1", "--ttft-lengths", "16,40"]
+    run_gpu_set(model, out, *flags, "--ttft-ks", "0,1", "--ttft-busy", "2")
+    docs = reports(out, ["decode", "trees", "ttft"])
+    decode = docs["decode"]
     assert decode["errors"] == []
     assert [(r["k"], r["batch"]) for r in decode["results"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert all(r["outputs_equal_target_only"] == 1.0 for r in decode["results"])
-    trees = json.loads((out / "gpu_trees.json").read_text())
-    assert trees["benchmark"] == "gpu trees" and len(trees["results"]) == 2
+    assert len(docs["trees"]["results"]) == 2
+    ttft = docs["ttft"]["results"]
+    assert [(r["k"], r["prompt_tokens"], r["busy"]) for r in ttft] == [
+        (k, n, busy) for k in (0, 1) for n in (16, 40) for busy in (0, 2)
+    ]
+
+
+@pytest.mark.slow
+def test_gpu_set_load_and_distributed_groups_on_cpu(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    flags = ["--groups", "distributed,load", "--distributed-batches", "1,2", "--distributed-ks", "0,1"]
+    flags += ["--distributed-steps", "4", "--distributed-repeats", "1", "--load-streams", "16", "--load-rounds", "1"]
+    run_gpu_set(model, out, *flags, "--load-lengths", "8,32")
+    docs = reports(out, ["distributed", "load"])
+    dist = docs["distributed"]
+    assert dist["errors"] == [] and dist["model"]["shape"] == str(model)
+    rows = dist["results"]
+    assert [(r["setup"], r["k"], r["batch"]) for r in rows] == [
+        (s, k, b) for k in (0, 1) for s in ("in-process", "ray-tp1") for b in (1, 2)
+    ]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["vs_in_process"] > 0
+        assert bool(r["timeline_ms"]) == (r["setup"] == "ray-tp1")  # only the Ray path has hops to time
+    (load,) = docs["load"]["results"]
+    assert load["wrong"] == [] and load["after"]["kv_blocks_used"] == 0 and sum(load["ends"].values()) == 16

@@ -34,6 +34,7 @@ import yaml
 
 import cluster
 from cluster.bench import report as bench_report
+from cluster.bench.load import served_vocab
 from proto.mtpserve.v1 import inference_pb2 as pb
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from workers.config import MTPServeConfig
@@ -202,12 +203,6 @@ async def settle(address: str, timeout: float = 120.0) -> None:
             await asyncio.sleep(0.1)
 
 
-async def vocab_size(address: str) -> int:
-    """The served model's vocabulary size."""
-    async with grpc.aio.insecure_channel(address) as chan:
-        return int((await pb_grpc.InferenceStub(chan).GetModelInfo(pb.GetModelInfoRequest(), timeout=30.0)).vocab_size)
-
-
 def server_config(args: argparse.Namespace) -> dict[str, Any]:
     """The served config: a slot and KV blocks for every stream of the largest batch at its longest."""
     block, length, most = 16, args.prompt_len + args.output_len + 64, max(args.batch_sizes)
@@ -242,7 +237,7 @@ def run_rounds(args: argparse.Namespace, addresses: dict[str, str]) -> list[Roun
     """Every batch size: a warm-up round of each front end, then --repeats rounds of each, alternating."""
     rng = random.Random(args.seed)
     rounds: list[Round] = []
-    vocab = asyncio.run(vocab_size(addresses["grpc"]))
+    vocab = asyncio.run(served_vocab(addresses["grpc"]))
     for batch in args.batch_sizes:
         for i in range(args.repeats + 1):
             for fe in FRONT_ENDS if i % 2 == 0 else FRONT_ENDS[::-1]:
