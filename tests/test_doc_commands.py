@@ -13,9 +13,11 @@ import io
 import os
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -142,11 +144,24 @@ def parser_of(program: str) -> Callable[[list[str]], argparse.Namespace]:
     return module.build_parser().parse_args
 
 
+@contextlib.contextmanager
+def exact_flags() -> Iterator[None]:
+    """Parsers built meanwhile take flags only as spelled (`--repeat` no longer stands for `--repeats`), so a
+    renamed flag is caught even where the old name is a prefix of the new one."""
+    init = argparse.ArgumentParser.__init__
+
+    def no_abbreviations(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **{**kwargs, "allow_abbrev": False})
+
+    with mock.patch.object(argparse.ArgumentParser, "__init__", no_abbreviations):
+        yield
+
+
 def parse_error(command: Command) -> str | None:
     """None when the command's arguments parse, else what its parser said."""
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), exact_flags():
             parser_of(command.program)(list(command.argv))
     except SystemExit as exc:
         if exc.code:
@@ -184,6 +199,7 @@ def test_a_stale_flag_is_found_and_named(tmp_path: Path) -> None:
         "SEED=1 python3 -m cluster bench trees --configs 'chain K=9'\n"
         "python3 bench/probes/kernel_check.py --out $OUT | tee log\n"
         "mtpserve generate --prompt 'hi'\n"
+        "mtpserve bench ttft --length 16\n"
         "```\n"
         "```python\n"
         "mtpserve bench load --bogus\n"
@@ -197,6 +213,7 @@ def test_a_stale_flag_is_found_and_named(tmp_path: Path) -> None:
         ("4", "bench/gpu.py"),
         ("6", "mtpserve"),
         ("7", "bench/probes/kernel_check.py"),
+        ("9", "mtpserve"),
     ]
     assert found[2].argv[-1] == f"{PLACEHOLDER}/t.json" and found[3].argv[-1] == PLACEHOLDER
     errors = [parse_error(c) for c in found]
@@ -204,3 +221,4 @@ def test_a_stale_flag_is_found_and_named(tmp_path: Path) -> None:
     assert errors[1] is None and errors[2] is None and errors[5] is None
     assert errors[3] is not None and "unrecognized arguments: --no-such-flag 3" in errors[3]
     assert errors[4] is not None and "unknown configuration(s) ['chain K=9']" in errors[4]
+    assert errors[6] is not None and "unrecognized arguments: --length 16" in errors[6]  # not taken for --lengths
