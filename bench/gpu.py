@@ -9,6 +9,8 @@ Groups (`--groups`, default all):
   llama8b  the same at Llama-3-8B's shape with random weights and a random head: step cost only
   prefix   multi-turn chats over a shared 2,000-token document, cached and uncached (`bench prefix-cache`)
   load     1,024 concurrent gRPC streams against a `serve` subprocess (`mtpserve bench load`)
+  distributed  the Ray path (one target worker, draft colocated) against in-process: step time and the per-hop
+           timeline (`mtpserve bench distributed`; needs Ray)
 
     python3 bench/gpu.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
 """
@@ -29,13 +31,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.bench import decode as bench_decode
+from cluster.bench import distributed as bench_distributed
 from cluster.bench import report as bench_report
 from cluster.bench import trees as bench_trees
 from cluster.bench import ttft as bench_ttft
 from cluster.bench.report import depth_list, int_list
 from cluster.cli.mtpserve import main as mtpserve
+from cluster.distributed.build import build_engine
+from workers.builders import DEFAULT_HEAD
 
-GROUPS = ("decode", "ttft", "trees", "llama8b", "prefix", "load")
+GROUPS = ("decode", "ttft", "trees", "llama8b", "prefix", "load", "distributed")
 LLAMA_8B = {  # Llama-3-8B's config.json shape fields; weights are random (--load-format dummy)
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -59,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="the SmolLM2 GGUF or an HF Llama directory (default: the packaged SmolLM2)")
     ap.add_argument("--load-format", default="auto", help="'dummy' for random weights of --model's config.json")
-    ap.add_argument("--draft", default="default", help="draft head (default: the shipped one)")
+    ap.add_argument("--draft", default=str(DEFAULT_HEAD), help="draft head (default: the shipped one)")
     ap.add_argument("--out", default="out", help="folder for gpu_<group>.json and gpu_<group>.png")
     ap.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated, of {', '.join(GROUPS)}")
     ap.add_argument("--device", default="cuda", help="cpu for a dry run on a tiny model")
@@ -81,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefix-len", type=int, default=2000)
     ap.add_argument("--load-streams", type=int, default=1024)
     ap.add_argument("--load-rounds", type=int, default=3)
+    ap.add_argument("--load-lengths", default="16,64,256,512", help="load: prompt lengths to pick from")
+    ap.add_argument("--distributed-setups", type=bench_distributed.setup_list, default=["in-process", "ray-tp1"])
+    ap.add_argument("--distributed-batches", type=int_list, default=[1, 16])
+    ap.add_argument("--distributed-ks", type=depth_list, default=[0, 3])
+    ap.add_argument("--distributed-steps", type=int, default=48, help="distributed: timed decode steps per row")
+    ap.add_argument("--distributed-repeats", type=int, default=2)
     args = ap.parse_args(argv)
     unknown = set(args.groups.split(",")) - set(GROUPS)
     if unknown:
@@ -217,7 +228,9 @@ def sub_args(args: argparse.Namespace, **values: Any) -> argparse.Namespace:
 def run_group(name: str, args: argparse.Namespace, out: Path, errors: list[str]) -> None:
     """Run one group; write its JSON and PNG under `out`."""
     js, png = out / f"gpu_{name}.json", out / f"gpu_{name}.png"
-    if name == "decode":
+    if name == "distributed":
+        distributed_group(args, js, png, errors)
+    elif name == "decode":
         doc = decode_group(args, errors, js)
         bench_report.write_json(js, doc)
         print(bench_decode.decode_table(doc["results"]), flush=True)
@@ -281,10 +294,36 @@ def run_group(name: str, args: argparse.Namespace, out: Path, errors: list[str])
                 str(args.load_rounds),
                 "--load-format",
                 args.load_format,
+                "--lengths",
+                args.load_lengths,
             ]
             code = mtpserve(["bench", "load", *flags])
         if code:
             errors.append(f"{name}: exit status {code}")
+
+
+def distributed_group(args: argparse.Namespace, js: Path, png: Path, errors: list[str]) -> None:
+    """The Ray path against in-process (`mtpserve bench distributed`): SmolLM2 and its head, or with
+    --load-format dummy the shape of --model's config.json and a random head."""
+    dummy = args.load_format == "dummy"
+    a = sub_args(
+        args,
+        shape=args.model if dummy else "smollm2",
+        model=None if dummy else args.model,
+        setups=args.distributed_setups,
+        batches=args.distributed_batches,
+        ks=args.distributed_ks,
+        steps=args.distributed_steps,
+        repeats=args.distributed_repeats,
+        enforce_eager=False,
+        build_engine=build_engine,
+    )
+    doc = bench_distributed.run(a)
+    doc["benchmark"], doc["command"] = "gpu distributed", command()
+    errors += [f"distributed {e['setup']} K={e['k']}: {e['error']}" for e in doc["errors"]]
+    bench_report.write_json(js, doc)
+    print(bench_distributed.table(doc["results"]), flush=True)
+    bench_distributed.plot(doc["results"], str(png), f"Ray path against in-process, {doc['device_name']}")
 
 
 def guarded(errors: list[str], name: str, fn: Any) -> Any:

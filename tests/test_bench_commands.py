@@ -1,6 +1,6 @@
-"""`mtpserve bench ttft|trees|load`, the forwarded scripts and `bench/gpu.py`, on tiny random models on CPU:
+"""`mtpserve bench ttft|trees|load|distributed|http-vs-grpc` and `bench/gpu.py`, on tiny random models on CPU:
 each writes the shared report, and what it measures holds (greedy speculation equals target-only in fp32;
-every load stream ends as its fate asks and frees its KV blocks)."""
+every load stream ends as its fate asks and frees its KV blocks; the Ray path reports its per-hop timeline)."""
 
 from __future__ import annotations
 
@@ -103,12 +103,83 @@ def test_load_refuses_a_single_max_tokens(model: Path, capsys: pytest.CaptureFix
     assert "--max-tokens takes two values" in capsys.readouterr().err
 
 
-def test_forwarded_script_gets_its_flags_and_others_refuse_unknown_ones(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "http-vs-grpc", "--help"]) == 0
-    assert "--batch-sizes" in capsys.readouterr().out  # bench/http_vs_grpc.py's own help
-    with pytest.raises(SystemExit):
-        main(["bench", "ttft", "--no-such-flag"])
-    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+def test_distributed_in_process_report(tmp_path: Path) -> None:
+    out, png = tmp_path / "distributed.json", tmp_path / "distributed.png"
+    argv = ["bench", "distributed", "--device", "cpu", "--shape", "tiny", "--setups", "in-process"]
+    argv += [
+        "--batches",
+        "1,2",
+        "--ks",
+        "0,1",
+        "--steps",
+        "3",
+        "--repeats",
+        "2",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert all(k in doc for k in REPORT_KEYS) and doc["benchmark"] == "distributed"
+    assert doc["command"].startswith("mtpserve bench distributed --device cpu")
+    assert doc["errors"] == [] and len(doc["runs"]) == 2 * 2 * 2  # repeats x depths x batches
+    rows = doc["results"]
+    assert [(r["setup"], r["k"], r["batch"]) for r in rows] == [("in-process", k, b) for k in (0, 1) for b in (1, 2)]
+    for r in rows:
+        runs = [x["step_ms"] for x in doc["runs"] if (x["k"], x["batch"]) == (r["k"], r["batch"])]
+        assert r["step_ms"] == min(runs) > 0 and r["vs_in_process"] == 1.0
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_distributed_ray_path_reports_its_timeline(tmp_path: Path) -> None:
+    from cluster.bench.distributed import SEGMENTS
+
+    out = tmp_path / "distributed.json"
+    argv = ["bench", "distributed", "--device", "cpu", "--shape", "tiny", "--setups", "in-process,ray-tp1-sync"]
+    assert main([*argv, "--batches", "2", "--ks", "1", "--steps", "6", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == []
+    local, ray = doc["results"]
+    assert (local["setup"], ray["setup"]) == ("in-process", "ray-tp1-sync")
+    assert ray["vs_in_process"] == pytest.approx(local["step_ms"] / ray["step_ms"])
+    assert sorted(ray["timeline_ms"]) == sorted(SEGMENTS) and min(ray["timeline_ms"].values()) >= 0
+    # every answered step's path fits inside the step it belongs to
+    assert sum(ray["timeline_ms"].values()) < 3 * ray["step_ms"]
+    assert ray["hops"]["plan_bytes"] > 0 and ray["hops"]["output_bytes"] > 0
+    assert local["timeline_ms"] == {} and local["hops"] == {}
+
+
+def test_distributed_refuses_an_unknown_setup(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "distributed", "--setups", "in-process,ray-tp3"])
+    assert exc.value.code == 2
+    assert "unknown setup(s) ['ray-tp3']" in capsys.readouterr().err
+
+
+def test_http_vs_grpc_report_on_a_tiny_server(tmp_path: Path) -> None:
+    argv = ["bench", "http-vs-grpc", "--tiny", "--device", "cpu", "--batch-sizes", "1,3", "--repeats", "1"]
+    assert main([*argv, "--prompt-len", "8", "--output-len", "6", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "http_vs_grpc.json").read_text())
+    assert all(k in doc for k in REPORT_KEYS) and doc["benchmark"] == "http_vs_grpc"
+    assert [r["batch"] for r in doc["results"]] == [1, 3]
+    for row in doc["results"]:
+        for fe in ("grpc", "http"):
+            assert row[fe]["errors"] == 0 and row[fe]["rounds"] == 1 and row[fe]["tok_per_s"] > 0
+            assert row[fe]["ttft_ms_p50"] <= row[fe]["ttft_ms_p90"]
+        assert row["http_over_grpc"]["tok_per_s"] == pytest.approx(row["http"]["tok_per_s"] / row["grpc"]["tok_per_s"])
+    # a warm-up and a measured round per front end and batch size; every stream got its 6 tokens
+    assert len(doc["rounds"]) == 2 * 2 * 2
+    assert all(r["tokens"] == 6 * r["batch"] and r["errors"] == [] for r in doc["rounds"])
+
+
+def test_unknown_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for kind in ("ttft", "distributed", "http-vs-grpc"):
+        with pytest.raises(SystemExit):
+            main(["bench", kind, "--no-such-flag"])
+        assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["", "1,x", "0,4", "-1"])
@@ -117,23 +188,69 @@ def test_int_list_names_the_bad_value(text: str) -> None:
         bench_report.int_list(text)
 
 
-def test_gpu_set_runs_on_cpu_and_writes_one_json_and_png_per_group(model: Path, tmp_path: Path) -> None:
-    out = tmp_path / "gpu"
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu.py"), *dummy_flags(model), "--out", str(out)]
-    cmd += ["--groups", "decode,trees", "--ks", "1", "--batches", "1,2", "--max-tokens", "6", "--variants", "none"]
-    cmd += ["--tree-configs", "target-only,chain K=2", "--tree-batches", "1"]
+def run_gpu_set(model: Path, out: Path, *flags: str) -> None:
+    """`bench/gpu.py` on CPU with a tiny random model; fails the test with its output when it exits non-zero."""
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu.py"), *dummy_flags(model), "--out", str(out), *flags]
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert sorted(p.name for p in out.iterdir()) == [
-        "gpu_decode.json",
-        "gpu_decode.png",
-        "gpu_trees.json",
-        "gpu_trees.png",
+
+
+def reports(out: Path, groups: list[str]) -> dict[str, dict]:
+    """The JSON of each group, after checking that the run wrote one JSON and one PNG per group and no more."""
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"gpu_{g}.{x}" for g in groups for x in ("json", "png"))
+    docs = {g: json.loads((out / f"gpu_{g}.json").read_text()) for g in groups}
+    for g, doc in docs.items():
+        assert all(k in doc for k in REPORT_KEYS) and doc["device"] == "cpu"
+        if g == "load":  # run through `mtpserve bench load`, a server subprocess, as typed
+            assert doc["benchmark"] == "load" and doc["command"].startswith("mtpserve bench load --device cpu")
+        else:
+            assert doc["benchmark"] == f"gpu {g}" and doc["command"].startswith("python3 bench/gpu.py")
+    return docs
+
+
+def test_gpu_set_runs_on_cpu_and_writes_one_json_and_png_per_group(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    flags = [
+        "--groups",
+        "decode,trees,ttft",
+        "--ks",
+        "1",
+        "--batches",
+        "1,2",
+        "--max-tokens",
+        "6",
+        "--variants",
+        "none",
     ]
-    decode = json.loads((out / "gpu_decode.json").read_text())
-    assert all(k in decode for k in REPORT_KEYS) and decode["benchmark"] == "gpu decode"
+    flags += ["--tree-configs", "target-only,chain K=2", "--tree-batches", "1", "--ttft-lengths", "16,40"]
+    run_gpu_set(model, out, *flags, "--ttft-ks", "0,1", "--ttft-busy", "2")
+    docs = reports(out, ["decode", "trees", "ttft"])
+    decode = docs["decode"]
     assert decode["errors"] == []
     assert [(r["k"], r["batch"]) for r in decode["results"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert all(r["outputs_equal_target_only"] == 1.0 for r in decode["results"])
-    trees = json.loads((out / "gpu_trees.json").read_text())
-    assert trees["benchmark"] == "gpu trees" and len(trees["results"]) == 2
+    assert len(docs["trees"]["results"]) == 2
+    ttft = docs["ttft"]["results"]
+    assert [(r["k"], r["prompt_tokens"], r["busy"]) for r in ttft] == [
+        (k, n, busy) for k in (0, 1) for n in (16, 40) for busy in (0, 2)
+    ]
+
+
+@pytest.mark.slow
+def test_gpu_set_load_and_distributed_groups_on_cpu(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    flags = ["--groups", "distributed,load", "--distributed-batches", "1,2", "--distributed-ks", "0,1"]
+    flags += ["--distributed-steps", "4", "--distributed-repeats", "1", "--load-streams", "16", "--load-rounds", "1"]
+    run_gpu_set(model, out, *flags, "--load-lengths", "8,32")
+    docs = reports(out, ["distributed", "load"])
+    dist = docs["distributed"]
+    assert dist["errors"] == [] and dist["model"]["shape"] == str(model)
+    rows = dist["results"]
+    assert [(r["setup"], r["k"], r["batch"]) for r in rows] == [
+        (s, k, b) for k in (0, 1) for s in ("in-process", "ray-tp1") for b in (1, 2)
+    ]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["vs_in_process"] > 0
+        assert bool(r["timeline_ms"]) == (r["setup"] == "ray-tp1")  # only the Ray path has hops to time
+    (load,) = docs["load"]["results"]
+    assert load["wrong"] == [] and load["after"]["kv_blocks_used"] == 0 and sum(load["ends"].values()) == 16

@@ -38,8 +38,8 @@ def row(r: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {**{k: v for k, v in r.items() if k != "outputs"}, **extra}
 
 
-def main() -> int:
-    """Run every configuration and write the JSON."""
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", default=str(DEFAULT_HEAD))
@@ -53,7 +53,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default="out")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    """Run every configuration and write the JSON."""
+    args = build_parser().parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]

@@ -58,8 +58,8 @@ def measure(data: TokenDataset, head: MTPEagleHead, shared: Any, cuts: list[int]
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the flags, score the head at every cut, print a table and write the JSON."""
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data_dir", help="a draft dataset (`train-draft --stage data`) with greedy answers")
     ap.add_argument("--head", required=True, help="the draft head to score")
@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", default=None, help="where to write the figures")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the flags, score the head at every cut, print a table and write the JSON."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:
         cuts = [int(c) for c in args.cuts.split(",")]

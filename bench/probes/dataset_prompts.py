@@ -56,13 +56,18 @@ def prompt_records(data: TokenDataset, tokenizer: Any) -> tuple[list[dict[str, s
     return records, skipped
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Write the prompts file; exit 2 with the reason when the dataset or the model cannot be read."""
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data_dir", help="a dataset folder written by `mtpserve train-draft --stage data`")
     ap.add_argument("--out", required=True, help="prompts file to write (JSON lines)")
     ap.add_argument("--model", default=None, help="the target whose tokenizer built the dataset (default: SmolLM2)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the prompts file; exit 2 with the reason when the dataset or the model cannot be read."""
+    args = build_parser().parse_args(argv)
     try:
         data = load_dataset(args.data_dir)
         tokenizer = resolve_model(args.model).tokenizer()

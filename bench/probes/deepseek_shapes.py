@@ -176,8 +176,8 @@ def grouped_gemm_check(hidden: int = 7168, inter: int = 2048, experts: int = 256
     return {"max_abs_diff": diff, "ref_abs_max": float(ref.abs().max()), **times}
 
 
-def main() -> None:
-    """Every configuration in one process; JSON and a table at the end."""
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dense-layers", type=int, default=1)
     ap.add_argument("--moe-layers", type=int, default=2)
@@ -185,7 +185,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", default=".")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    """Every configuration in one process; JSON and a table at the end."""
+    a = build_parser().parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     model_dir = write_config(Path(tempfile.mkdtemp()) / "deepseek-v3-truncated", a.dense_layers, a.moe_layers)
     result: dict[str, Any] = {"config": json.loads((model_dir / "config.json").read_text()), "runs": []}

@@ -32,14 +32,20 @@ def grow(head: MTPEagleHead, decoder: int, mlp: int | None) -> MTPEagleHead:
     return big
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the flags, grow the head, write it in bf16 with the source's metadata."""
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", required=True, help="the draft head file to grow")
     ap.add_argument("--model", default=None, help="its target (default: the packaged SmolLM2)")
     ap.add_argument("--decoder", type=int, default=2, help=f"decoder layers of the grown head (1-{MAX_LAYERS})")
     ap.add_argument("--mlp", type=int, default=None, help="MLP width of the grown head (default: unchanged)")
     ap.add_argument("--out", required=True, help="where to write the grown head")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the flags, grow the head, write it in bf16 with the source's metadata."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     target = resolve_model(args.model).args()
     head = MTPEagleHead.load(args.head, target)

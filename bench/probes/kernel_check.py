@@ -156,10 +156,15 @@ def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
     return out
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="out")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     report = {

@@ -25,11 +25,16 @@ from cluster.engine.llm_engine import LLMEngine  # noqa: E402
 from tiny import engine_config, mimic_head, mimic_target, random_prompts  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the three settings, print the table, write the report."""
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="where to write the report")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the three settings, print the table, write the report."""
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     target, weights = mimic_target()
     cfg = engine_config(speculative={"num_draft_tokens": 1, "draft": "mimic"})

@@ -153,7 +153,8 @@ def device_summary(prof: torch.profiler.profile, steps: int) -> dict[str, float]
     }
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="out")
@@ -163,12 +164,20 @@ def main() -> int:
     ap.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
     ap.add_argument("--shape", help="a directory with a config.json to profile instead of SmolLM2-135M's shape")
     ap.add_argument("--max-num-requests", type=int, default=8, help="batch slots (and CUDA-graph buckets) to build")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="the random head's draft vocabulary (0: the target's)")
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.prompt_len == 64 else f"_p{args.prompt_len}"
     if args.shape:
         suffix += "_" + Path(args.shape).name
+    if args.draft_vocab:
+        suffix += f"_v{args.draft_vocab}"
     tmp = Path(tempfile.mkdtemp())
     config = json.loads((Path(args.shape) / "config.json").read_text()) if args.shape else SMOLLM2
     (tmp / "config.json").write_text(json.dumps(config))
@@ -206,7 +215,7 @@ def main() -> int:
                       "dtype": "bfloat16" if args.device == "cuda" else "float32"},
             "scheduler": {"max_num_requests": max(args.max_num_requests, args.batch)},
             "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1),
-                            "tree_budget": budget, "tree_width": width},
+                            "tree_budget": budget, "tree_width": width, "draft_vocab": args.draft_vocab},
         })  # fmt: skip
         eng = LLMEngine.from_config(cfg)
         for i in range(args.batch):

@@ -67,7 +67,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--deadline-ms", type=float, default=50.0, help="deadline of the 'deadline' streams")
     p.add_argument("--max-num-requests", type=int, default=256, help="the server's running slots")
-    p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
+    p.add_argument("--vocab", type=int, help="token ids are drawn below this (default: the served vocabulary)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--json", metavar="OUT", help="write the report (command, environment, settings, results)")
     p.add_argument("--plot", metavar="OUT.png", help="plot tok/s and server memory per round")
@@ -172,6 +172,12 @@ async def alone(address: str, specs: list[Spec]) -> list[list[int]]:
         return out
 
 
+async def served_vocab(address: str) -> int:
+    """The served model's vocabulary size."""
+    async with grpc.aio.insecure_channel(address) as chan:
+        return int((await pb_grpc.InferenceStub(chan).GetModelInfo(pb.GetModelInfoRequest(), timeout=30.0)).vocab_size)
+
+
 async def stats(address: str) -> pb.GetStatsResponse:
     """The server's GetStats."""
     async with grpc.aio.insecure_channel(address) as chan:
@@ -267,8 +273,9 @@ def run_rounds(args: argparse.Namespace, proc: subprocess.Popen[str], address: s
     lo, hi = min(args.max_tokens), max(args.max_tokens)
     rounds: list[dict[str, Any]] = []
     equal: dict[str, Any] = {}
+    vocab = args.vocab or asyncio.run(served_vocab(address))
     for r in range(args.rounds):
-        specs = plan(args.streams, r, args.vocab, args.lengths, (lo, hi))
+        specs = plan(args.streams, r, vocab, args.lengths, (lo, hi))
         outcomes, seconds = asyncio.run(one_round(address, specs, args.channels, args.deadline_ms / 1e3))
         settled = asyncio.run(settle(address))
         row = {

@@ -229,9 +229,11 @@ def run_measurement(
     table_of: Callable[[list[dict[str, Any]]], str],
     plot: Callable[[list[dict[str, Any]], str, str], None],
     title: str,
+    exit_status: Callable[[dict[str, Any]], int] | None = None,
 ) -> int:
-    """The body of an in-process `mtpserve bench` measurement: run it, print its command and table, write
-    `--json` and `--plot` (titled `title`, then the device's name); 2 with the error when it is refused."""
+    """The body of a `mtpserve bench` measurement: run it, print its command and table, write `--json` and
+    `--plot` (titled `title`, then the device's name); 2 with the error when it is refused, else
+    `exit_status` of the report (default 0)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -245,7 +247,7 @@ def run_measurement(
         write_json(args.json, doc)
     if args.plot:
         plot(doc["results"], args.plot, f"{title}, {doc['device_name']}")
-    return 0
+    return exit_status(doc) if exit_status else 0
 
 
 def serve_subprocess(

@@ -1,7 +1,7 @@
 """`mtpserve bench`: `throughput` (tok/s and step time per batch size), `acceptance` (draft acceptance),
 `prefix-cache` (multi-turn chats with and without prefix caching), `ttft` (time to first token by prompt
 length), `trees` (draft trees against chains, any Llama shape), `load` (concurrent streams against a server),
-and `distributed` / `http-vs-grpc` (the checkout's `bench/distributed.py` and `bench/http_vs_grpc.py`).
+`distributed` (the Ray path against in-process) and `http-vs-grpc` (the HTTP API against gRPC on one server).
 
 The flags of the first three live here; each other benchmark module registers its own sub-command.
 """
@@ -9,12 +9,12 @@ The flags of the first three live here; each other benchmark module registers it
 from __future__ import annotations
 
 import argparse
-import runpy
 import sys
 from pathlib import Path
 
-import cluster
 from cluster.bench import acceptance as bench_acceptance
+from cluster.bench import distributed as bench_distributed
+from cluster.bench import http_vs_grpc as bench_http_vs_grpc
 from cluster.bench import load as bench_load
 from cluster.bench import prefix as bench_prefix
 from cluster.bench import report as bench_report
@@ -23,6 +23,8 @@ from cluster.bench import trees as bench_trees
 from cluster.bench import ttft as bench_ttft
 from cluster.cli.common import add_engine_flags, config_from_args
 from cluster.engine.errors import MTPServeError
+from cluster.engine.llm_engine import LLMEngine
+from workers.config import MTPServeConfig
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -107,33 +109,16 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     add_engine_flags(c)
     c.set_defaults(func=run_prefix_cache)
 
-    for module in (bench_ttft, bench_trees, bench_load):
+    for module in (bench_ttft, bench_trees, bench_load, bench_http_vs_grpc):
         module.add_parser(kinds)
-    for script, path in SCRIPTS.items():
-        s = kinds.add_parser(
-            script, help=f"run the checkout's {path} (its own flags; --help shows them)", add_help=False
-        )
-        s.set_defaults(func=run_script, script=path, passes_unknown_flags=True)
+    bench_distributed.add_parser(kinds, build_engine)
 
 
-SCRIPTS = {"distributed": "bench/distributed.py", "http-vs-grpc": "bench/http_vs_grpc.py"}
+def build_engine(cfg: MTPServeConfig) -> LLMEngine:
+    """An engine of `cfg`, through Ray actors where it asks for them (Ray is imported only then)."""
+    from cluster.distributed.build import build_engine as build
 
-
-def run_script(args: argparse.Namespace) -> int:
-    """`mtpserve bench distributed|http-vs-grpc`: the checkout's script with the remaining flags."""
-    path = Path(cluster.__file__).resolve().parent.parent / args.script
-    if not path.is_file():
-        print(f"mtpserve: {args.script} is part of the source checkout, not the installed package", file=sys.stderr)
-        return 2
-    argv = sys.argv
-    sys.argv = [str(path), *args.unknown_flags]
-    try:
-        runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = argv
-    return 0
+    return build(cfg)
 
 
 def run_throughput(args: argparse.Namespace) -> int:

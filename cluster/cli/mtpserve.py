@@ -37,10 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mtpserve` console script."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "passes_unknown_flags", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.unknown_flags = unknown
+    args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"

@@ -1,0 +1,344 @@
+"""`mtpserve bench http-vs-grpc`: the OpenAI-compatible HTTP API against gRPC on the same server: time to
+first token and output tok/s at each batch size.
+
+It starts one `mtpserve serve --http-port 0` subprocess (so the client does not compete with the engine loop
+for the interpreter) and, per batch size, runs rounds of `batch` concurrent streaming requests over each front
+end in turn (gRPC, HTTP, HTTP, gRPC, ...; one warm-up round of each first): random token-id prompts of
+--prompt-len tokens, greedy, `ignore_eos`, --output-len tokens each, fresh prompts every round (no
+prefix-cache hits). The gRPC client is grpc.aio over --channels channels; the HTTP client is aiohttp,
+streaming `POST /v1/completions` as server-sent events with `return_token_ids`, one connection per stream.
+TTFT runs from a request's send to its first chunk that carries a token; tok/s is a round's output tokens
+over its wall time. Both clients run in this one process, so at large batches the client can limit either
+front end before the engine does. --tiny serves a tiny random Llama (2 layers, hidden 128, random draft), a
+CPU smoke run. Exit status 1 when a stream failed or came back short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import yaml
+
+import cluster
+from cluster.bench import report as bench_report
+from cluster.bench.load import served_vocab
+from proto.mtpserve.v1 import inference_pb2 as pb
+from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from workers.config import MTPServeConfig
+
+ROOT = Path(cluster.__file__).resolve().parent.parent  # the checkout the server subprocess imports from
+SERVING = re.compile(r"serving gRPC on (?P<grpc>\S+), metrics on :\d+, HTTP on (?P<http>\S+)")
+FRONT_ENDS = ("grpc", "http")
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 4096, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+SETTINGS = (
+    "tiny", "draft", "no_speculation", "dtype", "batch_sizes", "repeats", "prompt_len", "output_len", "channels",
+    "serve_args", "seed",
+)  # fmt: skip
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    """Register `bench http-vs-grpc`."""
+    p = kinds.add_parser(
+        "http-vs-grpc",
+        help="the OpenAI HTTP API against gRPC on one `serve` subprocess: TTFT and tok/s",
+        description=(__doc__ or "").split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="GGUF file or HF Llama directory (default: the default model)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random Llama (dummy weights, random draft)")
+    p.add_argument("--draft", help="draft head (default: the shipped one)")
+    p.add_argument("--no-speculation", action="store_true", help="target-only decoding")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--batch-sizes", type=bench_report.int_list, default=[1, 64], help="streams per round (1,64)")
+    p.add_argument("--repeats", type=int, default=3, help="measured rounds per batch size and front end")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--channels", type=int, default=8, help="gRPC client channels the streams spread over")
+    p.add_argument("--serve-args", default="", help="more `mtpserve serve` flags, space-separated")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="folder for http_vs_grpc.json (the same as --json OUT/http_vs_grpc.json)")
+    p.add_argument("--json", metavar="OUT", help="write the report (command, environment, settings, results)")
+    p.add_argument("--plot", metavar="OUT.png", help="plot output tok/s per front end and batch size")
+    p.set_defaults(func=main, threads=None)
+
+
+@dataclass
+class Stream:
+    """One request's timings (seconds from the round's start) and tokens."""
+
+    first: float | None = None
+    end: float = 0.0
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Round:
+    """One round of `batch` concurrent streams over one front end."""
+
+    front_end: str
+    batch: int
+    warmup: bool
+    seconds: float
+    tokens: int
+    ttft_ms: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def tok_per_s(self) -> float:
+        """Output tokens per second of wall time."""
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+async def grpc_stream(stub: Any, prompt: list[int], output_len: int, t0: float) -> Stream:
+    """One gRPC Generate stream."""
+    s = Stream()
+    req = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=output_len, ignore_eos=True)
+    )
+    try:
+        async for msg in stub.Generate(req, timeout=900.0):
+            if msg.token_ids and s.first is None:
+                s.first = time.perf_counter() - t0
+            s.tokens += len(msg.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        s.error = f"{exc.code().name}: {exc.details()}"
+    s.end = time.perf_counter() - t0
+    return s
+
+
+async def http_stream(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int, t0: float
+) -> Stream:
+    """One streamed `POST /v1/completions`, read as server-sent events."""
+    s = Stream()
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            s.error = f"{resp.status}: {await resp.text()}"
+            s.end = time.perf_counter() - t0
+            return s
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line == b"data: [DONE]":
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                s.error = chunk["error"]["message"]
+                break
+            n = sum(len(c.get("token_ids", [])) for c in chunk["choices"])
+            if n and s.first is None:
+                s.first = time.perf_counter() - t0
+            s.tokens += n
+    s.end = time.perf_counter() - t0
+    return s
+
+
+async def one_round(
+    front_end: str, addresses: dict[str, str], prompts: list[list[int]], args: argparse.Namespace
+) -> Round:
+    """All prompts at once over one front end."""
+    channels = [
+        grpc.aio.insecure_channel(addresses["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(args.channels)
+    ]
+    stubs = [pb_grpc.InferenceStub(c) for c in channels]
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=900))
+    url = f"http://{addresses['http']}/v1/completions"
+    try:
+        t0 = time.perf_counter()
+        if front_end == "grpc":
+            jobs = [grpc_stream(stubs[i % len(stubs)], p, args.output_len, t0) for i, p in enumerate(prompts)]
+        else:
+            jobs = [http_stream(session, url, p, args.output_len, t0) for p in prompts]
+        streams = await asyncio.gather(*jobs)
+        seconds = time.perf_counter() - t0
+    finally:
+        await session.close()
+        for c in channels:
+            await c.close()
+    r = Round(front_end, len(prompts), False, seconds, sum(s.tokens for s in streams))
+    for s in streams:
+        if s.error or s.tokens != args.output_len or s.first is None:
+            r.errors.append(s.error or f"{s.tokens} tokens")
+            continue
+        r.ttft_ms.append(1e3 * s.first)
+        if s.tokens > 1:
+            r.tpot_ms.append(1e3 * (s.end - s.first) / (s.tokens - 1))
+    return r
+
+
+async def settle(address: str, timeout: float = 120.0) -> None:
+    """Wait until the server holds no request and no KV block."""
+    async with grpc.aio.insecure_channel(address) as chan:
+        stub = pb_grpc.InferenceStub(chan)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            s = await stub.GetStats(pb.GetStatsRequest(), timeout=30.0)
+            if s.requests_running == s.requests_waiting == s.kv_blocks_used == 0:
+                return
+            await asyncio.sleep(0.1)
+
+
+def server_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The served config: a slot and KV blocks for every stream of the largest batch at its longest."""
+    block, length, most = 16, args.prompt_len + args.output_len + 64, max(args.batch_sizes)
+    return {
+        "model": {"max_model_len": length},
+        "scheduler": {
+            "max_num_requests": most,
+            "max_queue": 4 * most,
+            "block_size": block,
+            "num_kv_blocks": most * -(-length // block) + 64,
+            "prefix_caching": False,
+        },
+    }
+
+
+def serve_command(args: argparse.Namespace, config: Path, model: str | None) -> list[str]:
+    """`python -m cluster serve` on loopback, every port chosen by the system, HTTP on."""
+    cmd = [sys.executable, "-m", "cluster", "serve", "--config", str(config), "--host", "127.0.0.1"]
+    cmd += ["--port", "0", "--http-port", "0", "--metrics-port", "0", "--device", args.device, "--dtype", args.dtype]
+    if model:
+        cmd += ["--model", model]
+    if args.tiny:
+        cmd += ["--load-format", "dummy", "--draft", "random"]
+    if args.draft:
+        cmd += ["--draft", args.draft]
+    if args.no_speculation:
+        cmd += ["--no-speculation"]
+    return cmd + (args.serve_args.split() if args.serve_args else [])
+
+
+def run_rounds(args: argparse.Namespace, addresses: dict[str, str]) -> list[Round]:
+    """Every batch size: a warm-up round of each front end, then --repeats rounds of each, alternating."""
+    rng = random.Random(args.seed)
+    rounds: list[Round] = []
+    vocab = asyncio.run(served_vocab(addresses["grpc"]))
+    for batch in args.batch_sizes:
+        for i in range(args.repeats + 1):
+            for fe in FRONT_ENDS if i % 2 == 0 else FRONT_ENDS[::-1]:
+                prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+                r = asyncio.run(one_round(fe, addresses, prompts, args))
+                r.warmup = i == 0
+                rounds.append(r)
+                asyncio.run(settle(addresses["grpc"]))
+                ttft = statistics.fmean(r.ttft_ms) if r.ttft_ms else float("nan")
+                tag = " (warm-up)" if r.warmup else ""
+                line = f"batch {batch:>3} {fe:>4}: {r.tok_per_s:9.1f} tok/s, TTFT {ttft:8.1f} ms"
+                print(f"{line}, {len(r.errors)} errors{tag}", file=sys.stderr, flush=True)
+    return rounds
+
+
+def summarize(rounds: list[Round]) -> list[dict[str, Any]]:
+    """Per batch size and front end: tok/s (median over rounds), TTFT and TPOT (over every request); and HTTP
+    over gRPC."""
+    out = []
+    for batch in sorted({r.batch for r in rounds}):
+        row: dict[str, Any] = {"batch": batch}
+        for fe in FRONT_ENDS:
+            rs = [r for r in rounds if r.batch == batch and r.front_end == fe and not r.warmup]
+            ttft = sorted(t for r in rs for t in r.ttft_ms)
+            tpot = [t for r in rs for t in r.tpot_ms]
+            row[fe] = {
+                "rounds": len(rs),
+                "tok_per_s": statistics.median(r.tok_per_s for r in rs) if rs else None,
+                "ttft_ms_mean": statistics.fmean(ttft) if ttft else None,
+                "ttft_ms_p50": ttft[len(ttft) // 2] if ttft else None,
+                "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None,
+                "tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
+                "errors": sum(len(r.errors) for r in rs),
+            }
+        g, h = row["grpc"], row["http"]
+        if g["tok_per_s"] and h["tok_per_s"] and g["ttft_ms_mean"] and h["ttft_ms_mean"]:
+            row["http_over_grpc"] = {
+                "tok_per_s": h["tok_per_s"] / g["tok_per_s"],
+                "ttft_ms_mean": h["ttft_ms_mean"] / g["ttft_ms_mean"],
+            }
+        out.append(row)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the server, run every round, stop it: the report (`results` per batch size, `rounds` each)."""
+    config = server_config(args)
+    with tempfile.TemporaryDirectory(prefix="http-vs-grpc-") as tmp:
+        (Path(tmp) / "serve.yaml").write_text(yaml.safe_dump(config))
+        model = args.model
+        if args.tiny:
+            (Path(tmp) / "tiny").mkdir()
+            (Path(tmp) / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG))
+            model = str(Path(tmp) / "tiny")
+        cmd = serve_command(args, Path(tmp) / "serve.yaml", model)
+        proc, addresses, log = bench_report.serve_subprocess(cmd, ROOT, SERVING, args.startup_timeout)
+        try:
+            rounds = run_rounds(args, addresses)
+        finally:
+            bench_report.stop_subprocess(proc)
+    return bench_report.report(
+        "http_vs_grpc",
+        bench_report.command_line(getattr(args, "argv", None)),
+        MTPServeConfig.from_dict({"model": {"device": args.device, "dtype": args.dtype}}),
+        {key: getattr(args, key) for key in SETTINGS},
+        summarize(rounds),
+        model=model if not args.tiny else {"tiny": TINY_CONFIG},
+        server_config=config,
+        rounds=[asdict(r) | {"tok_per_s": r.tok_per_s} for r in rounds],
+        server_log_tail=log[-20:],
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """tok/s, TTFT (mean, p50, p90), TPOT and errors per batch size and front end."""
+    body = []
+    for row in rows:
+        for fe in FRONT_ENDS:
+            f = row[fe]
+            if f["tok_per_s"] is None or f["ttft_ms_mean"] is None:
+                body.append([str(row["batch"]), fe, "no complete round", "", "", "", "", str(f["errors"])])
+                continue
+            cells = [f["tok_per_s"], f["ttft_ms_mean"], f["ttft_ms_p50"], f["ttft_ms_p90"], f["tpot_ms_mean"] or 0]
+            body.append([str(row["batch"]), fe, *(f"{x:.1f}" for x in cells), str(f["errors"])])
+    head = ["batch", "front end", "tok/s", "TTFT mean ms", "p50", "p90", "TPOT ms", "errors"]
+    return bench_report.table(head, body)
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """Bars of output tok/s per batch size, one per front end."""
+    bars = {f"batch {row['batch']}": {fe: row[fe]["tok_per_s"] or 0.0 for fe in FRONT_ENDS} for row in rows}
+    bench_report.plot_bars(path, bars, title, "output tok/s (median round)")
+
+
+def failed(doc: dict[str, Any]) -> int:
+    """1 when a stream failed or came back short, else 0."""
+    return 1 if any(r["errors"] for r in doc["rounds"]) else 0
+
+
+def main(args: argparse.Namespace) -> int:
+    """`mtpserve bench http-vs-grpc`."""
+    if args.out and not args.json:
+        args.json = str(Path(args.out) / "http_vs_grpc.json")
+    return bench_report.run_measurement(args, run, table, plot, "HTTP against gRPC", failed)
