@@ -163,3 +163,19 @@ def test_large_dummy_models_get_their_random_weights_on_the_device(
     params = dict(model.named_parameters())
     assert all(torch.isfinite(p).all() for p in params.values())
     assert params["embed_tokens.weight"].std() > 0.01
+
+
+def test_the_default_draft_follows_the_model_wherever_it_is_read_from() -> None:
+    """`speculative.draft: default` gives SmolLM2-135M the shipped head also when the model is named by path
+    (a staged GGUF, a converted directory); another shape by path gets no draft (with a warning)."""
+    from workers.builders import DEFAULT_HEAD, draft_source
+
+    from tiny import engine_config, tiny_args
+
+    smol = tiny_args(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
+    by_path = engine_config(
+        model={"path": "/root/model/SmolLM2-135M-Instruct.Q4_1.gguf"}, speculative={"draft": "default"}
+    )
+    packaged = engine_config(speculative={"draft": "default"})
+    assert draft_source(by_path, smol) == draft_source(packaged, smol) == str(DEFAULT_HEAD)
+    assert draft_source(by_path, tiny_args()) is None

@@ -213,6 +213,14 @@ def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: 
         draft.uniform.capture()
 
 
+DEFAULT_HEAD_TARGET = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152}  # SmolLM2-135M's shape
+
+
+def default_head_fits(args: LlamaArgs) -> bool:
+    """Whether a target has the shape the shipped head was trained for (SmolLM2-135M, wherever it is read from)."""
+    return all(getattr(args, k) == v for k, v in DEFAULT_HEAD_TARGET.items())
+
+
 def draft_source(cfg: MTPServeConfig, args: LlamaArgs) -> str | None:
     """Where the draft comes from: 'random', 'native' (the checkpoint's MTP modules), a head file, or None
     (no speculation), without loading anything."""
@@ -228,7 +236,7 @@ def draft_source(cfg: MTPServeConfig, args: LlamaArgs) -> str | None:
     if source == "default":
         if num_native_modules(args):
             source = "native"
-        elif cfg.model.path is not None or not DEFAULT_HEAD.is_file():
+        elif not DEFAULT_HEAD.is_file() or (cfg.model.path is not None and not default_head_fits(args)):
             log.warning("no default draft head for this model; speculation is off (pass --draft PATH)")
             return None
         else:
