@@ -34,6 +34,7 @@ from cluster.engine.errors import MTPServeError
 from cluster.engine.llm_engine import LLMEngine
 from speculative.replay import ReplayAcceptance
 from workers.builders import DEFAULT_HEAD
+from workers.config import MTPServeConfig
 
 DEFAULT_CONFIGS = "target-only,chain K=1,chain K=3,tree K=4 N=16 w=4"
 HELDOUT = ("chat", "code", "math")
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace, recording: Recording | None = None, sets: list
         key = recording_key(name)
         replay = None if spec is None else ReplayAcceptance(recording.sets[sets[0]].streams[key])
         t0 = time.perf_counter()
-        engine = LLMEngine.from_config(bench_trees.config(args, spec, max(args.batches)), replay=replay)
+        engine = LLMEngine.from_config(engine_config(args, spec, recording, sets), replay=replay)
         if name.endswith(bench_trees.EAGER_SUFFIX):
             engine.target.tree_step = None  # type: ignore[attr-defined]
         built = time.perf_counter() - t0
@@ -214,6 +215,26 @@ def run(args: argparse.Namespace, recording: Recording | None = None, sets: list
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if getattr(args, "json", None):  # what is measured so far survives a run stopped early
+            bench_report.write_json(args.json, report(args, recording, sets, rows))
+    return report(args, recording, sets, rows)
+
+
+def engine_config(
+    args: argparse.Namespace, spec: dict[str, int] | None, recording: Recording, sets: list[str]
+) -> MTPServeConfig:
+    """A configuration's engine at the replayed shape, with KV room for every request of the largest batch
+    (the longest recorded prompt, the output and the drafts' slots), so no request is preempted."""
+    cfg = bench_trees.config(args, spec, max(args.batches))
+    longest = max(n for s in sets for n in recording.sets[s].prompt_tokens)
+    per_request = -(-(longest + args.max_tokens + 2 * cfg.speculative.proposed_tokens + 8) // cfg.scheduler.block_size)
+    return bench_report.with_sections(cfg, scheduler={"num_kv_blocks": max(args.batches) * per_request + 1})
+
+
+def report(
+    args: argparse.Namespace, recording: Recording, sets: list[str], rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The report of the rows so far, with the speed-up of each row over target-only at its set and batch."""
     base = {(r["set"], r["batch"]): r["tok_s"] for r in rows if r["config"] == "target-only"}
     for r in rows:
         ref = base.get((r["set"], r["batch"]))
