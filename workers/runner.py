@@ -301,7 +301,7 @@ class TargetRunner:
                     tokens[i] = [t] if plan.seqs[i].is_final_chunk else []
                 continue
             drafts = torch.tensor([plan.seqs[i].token_ids[1:] for i in members], dtype=torch.long, device=self.device)
-            if greedy and self.replay is not None:
+            if self.replay is not None:  # refuses sampling requests
                 forced = self.replay.take([plan.seqs[i] for i in members], k + 1)
                 n_acc, out = forced_chain(lg.argmax(-1), drafts, torch.from_numpy(forced).to(self.device))
             elif greedy:
@@ -329,10 +329,10 @@ class TargetRunner:
                 continue
             s, lg = plan.seqs[i], logits[spans[i][0] : spans[i][1]]
             greedy = s.temperature <= 0
-            probs = None if greedy else self._probs([s], lg).cpu()  # the walk draws from the request's CPU generator
-            if greedy and self.replay is not None:
+            if self.replay is not None:  # refuses sampling requests
                 path, bonus = self._replayed_branch(s, tree, lg)
             else:
+                probs = None if greedy else self._probs([s], lg).cpu()  # the walk draws from the CPU generator
                 path, bonus = accept(tree, lg, probs, None if greedy else self._gen(s))
             paths[i] = path
             tokens[i] = [s.token_ids[n] for n in path] + [bonus]
