@@ -154,7 +154,7 @@ def synthetic_prompts(lengths: list[int], vocab: int, n: int) -> list[list[int]]
 def replay_stats(recorder: AcceptanceRecorder, replay: ReplayAcceptance | None) -> dict[str, Any]:
     """Measured acceptance (the engine's verify steps) against what the replay asked over the same steps."""
     if replay is None:
-        return {"acceptance_length": None, "acceptance_length_replayed": None, "steps_as_recorded": None}
+        return dict.fromkeys(("verify_steps", "acceptance_length", "acceptance_length_replayed", "steps_as_recorded"))
     measured = asked = steps = same = 0
     for rid, got in recorder.counts.items():
         wanted = replay.handed.get(rid, [])[: len(got)]
@@ -197,27 +197,45 @@ def run(args: argparse.Namespace, recording: Recording | None = None, sets: list
         if name.endswith(bench_trees.EAGER_SUFFIX):
             engine.target.tree_step = None  # type: ignore[attr-defined]
         built = time.perf_counter() - t0
-        if spec is not None and engine.draft is None:
-            raise bench_report.BenchError(f"'{name}' built no draft (pass --draft random for a random-weight shape)")
-        for set_name in sets:
-            recorded = recording.sets[set_name]
-            if replay is not None:
-                replay.load(recorded.streams[key])
-            for batch in args.batches:
-                n = batch * -(-max(batch, args.num_requests) // batch)
-                prompts = synthetic_prompts(recorded.prompt_tokens, engine.args.vocab_size, n)
-                row = {"set": set_name, "config": name, "batch": batch, "build_s": built}
-                row.update(measure(engine, replay, prompts, batch, args.max_tokens))
-                row["acceptance_length_recorded"] = None if spec is None else recorded.acceptance_length(key)
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
-        engine.shutdown()
-        del engine
+        try:
+            if spec is not None and engine.draft is None:
+                raise bench_report.BenchError(f"'{name}' built no draft (pass --draft random at a random-weight shape)")
+            rows += config_rows(args, engine, replay, recording, sets, name, built)
+        finally:
+            engine.shutdown()
+            del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if getattr(args, "json", None):  # what is measured so far survives a run stopped early
             bench_report.write_json(args.json, report(args, recording, sets, rows))
     return report(args, recording, sets, rows)
+
+
+def config_rows(
+    args: argparse.Namespace,
+    engine: LLMEngine,
+    replay: ReplayAcceptance | None,
+    recording: Recording,
+    sets: list[str],
+    name: str,
+    built: float,
+) -> list[dict[str, Any]]:
+    """One configuration's rows: every prompt set at every batch size."""
+    rows = []
+    key = recording_key(name)
+    for set_name in sets:
+        recorded = recording.sets[set_name]
+        if replay is not None:
+            replay.load(recorded.streams[key])
+        for batch in args.batches:
+            n = batch * -(-max(batch, args.num_requests) // batch)
+            prompts = synthetic_prompts(recorded.prompt_tokens, engine.args.vocab_size, n)
+            row = {"set": set_name, "config": name, "batch": batch, "build_s": built}
+            row.update(measure(engine, replay, prompts, batch, args.max_tokens))
+            row["acceptance_length_recorded"] = None if replay is None else recorded.acceptance_length(key)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
 
 
 def engine_config(
