@@ -7,6 +7,8 @@ Groups (`--groups`, default all):
   ttft     time to first token by prompt length, alone and with 63 requests decoding (`mtpserve bench ttft`)
   trees    draft trees against chains (`mtpserve bench trees`)
   llama8b  the same at Llama-3-8B's shape with random weights and a random head: step cost only
+  replay   per-step acceptance recorded on the real SmolLM2 + head (held-apart sets), replayed at Llama-3-8B's
+           shape with random weights: tok/s and speed-up with realistic acceptance (`mtpserve bench replay`)
   prefix   multi-turn chats over a shared 2,000-token document, cached and uncached (`bench prefix-cache`)
   load     1,024 concurrent gRPC streams against a `serve` subprocess (`mtpserve bench load`)
   distributed  the Ray path (one target worker, draft colocated) against in-process: step time and the per-hop
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.bench import decode as bench_decode
 from cluster.bench import distributed as bench_distributed
+from cluster.bench import replay as bench_replay
 from cluster.bench import report as bench_report
 from cluster.bench import trees as bench_trees
 from cluster.bench import ttft as bench_ttft
@@ -40,7 +43,7 @@ from cluster.cli.mtpserve import main as mtpserve
 from cluster.distributed.build import build_engine
 from workers.builders import DEFAULT_HEAD
 
-GROUPS = ("decode", "ttft", "trees", "llama8b", "prefix", "load", "distributed")
+GROUPS = ("decode", "ttft", "trees", "llama8b", "replay", "prefix", "load", "distributed")
 LLAMA_8B = {  # Llama-3-8B's config.json shape fields; weights are random (--load-format dummy)
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -57,6 +60,7 @@ LLAMA_8B = {  # Llama-3-8B's config.json shape fields; weights are random (--loa
 }
 TREE_CONFIGS = "target-only,chain K=1,chain K=3,tree K=3 N=8 w=3,tree K=4 N=16 w=4,tree K=6 N=32 w=4"
 LLAMA_8B_CONFIGS = "target-only,chain K=1,chain K=3,tree K=3 N=8 w=3,tree K=5 N=24 w=4"
+REPLAY_CONFIGS = "target-only,chain K=1,chain K=3,tree K=4 N=16 w=4"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tree-batches", type=int_list, default=[1, 8])
     ap.add_argument("--llama8b-configs", default=LLAMA_8B_CONFIGS)
     ap.add_argument("--llama8b-batches", type=int_list, default=[1, 8])
+    ap.add_argument("--replay-configs", default=REPLAY_CONFIGS)
+    ap.add_argument("--replay-batches", type=int_list, default=[1, 8, 64])
+    ap.add_argument("--replay-requests", type=int, default=4, help="replay: requests per batch size at least")
+    ap.add_argument("--replay-shape", default="llama8b", help="replay: 'llama8b', or a config.json folder (dry runs)")
+    ap.add_argument("--replay-num-prompts", type=int, default=None, help="replay: record the first N of each set")
     ap.add_argument("--prefix-len", type=int, default=2000)
     ap.add_argument("--load-streams", type=int, default=1024)
     ap.add_argument("--load-rounds", type=int, default=3)
@@ -253,6 +262,8 @@ def run_group(name: str, args: argparse.Namespace, out: Path, errors: list[str])
         bench_report.write_json(js, doc)
         print(bench_ttft.table(doc["results"]), flush=True)
         bench_ttft.plot(doc["results"], str(png), f"TTFT, {doc['device_name']}")
+    elif name == "replay":
+        replay_group(args, js, png)
     elif name in ("trees", "llama8b"):
         with tempfile.TemporaryDirectory() as shape_dir:
             if name == "llama8b":
@@ -324,6 +335,43 @@ def distributed_group(args: argparse.Namespace, js: Path, png: Path, errors: lis
     bench_report.write_json(js, doc)
     print(bench_distributed.table(doc["results"]), flush=True)
     bench_distributed.plot(doc["results"], str(png), f"Ray path against in-process, {doc['device_name']}")
+
+
+def replay_group(args: argparse.Namespace, js: Path, png: Path) -> None:
+    """Record the replay configurations on --model (greedy, the held-apart sets) and replay them at
+    --replay-shape in this process; the recording lands beside the report."""
+    with tempfile.TemporaryDirectory() as shape_dir:
+        shape = args.replay_shape
+        if shape == "llama8b":
+            (Path(shape_dir) / "config.json").write_text(json.dumps(LLAMA_8B))
+            shape = shape_dir
+        a = sub_args(
+            args,
+            model=shape,
+            load_format="dummy",
+            draft="random",
+            json=str(js),
+            acceptance=str(js.with_name("gpu_replay_recording.json")),
+            configs=bench_trees.config_list(args.replay_configs),
+            batches=args.replay_batches,
+            max_tokens=args.max_tokens,
+            num_requests=args.replay_requests,
+            sets=None,
+            record=True,
+            record_model=args.model,
+            record_load_format=args.load_format,
+            record_draft=args.draft,
+            record_device=args.device,
+            prompts=None,
+            record_num_prompts=args.replay_num_prompts,
+            record_batch=64,
+        )
+        doc = bench_replay.run(a)
+    doc["benchmark"], doc["command"] = "gpu replay", command()
+    bench_report.write_json(js, doc)
+    print(doc["banner"], flush=True)
+    print(bench_replay.table(doc["results"]), flush=True)
+    bench_replay.plot(doc["results"], str(png), f"replayed acceptance, {doc['device_name']}")
 
 
 def guarded(errors: list[str], name: str, fn: Any) -> Any:

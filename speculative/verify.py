@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from speculative.replay import forced_chain
 from speculative.sampling import processed_probs, sample_from_uniform
 
 
@@ -89,19 +90,22 @@ def verify_step(
     q_len: int,
     sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     filtered: bool = True,
+    forced: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a uniform step of B sequences x Q rows in fixed shapes (safe to capture in a CUDA graph).
 
     hidden [B*Q, d] are the target's rows; input_ids [B*Q], each sequence's last accepted token then its
     Q-1 drafts. sampling is None for an all-greedy step (only argmax tokens are computed), else
     (temperature [B], top_k [B] (float), top_p [B], uniforms [B, Q]); greedy rows within it (temperature 0)
-    verify exactly as greedy; `filtered` False skips top-k/top-p (see `processed_probs`). Returns
+    verify exactly as greedy; `filtered` False skips top-k/top-p (see `processed_probs`). `forced` [B, >=1]
+    replays recorded accept counts in an all-greedy step (`speculative/replay.py`). Returns
     (num_accepted [B], tokens [B, Q]).
     """
     bsz = input_ids.shape[0] // q_len
     drafts = input_ids.view(bsz, q_len)[:, 1:]
     if sampling is None:
-        return verify_greedy(target.greedy_tokens(hidden).view(bsz, q_len), drafts)
+        argmax = target.greedy_tokens(hidden).view(bsz, q_len)
+        return verify_greedy(argmax, drafts) if forced is None else forced_chain(argmax, drafts, forced)
     temperature, top_k, top_p, uniforms = sampling
     probs = processed_probs(
         target.logits(hidden),

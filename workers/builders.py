@@ -33,6 +33,7 @@ from speculative.mtp_head import MTPEagleHead
 from speculative.mtp_native import native_heads, num_native_modules
 from speculative.mtp_tree import MTPEagleTree
 from speculative.mtp_vanilla import VanillaMTPChain
+from speculative.replay import ReplayAcceptance
 from workers.chain_step import UniformChainStep
 from workers.config import MTPServeConfig
 from workers.fused_step import FusedDepthSteps, FusedSpecStep
@@ -112,26 +113,33 @@ def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:
 
 
 def build_runner(
-    cfg: MTPServeConfig, model: LlamaModel, cache: KVCache, device: str, k: int, max_len: int
+    cfg: MTPServeConfig,
+    model: LlamaModel,
+    cache: KVCache,
+    device: str,
+    k: int,
+    max_len: int,
+    replay: ReplayAcceptance | None = None,
 ) -> TargetRunner:
     """The target runner, with captured generation steps (Q = K+1 rows per request) on CUDA; draft trees
-    are verified eagerly, so with trees only target-only steps (Q = 1) are captured."""
+    are verified eagerly, so with trees only target-only steps (Q = 1) are captured. `replay` (benchmarks
+    only) makes its greedy verify steps, and those `capture_local_steps` adds, accept recorded drafts."""
     uniform = None
     if cfg.speculative.tree_budget:
         k = 0
     if device.startswith("cuda") and cfg.model.cuda_graphs:
         max_blocks = graph_max_blocks(cfg, k, max_len)
-        uniform = UniformTargetStep(model, cache, k + 1, cfg.scheduler.max_num_requests, max_blocks, device)
+        n = cfg.scheduler.max_num_requests
+        uniform = UniformTargetStep(model, cache, k + 1, n, max_blocks, device, replay=replay)
         uniform.steps.capture()
-    return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform)
+    return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform, replay)
 
 
 def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int) -> FusedSpecStep:
     """Generation steps with the colocated draft (greedy and sampling), captured per batch bucket."""
     max_blocks = graph_max_blocks(cfg, k, max_len)
-    fused = FusedSpecStep(
-        target.model, target.cache, chain, k, cfg.scheduler.max_num_requests, max_blocks, target.device
-    )
+    n = cfg.scheduler.max_num_requests
+    fused = FusedSpecStep(target.model, target.cache, chain, k, n, max_blocks, target.device, replay=target.replay)
     fused.steps.capture()
     fused.warm_up()
     return fused
@@ -181,7 +189,8 @@ def build_prefill(
 def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagleTree, max_len: int) -> FusedTreeStep:
     """Tree steps with the colocated drafter, captured per batch bucket and sampling mode."""
     max_blocks = graph_max_blocks(cfg, drafter.depth, max_len)
-    step = FusedTreeStep(target.model, target.cache, drafter, cfg.scheduler.max_num_requests, max_blocks, target.device)
+    n = cfg.scheduler.max_num_requests
+    step = FusedTreeStep(target.model, target.cache, drafter, n, max_blocks, target.device, replay=target.replay)
     step.steps.try_capture()
     return step
 

@@ -28,16 +28,18 @@ from modeling.kv_cache import KVCache
 from modeling.model import LlamaModel
 from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain, propose_from_rows
+from speculative.replay import ReplayAcceptance
 from speculative.sampling import SamplingMode
 from speculative.verify import verify_step
 from workers import step_kernels
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
-from workers.step_buffers import StepBuffers
+from workers.step_buffers import ForcedRows, StepBuffers
 from workers.uniform_step import fill_step
 
 
 class FusedSpecStep:
-    """Target + colocated MTP chain for uniform generation steps (TP=1, draft in process)."""
+    """Target + colocated MTP chain for uniform generation steps (TP=1, draft in process). With `replay`
+    (benchmarks), greedy steps accept the counts it forces (`speculative/replay.py`)."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class FusedSpecStep:
         max_blocks: int,
         device: torch.device | str,
         use_graphs: bool = True,
+        replay: ReplayAcceptance | None = None,
     ) -> None:
         if k < 0:
             raise ValueError("the fused step's draft depth must be >= 0")
@@ -56,6 +59,7 @@ class FusedSpecStep:
         dev = torch.device(device)
         sizes = capture_sizes(max_batch)
         self.buffers = StepBuffers.allocate(max_batch, k + 1, max_blocks, cache.block_size, cache.scratch_block, dev)
+        self.forced = None if replay is None or k == 0 else ForcedRows(replay, max_batch, k + 1, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
         self._row_offsets = torch.arange(k + 1, device=dev)  # a request's Q rows, for `_advance`
@@ -69,7 +73,8 @@ class FusedSpecStep:
         ids, pos = b.input_ids[:n], b.positions[:n]
         hidden, features = self.target.forward_features(ids, pos, self.cache, meta)
         sampling = None if mode is SamplingMode.GREEDY else b.sampling(bucket)
-        n_acc, emitted = verify_step(self.target, hidden, ids, q, sampling, mode is SamplingMode.FILTERED)
+        forced = None if self.forced is None else self.forced.rows(bucket)
+        n_acc, emitted = verify_step(self.target, hidden, ids, q, sampling, mode is SamplingMode.FILTERED, forced)
         c = self.chain
         drafts = propose_from_rows(c.head, c.shared, c.cache, emitted.reshape(-1), features, pos, meta, n_acc, k)
         next_start = pos.view(bucket, q)[:, 0] + n_acc + 1
@@ -95,7 +100,7 @@ class FusedSpecStep:
         `uniforms` [m, K+1] holds the verify step's random numbers; None for an all-greedy step. With
         `after` (a previous launch's results), each sequence's token_ids[0] is its row there, and its
         tokens and positions are taken from that row on the device."""
-        mode = fill_step(self.buffers, plan, bucket, uniforms)
+        mode = fill_step(self.buffers, plan, bucket, uniforms, self.forced)
         m = len(plan.seqs)
         if after is not None:
             self._advance(m, after)

@@ -12,6 +12,7 @@ from modeling.attention import ragged_metadata
 from modeling.kv_cache import KVCache
 from modeling.model import LlamaModel
 from speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from speculative.replay import ReplayAcceptance, forced_chain, forced_walk
 from speculative.sampling import (
     SamplingMode,
     processed_probs,
@@ -69,9 +70,11 @@ class TargetRunner:
         device: torch.device | str,
         lookahead_source: str = "prompt",
         uniform: UniformTargetStep | None = None,
+        replay: ReplayAcceptance | None = None,
     ):
         self.model = model
         self.uniform = uniform
+        self.replay = replay  # benchmarks only: greedy verify steps accept what it forces (speculative/replay.py)
         self.fused: Any = None  # FusedSpecStep (FusedDepthSteps when adaptive) with the draft in this process
         self.drafting = False  # a draft follows this target: every step's rows go to it, even at depth 0
         self.tree_step: Any = None  # FusedTreeStep when a tree drafter is colocated in this process
@@ -213,8 +216,8 @@ class TargetRunner:
             starts = self._eager_verify(plan, trees, hidden, tokens, accepted, last_token, paths)
         drafted = [0 if s.is_context else s.num_draft_tokens for s in plan.seqs]
         for i, tree in enumerate(trees):
-            if tree is not None:
-                drafted[i] = int(tree.depth().max())  # one branch is checked: stats count tree depth
+            if tree is not None:  # one branch is checked: stats count tree depth (or a longer replayed branch)
+                drafted[i] = max(int(tree.depth().max()), accepted[i])
         results = [SeqResult(s.request_id, tokens[i], drafted[i], accepted[i]) for i, s in enumerate(plan.seqs)]
         draft_inputs = None
         if plan.num_draft_tokens > 0 or self.drafting:
@@ -298,7 +301,10 @@ class TargetRunner:
                     tokens[i] = [t] if plan.seqs[i].is_final_chunk else []
                 continue
             drafts = torch.tensor([plan.seqs[i].token_ids[1:] for i in members], dtype=torch.long, device=self.device)
-            if greedy:
+            if self.replay is not None and k > 0:  # refuses sampling requests
+                forced = self.replay.take([plan.seqs[i] for i in members], k + 1)
+                n_acc, out = forced_chain(lg.argmax(-1), drafts, torch.from_numpy(forced).to(self.device))
+            elif greedy:
                 n_acc, out = verify_greedy(lg.argmax(-1), drafts)
             else:
                 n_acc, out = self._verify_sampling(plan, members, lg, drafts)
@@ -323,13 +329,24 @@ class TargetRunner:
                 continue
             s, lg = plan.seqs[i], logits[spans[i][0] : spans[i][1]]
             greedy = s.temperature <= 0
-            probs = None if greedy else self._probs([s], lg).cpu()  # the walk draws from the request's CPU generator
-            path, bonus = accept(tree, lg, probs, None if greedy else self._gen(s))
+            if self.replay is not None:  # refuses sampling requests
+                path, bonus = self._replayed_branch(s, tree, lg)
+            else:
+                probs = None if greedy else self._probs([s], lg).cpu()  # the walk draws from the CPU generator
+                path, bonus = accept(tree, lg, probs, None if greedy else self._gen(s))
             paths[i] = path
             tokens[i] = [s.token_ids[n] for n in path] + [bonus]
             accepted[i], last_token[i] = len(path), bonus
             moves.append(branch_moves(s, path, self.cache.block_size))
         move_branches(self.cache, moves, self.device)
+
+    def _replayed_branch(self, s: SeqPlan, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        """(accepted nodes, bonus token) of one tree as the replay forces them (`forced_walk`, as in the
+        captured tree step)."""
+        assert self.replay is not None
+        forced = torch.from_numpy(self.replay.take([s], tree.size)).to(self.device)
+        n_acc, path, bonus = forced_walk(forced, logits.argmax(-1)[None], tree.size - 1)
+        return path[0, : int(n_acc[0])].tolist(), int(bonus[0])
 
     def uniforms(self, plan: StepPlan, q_len: int) -> torch.Tensor | None:
         """Verify uniforms [m, Q] for a uniform step from each sampling request's generator (the same

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 import torch
+
+from speculative.messages import SeqPlan
+from speculative.replay import ReplayAcceptance
 
 
 @dataclass
@@ -205,3 +209,30 @@ class StepBuffers:
             real_slots = np.where(inside, self.scratch_block * bs + np.arange(q)[None, :] % bs, real_slots)
         slots[:real] = real_slots.reshape(-1)
         lens[:n] = start + q
+
+
+class ForcedRows:
+    """Fixed-address forced acceptance rows [B_max, Q] of a replayed step (`speculative/replay.py`): the
+    host fills them per step with the step's other inputs (one copy from one of two alternating host
+    twins), the captured verify reads them in place of its comparison."""
+
+    def __init__(self, replay: ReplayAcceptance, max_batch: int, q_len: int, device: torch.device) -> None:
+        self.replay = replay
+        self.rows_device = torch.zeros(max_batch, q_len, dtype=torch.long, device=device)
+        pin = device.type == "cuda"
+        self._twins = tuple(torch.zeros(max_batch, q_len, dtype=torch.long, pin_memory=pin) for _ in range(2))
+        self._turn = 0
+
+    def fill(self, seqs: Sequence[SeqPlan], bucket: int) -> None:
+        """The replay's rows for a step's sequences; padding rows (up to `bucket`) accept nothing."""
+        self._turn ^= 1
+        host = self._twins[self._turn]
+        n = len(seqs)
+        host[:bucket] = 0
+        if n:
+            host[:n] = torch.from_numpy(self.replay.take(seqs, host.shape[1]))
+        self.rows_device[:bucket].copy_(host[:bucket], non_blocking=True)
+
+    def rows(self, bucket: int) -> torch.Tensor:
+        """The device rows of the first `bucket` sequences."""
+        return self.rows_device[:bucket]

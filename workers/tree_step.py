@@ -27,10 +27,11 @@ from modeling.model import LlamaModel
 from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from speculative.mtp_chain import chain_slots
 from speculative.mtp_tree import MetaFor, MTPEagleTree
+from speculative.replay import ReplayAcceptance, forced_walk
 from speculative.sampling import SamplingMode, processed_probs, sampling_mode
 from speculative.tree import greedy_walk, sample_walk, walk_uniforms
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
-from workers.step_buffers import StepBuffers
+from workers.step_buffers import ForcedRows, StepBuffers
 
 
 class TreeBuffers:
@@ -96,7 +97,8 @@ def ancestor_masks(parents: np.ndarray) -> np.ndarray:
 
 class FusedTreeStep:
     """Target + colocated tree drafter for generation steps with trees of `drafter.budget` nodes (TP=1, draft
-    in process)."""
+    in process). With `replay` (benchmarks), greedy steps accept the branches it forces
+    (`speculative/replay.py`)."""
 
     def __init__(
         self,
@@ -107,11 +109,13 @@ class FusedTreeStep:
         max_blocks: int,
         device: torch.device | str,
         use_graphs: bool = True,
+        replay: ReplayAcceptance | None = None,
     ) -> None:
         self.target, self.cache, self.drafter = target, cache, drafter
         self.q_len = drafter.budget + 1
         self.depth = min(drafter.depth, drafter.budget)  # the deepest a tree of this budget can be
         dev = torch.device(device)
+        self.forced = None if replay is None else ForcedRows(replay, max_batch, self.q_len, dev)
         self.buffers = StepBuffers.allocate(
             max_batch, self.q_len, max_blocks, cache.block_size, cache.scratch_block, dev
         )
@@ -159,7 +163,10 @@ class FusedTreeStep:
         d, q, parents = self.depth, self.q_len, self.trees.parents[:bucket]
         if mode is SamplingMode.GREEDY:
             argmax = self.target.greedy_tokens(hidden).view(bucket, q)
-            n_acc, path, bonus = greedy_walk(tokens, parents, argmax, d)
+            if self.forced is None:
+                n_acc, path, bonus = greedy_walk(tokens, parents, argmax, d)
+            else:
+                n_acc, path, bonus = forced_walk(self.forced.rows(bucket), argmax, d)
         else:
             temperature, top_k, top_p, _ = self.buffers.sampling(bucket)
             probs = processed_probs(
@@ -199,6 +206,8 @@ class FusedTreeStep:
         parents = np.array([[-1, *(s.draft_parents or [])] for s in seqs], dtype=np.int64)
         self.buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
         depths = self.trees.fill(parents, bucket).max(axis=1).tolist()
+        if self.forced is not None:
+            self.forced.fill(seqs, bucket)
         mode = SamplingMode.GREEDY
         if uniforms is not None:
             unused = torch.zeros(len(seqs), self.q_len)  # the chain's verify uniforms; trees read their own
@@ -211,8 +220,8 @@ class FusedTreeStep:
         self.runs += 1
         d, n = self.depth, self.q_len - 1
         rows = host[:, : d + 2].tolist()
-        results = [
-            SeqResult(s.request_id, row[: row[d + 1] + 1], depth, row[d + 1])
+        results = [  # drafted: the tree's depth, or a replayed branch's length when that is longer
+            SeqResult(s.request_id, row[: row[d + 1] + 1], max(depth, row[d + 1]), row[d + 1])
             for s, depth, row in zip(seqs, depths, rows, strict=True)
         ]
         tokens, parents = host[:, d + 2 : d + 2 + n].clone(), host[:, d + 2 + n : d + 2 + 2 * n].clone()

@@ -11,10 +11,11 @@ from modeling.attention import UniformMetadata
 from modeling.kv_cache import KVCache
 from modeling.model import LlamaModel
 from speculative.messages import SeqResult, StepPlan, TargetOutput
+from speculative.replay import ReplayAcceptance
 from speculative.sampling import SamplingMode, sampling_mode
 from speculative.verify import verify_step
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
-from workers.step_buffers import StepBuffers
+from workers.step_buffers import ForcedRows, StepBuffers
 
 
 class UniformTargetStep:
@@ -22,7 +23,7 @@ class UniformTargetStep:
     captured per batch bucket on CUDA, once for all-greedy steps and once for steps that sample (their
     temperature, top-k, top-p and uniforms are fixed buffers too). Returns the draft's features (the
     hidden states, or the concatenated outputs of the model's `feature_layers`), accept counts and emitted
-    tokens."""
+    tokens. With `replay` (benchmarks), greedy verify steps accept what it forces (`speculative/replay.py`)."""
 
     def __init__(
         self,
@@ -33,6 +34,7 @@ class UniformTargetStep:
         max_blocks: int,
         device: torch.device | str,
         use_graphs: bool = True,
+        replay: ReplayAcceptance | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -40,6 +42,7 @@ class UniformTargetStep:
         dev = torch.device(device)
         sizes = capture_sizes(max_batch)
         self.buffers = StepBuffers.allocate(max_batch, q_len, max_blocks, cache.block_size, cache.scratch_block, dev)
+        self.forced = None if replay is None or q_len == 1 else ForcedRows(replay, max_batch, q_len, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
 
@@ -50,7 +53,8 @@ class UniformTargetStep:
         hidden, features = self.model.forward_features(b.input_ids[:n], b.positions[:n], self.cache, meta)
         sampling = None if mode is SamplingMode.GREEDY else b.sampling(bucket)
         filtered = mode is SamplingMode.FILTERED
-        n_acc, tokens = verify_step(self.model, hidden, b.input_ids[:n], self.q_len, sampling, filtered)
+        forced = None if self.forced is None else self.forced.rows(bucket)
+        n_acc, tokens = verify_step(self.model, hidden, b.input_ids[:n], self.q_len, sampling, filtered, forced)
         return features, pack_verified(n_acc, tokens)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
@@ -69,7 +73,7 @@ class UniformTargetStep:
         all-greedy step. With `tokens_from` (a device tensor of the previous step's tokens, Q = 1), each
         sequence's token_ids hold a row of it instead of a token, and the token is gathered on the device."""
         seqs = plan.seqs
-        mode = fill_step(self.buffers, plan, bucket, uniforms)
+        mode = fill_step(self.buffers, plan, bucket, uniforms, self.forced)
         if tokens_from is not None:
             ids = self.buffers.input_ids[: len(seqs)]
             ids.copy_(tokens_from.index_select(0, ids))
@@ -84,11 +88,20 @@ def token_results(plan: StepPlan, rows: list[list[int]]) -> TargetOutput:
     return TargetOutput(plan.step_id, results)
 
 
-def fill_step(buffers: StepBuffers, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None) -> SamplingMode:
-    """Copy a uniform step's inputs (and, when it samples, its sampling parameters) into `buffers`; returns
-    the captured variant the step runs (greedy when there are no uniforms)."""
+def fill_step(
+    buffers: StepBuffers,
+    plan: StepPlan,
+    bucket: int,
+    uniforms: torch.Tensor | None,
+    forced: ForcedRows | None = None,
+) -> SamplingMode:
+    """Copy a uniform step's inputs (and, when it samples, its sampling parameters; when it replays
+    acceptance, its forced rows) into `buffers`; returns the captured variant the step runs (greedy when
+    there are no uniforms)."""
     seqs = plan.seqs
     buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
+    if forced is not None:
+        forced.fill(seqs, bucket)
     if uniforms is None:
         return SamplingMode.GREEDY
     buffers.fill_sampling(

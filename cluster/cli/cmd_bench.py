@@ -1,6 +1,7 @@
 """`mtpserve bench`: `throughput` (tok/s and step time per batch size), `acceptance` (draft acceptance),
 `prefix-cache` (multi-turn chats with and without prefix caching), `ttft` (time to first token by prompt
-length), `trees` (draft trees against chains, any Llama shape), `load` (concurrent streams against a server),
+length), `trees` (draft trees against chains, any Llama shape), `replay` (speculative speed at any Llama shape
+with acceptance replayed from a real model's recording), `load` (concurrent streams against a server),
 `distributed` (the Ray path against in-process) and `http-vs-grpc` (the HTTP API against gRPC on one server).
 
 The flags of the first three live here; each other benchmark module registers its own sub-command.
@@ -17,6 +18,7 @@ from cluster.bench import distributed as bench_distributed
 from cluster.bench import http_vs_grpc as bench_http_vs_grpc
 from cluster.bench import load as bench_load
 from cluster.bench import prefix as bench_prefix
+from cluster.bench import replay as bench_replay
 from cluster.bench import report as bench_report
 from cluster.bench import throughput as bench_throughput
 from cluster.bench import trees as bench_trees
@@ -31,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     """Register every `bench` sub-command."""
     p = sub.add_parser(
         name,
-        help="measure throughput, acceptance, prefix caching, TTFT, trees, load, the distributed path",
+        help="measure throughput, acceptance, prefix caching, TTFT, trees, replayed acceptance, load, the "
+        "distributed path",
         description="Benchmarks; every one writes the same report (command, environment, settings, results).",
     )
     kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -109,7 +112,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     add_engine_flags(c)
     c.set_defaults(func=run_prefix_cache)
 
-    for module in (bench_ttft, bench_trees, bench_load, bench_http_vs_grpc):
+    for module in (bench_ttft, bench_trees, bench_replay, bench_load, bench_http_vs_grpc):
         module.add_parser(kinds)
     bench_distributed.add_parser(kinds, build_engine)
 

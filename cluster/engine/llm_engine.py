@@ -19,6 +19,7 @@ from modeling.model import LlamaArgs
 from speculative.draft_head import DraftHead
 from speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain
+from speculative.replay import ReplayAcceptance
 from speculative.stats import SpecStats
 from workers.builders import (
     bind_features,
@@ -124,11 +125,13 @@ class LLMEngine:
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: MTPServeConfig, load_tokenizer: bool = True) -> LLMEngine:
-        """Load the target (and draft) in this process."""
+    def from_config(
+        cls, cfg: MTPServeConfig, load_tokenizer: bool = True, replay: ReplayAcceptance | None = None
+    ) -> LLMEngine:
+        """Load the target (and draft) in this process; `replay` as in `from_weights`."""
         source, args, weights = load_target(cfg)
         tok = source.tokenizer() if load_tokenizer and not source.dummy else None
-        return cls.from_weights(cfg, args, weights, tok)
+        return cls.from_weights(cfg, args, weights, tok, replay=replay)
 
     @classmethod
     def from_weights(
@@ -138,8 +141,11 @@ class LLMEngine:
         weights: dict[str, torch.Tensor],
         tokenizer: Any = None,
         head: DraftHead | None = None,
+        replay: ReplayAcceptance | None = None,
     ) -> LLMEngine:
-        """Build from in-memory weights; `head` overrides the configured draft head."""
+        """Build from in-memory weights; `head` overrides the configured draft head. `replay` is for
+        benchmarks only: greedy verify steps accept the recorded drafts it holds instead of comparing them
+        with the target's tokens (`speculative/replay.py`), so the output is not the model's."""
         device = resolve_device(cfg.model.device)
         dtype = to_dtype(cfg.model.dtype, device)
         model = build_target(
@@ -153,7 +159,7 @@ class LLMEngine:
         draft = build_draft(cfg, heads, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
         spec = cfg.speculative
         k = spec.num_draft_tokens if draft is not None else 0
-        target = build_runner(cfg, model, cache, device, k, max_len)
+        target = build_runner(cfg, model, cache, device, k, max_len, replay)
         target.drafting = draft is not None
         adaptive = spec.adaptive and isinstance(draft, MTPEagleChain)
         capture_local_steps(cfg, target, draft, k, max_len)

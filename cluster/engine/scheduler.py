@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -11,7 +12,7 @@ from cluster.engine.block_manager import BlockManager
 from cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 from cluster.engine.request import Request, RequestStatus
 from speculative.adaptive import AdaptiveDepth
-from speculative.messages import DraftOutputs, SeqPlan, StepPlan, TargetOutput
+from speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from speculative.stats import SpecStats
 from workers.config import SchedulerConfig
 
@@ -71,6 +72,7 @@ class Scheduler:
         self._finished_since_plan: list[str] = []
         self._step = 0
         self.num_preemptions = 0
+        self.on_verify: Callable[[SeqPlan, SeqResult], None] | None = None  # told of every counted verify step
 
     # ---- admission -------------------------------------------------------------------------------
     def slots_needed(self, num_tokens: int) -> int:
@@ -358,6 +360,8 @@ class Scheduler:
                     req.stats.record(drafted, min(res.num_accepted, drafted))
                     if self.depth is not None:
                         self.depth.tracker.record(drafted, res.num_accepted)
+                    if self.on_verify is not None:
+                        self.on_verify(sp, res)
             req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
             outputs.append(self._append(req, res.new_token_ids))
         if drafts is not None:

@@ -1,0 +1,129 @@
+"""Replayed acceptance, for benchmarks only: verify steps that accept what a recording says instead of
+comparing the drafts with the target's tokens.
+
+With random weights a draft is never accepted, so a speculative step at a large shape cannot be timed with
+realistic acceptance from the model itself. A recording made on a real model is replayed instead.
+
+Terms:
+- path: the accepted drafts of one verify step as node indices in the step's own numbering (node 0 is the
+  last accepted token, node j the j-th draft: `SeqPlan.token_ids[j]`). A chain's accepted count c is the
+  path 1..c; a tree's path is its accepted branch, root excluded.
+- stream: one recorded request's paths, one per verify step.
+- forced rows [B, Q] int64: per sequence of a step, column 0 the accepted count, columns 1.. its path
+  (0-padded). `forced_chain` and `forced_walk` read them in fixed shapes (safe to capture) in place of the
+  greedy comparison: the step accepts the count (clamped to what it drafted) along the path, and emits the
+  drafts there followed by the target's own token after the last of them. So every KV move, draft re-run
+  and copy of an accepted step runs as in real use; the tokens mean nothing (random weights).
+- Request r of a run (in the order requests first reach a verify step) replays stream r mod n, cycling
+  through it. A replayed tree path need not be a branch of the tree the step drafted (its shape comes from
+  the weights at hand); the KV moves and re-run rows follow the recorded nodes all the same.
+
+Only greedy requests are replayed (`ReplayAcceptance.take` refuses others). Nothing in the served
+configuration turns this on: the benchmark hands a `ReplayAcceptance` to the engine builder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from speculative.messages import SeqPlan, SeqResult
+
+
+class ReplayAcceptance:
+    """Recorded streams and each request's place in them; gives every verify row its forced row."""
+
+    def __init__(self, streams: Sequence[Sequence[Sequence[int]]]) -> None:
+        self.streams: list[list[list[int]]] = []
+        self.handed: dict[str, list[int]] = {}  # accepted counts handed out per request, in step order
+        self._index: dict[str, int] = {}  # request -> its stream
+        self._cursor: dict[str, int] = {}  # request -> its next step in the stream
+        self.load(streams)
+
+    @classmethod
+    def from_counts(cls, counts: Sequence[Sequence[int]]) -> ReplayAcceptance:
+        """Streams of chains from per-request accepted counts."""
+        return cls([[list(range(1, c + 1)) for c in stream] for stream in counts])
+
+    def load(self, streams: Sequence[Sequence[Sequence[int]]]) -> None:
+        """Replay these streams from now on (empty ones are skipped), every request starting afresh."""
+        kept = [[list(p) for p in s] for s in streams if len(s)]
+        if not kept:
+            raise ValueError("replayed acceptance needs at least one non-empty stream")
+        self.streams = kept
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every request: the next one to verify replays stream 0 from its first step."""
+        self.handed.clear()
+        self._index.clear()
+        self._cursor.clear()
+
+    def take(self, seqs: Sequence[SeqPlan], width: int) -> np.ndarray:
+        """Forced rows [len(seqs), width] of a step's verify rows, advancing each request in its stream;
+        paths longer than width - 1 are cut (the step clamps the count to what it drafted)."""
+        out = np.zeros((len(seqs), width), dtype=np.int64)
+        for b, s in enumerate(seqs):
+            if s.temperature > 0:
+                raise ValueError(
+                    f"request {s.request_id}: replayed acceptance takes greedy requests only "
+                    f"(temperature {s.temperature})"
+                )
+            rid = s.request_id
+            index = self._index.setdefault(rid, len(self._index))
+            stream = self.streams[index % len(self.streams)]
+            step = self._cursor.get(rid, 0)
+            self._cursor[rid] = step + 1
+            path = stream[step % len(stream)][: width - 1]
+            out[b, 0] = len(path)
+            out[b, 1 : 1 + len(path)] = path
+            self.handed.setdefault(rid, []).append(len(path))
+        return out
+
+
+def forced_chain(
+    target_argmax: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_greedy` with the accepted counts read from forced rows [B, >=1]: returns (num_accepted [B],
+    tokens [B, K+1]), the first num_accepted drafts then the target's token after them. target_argmax
+    [B, K+1], drafts [B, K]."""
+    k = drafts.shape[1]
+    n_acc = forced[:, 0].clamp(0, k)
+    padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
+    columns = torch.arange(k + 1, device=drafts.device)
+    return n_acc, torch.where(columns[None, :] < n_acc[:, None], padded, target_argmax)
+
+
+def forced_walk(
+    forced: torch.Tensor, target_argmax: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`greedy_walk` with the accepted branch read from forced rows [B, >=1+depth]: returns (accepted counts
+    [B], node indices [B, depth] padded with 0, bonus tokens [B]: the target's token at the last accepted
+    node, or at the root). target_argmax [B, N]."""
+    n_acc = forced[:, 0].clamp(0, depth)
+    steps = torch.arange(depth, device=forced.device)
+    path = torch.where(steps[None, :] < n_acc[:, None], forced[:, 1 : depth + 1], 0)
+    last = path.gather(1, (n_acc - 1).clamp(min=0)[:, None])  # node 0 (the root) when nothing is accepted
+    return n_acc, path, target_argmax.gather(1, last)[:, 0]
+
+
+def accepted_path(seq: SeqPlan, result: SeqResult) -> list[int]:
+    """The accepted node indices of a verify step from its plan and result: 1..n for a chain; for a tree,
+    the branch whose drafts are the emitted tokens (siblings carry distinct tokens, so it is unique)."""
+    n = result.num_accepted
+    if seq.draft_parents is None:
+        return list(range(1, n + 1))
+    parents = [-1, *seq.draft_parents]
+    node, path = 0, []
+    for token in result.new_token_ids[:n]:
+        child = next(
+            (c for c in range(1, len(parents)) if parents[c] == node and seq.token_ids[c] == token),
+            None,
+        )
+        if child is None:
+            raise ValueError(f"request {seq.request_id}: emitted token {token} continues no draft of node {node}")
+        path.append(child)
+        node = child
+    return path
