@@ -21,7 +21,7 @@ from modeling.kv_cache import KVCache
 from modeling.layer_ops import pick_ops
 from modeling.loader import ModelSource, resolve_model
 from modeling.model import LlamaArgs, LlamaModel, cast_keeping_fp32, prepare_for_inference
-from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
+from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
 from speculative.draft_head import DraftHead
 from speculative.eagle3_config import default_feature_layers as eagle3_layers
 from speculative.eagle3_config import is_eagle3_dir
@@ -144,17 +144,34 @@ def build_fused_depths(
     return FusedDepthSteps({d: build_fused(cfg, target, chain, d, max_len) for d in range(k + 1)})
 
 
+def tree_kind(drafter: MTPEagleTree) -> StepKind:
+    """The step kind of a tree drafter's trees (its width capped by the draft vocabulary, as it grows them)."""
+    return StepKind.tree(min(drafter.depth, drafter.budget), drafter.budget, drafter.width)
+
+
 def depth_policy(
-    cfg: MTPServeConfig, k: int, fused: Any = None, timed: dict[tuple[int, int], float] | None = None
+    cfg: MTPServeConfig,
+    k: int,
+    fused: Any = None,
+    timed: dict[tuple[int, int], float] | None = None,
+    tree: MTPEagleTree | None = None,
+    tree_step: FusedTreeStep | None = None,
 ) -> AdaptiveDepth:
-    """The adaptive depth policy: step costs per (batch bucket, depth) timed once on the fused depth steps
-    when there are some (`fused`, or their times from another process in `timed`), else observed from
-    the engine's own steps."""
+    """The adaptive policy over chain depths 0..k and, given a tree drafter that can also chain (`tree`), its
+    trees: step costs per (batch bucket, kind) timed once on the fused depth steps and the tree step when
+    there are some (`fused` and `tree_step`, or the depth steps' times from another process in `timed`),
+    else observed from the engine's own steps."""
+    trees = [tree_kind(tree)] if tree is not None and tree.chains else []
     if isinstance(fused, FusedDepthSteps):
         timed = fused.time_steps()
-    costs = StepCosts(capture_sizes(cfg.scheduler.max_num_requests), k, online=timed is None)
+        if trees and tree_step is None:
+            trees = []  # timed chains against an untimed tree: leave the tree out
+    costs = StepCosts(capture_sizes(cfg.scheduler.max_num_requests), k, online=timed is None, trees=trees)
     for (bucket, depth), seconds in (timed or {}).items():
         costs.set(bucket, depth, seconds)
+    if trees and tree_step is not None and timed is not None:
+        for bucket, seconds in tree_step.time_steps().items():
+            costs.set(bucket, trees[0], seconds)
     return AdaptiveDepth(costs, AcceptanceTracker(k))
 
 
@@ -165,6 +182,8 @@ def build_prefill(
     bucket; None where it does not apply (config, a latent-attention model, `sampled` lookahead, another
     draft method)."""
     chain = draft if isinstance(draft, MTPEagleChain) else None
+    if isinstance(draft, MTPEagleTree) and draft.chains:
+        chain = draft.chain  # adaptive: chain steps' prompt chunks (a tree step's run eagerly)
     if not cfg.model.prefill_graphs or not target.model.ragged_capture or (draft is not None and chain is None):
         return None
     if cfg.speculative.lookahead_source != "prompt":
@@ -187,19 +206,22 @@ def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagle
 
 
 def capture_local_steps(
-    cfg: MTPServeConfig, target: TargetRunner, draft: DraftMethod | None, k: int, max_len: int
+    cfg: MTPServeConfig, target: TargetRunner, draft: DraftMethod | None, k: int, max_len: int, trees: bool = True
 ) -> None:
     """Give a target whose draft (if any) runs in its process the captured steps that fold the draft in:
-    fused generation steps (one per depth when adaptive) for a chain, the tree step for trees, and the
-    prefill step; nothing off CUDA or without CUDA graphs. The in-process engine and a TP=1 Ray rank
-    share this."""
+    fused generation steps (one per depth when adaptive) for a chain, the tree step for trees (both when
+    adaptive over trees; the tree step only with `trees`), and the prefill step; nothing off CUDA or without
+    CUDA graphs. The in-process engine and a TP=1 Ray rank share this."""
     if not (target.device.type == "cuda" and cfg.model.cuda_graphs):
         return
     if isinstance(draft, MTPEagleChain):
         build = build_fused_depths if cfg.speculative.adaptive else build_fused
         target.fused = build(cfg, target, draft, k, max_len)
     elif isinstance(draft, MTPEagleTree):
-        target.tree_step = build_tree_step(cfg, target, draft, max_len)
+        if draft.chains:
+            target.fused = build_fused_depths(cfg, target, draft.chain, k, max_len)
+        if trees or not draft.chains:
+            target.tree_step = build_tree_step(cfg, target, draft, max_len)
     target.prefill = build_prefill(cfg, target, draft, k, max_len)
 
 
@@ -207,6 +229,8 @@ def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: 
     """Capture the chain's generation-only steps on CUDA, for a draft that runs apart from the target's
     fused step (a separate draft worker, or rank 0 of a Ray target group)."""
     k = cfg.speculative.num_draft_tokens
+    if isinstance(draft, MTPEagleTree) and draft.chains:
+        draft = draft.chain  # adaptive: the scheduler offers only chains to a draft apart from the target
     if isinstance(draft, MTPEagleChain) and draft.device.type == "cuda" and cfg.model.cuda_graphs:
         max_blocks = graph_max_blocks(cfg, k, max_len)
         draft.uniform = UniformChainStep(draft, k, cfg.scheduler.max_num_requests, max_blocks)
@@ -311,7 +335,7 @@ def build_draft(
     method = DRAFT_METHODS[cfg.speculative.method].build(cfg, heads, shared, caches, lookahead, device)
     spec = cfg.speculative
     if spec.tree_budget and isinstance(method, MTPEagleChain):
-        return MTPEagleTree(method, spec.num_draft_tokens, spec.tree_width, spec.tree_budget)
+        return MTPEagleTree(method, spec.num_draft_tokens, spec.tree_width, spec.tree_budget, spec.adaptive)
     return method
 
 

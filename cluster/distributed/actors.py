@@ -393,7 +393,8 @@ def engine_over(cfg: MTPServeConfig, group: Any) -> LLMEngine:
     target.drafting = drafting
     k, scratch = (spec.proposed_tokens, spec.scratch_slots) if drafting else (0, 0)
     blocks = num_blocks_for(cfg, max_len)
-    depth = depth_policy(cfg, k, timed=group.step_costs) if drafting and spec.adaptive else None
+    # the ranks cannot switch between chains and trees: only chain depths are offered over Ray
+    depth = depth_policy(cfg, spec.num_draft_tokens, timed=group.step_costs) if drafting and spec.adaptive else None
     sched = Scheduler(cfg.scheduler, blocks, k, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth)
     tok = source.tokenizer() if not source.dummy else None
     engine = LLMEngine(cfg, args, sched, target, None, tok)

@@ -19,6 +19,7 @@ from modeling.model import LlamaArgs
 from speculative.draft_head import DraftHead
 from speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain
+from speculative.mtp_tree import MTPEagleTree
 from speculative.stats import SpecStats
 from workers.builders import (
     bind_features,
@@ -155,10 +156,11 @@ class LLMEngine:
         k = spec.num_draft_tokens if draft is not None else 0
         target = build_runner(cfg, model, cache, device, k, max_len)
         target.drafting = draft is not None
-        adaptive = spec.adaptive and isinstance(draft, MTPEagleChain)
+        adaptive = spec.adaptive and isinstance(draft, (MTPEagleChain, MTPEagleTree))
         capture_local_steps(cfg, target, draft, k, max_len)
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
-        depth = depth_policy(cfg, k, target.fused) if adaptive else None
+        tree = draft if isinstance(draft, MTPEagleTree) else None
+        depth = depth_policy(cfg, k, target.fused, tree=tree, tree_step=target.tree_step) if adaptive else None
         sched = Scheduler(
             cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth
         )
@@ -273,7 +275,7 @@ class LLMEngine:
             return self._run(plan)
         t0 = time.perf_counter()
         outputs = self._run(plan)
-        depth.costs.observe(len(plan.seqs), plan.num_draft_tokens, time.perf_counter() - t0)
+        depth.costs.observe(len(plan.seqs), depth.kind_of(plan.num_draft_tokens), time.perf_counter() - t0)
         return outputs
 
     def _run(self, plan: StepPlan) -> list[RequestOutput]:
