@@ -219,3 +219,41 @@ def test_scheduler_reshapes_stored_drafts_between_kinds() -> None:
     assert (
         chain.num_draft_tokens == 2 and chain.seqs[0].token_ids == [8, 21, 23] and chain.seqs[0].draft_parents is None
     )
+
+
+@pytest.mark.parametrize("chunk", [3, 7])
+def test_draft_kv_stays_chunk_invariant_while_kinds_switch(chunk: int) -> None:
+    """Two prompts prefilled in chunks (the prompt lookahead at every chunk end) while the other decodes, and
+    the kind switching every step (tree, depth 2, depth 0), so chunks run in steps of every kind: each
+    request's draft KV over its computed positions equals a whole-prompt fixed K = 3 chain run's."""
+    args, w = mimic_target()
+    prompts = random_prompts(2, args.vocab_size, [29, 17], seed=12)
+    sched = {"chunk_size": chunk, "max_num_batched_tokens": 64}
+    eng = tiny_engine(args, w, mimic_head(args, w), speculative=SPEC, scheduler=sched)
+    policy = forced(eng, {1: TREE, 2: TREE, 4: TREE, 8: TREE})
+    cycle = [policy.kind_of(SPEC["tree_budget"]), StepKind(2), StepKind(0)]
+    steps = 0
+
+    def step() -> None:
+        nonlocal steps
+        for bucket in policy.costs.buckets:
+            for kind in policy.kinds:
+                policy.costs.set(bucket, kind, 1.0 if kind == cycle[steps % len(cycle)] else 100.0)
+        eng.step()
+        steps += 1
+
+    eng.add_request(prompts[0], {"max_tokens": 40}, request_id="r0")
+    for _ in range(4):
+        step()
+    eng.add_request(prompts[1], {"max_tokens": 40}, request_id="r1")
+    rids = ("r0", "r1")
+    while any(eng.scheduler.requests[r].num_computed_tokens < len(p) + 12 for r, p in zip(rids, prompts, strict=True)):
+        step()
+    assert policy.tree_steps > 3 and policy.steps_per_depth[2] > 3, policy.step_counts()
+    for rid, prompt in zip(rids, prompts, strict=True):
+        fixed = tiny_engine(args, w, mimic_head(args, w), speculative={"num_draft_tokens": K})
+        fixed.add_request(prompt, {"max_tokens": 60}, request_id=rid)
+        n = eng.scheduler.requests[rid].num_computed_tokens
+        while fixed.scheduler.requests[rid].num_computed_tokens < n:
+            fixed.step()
+        torch.testing.assert_close(draft_kv(eng, rid, n), draft_kv(fixed, rid, n), atol=1e-5, rtol=1e-5)
