@@ -165,7 +165,8 @@ def test_online_costs_cover_the_tree() -> None:
 
 
 def test_timed_tree_costs_join_the_depth_costs() -> None:
-    """With fixed-buffer steps the policy's costs are timed per bucket for every depth and for the tree."""
+    """With fixed-buffer steps the policy's costs are timed per bucket for every depth and for the tree; the
+    tree's then follow the (never queued) tree steps the engine runs, the chains' stay as timed."""
     from workers.builders import depth_policy
 
     eng = tree_adaptive_engine(fused=True)
@@ -174,6 +175,16 @@ def test_timed_tree_costs_join_the_depth_costs() -> None:
     policy = depth_policy(eng.cfg, K, runner.fused, tree=eng.draft, tree_step=runner.tree_step)
     assert not policy.costs.online and len(policy.kinds) == K + 2
     assert all(policy.costs.get(b, kind) for b in runner.tree_step.steps.sizes for kind in policy.kinds)
+    tree = policy.kind_of(SPEC["tree_budget"])
+    for d in range(K + 1):
+        policy.costs.set(1, d, 100.0)  # the tree wins at batch 1
+    timed = policy.costs.get(1, tree)
+    eng.scheduler.depth = policy
+    args, _ = mimic_target()
+    run(eng, random_prompts(1, args.vocab_size, [12], seed=5), [{"max_tokens": 20}])
+    assert policy.tree_steps > 3
+    assert policy.costs.get(1, tree) != timed, "the tree's cost follows the steps it ran"
+    assert all(policy.costs.get(1, d) == 100.0 for d in range(K + 1)), "timed chain costs stay"
 
 
 def test_scheduler_reshapes_stored_drafts_between_kinds() -> None:

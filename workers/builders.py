@@ -160,13 +160,15 @@ def depth_policy(
     """The adaptive policy over chain depths 0..k and, given a tree drafter that can also chain (`tree`), its
     trees: step costs per (batch bucket, kind) timed once on the fused depth steps and the tree step when
     there are some (`fused` and `tree_step`, or the depth steps' times from another process in `timed`),
-    else observed from the engine's own steps."""
+    else observed from the engine's own steps. A timed tree's cost then follows its observed steps too: a
+    tree step is never queued ahead, so its host work adds to the replay that was timed."""
     trees = [tree_kind(tree)] if tree is not None and tree.chains else []
     if isinstance(fused, FusedDepthSteps):
         timed = fused.time_steps()
         if trees and tree_step is None:
             trees = []  # timed chains against an untimed tree: leave the tree out
-    costs = StepCosts(capture_sizes(cfg.scheduler.max_num_requests), k, online=timed is None, trees=trees)
+    buckets = capture_sizes(cfg.scheduler.max_num_requests)
+    costs = StepCosts(buckets, k, online=timed is None, trees=trees, observed=trees)
     for (bucket, depth), seconds in (timed or {}).items():
         costs.set(bucket, depth, seconds)
     if trees and tree_step is not None and timed is not None:

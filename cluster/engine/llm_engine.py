@@ -270,12 +270,15 @@ class LLMEngine:
         return self._apply(launched.plan, out, out.draft_outputs)
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
-        depth = self.scheduler.depth
-        if depth is None or not depth.costs.online or not plan.seqs or any(s.is_context for s in plan.seqs):
+        policy = self.scheduler.depth
+        if policy is None or not plan.seqs or any(s.is_context for s in plan.seqs):
+            return self._run(plan)
+        kind = policy.kind_of(plan.num_draft_tokens)
+        if not policy.costs.follows(kind):
             return self._run(plan)
         t0 = time.perf_counter()
         outputs = self._run(plan)
-        depth.costs.observe(len(plan.seqs), depth.kind_of(plan.num_draft_tokens), time.perf_counter() - t0)
+        policy.costs.observe(len(plan.seqs), kind, time.perf_counter() - t0)
         return outputs
 
     def _run(self, plan: StepPlan) -> list[RequestOutput]:
