@@ -172,7 +172,7 @@ def test_timed_tree_costs_join_the_depth_costs() -> None:
     eng = tree_adaptive_engine(fused=True)
     runner = eng.target
     assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleTree)
-    policy = depth_policy(eng.cfg, K, runner.fused, tree=eng.draft, tree_step=runner.tree_step)
+    policy = depth_policy(eng.cfg, K, runner.fused, tree=tree_kind(eng.draft), tree_step=runner.tree_step)
     assert not policy.costs.online and len(policy.kinds) == K + 2
     assert all(policy.costs.get(b, kind) for b in runner.tree_step.steps.sizes for kind in policy.kinds)
     tree = policy.kind_of(SPEC["tree_budget"])

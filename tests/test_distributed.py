@@ -141,6 +141,16 @@ def test_adaptive_depths_through_actors(ray_local, model, placement: str) -> Non
             for d in range(4):
                 costs.set(bucket, d, 1.0 if d == want else 100.0)
         eng.scheduler.depth = policy = AdaptiveDepth(costs, AcceptanceTracker(3), explore_steps=0)
+        proposed: set[tuple[int, int, bool]] = set()  # (drafts asked, drafts proposed, a tree) per step
+        update = eng.scheduler.update
+
+        def noted(plan: Any, out: Any, drafts: Any) -> Any:
+            if drafts is not None and drafts.request_ids:
+                shape = drafts.draft_token_ids.shape[1], drafts.draft_parents is not None
+                proposed.add((plan.num_draft_tokens, *shape))
+            return update(plan, out, drafts)
+
+        eng.scheduler.update = noted  # type: ignore[method-assign]
         ids = [eng.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
         tokens: dict[str, list[int]] = {r: [] for r in ids}
         while eng.has_unfinished():
@@ -169,6 +179,54 @@ def test_adaptive_depths_through_actors(ray_local, model, placement: str) -> Non
             group = eng.target.group  # type: ignore[attr-defined]
             got = ray.get(group.draft.draft_kv.remote(eng.scheduler.requests[a].block_ids, n))
             torch.testing.assert_close(got, draft_kv(fixed, fa, n), atol=1e-5, rtol=1e-5)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_adaptive_trees_through_actors(ray_local, model, placement: str) -> None:
+    """Adaptive over chains and an 8-node tree over Ray: the tree alone and at three or four requests, depth 1
+    at two; the step's draft count tells rank 0's drafter (or the draft worker) which kind to propose, and the
+    rows carry their trees; same tokens as target-only, both kinds run."""
+    from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
+
+    prompts = random_prompts(4, 96, [15, 4, 30, 9], seed=16)
+    params = [{"max_tokens": m} for m in (24, 6, 12, 18)]
+    cfg = dist_config(model, placement, chunk_size=5)
+    cfg.speculative.tree_budget, cfg.speculative.tree_width = 8, 3
+    cfg.speculative.adaptive = True
+    eng = build_engine(cfg)
+    try:
+        built = eng.scheduler.depth
+        assert built is not None and built.costs.online and [str(t) for t in built.costs.trees] == ["tree8"]
+        tree = built.costs.trees[0]
+        costs = StepCosts([1, 2, 4, 8], 3, online=False, trees=[tree])
+        for bucket, want in {1: tree, 2: StepKind(1), 4: tree, 8: StepKind(0)}.items():
+            for kind in built.kinds:
+                costs.set(bucket, kind, 1.0 if kind == want else 100.0)
+        eng.scheduler.depth = policy = AdaptiveDepth(costs, AcceptanceTracker(3), explore_steps=0)
+        proposed: set[tuple[int, int, bool]] = set()  # (drafts asked, drafts proposed, a tree) per step
+        update = eng.scheduler.update
+
+        def noted(plan: Any, out: Any, drafts: Any) -> Any:
+            if drafts is not None and drafts.request_ids:
+                shape = drafts.draft_token_ids.shape[1], drafts.draft_parents is not None
+                proposed.add((plan.num_draft_tokens, *shape))
+            return update(plan, out, drafts)
+
+        eng.scheduler.update = noted  # type: ignore[method-assign]
+        ids = [eng.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+        tokens: dict[str, list[int]] = {r: [] for r in ids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                tokens[o.request_id].extend(o.new_token_ids)
+        args, w = mimic_target()
+        ref = tiny_engine(args, w)
+        want = [ref.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+        assert [tokens[r] for r in ids] == want
+        assert policy.tree_steps > 3 and policy.steps_per_depth[1] > 0, policy.step_counts()
+        assert {(8, 8, True), (1, 1, False)} <= proposed and all((n == 8) == t for n, _, t in proposed), proposed
+        assert eng.totals.accepted > 0
     finally:
         eng.shutdown()
 

@@ -149,32 +149,41 @@ def tree_kind(drafter: MTPEagleTree) -> StepKind:
     return StepKind.tree(min(drafter.depth, drafter.budget), drafter.budget, drafter.width)
 
 
+def config_tree_kind(cfg: MTPServeConfig) -> StepKind | None:
+    """The tree an adaptive configuration offers besides its chains, from the settings alone (for a scheduler
+    whose drafter runs elsewhere); None without one."""
+    spec = cfg.speculative
+    if not (spec.adaptive and spec.tree_budget):
+        return None
+    return StepKind.tree(min(spec.num_draft_tokens, spec.tree_budget), spec.tree_budget, spec.tree_width)
+
+
 def depth_policy(
     cfg: MTPServeConfig,
     k: int,
     fused: Any = None,
     timed: dict[tuple[int, int], float] | None = None,
-    tree: MTPEagleTree | None = None,
+    tree: StepKind | None = None,
     tree_step: FusedTreeStep | None = None,
 ) -> AdaptiveDepth:
-    """The adaptive policy over chain depths 0..k and, given a tree drafter that can also chain (`tree`), its
-    trees: step costs per (batch bucket, kind) timed once on the fused depth steps and the tree step when
-    there are some (`fused` and `tree_step`, or the depth steps' times from another process in `timed`),
-    else observed from the engine's own steps. A timed tree's cost then follows its observed steps too: a
-    tree step is never queued ahead, so its host work adds to the replay that was timed."""
-    trees = [tree_kind(tree)] if tree is not None and tree.chains else []
+    """The adaptive policy over chain depths 0..k and the draft tree `tree` (if any): step costs per (batch
+    bucket, kind) timed once on the fused depth steps and the tree step when there are some (`fused` and
+    `tree_step`, or their times from another process in `timed`, keyed by (bucket, draft count): a depth,
+    or the tree's budget), else observed from the engine's own steps. A timed tree's cost then follows its
+    observed steps too: a tree step is never queued ahead, so its host work adds to the replay that was timed."""
     if isinstance(fused, FusedDepthSteps):
         timed = fused.time_steps()
-        if trees and tree_step is None:
-            trees = []  # timed chains against an untimed tree: leave the tree out
+        if tree is not None and tree_step is not None:
+            timed.update({(bucket, tree.budget): s for bucket, s in tree_step.time_steps().items()})
+    if timed is not None and tree is not None and all(n != tree.budget for _, n in timed):
+        tree = None  # timed chains against an untimed tree: leave the tree out
+    trees = [tree] if tree is not None else []
     buckets = capture_sizes(cfg.scheduler.max_num_requests)
     costs = StepCosts(buckets, k, online=timed is None, trees=trees, observed=trees)
-    for (bucket, depth), seconds in (timed or {}).items():
-        costs.set(bucket, depth, seconds)
-    if trees and tree_step is not None and timed is not None:
-        for bucket, seconds in tree_step.time_steps().items():
-            costs.set(bucket, trees[0], seconds)
-    return AdaptiveDepth(costs, AcceptanceTracker(k))
+    policy = AdaptiveDepth(costs, AcceptanceTracker(k))
+    for (bucket, count), seconds in (timed or {}).items():
+        costs.set(bucket, policy.kind_of(count), seconds)
+    return policy
 
 
 def build_prefill(

@@ -32,6 +32,7 @@ from workers.builders import (
     load_target,
     max_model_len,
     num_blocks_for,
+    tree_kind,
 )
 from workers.config import MTPServeConfig
 
@@ -159,7 +160,7 @@ class LLMEngine:
         adaptive = spec.adaptive and isinstance(draft, (MTPEagleChain, MTPEagleTree))
         capture_local_steps(cfg, target, draft, k, max_len)
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
-        tree = draft if isinstance(draft, MTPEagleTree) else None
+        tree = tree_kind(draft) if isinstance(draft, MTPEagleTree) and draft.chains else None
         depth = depth_policy(cfg, k, target.fused, tree=tree, tree_step=target.tree_step) if adaptive else None
         sched = Scheduler(
             cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth
