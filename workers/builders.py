@@ -194,7 +194,7 @@ def build_prefill(
     draft method)."""
     chain = draft if isinstance(draft, MTPEagleChain) else None
     if isinstance(draft, MTPEagleTree) and draft.chains:
-        chain = draft.chain  # adaptive: chain steps' prompt chunks (a tree step's run eagerly)
+        chain = draft.chain  # adaptive: chain steps' prompt chunks (a tree step's chunks run eagerly)
     if not cfg.model.prefill_graphs or not target.model.ragged_capture or (draft is not None and chain is None):
         return None
     if cfg.speculative.lookahead_source != "prompt":
@@ -217,12 +217,12 @@ def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagle
 
 
 def capture_local_steps(
-    cfg: MTPServeConfig, target: TargetRunner, draft: DraftMethod | None, k: int, max_len: int, trees: bool = True
+    cfg: MTPServeConfig, target: TargetRunner, draft: DraftMethod | None, k: int, max_len: int
 ) -> None:
     """Give a target whose draft (if any) runs in its process the captured steps that fold the draft in:
     fused generation steps (one per depth when adaptive) for a chain, the tree step for trees (both when
-    adaptive over trees; the tree step only with `trees`), and the prefill step; nothing off CUDA or without
-    CUDA graphs. The in-process engine and a TP=1 Ray rank share this."""
+    adaptive over trees), and the prefill step; nothing off CUDA or without CUDA graphs. The in-process
+    engine and a TP=1 Ray rank share this."""
     if not (target.device.type == "cuda" and cfg.model.cuda_graphs):
         return
     if isinstance(draft, MTPEagleChain):
@@ -231,8 +231,7 @@ def capture_local_steps(
     elif isinstance(draft, MTPEagleTree):
         if draft.chains:
             target.fused = build_fused_depths(cfg, target, draft.chain, k, max_len)
-        if trees or not draft.chains:
-            target.tree_step = build_tree_step(cfg, target, draft, max_len)
+        target.tree_step = build_tree_step(cfg, target, draft, max_len)
     target.prefill = build_prefill(cfg, target, draft, k, max_len)
 
 
@@ -241,7 +240,7 @@ def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: 
     fused step (a separate draft worker, or rank 0 of a Ray target group)."""
     k = cfg.speculative.num_draft_tokens
     if isinstance(draft, MTPEagleTree) and draft.chains:
-        draft = draft.chain  # adaptive: the scheduler offers only chains to a draft apart from the target
+        draft = draft.chain  # adaptive: its chains of depth K are captured (other depths and trees run eagerly)
     if isinstance(draft, MTPEagleChain) and draft.device.type == "cuda" and cfg.model.cuda_graphs:
         max_blocks = graph_max_blocks(cfg, k, max_len)
         draft.uniform = UniformChainStep(draft, k, cfg.scheduler.max_num_requests, max_blocks)

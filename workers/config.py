@@ -90,7 +90,7 @@ class SpeculativeConfig(_Strict):
         False,
         description="choose each step's chain depth in [0, num_draft_tokens] from the batch size, the measured "
         "step cost and the running acceptance per position (depth 0 keeps the draft's KV current, drafts "
-        "nothing); with tree_budget set, the draft tree is a candidate too (in process only)",
+        "nothing); with tree_budget set (above num_draft_tokens), the draft tree is a candidate too",
     )
 
     @model_validator(mode="after")
