@@ -15,6 +15,7 @@ from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, St
 from speculative.mtp_tree import MTPEagleTree
 from workers.builders import tree_kind
 from workers.fused_step import FusedDepthSteps, FusedSpecStep
+from workers.prefill_step import CapturedPrefill
 from workers.runner import TargetRunner
 from workers.tree_step import FusedTreeStep
 
@@ -39,9 +40,10 @@ def forced(eng: LLMEngine, kind_by_bucket: dict[int, int | str]) -> AdaptiveDept
     return policy
 
 
-def tree_adaptive_engine(fused: bool = False, overlap: bool = False) -> LLMEngine:
+def tree_adaptive_engine(fused: bool = False, overlap: bool = False, prefill: bool = False) -> LLMEngine:
     """A tiny mimic engine, adaptive over chains of depth 0..3 and an 8-node tree (width 3); `fused` runs
-    generation steps through the fixed-buffer fused depth steps and tree step (the functions CUDA captures)."""
+    generation steps through the fixed-buffer fused depth steps and tree step (the functions CUDA captures),
+    `prefill` lone prompt chunks through the fixed-buffer prefill step (K chain drafts)."""
     args, w = mimic_target()
     model = {"overlap_steps": overlap, "overlap_speculative": overlap}
     sched = {"chunk_size": 32, "max_num_batched_tokens": 64}
@@ -55,6 +57,8 @@ def tree_adaptive_engine(fused: bool = False, overlap: bool = False) -> LLMEngin
         }
         runner.fused = FusedDepthSteps(steps)
         runner.tree_step = FusedTreeStep(runner.model, runner.cache, drafter, 8, 16, "cpu", use_graphs=False)
+    if prefill:
+        runner.prefill = CapturedPrefill(runner.model, runner.cache, drafter.chain, K, 32, 16, "cpu", use_graphs=False)
     return eng
 
 
@@ -149,6 +153,44 @@ def test_sampling_across_tree_and_chain_steps_keeps_the_target_distribution() ->
     assert trees > 0 and chains > 0, policy.step_counts()
     assert eng.totals.accepted > 0
     assert same_distribution_pvalue([want, got]) > 1e-3
+
+
+def test_prompt_chunks_of_tree_steps_take_the_captured_prefill() -> None:
+    """Requests arriving one by one while others decode: a lone prompt chunk in a tree step runs the
+    fixed-buffer prefill step, whose K chain drafts the next tree step takes as its first branch; chunks
+    mixed with chain steps split from them; tokens equal target-only decoding."""
+    args, w = mimic_target()
+    prompts = random_prompts(3, args.vocab_size, [40, 9, 21], seed=6)
+    params = [{"max_tokens": 30}, {"max_tokens": 12}, {"max_tokens": 20}]
+
+    def staggered(eng: LLMEngine) -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {}
+        steps = 0
+        while steps < 4 or eng.has_unfinished():
+            if steps in (0, 2, 4):
+                i = steps // 2
+                eng.add_request(prompts[i], params[i], request_id=f"r{i}")
+            for o in eng.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            steps += 1
+        return tokens
+
+    want = staggered(tiny_engine(args, w))
+    eng = tree_adaptive_engine(fused=True, prefill=True)
+    policy = forced(eng, {1: TREE, 2: 2, 4: TREE, 8: 0})
+    runner = eng.target
+    assert isinstance(runner, TargetRunner)
+    used: list[int] = []
+    run_prefill = runner.prefill.run
+
+    def counted(plan: Any, bucket: int, uniform: float | None = None) -> Any:
+        used.append(plan.num_draft_tokens)
+        return run_prefill(plan, bucket, uniform)
+
+    runner.prefill.run = counted
+    assert staggered(eng) == want
+    assert SPEC["tree_budget"] in used and 2 in used, used
+    assert policy.tree_steps > 0 and eng.totals.accepted > 0
 
 
 def test_online_costs_cover_the_tree() -> None:
