@@ -45,9 +45,11 @@ MetaFor = Callable[[int, torch.Tensor], Metadata]  # (round r, visibility [B, w,
 
 class MTPEagleTree(DraftMethod):
     """Draft trees of `budget` nodes (`depth` levels, `width` children per expanded node) from the MTP Eagle
-    head of `chain`; proposals carry each node's parent (`DraftOutputs.draft_parents`)."""
+    head of `chain`; proposals carry each node's parent (`DraftOutputs.draft_parents`). With `chains`
+    (adaptive speculation), a step asking for another number of drafts than the budget gets `chain`'s
+    proposals of that depth instead."""
 
-    def __init__(self, chain: MTPEagleChain, depth: int, width: int, budget: int) -> None:
+    def __init__(self, chain: MTPEagleChain, depth: int, width: int, budget: int, chains: bool = False) -> None:
         width = min(width, chain.head.draft_vocab_size)
         if depth < 1 or width < 1 or not 1 <= budget <= tree_candidates(width, depth):
             raise ValueError(
@@ -58,6 +60,7 @@ class MTPEagleTree(DraftMethod):
         self.depth = depth
         self.width = width
         self.budget = budget
+        self.chains = chains
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (the chain keeps none)."""
@@ -65,7 +68,10 @@ class MTPEagleTree(DraftMethod):
 
     @torch.no_grad()
     def propose(self, inputs: DraftInputs) -> DraftOutputs:
-        """Write draft KV for this step's rows, then grow a tree for every proposing request."""
+        """Write draft KV for this step's rows, then grow a tree for every proposing request (or, with
+        `chains`, propose the chain's drafts when the step asks for fewer than the budget)."""
+        if self.chains and inputs.num_draft_tokens != self.budget:
+            return self.chain.propose(inputs)
         out, _ = self.chain.rerun(inputs)
         rows = [i for i, p in enumerate(inputs.propose) if p]
         if not rows or inputs.num_draft_tokens == 0:

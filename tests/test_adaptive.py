@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from cluster.cli.common import add_engine_flags, config_from_args
 from cluster.engine.llm_engine import LLMEngine
-from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
+from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
 from speculative.mtp_chain import MTPEagleChain
 from workers.config import SpeculativeConfig
 from workers.fused_step import FusedDepthSteps, FusedSpecStep
@@ -128,7 +128,7 @@ def test_policy_picks_the_depth_with_most_tokens_per_second(rates: list[float]) 
     picks = {}
     for batch, bucket in ((1, 1), (5, 8), (64, 64), (100, 64)):
         policy = AdaptiveDepth(costs, tracker, explore_steps=0, margin=0.0)
-        picks[batch] = policy.choose(batch)
+        picks[batch] = policy.choose(batch).depth
         assert picks[batch] == best_by_brute_force(table, rates, bucket), (batch, picks)
     assert picks[1] >= picks[5] >= picks[64]
 
@@ -139,29 +139,43 @@ def test_policy_measures_unmeasured_depths_and_keeps_the_current_one_within_the_
     costs = StepCosts([1, 2], 1, smoothing=0.5)
     tracker = AcceptanceTracker(1, prior=0.5, prior_weight=1.0)
     policy = AdaptiveDepth(costs, tracker, explore_steps=0, margin=0.1)
-    assert policy.choose(1) == 0
+    assert policy.choose(1) == StepKind(0)
     costs.observe(1, 0, 1.0)
-    assert policy.choose(1) == 1
+    assert policy.choose(1) == StepKind(1)
     costs.observe(1, 1, 2.0)
     costs.observe(1, 1, 1.0)
     assert costs.get(1, 1) == pytest.approx(1.5)  # expected tokens 1.5 / 1.5 s against 1 / 1 s: a tie
-    policy.depth = 1
-    assert policy.choose(1) == 1
-    costs.observe(1, 1, 2.5)  # now 2.0 s: depth 1 gives 0.75 tokens/s, more than 10 % below depth 0
-    assert policy.choose(1) == 0
+    policy.kind = StepKind(1)
+    assert policy.choose(1) == StepKind(1)
+    costs.observe(1, 1, 1.55)  # depth 1 now 3 % below depth 0: within the margin, but below target-only
+    assert policy.choose(1) == StepKind(0)
+    policy.kind = StepKind(1)
+    costs.observe(1, 1, 10.0)  # far below depth 0
+    assert policy.choose(1) == StepKind(0)
     with pytest.raises(ValueError, match="depth in \\[0, 1\\]"):
         costs.observe(1, 2, 1.0)
 
 
 def test_policy_explores_one_depth_deeper_on_schedule() -> None:
-    """Every `explore_every` decisions, `explore_steps` decisions run one deeper than the best depth."""
+    """Every `explore_every` decisions, `explore_steps` decisions run one deeper than the best depth (here
+    depth 1 expects 1.6 tokens at 1.8 s, below depth 0, but could give 2 tokens: worth measuring)."""
     costs = StepCosts([1], 2, online=False)
-    for d, c in enumerate([1.0, 5.0, 9.0]):
+    for d, c in enumerate([1.0, 1.8, 9.0]):
         costs.set(1, d, c)
     policy = AdaptiveDepth(costs, AcceptanceTracker(2), explore_every=8, explore_steps=2)
-    picks = [policy.choose(1) for _ in range(24)]
+    picks = [policy.choose(1).depth for _ in range(24)]
     assert picks == [(1 if i % 8 < 2 else 0) for i in range(1, 25)]
     assert policy.steps_per_depth == [picks.count(0), picks.count(1), 0]
+
+
+def test_policy_never_explores_a_depth_that_cannot_win() -> None:
+    """A depth whose cost exceeds its most tokens per step (d + 1) times depth 0's is never run, not even to
+    explore."""
+    costs = StepCosts([1], 2, online=False)
+    for d, c in enumerate([1.0, 2.5, 9.0]):
+        costs.set(1, d, c)
+    policy = AdaptiveDepth(costs, AcceptanceTracker(2), explore_every=4, explore_steps=2)
+    assert {policy.choose(1) for _ in range(40)} == {StepKind(0)}
 
 
 # ---- the engine ------------------------------------------------------------------------------------
@@ -293,15 +307,17 @@ def test_fused_depth_steps_time_every_depth_and_bucket() -> None:
 
 
 def test_adaptive_config_and_flag() -> None:
-    """`--spec-adaptive` sets speculative.adaptive; it applies to MTP Eagle chains only."""
+    """`--spec-adaptive` sets speculative.adaptive; it applies to chains of one reused head, and to trees of
+    more nodes than the deepest chain's drafts."""
     p = argparse.ArgumentParser()
     add_engine_flags(p)
     assert config_from_args(p.parse_args(["--spec-adaptive"])).speculative.adaptive is True
     assert config_from_args(p.parse_args([])).speculative.adaptive is False
     with pytest.raises(ValidationError, match="adaptive"):
-        SpeculativeConfig(adaptive=True, tree_budget=6, tree_width=2)
+        SpeculativeConfig(adaptive=True, tree_budget=3, tree_width=2)  # no more nodes than the deepest chain
     with pytest.raises(ValidationError, match="adaptive"):
         SpeculativeConfig(adaptive=True, method="mtp_vanilla")
+    assert SpeculativeConfig(adaptive=True, tree_budget=6, tree_width=2).scratch_slots == 4
 
 
 def test_scheduler_cuts_or_pads_the_stored_drafts_to_the_step_depth() -> None:
@@ -338,10 +354,11 @@ def test_prometheus_counts_steps_per_depth() -> None:
     from cluster.service.metrics import ServerMetrics
 
     m = ServerMetrics()
-    m.observe_depths([3, 0, 5], 2)
-    m.observe_depths([4, 2, 5, 1], 3)
-    got = [m.registry.get_sample_value("mtpserve_spec_steps_per_depth_total", {"depth": str(d)}) for d in range(4)]
-    assert got == [4.0, 2.0, 5.0, 1.0]
+    m.observe_depths({"0": 3, "1": 0, "2": 5}, 2)
+    m.observe_depths({"0": 4, "1": 2, "2": 5, "3": 1, "tree16": 7}, 3)
+    labels = ["0", "1", "2", "3", "tree16"]
+    got = [m.registry.get_sample_value("mtpserve_spec_steps_per_depth_total", {"depth": d}) for d in labels]
+    assert got == [4.0, 2.0, 5.0, 1.0, 7.0]
     assert m.registry.get_sample_value("mtpserve_spec_depth") == 3.0
 
 

@@ -24,7 +24,7 @@ from cluster.service.server import MTPServer
 from workers.config import MTPServeConfig
 
 from helpers_service import free_port
-from tiny import draft_kv, mimic_head, mimic_target, random_prompts, save_model_dir, tiny_engine
+from tiny import mimic_head, mimic_target, random_prompts, save_model_dir, tiny_engine
 
 pytestmark = pytest.mark.slow
 
@@ -119,56 +119,6 @@ def test_draft_trees_through_actors(ray_local, model, placement: str) -> None:
         assert eng.scheduler.k == 8, "proposals are trees of 8 nodes"
         assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 16})] == reference(prompts, 16)
         assert 0 < eng.totals.accepted < eng.totals.drafted
-    finally:
-        eng.shutdown()
-
-
-@pytest.mark.parametrize("placement", ["separate", "colocated"])
-def test_adaptive_depths_through_actors(ray_local, model, placement: str) -> None:
-    """Adaptive speculation over Ray: depth 0 at three or more requests (the draft worker only writes its KV),
-    1 at two and 3 alone, the depth travelling in each plan; same tokens as target-only, drafts accepted."""
-    from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
-
-    prompts = random_prompts(4, 96, [15, 4, 30, 9], seed=16)
-    params = [{"max_tokens": m} for m in (24, 6, 12, 18)]
-    cfg = dist_config(model, placement, chunk_size=5)
-    cfg.speculative.adaptive = True
-    eng = build_engine(cfg)
-    try:
-        assert eng.scheduler.depth is not None and eng.scheduler.depth.costs.online
-        costs = StepCosts([1, 2, 4, 8], 3, online=False)
-        for bucket, want in {1: 3, 2: 1, 4: 0, 8: 0}.items():
-            for d in range(4):
-                costs.set(bucket, d, 1.0 if d == want else 100.0)
-        eng.scheduler.depth = policy = AdaptiveDepth(costs, AcceptanceTracker(3), explore_steps=0)
-        ids = [eng.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
-        tokens: dict[str, list[int]] = {r: [] for r in ids}
-        while eng.has_unfinished():
-            for o in eng.step():
-                tokens[o.request_id].extend(o.new_token_ids)
-        args, w = mimic_target()
-        ref = tiny_engine(args, w)
-        want = [ref.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
-        assert [tokens[r] for r in ids] == want
-        assert policy.steps_per_depth[0] > 0 and policy.steps_per_depth[3] > 0, policy.steps_per_depth
-        assert eng.totals.accepted > 0
-        if placement == "separate":  # depth 0 still wrote the draft worker's KV: it equals a fixed-K run's
-            import ray
-
-            costs.set(2, 0, 1.0)
-            costs.set(2, 1, 100.0)  # two requests now run at depth 0, one alone at depth 3
-            pair = random_prompts(2, 96, [13, 7], seed=9)
-            a, _ = (eng.add_request(p, {"max_tokens": m}) for p, m in zip(pair, (40, 12), strict=True))
-            fixed = tiny_engine(args, w, mimic_head(args, w), speculative={"num_draft_tokens": 3})
-            fa, _ = (fixed.add_request(p, {"max_tokens": m}) for p, m in zip(pair, (40, 12), strict=True))
-            until = len(pair[0]) + 30
-            for e, r in ((eng, a), (fixed, fa)):
-                while e.scheduler.requests[r].num_computed_tokens < until:
-                    e.step()
-            n = min(eng.scheduler.requests[a].num_computed_tokens, fixed.scheduler.requests[fa].num_computed_tokens)
-            group = eng.target.group  # type: ignore[attr-defined]
-            got = ray.get(group.draft.draft_kv.remote(eng.scheduler.requests[a].block_ids, n))
-            torch.testing.assert_close(got, draft_kv(fixed, fa, n), atol=1e-5, rtol=1e-5)
     finally:
         eng.shutdown()
 

@@ -91,7 +91,8 @@ def slots_of(block_ids: list[int], block_size: int, n: int) -> torch.Tensor:
 def draft_kv(engine: LLMEngine, request_id: str, n: int, layer: int = 0) -> torch.Tensor:
     """The draft head's K and V (of decoder `layer`) for positions [0, n) of a running request, [2, n, H, D]."""
     req = engine.scheduler.requests[request_id]
-    cache = engine.draft.cache  # type: ignore[union-attr]
+    draft = engine.draft
+    cache = getattr(draft, "chain", draft).cache  # a tree drafter's KV is its chain's
     k, v = cache.gather(layer, slots_of(req.block_ids, cache.block_size, n))
     return torch.stack([k, v]).clone()
 

@@ -21,7 +21,7 @@ from modeling.kv_cache import KVCache
 from modeling.layer_ops import pick_ops
 from modeling.loader import ModelSource, resolve_model
 from modeling.model import LlamaArgs, LlamaModel, cast_keeping_fp32, prepare_for_inference
-from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
+from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
 from speculative.draft_head import DraftHead
 from speculative.eagle3_config import default_feature_layers as eagle3_layers
 from speculative.eagle3_config import is_eagle3_dir
@@ -152,18 +152,46 @@ def build_fused_depths(
     return FusedDepthSteps({d: build_fused(cfg, target, chain, d, max_len) for d in range(k + 1)})
 
 
+def tree_kind(drafter: MTPEagleTree) -> StepKind:
+    """The step kind of a tree drafter's trees (its width capped by the draft vocabulary, as it grows them)."""
+    return StepKind.tree(min(drafter.depth, drafter.budget), drafter.budget, drafter.width)
+
+
+def config_tree_kind(cfg: MTPServeConfig) -> StepKind | None:
+    """The tree an adaptive configuration offers besides its chains, from the settings alone (for a scheduler
+    whose drafter runs elsewhere); None without one."""
+    spec = cfg.speculative
+    if not (spec.adaptive and spec.tree_budget):
+        return None
+    return StepKind.tree(min(spec.num_draft_tokens, spec.tree_budget), spec.tree_budget, spec.tree_width)
+
+
 def depth_policy(
-    cfg: MTPServeConfig, k: int, fused: Any = None, timed: dict[tuple[int, int], float] | None = None
+    cfg: MTPServeConfig,
+    k: int,
+    fused: Any = None,
+    timed: dict[tuple[int, int], float] | None = None,
+    tree: StepKind | None = None,
+    tree_step: FusedTreeStep | None = None,
 ) -> AdaptiveDepth:
-    """The adaptive depth policy: step costs per (batch bucket, depth) timed once on the fused depth steps
-    when there are some (`fused`, or their times from another process in `timed`), else observed from
-    the engine's own steps."""
+    """The adaptive policy over chain depths 0..k and the draft tree `tree` (if any): step costs per (batch
+    bucket, kind) timed once on the fused depth steps and the tree step when there are some (`fused` and
+    `tree_step`, or their times from another process in `timed`, keyed by (bucket, draft count): a depth,
+    or the tree's budget), else observed from the engine's own steps. A timed tree's cost then follows its
+    observed steps too: a tree step is never queued ahead, so its host work adds to the replay that was timed."""
     if isinstance(fused, FusedDepthSteps):
         timed = fused.time_steps()
-    costs = StepCosts(capture_sizes(cfg.scheduler.max_num_requests), k, online=timed is None)
-    for (bucket, depth), seconds in (timed or {}).items():
-        costs.set(bucket, depth, seconds)
-    return AdaptiveDepth(costs, AcceptanceTracker(k))
+        if tree is not None and tree_step is not None:
+            timed.update({(bucket, tree.budget): s for bucket, s in tree_step.time_steps().items()})
+    if timed is not None and tree is not None and all(n != tree.budget for _, n in timed):
+        tree = None  # timed chains against an untimed tree: leave the tree out
+    trees = [tree] if tree is not None else []
+    buckets = capture_sizes(cfg.scheduler.max_num_requests)
+    costs = StepCosts(buckets, k, online=timed is None, trees=trees, observed=trees)
+    policy = AdaptiveDepth(costs, AcceptanceTracker(k))
+    for (bucket, count), seconds in (timed or {}).items():
+        costs.set(bucket, policy.kind_of(count), seconds)
+    return policy
 
 
 def build_prefill(
@@ -173,6 +201,8 @@ def build_prefill(
     bucket; None where it does not apply (config, a latent-attention model, `sampled` lookahead, another
     draft method)."""
     chain = draft if isinstance(draft, MTPEagleChain) else None
+    if isinstance(draft, MTPEagleTree) and draft.chains:
+        chain = draft.chain  # adaptive: chain steps' prompt chunks (a tree step's chunks run eagerly)
     if not cfg.model.prefill_graphs or not target.model.ragged_capture or (draft is not None and chain is None):
         return None
     if cfg.speculative.lookahead_source != "prompt":
@@ -199,15 +229,17 @@ def capture_local_steps(
     cfg: MTPServeConfig, target: TargetRunner, draft: DraftMethod | None, k: int, max_len: int
 ) -> None:
     """Give a target whose draft (if any) runs in its process the captured steps that fold the draft in:
-    fused generation steps (one per depth when adaptive) for a chain, the tree step for trees, and the
-    prefill step; nothing off CUDA or without CUDA graphs. The in-process engine and a TP=1 Ray rank
-    share this."""
+    fused generation steps (one per depth when adaptive) for a chain, the tree step for trees (both when
+    adaptive over trees), and the prefill step; nothing off CUDA or without CUDA graphs. The in-process
+    engine and a TP=1 Ray rank share this."""
     if not (target.device.type == "cuda" and cfg.model.cuda_graphs):
         return
     if isinstance(draft, MTPEagleChain):
         build = build_fused_depths if cfg.speculative.adaptive else build_fused
         target.fused = build(cfg, target, draft, k, max_len)
     elif isinstance(draft, MTPEagleTree):
+        if draft.chains:
+            target.fused = build_fused_depths(cfg, target, draft.chain, k, max_len)
         target.tree_step = build_tree_step(cfg, target, draft, max_len)
     target.prefill = build_prefill(cfg, target, draft, k, max_len)
 
@@ -216,6 +248,8 @@ def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: 
     """Capture the chain's generation-only steps on CUDA, for a draft that runs apart from the target's
     fused step (a separate draft worker, or rank 0 of a Ray target group)."""
     k = cfg.speculative.num_draft_tokens
+    if isinstance(draft, MTPEagleTree) and draft.chains:
+        draft = draft.chain  # adaptive: its chains of depth K are captured (other depths and trees run eagerly)
     if isinstance(draft, MTPEagleChain) and draft.device.type == "cuda" and cfg.model.cuda_graphs:
         max_blocks = graph_max_blocks(cfg, k, max_len)
         draft.uniform = UniformChainStep(draft, k, cfg.scheduler.max_num_requests, max_blocks)
@@ -332,7 +366,7 @@ def build_draft(
     method = DRAFT_METHODS[cfg.speculative.method].build(cfg, heads, shared, caches, lookahead, device)
     spec = cfg.speculative
     if spec.tree_budget and isinstance(method, MTPEagleChain):
-        return MTPEagleTree(method, spec.num_draft_tokens, spec.tree_width, spec.tree_budget)
+        return MTPEagleTree(method, spec.num_draft_tokens, spec.tree_width, spec.tree_budget, spec.adaptive)
     return method
 
 

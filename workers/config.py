@@ -95,17 +95,22 @@ class SpeculativeConfig(_Strict):
     adaptive: bool = Field(
         False,
         description="choose each step's chain depth in [0, num_draft_tokens] from the batch size, the measured "
-        "step cost and the running acceptance per position (depth 0 keeps the draft's KV current, drafts nothing)",
+        "step cost and the running acceptance per position (depth 0 keeps the draft's KV current, drafts "
+        "nothing); with tree_budget set (above num_draft_tokens), the draft tree is a candidate too",
     )
 
     @model_validator(mode="after")
     def _check_tree(self) -> SpeculativeConfig:
         if self.draft_vocab and self.draft != "random":
             raise ValueError("draft_vocab: applies to draft 'random' only (a trained head carries its own vocabulary)")
-        if self.adaptive and (self.tree_budget or self.method == "mtp_vanilla"):
+        if self.adaptive and self.method == "mtp_vanilla":
             raise ValueError(
-                "adaptive: chooses the depth of a chain reusing one head (method 'mtp_eagle' or 'eagle3', "
-                "tree_budget 0)"
+                "adaptive: chooses among the chains (and trees) of one reused head (method 'mtp_eagle' or 'eagle3')"
+            )
+        if self.adaptive and self.tree_budget and self.tree_budget <= self.num_draft_tokens:
+            raise ValueError(
+                f"tree_budget: with adaptive, a tree needs more nodes ({self.tree_budget}) than the deepest chain "
+                f"has drafts (num_draft_tokens {self.num_draft_tokens}), so that a step's draft count names its kind"
             )
         if self.tree_budget:
             if self.method == "mtp_vanilla":
@@ -139,7 +144,7 @@ class SpeculativeConfig(_Strict):
     def scratch_slots(self) -> int:
         """KV slots past a request's tokens that drafting writes: a chain's next drafts, a tree's frontier rows."""
         if self.tree_budget:
-            return max(1, (self.num_draft_tokens - 1) * self.tree_width)
+            return max(1, (self.num_draft_tokens - 1) * self.tree_width)  # at least K: an adaptive tree's chains
         return self.num_draft_tokens
 
 

@@ -16,8 +16,6 @@ its accepted count, so the host can queue the step before it has read the previo
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -32,7 +30,7 @@ from speculative.replay import ReplayAcceptance
 from speculative.sampling import SamplingMode
 from speculative.verify import verify_step
 from workers import step_kernels
-from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
+from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
 from workers.step_buffers import ForcedRows, StepBuffers
 from workers.uniform_step import fill_step
 
@@ -182,21 +180,5 @@ class FusedDepthSteps:
             for bucket in step.steps.sizes:
                 run = partial(step.steps.run, bucket, SamplingMode.GREEDY)
                 run()  # warm-up
-                out[(bucket, depth)] = _timed(run, repeats, step.buffers.input_ids.device)
+                out[(bucket, depth)] = time_call(run, repeats, step.buffers.input_ids.device)
         return out
-
-
-def _timed(call: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Mean seconds of `repeats` calls on `device` (CUDA events there, else wall time)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / repeats
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - t0) / repeats

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -177,3 +178,19 @@ class GreedyAndSampledSteps:
     def run(self, size: int, mode: SamplingMode) -> Any:
         """Replay (or run eagerly) one variant of bucket `size`."""
         return self.variants[mode].run(size)
+
+
+def time_call(call: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Mean seconds of `repeats` calls on `device` (CUDA events there, else wall time)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeats
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - t0) / repeats

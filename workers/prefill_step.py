@@ -20,9 +20,10 @@ a CUDA graph captured per bucket.
   has its own graph without the chain, which would write past the blocks a non-final chunk holds.
 
 A step that mixes one such chunk with generation rows runs as this step plus the captured generation
-step (`TargetRunner.run_split`). Steps with several prompt chunks, draft trees, `sampled` lookahead and
-latent-attention models run eagerly (`TargetRunner.execute`). Elsewhere than on CUDA the same function runs eagerly over
-the same buffers, so CPU tests cover it.
+step (`TargetRunner.run_split`). Under adaptive speculation a step of the draft tree runs its lone chunk here
+too, proposing the chain's K drafts. Steps with several prompt chunks, draft trees (as the fixed mode),
+`sampled` lookahead and latent-attention models run eagerly (`TargetRunner.execute`). Elsewhere than on
+CUDA the same function runs eagerly over the same buffers, so CPU tests cover it.
 """
 
 from __future__ import annotations
@@ -197,8 +198,9 @@ class CapturedPrefill:
         return torch.cat([token[:, None], drafts], dim=1)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
-        """A bucket when the step is one prompt chunk that fits, proposing at most K drafts; else None."""
-        if len(plan.seqs) != 1 or plan.num_draft_tokens > self.k:
+        """A bucket when the step is one prompt chunk that fits; else None. A step asking for more than K
+        drafts (adaptive speculation's tree) gets the chain's K, which the next step fits into its tree."""
+        if len(plan.seqs) != 1:
             return None
         s = plan.seqs[0]
         if not s.is_context or s.draft_parents is not None:
@@ -227,7 +229,7 @@ class CapturedPrefill:
         drafts = None
         if self.chain is not None:
             proposing = s.is_final_chunk
-            kept = row[1 : 1 + plan.num_draft_tokens]  # a shorter chain's drafts are the first of K
+            kept = row[1 : 1 + plan.num_draft_tokens]  # a shorter chain's drafts are the first of K (a tree: K)
             ids = torch.tensor([kept] if proposing else [], dtype=torch.long).view(int(proposing), len(kept))
             drafts = DraftOutputs(plan.step_id, [s.request_id] if proposing else [], ids)
         return TargetOutput(plan.step_id, [result], None, drafts)

@@ -21,6 +21,7 @@ from proto.mtpserve.v1 import worker_pb2 as wpb
 from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from speculative.messages import TargetOutput
 from speculative.methods import DraftMethod
+from speculative.mtp_tree import MTPEagleTree
 from workers.builders import (
     bind_features,
     build_chain_graphs,
@@ -96,10 +97,16 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         return self.address(), self._listener.name, node_ip()
 
     def step_costs(self) -> dict[tuple[int, int], float] | None:
-        """Seconds per (batch bucket, depth) of this rank's fused depth steps (adaptive speculation), timed
-        here once; None without them."""
+        """Seconds per (batch bucket, draft count) of this rank's fused depth steps and, adaptive over a tree,
+        its tree step (keyed by the tree's budget), timed here once; None without fused depth steps."""
         fused = None if self.runner is None else self.runner.fused
-        return fused.time_steps() if isinstance(fused, FusedDepthSteps) else None
+        if not isinstance(fused, FusedDepthSteps):
+            return None
+        costs = fused.time_steps()
+        drafter, tree_step = self.draft, getattr(self.runner, "tree_step", None)
+        if isinstance(drafter, MTPEagleTree) and drafter.chains and tree_step is not None:
+            costs.update({(bucket, drafter.budget): s for bucket, s in tree_step.time_steps().items()})
+        return costs
 
     def launch_spec(self) -> LaunchSpec | None:
         """Which plans this rank's runner can queue ahead (`TargetRunner.launch`), for the scheduler."""

@@ -17,6 +17,8 @@ sampling mode, and one host copy of the results per step.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 from torch.profiler import record_function
@@ -30,7 +32,7 @@ from speculative.mtp_tree import MetaFor, MTPEagleTree
 from speculative.replay import ReplayAcceptance, forced_walk
 from speculative.sampling import SamplingMode, processed_probs, sampling_mode
 from speculative.tree import greedy_walk, sample_walk, walk_uniforms
-from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
+from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
 from workers.step_buffers import ForcedRows, StepBuffers
 
 
@@ -194,6 +196,18 @@ class FusedTreeStep:
             return UniformMetadata(rows, tables, roots + 1 + r * w, w, visible)
 
         return meta_for
+
+    def time_steps(self, repeats: int = 10) -> dict[int, float]:
+        """Seconds per greedy step by batch bucket, each the mean of `repeats` runs over padded buffers (which
+        write only the scratch block): the tree's step costs for adaptive speculation."""
+        out: dict[int, float] = {}
+        self.buffers.fill([], [], [], self.buffers.max_batch)
+        self.trees.fill(np.zeros((0, self.q_len), dtype=np.int64), self.buffers.max_batch)
+        for bucket in self.steps.sizes:
+            run = partial(self.steps.run, bucket, SamplingMode.GREEDY)
+            run()  # warm-up
+            out[bucket] = time_call(run, repeats, self.buffers.input_ids.device)
+        return out
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """A bucket when every request is a generation row with a tree of exactly the budget that fits."""

@@ -1,8 +1,10 @@
-"""Adaptive speculation on the GPU: serving step time at each forced draft depth against the start-up timed
-graph cost, then the adaptive policy itself against target-only and fixed depths, per batch size.
+"""Adaptive speculation on the GPU: serving step time at each forced kind (draft depth, and the draft tree
+with --tree-budget) against the start-up timed graph cost, then the adaptive policy itself against
+target-only and fixed depths, per batch size.
 
 Usage (on the GPU machine, from the repo root):
     python3 bench/probes/adaptive_depths.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+    python3 bench/probes/adaptive_depths.py --model ... --tree-budget 16 --tree-width 4 --out $OUT
 Prints a table last and writes adaptive_depths.json under --out.
 """
 
@@ -18,19 +20,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench.decode import PROMPTS, decode_run, engine_for
+from cluster.bench.decode import bench_prompts, decode_run, engine_for
 from cluster.engine.llm_engine import LLMEngine
-from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
+from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
 from workers.builders import DEFAULT_HEAD
 
 
-def forced(policy: AdaptiveDepth, depth: int) -> AdaptiveDepth:
-    """A policy over the same buckets that always picks `depth` (no exploration)."""
-    costs = StepCosts(policy.costs.buckets, policy.max_depth, online=False)
+def forced(policy: AdaptiveDepth, kind: StepKind) -> AdaptiveDepth:
+    """A policy over the same buckets and kinds that always picks `kind` (no exploration)."""
+    costs = StepCosts(policy.costs.buckets, policy.max_depth, online=False, trees=policy.costs.trees)
     for b in costs.buckets:
-        for d in range(policy.max_depth + 1):
-            costs.set(b, d, 1.0 if d == depth else 100.0)
+        for other in policy.kinds:
+            costs.set(b, other, 1.0 if other == kind else 100.0)
     return AdaptiveDepth(costs, AcceptanceTracker(policy.max_depth), explore_steps=0)
+
+
+def kind_key(kind: StepKind) -> str:
+    """A kind in the report's keys: d<depth> for a chain, tree<budget> for a tree."""
+    return str(kind) if kind.is_tree else f"d{kind.depth}"
 
 
 def row(r: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -43,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", default=str(DEFAULT_HEAD))
-    ap.add_argument("--k", type=int, default=3, help="the deepest draft depth")
+    ap.add_argument("--k", type=int, default=3, help="the deepest draft depth (and the tree's depth)")
+    ap.add_argument("--tree-budget", type=int, default=0, help="offer a draft tree of this many nodes too (0: none)")
+    ap.add_argument("--tree-width", type=int, default=4, help="the tree's children per expanded node")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per request in every run")
     ap.add_argument(
@@ -66,17 +75,18 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu, "runs": []}
 
-    def record(eng: LLMEngine, label: str, depth: int | None, tokens: int) -> None:
+    def record(eng: LLMEngine, label: str, depth: int | str | None, tokens: int) -> None:
         for b in batches:
             preempted = eng.scheduler.num_preemptions
             r = decode_run(eng, prompts[:b], tokens)
             r["preemptions"] = eng.scheduler.num_preemptions - preempted
             report["runs"].append(row(r, label=label, depth=depth))
-            print(label, b, f"{r['tok_s']:.0f} tok/s {r['step_ms']:.3f} ms", r.get("steps_per_depth"), flush=True)
+            steps = r.get("steps_per_depth"), r.get("tree_steps")
+            print(label, b, f"{r['tok_s']:.0f} tok/s {r['step_ms']:.3f} ms", *steps, flush=True)
         (out / "adaptive_depths.json").write_text(json.dumps(report, indent=2))
 
     base = engine_for(args, 0, True, top)
-    prompts = [base.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(top)]
+    prompts = bench_prompts(base, top)
     decode_run(base, prompts[:2], 8)
     record(base, "target-only", 0, args.max_tokens)
     del base
@@ -88,11 +98,12 @@ def main() -> int:
     eng = engine_for(args, args.k, True, top, variant="adaptive")
     policy = eng.scheduler.depth
     assert policy is not None
-    report["timed_step_ms"] = {f"b{b}/d{d}": 1e3 * c for (b, d), c in sorted(policy.costs.seconds.items())}
+    costs = sorted(policy.costs.seconds.items(), key=lambda kv: (kv[0][0], kv[0][1].num_draft_tokens))
+    report["timed_step_ms"] = {f"b{b}/{kind_key(kind)}": 1e3 * c for (b, kind), c in costs}
     decode_run(eng, prompts[:2], 8)
-    for depth in range(args.k + 1):
-        eng.scheduler.depth = forced(policy, depth)
-        record(eng, f"forced depth {depth}", depth, args.max_tokens)
+    for kind in policy.kinds:
+        eng.scheduler.depth = forced(policy, kind)
+        record(eng, f"forced {'depth ' if not kind.is_tree else ''}{kind}", kind_key(kind), args.max_tokens)
     eng.scheduler.depth = policy
     record(eng, "adaptive", None, args.max_tokens)
     print_table(report, batches)
@@ -108,13 +119,13 @@ def print_table(report: dict[str, Any], batches: list[int]) -> None:
         cells = {r["batch"]: r for r in runs if r["label"] == label}
         print(f"{label:<18}" + "".join(f"{cells[b]['tok_s']:>10.0f}" if b in cells else f"{'-':>10}" for b in batches))
     timed = report.get("timed_step_ms", {})
-    print("\nforced depth: serving step ms / timed replay ms")
+    print("\nforced kind: serving step ms / timed replay ms")
     for r in runs:
         if r["label"].startswith("forced"):
             buckets = [int(k[1:].split("/")[0]) for k in timed]
             bucket = min((b for b in buckets if b >= r["batch"]), default=None)
-            t = timed.get(f"b{bucket}/d{r['depth']}")
-            print(f"  depth {r['depth']} batch {r['batch']:>3}: {r['step_ms']:.3f} / " + (f"{t:.3f}" if t else "-"))
+            t = timed.get(f"b{bucket}/{r['depth']}")
+            print(f"  {r['depth']} batch {r['batch']:>3}: {r['step_ms']:.3f} / " + (f"{t:.3f}" if t else "-"))
 
 
 if __name__ == "__main__":

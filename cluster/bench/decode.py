@@ -89,6 +89,9 @@ def engine_for(
                     "draft": args.draft,
                     "num_draft_tokens": max(k, 1),
                     "adaptive": variant == "adaptive" and k > 0,
+                    # adaptive over a draft tree too, where the caller asks for one
+                    "tree_budget": getattr(args, "tree_budget", 0) if variant == "adaptive" and k > 0 else 0,
+                    "tree_width": getattr(args, "tree_width", 4),
                 },
             }
         )
@@ -122,6 +125,7 @@ def decode_run(
     sync()
     policy = engine.scheduler.depth
     depths_before = list(policy.steps_per_depth) if policy is not None else []
+    trees_before = policy.tree_steps if policy is not None else 0
     t0 = time.perf_counter()
     steps = tokens = 0
     emitted: dict[str, list[int]] = {r: [] for r in ids}
@@ -154,6 +158,7 @@ def decode_run(
         if policy is None
         else [a - b for a, b in zip(policy.steps_per_depth, depths_before, strict=True)],
         "acceptance_rates": None if policy is None else [round(r, 4) for r in policy.tracker.rates()],
+        "tree_steps": None if policy is None or not policy.trees else policy.tree_steps - trees_before,
     }
 
 

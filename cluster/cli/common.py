@@ -76,7 +76,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="choose each step's draft depth (0..--num-draft-tokens) from the batch size, the measured step "
-        "cost and the running acceptance; depth 0 keeps the draft's KV current without drafting (chains only)",
+        "cost and the running acceptance; depth 0 keeps the draft's KV current without drafting; with "
+        "--spec-tree-budget N (N > K), the tree is a candidate too, chosen where it gives the most tokens per second",
     )
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     g.add_argument(

@@ -20,7 +20,7 @@ from modeling.loader import resolve_model
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from speculative.messages import StepPlan, TargetOutput
-from workers.builders import depth_policy, draft_source, max_model_len, num_blocks_for
+from workers.builders import config_tree_kind, depth_policy, draft_source, max_model_len, num_blocks_for
 from workers.config import MTPServeConfig
 from workers.convert import TIMELINE, plan_to_proto, target_output_from_proto
 from workers.grpc_util import channel_options, node_ip
@@ -393,7 +393,9 @@ def engine_over(cfg: MTPServeConfig, group: Any) -> LLMEngine:
     target.drafting = drafting
     k, scratch = (spec.proposed_tokens, spec.scratch_slots) if drafting else (0, 0)
     blocks = num_blocks_for(cfg, max_len)
-    depth = depth_policy(cfg, k, timed=group.step_costs) if drafting and spec.adaptive else None
+    depth = None
+    if drafting and spec.adaptive:
+        depth = depth_policy(cfg, spec.num_draft_tokens, timed=group.step_costs, tree=config_tree_kind(cfg))
     sched = Scheduler(cfg.scheduler, blocks, k, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth)
     tok = source.tokenizer() if not source.dummy else None
     engine = LLMEngine(cfg, args, sched, target, None, tok)

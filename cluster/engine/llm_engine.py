@@ -19,6 +19,7 @@ from modeling.model import LlamaArgs
 from speculative.draft_head import DraftHead
 from speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from speculative.mtp_chain import MTPEagleChain
+from speculative.mtp_tree import MTPEagleTree
 from speculative.replay import ReplayAcceptance
 from speculative.stats import SpecStats
 from workers.builders import (
@@ -32,6 +33,7 @@ from workers.builders import (
     load_target,
     max_model_len,
     num_blocks_for,
+    tree_kind,
 )
 from workers.config import MTPServeConfig
 
@@ -161,10 +163,11 @@ class LLMEngine:
         k = spec.num_draft_tokens if draft is not None else 0
         target = build_runner(cfg, model, cache, device, k, max_len, replay)
         target.drafting = draft is not None
-        adaptive = spec.adaptive and isinstance(draft, MTPEagleChain)
+        adaptive = spec.adaptive and isinstance(draft, (MTPEagleChain, MTPEagleTree))
         capture_local_steps(cfg, target, draft, k, max_len)
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
-        depth = depth_policy(cfg, k, target.fused) if adaptive else None
+        tree = tree_kind(draft) if isinstance(draft, MTPEagleTree) and draft.chains else None
+        depth = depth_policy(cfg, k, target.fused, tree=tree, tree_step=target.tree_step) if adaptive else None
         sched = Scheduler(
             cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth
         )
@@ -274,12 +277,15 @@ class LLMEngine:
         return self._apply(launched.plan, out, out.draft_outputs)
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
-        depth = self.scheduler.depth
-        if depth is None or not depth.costs.online or not plan.seqs or any(s.is_context for s in plan.seqs):
+        policy = self.scheduler.depth
+        if policy is None or not plan.seqs or any(s.is_context for s in plan.seqs):
+            return self._run(plan)
+        kind = policy.kind_of(plan.num_draft_tokens)
+        if not policy.costs.follows(kind):
             return self._run(plan)
         t0 = time.perf_counter()
         outputs = self._run(plan)
-        depth.costs.observe(len(plan.seqs), plan.num_draft_tokens, time.perf_counter() - t0)
+        policy.costs.observe(len(plan.seqs), kind, time.perf_counter() - t0)
         return outputs
 
     def _run(self, plan: StepPlan) -> list[RequestOutput]:

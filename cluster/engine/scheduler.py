@@ -11,7 +11,8 @@ import torch
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 from cluster.engine.request import Request, RequestStatus
-from speculative.adaptive import AdaptiveDepth
+from speculative.adaptive import AdaptiveDepth, StepKind
+from speculative.draft_shapes import fit_drafts
 from speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from speculative.stats import SpecStats
 from workers.config import SchedulerConfig
@@ -38,9 +39,10 @@ class Scheduler:
     blocks run out, the most recently admitted request is preempted and later recomputes its context
     (prompt plus tokens generated so far).
 
-    With an `AdaptiveDepth` policy each step drafts its own depth (at most K): a request's stored drafts are
-    cut to it, or padded with copies of its last token when the step before proposed fewer (padding is
-    verified like any draft, so output is unchanged, and is left out of the acceptance counts).
+    With an `AdaptiveDepth` policy each step has its own kind, a chain depth (at most K) or a draft tree: a
+    request's stored drafts are cut to it, padded with copies of its last token when the step before
+    proposed fewer, or reshaped when it proposed the other kind (`speculative/draft_shapes.py`). Padding is
+    verified like any draft, so output is unchanged, and is left out of the acceptance counts.
     """
 
     def __init__(
@@ -56,8 +58,8 @@ class Scheduler:
     ) -> None:
         self.cfg = cfg
         self.depth = depth
-        self._next_depth: int | None = None  # a depth `plan_ahead` chose for the step `schedule` plans next
-        self._real_drafts: dict[int, dict[str, int]] = {}  # step -> request -> drafts not padding, where padded
+        self._next_kind: StepKind | None = None  # a kind `plan_ahead` chose for the step `schedule` plans next
+        self._real_drafts: dict[int, dict[str, int]] = {}  # step -> request -> real drafts, where padded or reshaped
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.prefix_caching = cfg.prefix_caching if prefix_caching is None else prefix_caching
         self.prefix_query_tokens = 0  # sequence tokens of admitted requests, looked up in the cache
@@ -117,23 +119,24 @@ class Scheduler:
         ctx: list[SeqPlan] = []
         scheduled: set[str] = set()
         decoding = [r for r in self.running if not r.in_context and r.status is RequestStatus.RUNNING]
-        depth = self._step_depth(len(decoding))
+        kind = self._step_kind(len(decoding))
         padded: dict[str, int] = {}
         for req in decoding:
             if req.status is not RequestStatus.RUNNING:  # preempted by an earlier row's reservation
                 continue
-            drafts = req.draft_token_ids if self.depth is None else req.draft_token_ids[:depth]
-            n = 1 + len(drafts) if self.depth is None else 1 + depth
+            n = 1 + (len(req.draft_token_ids) if kind is None else kind.num_draft_tokens)
             if n > budget:
                 continue
             if not self._reserve(req, self.slots_needed(req.num_computed_tokens + n), scheduled):
                 continue
             last = req.all_token_ids[-1]
-            if len(drafts) < n - 1:
-                padded[req.request_id] = len(drafts)
-                drafts = drafts + [last] * (n - 1 - len(drafts))
+            drafts, parents, probs = req.draft_token_ids, req.draft_parents, req.draft_probs
+            if kind is not None:
+                drafts, parents, real = fit_drafts(drafts, parents, kind, last)
+                if real is not None:
+                    padded[req.request_id] = real
             tokens = [last, *drafts]
-            gen.append(self._gen_plan(req, tokens, req.num_computed_tokens, req.draft_probs, req.draft_parents))
+            gen.append(self._gen_plan(req, tokens, req.num_computed_tokens, probs, parents))
             scheduled.add(req.request_id)
             budget -= n
         for req in list(self.running):
@@ -165,15 +168,15 @@ class Scheduler:
         if padded:
             self._real_drafts[self._step] = padded
         finished, self._finished_since_plan = self._finished_since_plan, []
-        return StepPlan(self._step, ctx + gen, depth, finished)
+        return StepPlan(self._step, ctx + gen, self.k if kind is None else kind.num_draft_tokens, finished)
 
-    def _step_depth(self, batch: int) -> int:
-        """Draft tokens the next step proposes (and verifies): K, or the adaptive policy's choice."""
+    def _step_kind(self, batch: int) -> StepKind | None:
+        """The adaptive policy's kind for the next step (what it verifies and proposes); None without one."""
         if self.depth is None:
-            return self.k
-        if self._next_depth is not None:
-            depth, self._next_depth = self._next_depth, None
-            return depth
+            return None
+        if self._next_kind is not None:
+            kind, self._next_kind = self._next_kind, None
+            return kind
         return self.depth.choose(batch)
 
     def plan_ahead(self, pending: StepPlan) -> StepPlan | None:
@@ -191,9 +194,9 @@ class Scheduler:
         if self.waiting or any(r.request_id not in planned for r in self.running):
             return None
         if self.depth is not None:
-            depth = self._step_depth(len(pending.seqs))
-            if depth != k:  # a new depth starts from `schedule`, with the stored drafts cut or padded
-                self._next_depth = depth
+            kind = self._step_kind(len(pending.seqs))
+            if kind != self.depth.kind_of(k):  # a new kind starts from `schedule`, the stored drafts fitted to it
+                self._next_kind = kind
                 return None
         seqs: list[SeqPlan] = []
         for row, sp in enumerate(pending.seqs):
@@ -343,6 +346,7 @@ class Scheduler:
         """Apply a step's tokens and proposals; finish requests that hit a stop condition."""
         outputs: list[RequestOutput] = []
         real = self._real_drafts.pop(plan.step_id, {})
+        kind = None if self.depth is None else self.depth.kind_of(plan.num_draft_tokens)
         for sp, res in zip(plan.seqs, out.results, strict=True):
             req = self.requests.get(sp.request_id)
             if req is None or req.finished or req.status is not RequestStatus.RUNNING:
@@ -358,10 +362,10 @@ class Scheduler:
                 drafted = min(res.num_drafted, real.get(req.request_id, res.num_drafted))
                 if drafted:
                     req.stats.record(drafted, min(res.num_accepted, drafted))
-                    if self.depth is not None:
-                        self.depth.tracker.record(drafted, res.num_accepted)
                     if self.on_verify is not None:
                         self.on_verify(sp, res)
+                if self.depth is not None and kind is not None:
+                    self.depth.record(kind, drafted, res.num_accepted, req.request_id in real)
             req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
             outputs.append(self._append(req, res.new_token_ids))
         if drafts is not None:

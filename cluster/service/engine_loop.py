@@ -391,4 +391,4 @@ class EngineLoop:
             self.metrics.observe_load(len(sched.running), sched.num_waiting, used, blocks.num_blocks)
             self.metrics.observe_prefix_cache(sched.prefix_query_tokens, sched.prefix_hit_tokens, blocks.num_cached)
             if sched.depth is not None:
-                self.metrics.observe_depths(sched.depth.steps_per_depth, sched.depth.depth)
+                self.metrics.observe_depths(sched.depth.step_counts(), sched.depth.depth)

@@ -89,19 +89,23 @@ class ServerMetrics:
 
         self.steps_per_depth = Counter(
             f"{prefix}_spec_steps_per_depth",
-            "Scheduled steps by draft depth (adaptive speculation; 0 = the draft only keeps its KV)",
+            "Scheduled steps by kind (adaptive speculation): a chain depth (0 = the draft only keeps its KV), "
+            "or tree<N> for a draft tree of N nodes",
             ["depth"],
             registry=r,
         )
-        self.depth = Gauge(f"{prefix}_spec_depth", "Draft depth the adaptive policy would choose now", registry=r)
-        self._depths_seen: list[int] = []
+        self.depth = Gauge(
+            f"{prefix}_spec_depth", "Draft depth the adaptive policy would choose now (a tree's depth)", registry=r
+        )
+        self._kinds_seen: dict[str, int] = {}
 
-    def observe_depths(self, steps_per_depth: list[int], current: int) -> None:
-        """Bring the per-depth step counters up to the policy's running totals, and set the depth gauge."""
-        seen = self._depths_seen + [0] * (len(steps_per_depth) - len(self._depths_seen))
-        for depth, (total, before) in enumerate(zip(steps_per_depth, seen, strict=True)):
-            self.steps_per_depth.labels(depth=str(depth)).inc(max(0, total - before))
-        self._depths_seen = [max(a, b) for a, b in zip(steps_per_depth, seen, strict=True)]
+    def observe_depths(self, steps_per_kind: dict[str, int], current: int) -> None:
+        """Bring the per-kind step counters (keyed '0'..'K' and 'tree<N>') up to the policy's running totals,
+        and set the depth gauge."""
+        for kind, total in steps_per_kind.items():
+            before = self._kinds_seen.get(kind, 0)
+            self.steps_per_depth.labels(depth=kind).inc(max(0, total - before))
+            self._kinds_seen[kind] = max(total, before)
         self.depth.set(current)
 
     def start_http(self, port: int, addr: str = "0.0.0.0") -> int:
