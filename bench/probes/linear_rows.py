@@ -66,12 +66,17 @@ def graph_us(fn: Any, calls: int = 20, replays: int = 10) -> float:
     return 1e3 * start.elapsed_time(end) / (calls * replays)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True, help="a directory with a config.json")
     ap.add_argument("--rows", default="1,4,5,8,9,16,17,24,25,32,48,64")
     ap.add_argument("--out", default="out")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     cfg = json.loads((Path(args.shape) / "config.json").read_text())
     rows = [int(r) for r in args.rows.split(",")]
     out: dict[str, Any] = {"shape": cfg, "rows": rows, "device": torch.cuda.get_device_name(), "results": []}

@@ -61,6 +61,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     )
     bench_report.add_model_flags(p)
     p.set_defaults(draft="random")
+    bench_trees.add_draft_vocab_flag(p)
     p.add_argument("--acceptance", required=True, metavar="FILE", help="the recording to replay (--record writes it)")
     p.add_argument(
         "--configs",
@@ -283,6 +284,7 @@ def settings(args: argparse.Namespace, sets: list[str]) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "acceptance": args.acceptance,
         "recorded_here": bool(args.record),
+        "draft_vocab": getattr(args, "draft_vocab", 0),
     }
 
 

@@ -50,7 +50,19 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--batches", type=bench_report.int_list, default=[1, 8], help="batch sizes (default 1,8)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts decoded per configuration and batch size")
+    add_draft_vocab_flag(p)
     p.set_defaults(func=main)
+
+
+def add_draft_vocab_flag(p: argparse.ArgumentParser) -> None:
+    """--draft-vocab: a random head's reduced draft vocabulary (speculative.draft_vocab)."""
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="with --draft random: the head scores only the first N token ids (0: all), to time a reduced "
+        "draft vocabulary at a shape",
+    )
 
 
 def config_list(text: str) -> list[str]:
@@ -74,7 +86,12 @@ def config(args: argparse.Namespace, spec: dict[str, int] | None, max_batch: int
                 "max_model_len": args.max_model_len,
             },
             "scheduler": {"max_num_requests": max_batch, "max_num_batched_tokens": 4096, "prefix_caching": False},
-            "speculative": {"enabled": spec is not None, "draft": args.draft, **(spec or {"num_draft_tokens": 1})},
+            "speculative": {
+                "enabled": spec is not None,
+                "draft": args.draft,
+                "draft_vocab": getattr(args, "draft_vocab", 0) if spec is not None else 0,
+                **(spec or {"num_draft_tokens": 1}),
+            },
         }
     )
 
