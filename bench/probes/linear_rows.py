@@ -1,7 +1,7 @@
 """Projection cost by row count at a model's weight shapes: cuBLAS (`F.linear`) per call inside a CUDA graph,
 with the effective weight bandwidth. It shows where a verify step of M rows stops costing what one row costs.
 (A skinny-GEMM Triton kernel that read each weight tile once for all rows did not beat cuBLAS at Llama-3-8B's
-shapes, 0.83-1.09x from 5 to 64 rows: `linear_rows_8b.json`, git 8b35158.)
+shapes, 0.83-1.09x from 5 to 64 rows: `profile_8b.json`, git 8b35158.)
 
 python3 bench/probes/linear_rows.py --shape DIR --out $OUT     # DIR holds a config.json (e.g. Llama-3-8B's)
 """
