@@ -140,6 +140,9 @@ def test_distributed_ray_path_reports_its_timeline(tmp_path: Path) -> None:
     out = tmp_path / "distributed.json"
     argv = ["bench", "distributed", "--device", "cpu", "--shape", "tiny", "--setups", "in-process,ray-tp1-sync"]
     assert main([*argv, "--batches", "2", "--ks", "1", "--steps", "6", "--json", str(out)]) == 0
+    import ray as ray_module
+
+    assert not ray_module.is_initialized(), "the Ray runtime the benchmark started must be shut down"
     doc = json.loads(out.read_text())
     assert doc["errors"] == []
     local, ray = doc["results"]

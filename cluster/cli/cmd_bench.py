@@ -115,6 +115,26 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     for module in (bench_ttft, bench_trees, bench_replay, bench_load, bench_http_vs_grpc):
         module.add_parser(kinds)
     bench_distributed.add_parser(kinds, build_engine)
+    kinds.choices["distributed"].set_defaults(func=run_distributed)
+
+
+def run_distributed(args: argparse.Namespace) -> int:
+    """`mtpserve bench distributed`; a Ray runtime it starts in this process is shut down at the end, so a
+    caller that runs it in process (tests, notebooks) can start its own afterwards."""
+    started_here = not ray_running()
+    try:
+        return bench_distributed.main(args)
+    finally:
+        if started_here and ray_running():
+            import ray
+
+            ray.shutdown()
+
+
+def ray_running() -> bool:
+    """Whether this process has a Ray runtime up (without importing Ray)."""
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
 
 
 def build_engine(cfg: MTPServeConfig) -> LLMEngine:
