@@ -166,10 +166,10 @@ class LLMEngine:
         adaptive = spec.adaptive and isinstance(draft, (MTPEagleChain, MTPEagleTree))
         capture_local_steps(cfg, target, draft, k, max_len)
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
-        tree = tree_kind(draft) if isinstance(draft, MTPEagleTree) and draft.chains else None
+        tree = tree_kind(draft) if isinstance(draft, MTPEagleTree) else None  # adaptive: its chains' tree
         depth = depth_policy(cfg, k, target.fused, tree=tree, tree_step=target.tree_step) if adaptive else None
         sched = Scheduler(
-            cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth
+            cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth, tree
         )
         return cls(cfg, args, sched, target, draft, tokenizer)
 
