@@ -237,7 +237,7 @@ def test_timed_tree_costs_join_the_depth_costs() -> None:
     args, _ = mimic_target()
     run(eng, random_prompts(1, args.vocab_size, [12], seed=5), [{"max_tokens": 20}])
     assert policy.tree_steps > 3 and eng.target.tree_step.runs > 3  # type: ignore[attr-defined]
-    assert not policy.costs.follows(tree) and policy.costs.get(1, tree) == timed, "the timed tree cost stays"
+    assert policy.costs.get(1, tree) == timed, "the timed tree cost stays"
     assert all(policy.costs.get(1, d) == 100.0 for d in range(K + 1)), "timed chain costs stay"
 
 

@@ -278,14 +278,11 @@ class LLMEngine:
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         policy = self.scheduler.depth
-        if policy is None or not plan.seqs or any(s.is_context for s in plan.seqs):
-            return self._run(plan)
-        kind = policy.kind_of(plan.num_draft_tokens)
-        if not policy.costs.follows(kind):
+        if policy is None or not policy.costs.online or not plan.seqs or any(s.is_context for s in plan.seqs):
             return self._run(plan)
         t0 = time.perf_counter()
         outputs = self._run(plan)
-        policy.costs.observe(len(plan.seqs), kind, time.perf_counter() - t0)
+        policy.costs.observe(len(plan.seqs), policy.kind_of(plan.num_draft_tokens), time.perf_counter() - t0)
         return outputs
 
     def _run(self, plan: StepPlan) -> list[RequestOutput]:
