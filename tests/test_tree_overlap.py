@@ -166,3 +166,47 @@ def test_a_tree_step_planned_ahead_carries_a_valid_placeholder_tree() -> None:
                         args.hidden_size, eng.cfg.speculative.scratch_slots)  # fmt: skip
     check_plan(ahead, limits)
     assert eng.target.launch_spec().bucket_for(ahead) == 1  # type: ignore[attr-defined]
+
+
+def test_the_device_advance_writes_what_the_host_fill_writes() -> None:
+    """For sequences pointing at arbitrary rows of a previous tree step's results (random trees up to the
+    deepest, accepted counts 0..D, block-crossing positions), `advance_trees` leaves the same tokens,
+    positions, KV slots, lengths, parents, depths and ancestor masks as filling the buffers on the host from
+    the trees and positions those rows hold; padding rows stay as the host padded them."""
+    from workers.step_buffers import StepBuffers
+    from workers.tree_inputs import ResultColumns, TreeBuffers, advance_trees
+
+    depth, budget, bs, m, bucket = 4, 9, 4, 5, 8
+    q, cols = budget + 1, ResultColumns(depth, budget)
+    g = torch.Generator().manual_seed(0)
+    previous = torch.randint(0, 90, (7, cols.width), generator=g)
+    for r in range(7):  # a random tree of at most `depth` levels in each row
+        parents, depths = [-1], [0]
+        for j in range(1, q):
+            p = int(torch.randint(0, j, (1,), generator=g))
+            while depths[p] >= depth:
+                p = parents[p]
+            parents.append(p)
+            depths.append(depths[p] + 1)
+        previous[r, cols.parents] = torch.tensor(parents[1:])
+    previous[:, cols.accepted] = torch.randint(0, depth + 1, (7,), generator=g)
+    previous[:, cols.next_start] = torch.randint(0, 20, (7,), generator=g)
+    rows = [6, 0, 3, 3, 5]
+    tables = [torch.randperm(40, generator=g)[:10].tolist() for _ in range(m)]
+    host, dev = (StepBuffers.allocate(8, q, 10, bs, 99, torch.device("cpu")) for _ in range(2))
+    host_trees, dev_trees = (TreeBuffers(8, q, 4, torch.device("cpu")) for _ in range(2))
+    src = previous[rows]
+    tokens = torch.cat([src.gather(1, src[:, cols.accepted : cols.accepted + 1]), src[:, cols.drafts]], dim=1)
+    starts = src[:, cols.next_start].tolist()
+    host.fill(tokens.tolist(), starts, tables, bucket)
+    host_trees.fill(torch.cat([torch.full((m, 1), -1), src[:, cols.parents]], dim=1).numpy(), bucket)
+    dev.fill([[r] + [0] * budget for r in rows], [0] * m, tables, bucket)
+    for _ in range(2):  # stale trees in both host twins, then the queued fill
+        dev_trees.fill(torch.zeros(m, q, dtype=torch.long).numpy(), bucket)
+    dev_trees.fill_queued(m, bucket)
+    advance_trees(previous, cols, dev, dev_trees, m)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"):
+        assert torch.equal(getattr(dev, name), getattr(host, name)), name
+    for name in ("depth", "parents", "mask"):
+        assert torch.equal(getattr(dev_trees, name), getattr(host_trees, name)), name
+    assert int(host_trees.depth[:m].max()) == depth, "some tree reaches the deepest level"

@@ -82,25 +82,40 @@ class TreeBuffers:
     def fill(self, parents: np.ndarray, bucket: int) -> np.ndarray:
         """Copy the trees of n sequences (parents [n, Q] int64, -1 at the root, parents[:, i] < i) into the
         first rows; padding rows (up to `bucket`) see only themselves. Returns the depths [n, Q]."""
-        n, q = parents.shape[0], self.q_len
-        rows = self.max_batch * q
+        n = parents.shape[0]
+        depth, par, mask = self._stage(n, bucket)
+        if n:
+            seen = ancestor_masks(parents)
+            mask[:n] = seen
+            depth[:n] = seen.sum(-1) - 1
+            par[:n] = parents
+        self._send(bucket)
+        return depth[:n].copy()
+
+    def fill_queued(self, n: int, bucket: int) -> None:
+        """`fill` for a step whose n trees `advance_trees` writes on the device: only the padding rows (up to
+        `bucket`) and the roots' parent (-1) are written here."""
+        _, par, _ = self._stage(n, bucket)
+        par[:n, 0] = -1
+        self._send(bucket)
+
+    def _stage(self, n: int, bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Switch to the other host twin, pad rows n..bucket there; returns its (depth, parents, mask) views."""
+        q, rows = self.q_len, self.max_batch * self.q_len
         self.turn ^= 1
-        staging = self.stagings[self.turn]
-        host = staging.numpy()
+        host = self.stagings[self.turn].numpy()
         depth = host[:rows].reshape(-1, q)
         par = host[rows : 2 * rows].reshape(-1, q)
         mask = host[2 * rows :].reshape(-1, q, q)
         depth[n:bucket] = 0
         par[n:bucket] = self._pad_parents
         mask[n:bucket] = self._eye
-        if n:
-            seen = ancestor_masks(parents)
-            mask[:n] = seen
-            depth[:n] = seen.sum(-1) - 1
-            par[:n] = parents
-        used = 2 * rows + bucket * q * q  # depths and parents of every row, masks of the bucket's
-        self.packed[:used].copy_(staging[:used], non_blocking=True)
-        return depth[:n].copy()
+        return depth, par, mask
+
+    def _send(self, bucket: int) -> None:
+        """Copy the current host twin's used prefix: depths and parents of every row, masks of the bucket's."""
+        used = 2 * self.max_batch * self.q_len + bucket * self.q_len * self.q_len
+        self.packed[:used].copy_(self.stagings[self.turn][:used], non_blocking=True)
 
     def fill_uniforms(self, uniforms: torch.Tensor, bucket: int) -> None:
         """Copy the sampling walk's uniforms [n, U] of n sequences; padding rows (up to `bucket`) get zeros.
@@ -128,7 +143,7 @@ def advance_trees(previous: torch.Tensor, cols: ResultColumns, b: StepBuffers, t
     """Overwrite the first m sequences' inputs in `b` and `t` from a previous tree step's results `previous`
     [*, cols.width] on the device: each sequence's first token slot holds its row there. Its tokens become
     [bonus, drafts], its positions start + i, its tree the row's parents (depths and ancestor mask from
-    them); the root's parent stays the -1 the host wrote."""
+    them); the root's parent stays the -1 the host wrote (`TreeBuffers.fill_queued`)."""
     q, bs = b.q_len, b.block_size
     src = previous.index_select(0, b.input_ids.view(-1, q)[:m, 0])  # [m, width]
     n_acc = src[:, cols.accepted : cols.accepted + 1]

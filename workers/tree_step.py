@@ -169,9 +169,11 @@ class FusedTreeStep:
         each sequence's token_ids[0] is its row there, and its tokens, positions and tree are taken from that
         row on the device (the plan's drafts and parents are placeholders)."""
         seqs = plan.seqs
-        parents = np.array([[-1, *(s.draft_parents or [])] for s in seqs], dtype=np.int64)
         self.buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
-        self.trees.fill(parents, bucket)
+        if after is None:
+            self.trees.fill(np.array([[-1, *(s.draft_parents or [])] for s in seqs], dtype=np.int64), bucket)
+        else:
+            self.trees.fill_queued(len(seqs), bucket)
         if self.forced is not None:
             self.forced.fill(seqs, bucket)
         mode = SamplingMode.GREEDY
