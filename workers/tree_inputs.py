@@ -119,7 +119,7 @@ class TreeBuffers:
 
     def fill_uniforms(self, uniforms: torch.Tensor, bucket: int) -> None:
         """Copy the sampling walk's uniforms [n, U] of n sequences; padding rows (up to `bucket`) get zeros.
-        Call after `fill` for the same step (it uses that step's host twin)."""
+        Call after `fill` or `fill_queued` for the same step (it uses that step's host twin)."""
         host = self.ustagings[self.turn]
         host[:bucket] = 0.0
         host[: uniforms.shape[0]] = uniforms

@@ -368,7 +368,7 @@ class Scheduler:
         real = self._real_drafts.pop(plan.step_id, {})
         kind = None if self.depth is None else self.depth.kind_of(plan.num_draft_tokens)
         ahead = plan.step_id in self._ahead
-        self._ahead.discard(plan.step_id)
+        self._ahead = {s for s in self._ahead if s > plan.step_id}  # (and those of steps dropped on a failure)
         for sp, res in zip(plan.seqs, out.results, strict=True):
             req = self.requests.get(sp.request_id)
             if req is None or req.finished or req.status is not RequestStatus.RUNNING:
