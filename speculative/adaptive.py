@@ -137,8 +137,8 @@ KindLike = int | StepKind  # a chain depth, or any kind
 
 class StepCosts:
     """Seconds per step by (batch bucket, kind): measured once (`set`; `online` False), or kept as a moving
-    average of the engine's observed steps (`observe`; `online` True, or for the kinds in `observed` only).
-    Kinds are the chain depths 0..max_depth and the draft trees in `trees`."""
+    average of the engine's observed steps (`observe`; `online` True). Kinds are the chain depths 0..max_depth
+    and the draft trees in `trees`."""
 
     def __init__(
         self,
@@ -147,7 +147,6 @@ class StepCosts:
         smoothing: float = 0.1,
         online: bool = True,
         trees: Sequence[StepKind] = (),
-        observed: Sequence[StepKind] = (),
     ) -> None:
         if not buckets or max_depth < 0 or not 0.0 < smoothing <= 1.0:
             raise ValueError("StepCosts needs batch buckets, max_depth >= 0 and smoothing in (0, 1]")
@@ -161,12 +160,7 @@ class StepCosts:
         self.max_depth = max_depth
         self.smoothing = smoothing
         self.trees = tuple(trees)
-        self.observed = frozenset(observed)
         self.seconds: dict[tuple[int, StepKind], float] = {}
-
-    def follows(self, kind: KindLike) -> bool:
-        """Whether the engine's observed steps of `kind` feed its cost."""
-        return self.online or as_kind(kind) in self.observed
 
     def bucket(self, batch: int) -> int:
         """The bucket a batch of `batch` requests runs in (the largest one for bigger batches)."""

@@ -71,8 +71,8 @@ def kinds_run(policy: AdaptiveDepth) -> tuple[int, int]:
 def test_switching_between_trees_and_chains_gives_the_target_only_tokens(fused: bool, overlap: bool) -> None:
     """Greedy requests of different lengths, so the batch shrinks and the kind changes (the tree alone and at
     three or four requests, depth 1 at two, then depth 3 at eight when a second wave comes): tokens equal
-    target-only decoding through the eager runner and the fixed-buffer steps (with chain steps queued ahead
-    too), and both trees and chains ran and got drafts accepted."""
+    target-only decoding through the eager runner and the fixed-buffer steps (with chain and tree steps
+    queued ahead too), and both trees and chains ran and got drafts accepted."""
     args, w = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [17, 5, 11, 23], seed=4)
     want = run(tiny_engine(args, w), prompts, PARAMS)
@@ -94,6 +94,16 @@ def test_switching_between_trees_and_chains_gives_the_target_only_tokens(fused: 
         return out
 
     drafter.propose = counted  # type: ignore[method-assign]
+    tree_after = 0
+    if fused:
+        tree_launch = eng.target.tree_step.launch  # type: ignore[attr-defined]
+
+        def launch(plan: Any, bucket: int, uniforms: Any = None, after: Any = None) -> Any:
+            nonlocal tree_after
+            tree_after += after is not None
+            return tree_launch(plan, bucket, uniforms, after)
+
+        eng.target.tree_step.launch = launch  # type: ignore[attr-defined]
     assert run(eng, prompts, PARAMS) == want
     more = random_prompts(6, args.vocab_size, [9, 14, 3, 20, 7, 12], seed=7)
     params = [{"max_tokens": m} for m in (12, 30, 8, 16, 22, 5)]
@@ -108,6 +118,8 @@ def test_switching_between_trees_and_chains_gives_the_target_only_tokens(fused: 
         assert {n for n, _, _ in proposed} == {1, 3, budget}
     if fused:  # the fixed-buffer steps ran both kinds
         assert eng.target.tree_step.runs > 5 and {1, 3} <= set(chain_reads), chain_reads  # type: ignore[attr-defined]
+    if overlap:
+        assert tree_after > 5, "tree steps were queued ahead, their inputs taken from the tree step before"
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -207,8 +219,8 @@ def test_online_costs_cover_the_tree() -> None:
 
 
 def test_timed_tree_costs_join_the_depth_costs() -> None:
-    """With fixed-buffer steps the policy's costs are timed per bucket for every depth and for the tree; the
-    tree's then follow the (never queued) tree steps the engine runs, the chains' stay as timed."""
+    """With fixed-buffer steps the policy's costs are timed per bucket for every depth and for the tree, and
+    all stay as timed while the engine runs them (tree steps are queued ahead as chain steps are)."""
     from workers.builders import depth_policy
 
     eng = tree_adaptive_engine(fused=True)
@@ -224,8 +236,8 @@ def test_timed_tree_costs_join_the_depth_costs() -> None:
     eng.scheduler.depth = policy
     args, _ = mimic_target()
     run(eng, random_prompts(1, args.vocab_size, [12], seed=5), [{"max_tokens": 20}])
-    assert policy.tree_steps > 3
-    assert policy.costs.get(1, tree) != timed, "the tree's cost follows the steps it ran"
+    assert policy.tree_steps > 3 and eng.target.tree_step.runs > 3  # type: ignore[attr-defined]
+    assert policy.costs.get(1, tree) == timed, "the timed tree cost stays"
     assert all(policy.costs.get(1, d) == 100.0 for d in range(K + 1)), "timed chain costs stay"
 
 

@@ -42,7 +42,7 @@ def engine(
 ) -> LLMEngine:
     """A tiny mimic target drafting `spec` with a random head (its own acceptance differs from the replayed one),
     or the mimic head when `trained`; `path` picks how generation steps run: eagerly, or through the fixed-shape
-    step CUDA captures (the fused chain step, overlapped; the uniform verify step; the tree step)."""
+    step CUDA captures (the fused chain step, overlapped; the uniform verify step; the tree step, overlapped)."""
     args, w = mimic_target()
     cfg = engine_config(scheduler={"chunk_size": 512, "max_num_batched_tokens": 128}, speculative=spec)
     if trained:
@@ -132,6 +132,23 @@ def test_a_recording_matches_the_engines_counters_and_replays_to_the_same_tokens
     again = record_engine(replayed, prompts, 24)
     assert again == streams
     assert [c.token_ids for c in replayed.generate(prompts, {"max_tokens": 24})] == [c.token_ids for c in reference]
+
+
+def test_recording_through_tree_steps_queued_ahead_gives_the_eager_streams() -> None:
+    """A tree step queued ahead carries placeholder drafts (its tree comes from the step before on the device);
+    the recorder is told the tree each step verified, so recording through queued tree steps gives the eager
+    engine's paths."""
+    prompts = random_prompts(5, 96, [21, 1, 40, 9, 13], seed=3)
+    want = record_engine(engine(TREE, None, trained=True), prompts, 24)
+    eng = engine(TREE, None, "tree", trained=True)
+    r: Any = eng.target
+    queued: list[bool] = []
+    launch = r.tree_step.launch
+    r.tree_step.launch = lambda plan, bucket, u=None, after=None: (
+        queued.append(after is not None) or launch(plan, bucket, u, after)
+    )
+    assert record_engine(eng, prompts, 24) == want
+    assert sum(queued) >= 5, queued
 
 
 def test_forced_verify_and_walk_agree_with_the_greedy_ones_on_their_own_results() -> None:

@@ -19,11 +19,13 @@ from cluster.engine.errors import WorkerUnavailableError
 from cluster.engine.llm_engine import LLMEngine
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from speculative.mtp_chain import MTPEagleChain
+from speculative.mtp_tree import MTPEagleTree
 from workers.config import MTPServeConfig
 from workers.fused_step import FusedSpecStep
 from workers.runner import LaunchSpec
 from workers.step_link import FrameSocket, StepLink, connect, socket_link
 from workers.target_worker import TargetWorker
+from workers.tree_step import FusedTreeStep
 from workers.uniform_step import UniformTargetStep
 
 from tiny import mimic_head, mimic_target, random_prompts, save_model_dir
@@ -41,7 +43,11 @@ class LocalRank:
         self.worker.setup(self.worker.master_address(), None)
         runner = self.worker.runner
         assert runner is not None
-        if isinstance(self.worker.draft, MTPEagleChain):
+        if isinstance(self.worker.draft, MTPEagleTree):
+            runner.tree_step = FusedTreeStep(
+                runner.model, runner.cache, self.worker.draft, 8, 12, "cpu", use_graphs=False
+            )
+        elif isinstance(self.worker.draft, MTPEagleChain):
             runner.fused = FusedSpecStep(
                 runner.model, runner.cache, self.worker.draft, K, 8, 12, "cpu", use_graphs=False
             )
@@ -52,10 +58,12 @@ class LocalRank:
         address, name, _ = self.worker.endpoint()
         self.links: list[StepLink] = [connect(address, name, same_node=transport == "socket")]
         self.launches = 0
+        self.launches_after = 0  # of those, steps whose inputs came from the step before on the device
         launch = runner.launch
 
         def counted(plan, after=None):  # type: ignore[no-untyped-def]
             self.launches += 1
+            self.launches_after += after is not None
             return launch(plan, after)
 
         runner.launch = counted  # type: ignore[method-assign]
@@ -76,8 +84,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return path, str(d / "head.safetensors")
 
 
-def config(model: tuple[str, str], k: int) -> MTPServeConfig:
+def config(model: tuple[str, str], k: int, tree: bool = False) -> MTPServeConfig:
     spec: dict[str, Any] = {"draft": model[1], "num_draft_tokens": K, "enabled": k > 0}
+    if tree:
+        spec.update(tree_budget=8, tree_width=3)
     return MTPServeConfig.from_dict(
         {
             "model": {"path": model[0], "device": "cpu", "dtype": "float32"},
@@ -113,6 +123,48 @@ def test_remote_steps_match_the_in_process_engine(rank: LocalRank, model: tuple[
     hops = eng.target.hops  # type: ignore[attr-defined]
     assert rank.launches > hops["steps"] / 2, "most decode steps must be queued ahead"
     assert hops["worker_s"] > 0 and hops["output_bytes"] > 0
+
+
+def test_tree_steps_queue_ahead_on_a_rank_drafting_in_process(model: tuple[str, str]) -> None:
+    """A TP=1 rank with its tree drafter in process (the tree step CUDA captures, run eagerly): a late arrival
+    and an abort through the step link give the in-process engine's tokens, most tree steps go LAUNCH_AFTER
+    (their placeholder trees pass the rank's checks), every KV block comes back; a LAUNCH_AFTER of another
+    draft count than the launched step is refused by name."""
+    r = LocalRank(config(model, K, tree=True), "socket")
+    try:
+        args, _ = mimic_target()
+        prompts = random_prompts(4, args.vocab_size, [21, 5, 13, 9], seed=11)
+        params: list[dict[str, Any]] = [{"max_tokens": m} for m in (24, 9, 40, 16)]
+        want = drive(LLMEngine.from_config(r.cfg, load_tokenizer=False), prompts, params)
+        eng = engine_over(r.cfg, r)
+        got = drive(eng, prompts, params)
+        assert got["tokens"] == want["tokens"] and got["reasons"] == want["reasons"]
+        assert got["blocks_held"] == 0 and want["acceptance"] > 0
+        assert r.launches_after >= 5 and r.launches_after > eng.target.hops["steps"] / 2  # type: ignore[attr-defined]
+        rid = eng.add_request([1, 2, 3], {"max_tokens": 20})
+        for _ in range(4):  # the aborted request's queued step is read first, then the prompt, then trees
+            eng.step()
+        plan = eng._launched.plan  # type: ignore[union-attr]
+        assert [s.request_id for s in plan.seqs] == [rid]
+        assert plan.num_draft_tokens == 8 and plan.seqs[0].draft_parents is not None
+        r.links[0].close()
+        from workers.convert import plan_to_proto
+
+        link = socket_link(r.worker.endpoint()[1])
+        first = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan))
+        first.plan.seqs[0].token_ids[0] = 1
+        link.send(first)
+        chain = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH_AFTER, plan=plan_to_proto(plan))
+        chain.plan.num_draft_tokens = chain.plan.seqs[0].num_draft_tokens = K
+        del chain.plan.seqs[0].token_ids[K + 1 :]
+        del chain.plan.seqs[0].draft_parents[:]
+        link.send(chain)
+        reply, _ = link.recv(10.0)
+        assert reply.error.code == "INVALID_ARGUMENT" and "num_draft_tokens" in reply.error.message, reply
+        link.close()
+        r.links = []
+    finally:
+        r.stop()
 
 
 def test_a_bad_message_gets_invalid_argument_and_the_rank_serves_on(model: tuple[str, str]) -> None:
@@ -215,8 +267,14 @@ def test_out_of_order_messages_are_refused(model: tuple[str, str]) -> None:
         r.links = [socket_link(name)]
         eng = engine_over(r.cfg, r)
         eng.add_request([1, 2, 3], {"max_tokens": 20})
+        b = eng.scheduler.blocks
+        print("free", b.num_free, b.num_blocks, eng.scheduler._finished_since_plan, eng.scheduler.num_running)
+        sch = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda: (lambda p: (print("PLAN", p), p)[1])(sch())
+        print("OUT", eng.step(), eng.scheduler.requests)
+        print("A", eng._launched, eng.scheduler.running, eng.scheduler.waiting)
         eng.step()
-        eng.step()
+        print("B", eng._launched, eng.scheduler.running, eng.scheduler.waiting)
         plan = eng._launched.plan  # type: ignore[union-attr]
         r.links[0].close()
         from workers.convert import plan_to_proto

@@ -17,7 +17,8 @@ from speculative.mtp_tree import MTPEagleTree
 from speculative.tree import DraftTree
 from workers.builders import DEFAULT_HEAD
 from workers.config import MTPServeConfig
-from workers.tree_step import FusedTreeStep, TreeBuffers
+from workers.tree_inputs import TreeBuffers
+from workers.tree_step import FusedTreeStep
 
 from smol import CHAT_PROMPTS, smollm2, smollm2_engine
 from tiny import (

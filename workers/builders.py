@@ -158,10 +158,10 @@ def tree_kind(drafter: MTPEagleTree) -> StepKind:
 
 
 def config_tree_kind(cfg: MTPServeConfig) -> StepKind | None:
-    """The tree an adaptive configuration offers besides its chains, from the settings alone (for a scheduler
-    whose drafter runs elsewhere); None without one."""
+    """The tree a configuration drafts (alone, or besides its chains when adaptive), from the settings alone
+    (for a scheduler whose drafter runs elsewhere); None without one."""
     spec = cfg.speculative
-    if not (spec.adaptive and spec.tree_budget):
+    if not spec.tree_budget:
         return None
     return StepKind.tree(min(spec.num_draft_tokens, spec.tree_budget), spec.tree_budget, spec.tree_width)
 
@@ -177,8 +177,8 @@ def depth_policy(
     """The adaptive policy over chain depths 0..k and the draft tree `tree` (if any): step costs per (batch
     bucket, kind) timed once on the fused depth steps and the tree step when there are some (`fused` and
     `tree_step`, or their times from another process in `timed`, keyed by (bucket, draft count): a depth,
-    or the tree's budget), else observed from the engine's own steps. A timed tree's cost then follows its
-    observed steps too: a tree step is never queued ahead, so its host work adds to the replay that was timed."""
+    or the tree's budget), else observed from the engine's own steps. Tree steps are queued ahead like chain
+    steps, so their timed replays stand for them as the chains' do."""
     if isinstance(fused, FusedDepthSteps):
         timed = fused.time_steps()
         if tree is not None and tree_step is not None:
@@ -187,7 +187,7 @@ def depth_policy(
         tree = None  # timed chains against an untimed tree: leave the tree out
     trees = [tree] if tree is not None else []
     buckets = capture_sizes(cfg.scheduler.max_num_requests)
-    costs = StepCosts(buckets, k, online=timed is None, trees=trees, observed=trees)
+    costs = StepCosts(buckets, k, online=timed is None, trees=trees)
     policy = AdaptiveDepth(costs, AcceptanceTracker(k))
     for (bucket, count), seconds in (timed or {}).items():
         costs.set(bucket, policy.kind_of(count), seconds)

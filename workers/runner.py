@@ -36,15 +36,26 @@ def _sub_plan(plan: StepPlan, seqs: list[SeqPlan]) -> StepPlan:
 class LaunchSpec:
     """Which plans `TargetRunner.launch` queues ahead: generation steps of a draft depth d in `depths`,
     of d + 1 rows per sequence, within `max_blocks[i]` blocks (depths[i] = d) and the captured batch
-    `sizes`. A scheduler in another process predicts the runner's choice from it."""
+    `sizes`; and, with `tree_budget` > 0, tree steps (every sequence a tree of that many drafts) within
+    `tree_max_blocks` blocks and `tree_sizes`. A scheduler in another process predicts the runner's choice
+    from it."""
 
     depths: tuple[int, ...]
     max_blocks: tuple[int, ...]
     sizes: tuple[int, ...]
+    tree_budget: int = 0
+    tree_max_blocks: int = 0
+    tree_sizes: tuple[int, ...] = ()
+
+    def is_tree(self, plan: StepPlan) -> bool:
+        """Whether `launch` would take `plan` as a tree step (its draft count is the tree's budget)."""
+        return self.tree_budget > 0 and plan.num_draft_tokens == self.tree_budget
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """The captured batch bucket `launch` would use for `plan`; None when it would not launch it."""
         d = plan.num_draft_tokens
+        if self.is_tree(plan):
+            return uniform_bucket(plan, d + 1, self.tree_max_blocks, self.tree_sizes, trees=True)
         if d not in self.depths:
             return None
         return uniform_bucket(plan, d + 1, self.max_blocks[self.depths.index(d)], self.sizes)
@@ -58,6 +69,7 @@ class LaunchedStep:
     results: torch.Tensor  # device [m, W]: this step's packed results, which the next launch may read
     host: torch.Tensor  # [m, W] the same on the host; valid once `ready` has completed
     ready: torch.cuda.Event | None  # recorded after the copy to `host` (None off CUDA)
+    tree: bool = False  # launched on the tree step (its results are laid out as `ResultColumns`)
 
 
 class TargetRunner:
@@ -83,7 +95,7 @@ class TargetRunner:
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
         self._generators: dict[str, torch.Generator] = {}
-        self._results: list[torch.Tensor] = []  # two host buffers for launched steps' results, alternating
+        self._results: dict[int, list[torch.Tensor]] = {}  # by width: two host buffers for results, alternating
 
     def _gen(self, sp: SeqPlan) -> torch.Generator:
         g = self._generators.get(sp.request_id)
@@ -118,63 +130,77 @@ class TargetRunner:
         return self.model.forward_features(ids, positions, self.cache, meta)
 
     def launch_spec(self) -> LaunchSpec | None:
-        """What `launch` queues: generation steps through the fused speculative step when the draft is
-        colocated, else target-only steps through the uniform step; None when it queues nothing."""
+        """What `launch` queues: generation steps through the fused speculative step and tree steps through
+        the tree step when the draft is colocated, else target-only steps through the uniform step; None
+        when it queues nothing."""
+        tree = self.tree_step
+        trees: dict[str, Any] = {}
+        if tree is not None:
+            trees = {"tree_budget": tree.q_len - 1, "tree_max_blocks": tree.buffers.max_blocks}
+            trees["tree_sizes"] = tuple(tree.steps.sizes)
         if self.fused is not None:
             by_depth = getattr(self.fused, "by_depth", {self.fused.k: self.fused})
             steps = [by_depth[d] for d in sorted(by_depth)]
             blocks = tuple(s.buffers.max_blocks for s in steps)
-            return LaunchSpec(tuple(sorted(by_depth)), blocks, tuple(steps[0].steps.sizes))
+            return LaunchSpec(tuple(sorted(by_depth)), blocks, tuple(steps[0].steps.sizes), **trees)
+        if tree is not None:
+            return LaunchSpec((), (), (), **trees)
         if self.uniform is None or self.drafting or self.uniform.q_len != 1:
             return None
         return LaunchSpec((0,), (self.uniform.buffers.max_blocks,), tuple(self.uniform.steps.sizes))
-
-    def _launch_bucket(self, plan: StepPlan) -> int | None:
-        """The captured bucket `launch` would use (`launch_spec`); None when it would not launch."""
-        spec = self.launch_spec()
-        return None if spec is None else spec.bucket_for(plan)
 
     @torch.no_grad()
     def launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep | None:
         """Queue a generation step of captured shape without waiting for it; None for any other plan
         (run it with `execute`). With `after`, each sequence's token_ids[0] holds its row in `after`'s
-        plan, and its inputs (tokens, and positions when drafting) come from that step's results on the
-        device; `after` need not have finished. Read with `collect`."""
-        bucket = self._launch_bucket(plan)
-        if bucket is None:
+        plan, and its inputs (tokens, and positions when drafting; a tree step's trees) come from that
+        step's results on the device; `after` need not have finished, and must be a step of the same kind
+        (a tree step after a tree step). Read with `collect`."""
+        spec = self.launch_spec()
+        bucket = None if spec is None else spec.bucket_for(plan)
+        if spec is None or bucket is None:
             return None
+        tree = spec.is_tree(plan)
+        if after is not None and after.tree != tree:
+            raise ValueError(f"step {plan.step_id}: a queued step reads the results of a step of its own kind")
         for rid in plan.finished_request_ids:
             self._generators.pop(rid, None)
-        uniforms = self.uniforms(plan, len(plan.seqs[0].token_ids))
         previous = None if after is None else after.results
-        if self.fused is not None:
-            results = self.fused.launch(plan, bucket, uniforms, previous)
+        if tree:
+            uniforms = self.uniforms(plan, self.tree_step.num_uniforms)
+            results = self.tree_step.launch(plan, bucket, uniforms, previous)
+        elif self.fused is not None:
+            results = self.fused.launch(plan, bucket, self.uniforms(plan, len(plan.seqs[0].token_ids)), previous)
         else:
             assert self.uniform is not None
             tokens = None if previous is None else previous[:, 1]
-            _, results = self.uniform.run(plan, bucket, uniforms, tokens)
+            _, results = self.uniform.run(plan, bucket, self.uniforms(plan, 1), tokens)
         m, width = results.shape
-        if len(self._results) != 2 or self._results[0].shape[1] != width:
-            shape, pin = (self._max_batch(), width), self.device.type == "cuda"
-            self._results = [torch.zeros(shape, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._results.reverse()
-        host = self._results[0][:m]
+        pair = self._results.get(width)
+        if pair is None:
+            pin = self.device.type == "cuda"
+            pair = self._results[width] = [
+                torch.zeros((self._max_batch(), width), dtype=torch.long, pin_memory=pin) for _ in range(2)
+            ]
+        pair.reverse()
+        host = pair[0][:m]
         host.copy_(results, non_blocking=True)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return LaunchedStep(plan, results, host, ready)
+        return LaunchedStep(plan, results, host, ready, tree)
 
     def _max_batch(self) -> int:
-        step = self.fused if self.fused is not None else self.uniform
-        assert step is not None
+        step = next(s for s in (self.fused, self.tree_step, self.uniform) if s is not None)
         return int(step.buffers.max_batch)
 
     def collect(self, step: LaunchedStep) -> TargetOutput:
-        """Wait for a launched step and return its tokens (and, with the fused step, the next drafts)."""
+        """Wait for a launched step and return its tokens (and, with the fused or tree step, the next drafts)."""
         if step.ready is not None:
             step.ready.synchronize()
+        if step.tree:
+            return self.tree_step.read(step.plan, step.host)  # type: ignore[no-any-return]
         if self.fused is not None:
             return self.fused.read(step.plan, step.host)  # type: ignore[no-any-return]
         return token_results(step.plan, step.host.tolist())
@@ -232,7 +258,8 @@ class TargetRunner:
             return None
         i = ctx[0]
         prefill_bucket = self.prefill.bucket_for(_sub_plan(plan, [plan.seqs[i]]))
-        gen_bucket = self._launch_bucket(_sub_plan(plan, plan.seqs[:i] + plan.seqs[i + 1 :]))
+        gen, spec = _sub_plan(plan, plan.seqs[:i] + plan.seqs[i + 1 :]), self.launch_spec()
+        gen_bucket = None if spec is None or spec.is_tree(gen) else spec.bucket_for(gen)  # tree steps run whole
         return None if prefill_bucket is None or gen_bucket is None else (i, prefill_bucket, gen_bucket)
 
     def run_split(self, plan: StepPlan, i: int, prefill_bucket: int, gen_bucket: int) -> TargetOutput:

@@ -99,6 +99,9 @@ class StepSession:
         if self.pending is None:
             raise StepFailure("FAILED_PRECONDITION", f"step {plan.step_id}: LAUNCH_AFTER with no launched step")
         launched = self.pending[0]
+        if launched.plan.num_draft_tokens != plan.num_draft_tokens:
+            why = f"LAUNCH_AFTER a step of {launched.plan.num_draft_tokens} drafts: its results are laid out for that"
+            raise StepFailure("INVALID_ARGUMENT", f"StepPlan.num_draft_tokens is {plan.num_draft_tokens}; {why}")
         rows = len(launched.plan.seqs)
         for i, s in enumerate(plan.seqs):
             if not 0 <= s.token_ids[0] < rows:

@@ -13,6 +13,11 @@ For B generation requests each carrying a tree of N drafted nodes, everything st
 Steps that sample walk each tree by rejection sampling over its fixed candidates (`sample_walk`, with the
 requests' temperature/top-k/top-p and uniforms in fixed buffers). One CUDA graph per batch bucket and
 sampling mode, and one host copy of the results per step.
+
+A step can also take its inputs from the previous tree step's results on the device (`launch(..., after=...)`,
+`workers/tree_inputs.py`): each request's next tokens are its bonus token and its new tree, its tree's
+parents, depths and ancestor mask come from that tree, and its next position follows its accepted count, so
+the host can queue the step before it has read the previous one.
 """
 
 from __future__ import annotations
@@ -34,67 +39,7 @@ from speculative.sampling import SamplingMode, processed_probs, sampling_mode
 from speculative.tree import greedy_walk, sample_walk, walk_uniforms
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
 from workers.step_buffers import ForcedRows, StepBuffers
-
-
-class TreeBuffers:
-    """Fixed-address tree inputs: each row's depth and parent, and each tree's ancestor mask, sent in one copy."""
-
-    def __init__(self, max_batch: int, q_len: int, num_uniforms: int, device: torch.device) -> None:
-        self.max_batch, self.q_len = max_batch, q_len
-        self.uniforms = torch.zeros(max_batch, num_uniforms, dtype=torch.float32, device=device)  # sampling walks
-        rows = max_batch * q_len
-        self.packed = torch.zeros(2 * rows + rows * q_len, dtype=torch.long, device=device)
-        staging = torch.zeros_like(self.packed, device="cpu")
-        self.staging = staging.pin_memory() if device.type == "cuda" else staging
-        # written in place: a tree step reads its results back before the next fill, so no copy is in flight
-        self._host = self.staging.numpy()
-        depth, parents, mask = self.packed.split([rows, rows, rows * q_len])
-        self.depth = depth.view(max_batch, q_len)  # [B_max, Q]
-        self.parents = parents.view(max_batch, q_len)  # [B_max, Q], -1 at the root
-        self.mask = mask.view(max_batch, q_len, q_len)  # [B_max, Q, Q] 0/1, row i sees node j
-        self._pad_parents = np.array([-1] + [0] * (q_len - 1), dtype=np.int64)
-        self._eye = np.eye(q_len, dtype=np.int64)
-        self.fill(np.zeros((0, q_len), dtype=np.int64), max_batch)
-
-    def fill(self, parents: np.ndarray, bucket: int) -> np.ndarray:
-        """Copy the trees of n sequences (parents [n, Q] int64, -1 at the root, parents[:, i] < i) into the
-        first rows; padding rows (up to `bucket`) see only themselves. Returns the depths [n, Q]."""
-        n, q = parents.shape[0], self.q_len
-        rows = self.max_batch * q
-        host = self._host
-        depth = host[:rows].reshape(-1, q)
-        par = host[rows : 2 * rows].reshape(-1, q)
-        mask = host[2 * rows :].reshape(-1, q, q)
-        depth[n:bucket] = 0
-        par[n:bucket] = self._pad_parents
-        mask[n:bucket] = self._eye
-        if n:
-            seen = ancestor_masks(parents)
-            mask[:n] = seen
-            depth[:n] = seen.sum(-1) - 1
-            par[:n] = parents
-        used = 2 * rows + bucket * q * q  # depths and parents of every row, masks of the bucket's
-        self.packed[:used].copy_(self.staging[:used], non_blocking=True)
-        return depth[:n].copy()
-
-    def fill_uniforms(self, uniforms: torch.Tensor, bucket: int) -> None:
-        """Copy the sampling walk's uniforms [n, U] of n sequences; padding rows (up to `bucket`) get zeros."""
-        host = torch.zeros(bucket, self.uniforms.shape[1])
-        host[: uniforms.shape[0]] = uniforms
-        self.uniforms[:bucket].copy_(host)
-
-
-def ancestor_masks(parents: np.ndarray) -> np.ndarray:
-    """[n, Q, Q] bool: node i of tree b sees node j (j is i or one of its ancestors), for parents [n, Q]
-    (-1 at the root, parents[:, i] < i)."""
-    n, q = parents.shape
-    seen = np.zeros((n, q, q), dtype=bool)
-    seen[:, np.arange(q), np.arange(q)] = True
-    if q > 1:
-        seen[np.arange(n)[:, None], np.arange(1, q)[None, :], parents[:, 1:]] = True
-    for _ in range((q - 2).bit_length() if q > 2 else 0):  # each squaring doubles the path length covered
-        seen = seen @ seen
-    return seen
+from workers.tree_inputs import ResultColumns, TreeBuffers, advance_trees
 
 
 class FusedTreeStep:
@@ -124,6 +69,7 @@ class FusedTreeStep:
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.num_uniforms = walk_uniforms(self.depth, drafter.width)
         self.trees = TreeBuffers(max_batch, self.q_len, self.num_uniforms, dev)
+        self.columns = ResultColumns(self.depth, drafter.budget)  # the packed results' layout
         self.steps = GreedyAndSampledSteps(self._forward, capture_sizes(max_batch), dev, use_graphs)
         self.runs = 0  # steps run, captured or not
 
@@ -154,8 +100,9 @@ class FusedTreeStep:
         h0 = dh.view(bucket, d + 1, -1).gather(1, n_acc[:, None, None].expand(-1, 1, dh.shape[-1]))[:, 0]
         with record_function("tree:grow"):
             drafts, parents, _ = self.drafter.grow(h0, roots, self._round_meta(tables, roots))
-        columns = [emitted, n_acc[:, None], drafts, parents, (roots + 1)[:, None]]
-        return torch.cat([c.to(torch.long) for c in columns], dim=1)
+        verified = t.depth[:bucket].max(dim=1).values  # the depth of each tree verified here
+        columns = [emitted, n_acc[:, None], drafts, parents, (roots + 1)[:, None], verified[:, None]]
+        return torch.cat([c.to(torch.long) for c in columns], dim=1)  # laid out as `self.columns` says
 
     def _accept(
         self, tokens: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, bucket: int, mode: SamplingMode
@@ -213,13 +160,20 @@ class FusedTreeStep:
         """A bucket when every request is a generation row with a tree of exactly the budget that fits."""
         return uniform_bucket(plan, self.q_len, self.buffers.max_blocks, self.steps.sizes, trees=True)
 
-    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
-        """Fill the buffers, replay, and read back tokens, accept counts and the next trees in one copy.
-        `uniforms` [m, num_uniforms] are the sampling walk's random numbers; None for an all-greedy step."""
+    def launch(
+        self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None, after: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Fill the buffers and replay without waiting; returns the device results [m, columns.width] of the
+        real rows (`ResultColumns`; valid until the next run). `uniforms` [m, num_uniforms] are the sampling
+        walk's random numbers; None for an all-greedy step. With `after` (a previous tree launch's results),
+        each sequence's token_ids[0] is its row there, and its tokens, positions and tree are taken from that
+        row on the device (the plan's drafts and parents are placeholders)."""
         seqs = plan.seqs
-        parents = np.array([[-1, *(s.draft_parents or [])] for s in seqs], dtype=np.int64)
         self.buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
-        depths = self.trees.fill(parents, bucket).max(axis=1).tolist()
+        if after is None:
+            self.trees.fill(np.array([[-1, *(s.draft_parents or [])] for s in seqs], dtype=np.int64), bucket)
+        else:
+            self.trees.fill_queued(len(seqs), bucket)
         if self.forced is not None:
             self.forced.fill(seqs, bucket)
         mode = SamplingMode.GREEDY
@@ -230,14 +184,24 @@ class FusedTreeStep:
             )
             self.trees.fill_uniforms(uniforms, bucket)
             mode = sampling_mode(seqs)
-        host = self.steps.run(bucket, mode)[: len(seqs)].cpu()
+        if after is not None:
+            advance_trees(after, self.columns, self.buffers, self.trees, len(seqs))
         self.runs += 1
-        d, n = self.depth, self.q_len - 1
-        rows = host[:, : d + 2].tolist()
+        return self.steps.run(bucket, mode)[: len(seqs)]  # type: ignore[no-any-return]
+
+    def read(self, plan: StepPlan, host: torch.Tensor) -> TargetOutput:
+        """Tokens, accept counts and the next trees from a launch's results, copied to the host."""
+        c = self.columns
+        rows = host[:, : c.accepted + 1].tolist()
+        depths = host[:, c.verified_depth].tolist()
         results = [  # drafted: the tree's depth, or a replayed branch's length when that is longer
-            SeqResult(s.request_id, row[: row[d + 1] + 1], max(depth, row[d + 1]), row[d + 1])
-            for s, depth, row in zip(seqs, depths, rows, strict=True)
+            SeqResult(s.request_id, row[: row[c.accepted] + 1], max(depth, row[c.accepted]), row[c.accepted])
+            for s, depth, row in zip(plan.seqs, depths, rows, strict=True)
         ]
-        tokens, parents = host[:, d + 2 : d + 2 + n].clone(), host[:, d + 2 + n : d + 2 + 2 * n].clone()
-        proposals = DraftOutputs(plan.step_id, [s.request_id for s in seqs], tokens, draft_parents=parents)
+        tokens, parents = host[:, c.drafts].clone(), host[:, c.parents].clone()  # `host` may be reused later
+        proposals = DraftOutputs(plan.step_id, [s.request_id for s in plan.seqs], tokens, draft_parents=parents)
         return TargetOutput(plan.step_id, results, None, proposals)
+
+    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
+        """Launch, then read back tokens, accept counts and the next trees in one copy."""
+        return self.read(plan, self.launch(plan, bucket, uniforms).cpu())

@@ -394,9 +394,10 @@ def engine_over(cfg: MTPServeConfig, group: Any) -> LLMEngine:
     k, scratch = (spec.proposed_tokens, spec.scratch_slots) if drafting else (0, 0)
     blocks = num_blocks_for(cfg, max_len)
     depth = None
+    tree = config_tree_kind(cfg) if drafting else None
     if drafting and spec.adaptive:
-        depth = depth_policy(cfg, spec.num_draft_tokens, timed=group.step_costs, tree=config_tree_kind(cfg))
-    sched = Scheduler(cfg.scheduler, blocks, k, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth)
+        depth = depth_policy(cfg, spec.num_draft_tokens, timed=group.step_costs, tree=tree)
+    sched = Scheduler(cfg.scheduler, blocks, k, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth, tree)
     tok = source.tokenizer() if not source.dummy else None
     engine = LLMEngine(cfg, args, sched, target, None, tok)
     engine.health_listeners = target.listeners

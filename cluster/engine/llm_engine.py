@@ -166,10 +166,10 @@ class LLMEngine:
         adaptive = spec.adaptive and isinstance(draft, (MTPEagleChain, MTPEagleTree))
         capture_local_steps(cfg, target, draft, k, max_len)
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
-        tree = tree_kind(draft) if isinstance(draft, MTPEagleTree) and draft.chains else None
+        tree = tree_kind(draft) if isinstance(draft, MTPEagleTree) else None  # adaptive: its chains' tree
         depth = depth_policy(cfg, k, target.fused, tree=tree, tree_step=target.tree_step) if adaptive else None
         sched = Scheduler(
-            cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth
+            cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth, tree
         )
         return cls(cfg, args, sched, target, draft, tokenizer)
 
@@ -278,14 +278,11 @@ class LLMEngine:
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         policy = self.scheduler.depth
-        if policy is None or not plan.seqs or any(s.is_context for s in plan.seqs):
-            return self._run(plan)
-        kind = policy.kind_of(plan.num_draft_tokens)
-        if not policy.costs.follows(kind):
+        if policy is None or not policy.costs.online or not plan.seqs or any(s.is_context for s in plan.seqs):
             return self._run(plan)
         t0 = time.perf_counter()
         outputs = self._run(plan)
-        policy.costs.observe(len(plan.seqs), kind, time.perf_counter() - t0)
+        policy.costs.observe(len(plan.seqs), policy.kind_of(plan.num_draft_tokens), time.perf_counter() - t0)
         return outputs
 
     def _run(self, plan: StepPlan) -> list[RequestOutput]:

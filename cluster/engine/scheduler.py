@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -12,7 +12,7 @@ from cluster.engine.block_manager import BlockManager
 from cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 from cluster.engine.request import Request, RequestStatus
 from speculative.adaptive import AdaptiveDepth, StepKind
-from speculative.draft_shapes import fit_drafts
+from speculative.draft_shapes import chain_as_tree, fit_drafts
 from speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from speculative.stats import SpecStats
 from workers.config import SchedulerConfig
@@ -55,9 +55,12 @@ class Scheduler:
         prefix_caching: bool | None = None,
         scratch_slots: int | None = None,
         depth: AdaptiveDepth | None = None,
+        tree: StepKind | None = None,
     ) -> None:
         self.cfg = cfg
         self.depth = depth
+        self.tree = tree  # the draft tree of steps whose draft count is its budget (adaptive or not)
+        self._ahead: set[int] = set()  # steps planned by `plan_ahead` whose results are not applied yet
         self._next_kind: StepKind | None = None  # a kind `plan_ahead` chose for the step `schedule` plans next
         self._real_drafts: dict[int, dict[str, int]] = {}  # step -> request -> real drafts, where padded or reshaped
         self.blocks = BlockManager(num_blocks, cfg.block_size)
@@ -179,16 +182,25 @@ class Scheduler:
             return kind
         return self.depth.choose(batch)
 
+    def kind_of(self, num_draft_tokens: int) -> StepKind:
+        """The kind of a step whose requests carry `num_draft_tokens` drafts: the tree's budget, or a depth."""
+        if self.depth is not None:
+            return self.depth.kind_of(num_draft_tokens)
+        if self.tree is not None and num_draft_tokens == self.tree.budget:
+            return self.tree
+        return StepKind(num_draft_tokens)
+
     def plan_ahead(self, pending: StepPlan) -> StepPlan | None:
         """The generation step after `pending`, a generation step whose results are not applied yet.
 
         Each sequence's token_ids[0] holds its row in `pending`: its inputs (last token, and the drafts
-        and position when speculating) come from that row's results on the device. Requests that
-        `pending` surely finishes (by max_tokens), or whose next positions could pass max_model_len, are
-        left out; those it may finish (a stop token, or enough accepted drafts) stay in, and `update`
-        drops their extra step. Blocks are grown for the most tokens `pending` can accept. None
-        when the step should go through `schedule` instead: requests are waiting or running outside
-        `pending`, blocks would need a preemption, or nothing is left to run."""
+        and position when speculating; a tree step's tree) come from that row's results on the device, and
+        its drafts (and a tree's parents) here are placeholders. Requests that `pending` surely finishes
+        (by max_tokens), or whose next positions could pass max_model_len, are left out; those it may finish
+        (a stop token, or enough accepted drafts) stay in, and `update` drops their extra step. Blocks are
+        grown for the most tokens `pending` can accept (a tree's depth + 1). None when the step should go
+        through `schedule` instead: requests are waiting or running outside `pending`, blocks would need a
+        preemption, the kind changes, or nothing is left to run."""
         k = pending.num_draft_tokens
         planned = {sp.request_id for sp in pending.seqs}
         if self.waiting or any(r.request_id not in planned for r in self.running):
@@ -198,27 +210,35 @@ class Scheduler:
             if kind != self.depth.kind_of(k):  # a new kind starts from `schedule`, the stored drafts fitted to it
                 self._next_kind = kind
                 return None
+        kind = self.kind_of(k)
+        drafts, parents = [0] * k, None
+        if kind.is_tree:  # a valid tree of the kind's depth (siblings carry distinct tokens)
+            drafts, parents = chain_as_tree([0] * kind.depth, kind.budget, kind.depth, kind.width)
+        elif any(sp.draft_parents is not None for sp in pending.seqs):
+            return None  # trees of a kind this scheduler was not told of
         seqs: list[SeqPlan] = []
         for row, sp in enumerate(pending.seqs):
             req = self.requests.get(sp.request_id)
             if req is None or req.status is not RequestStatus.RUNNING or sp.is_context or len(sp.token_ids) != k + 1:
                 continue
-            most = k + 1  # tokens `pending` can emit (at least one)
+            most = kind.most_tokens  # tokens `pending` can emit (at least one)
             if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + most >= self.max_model_len:
                 continue
             start = req.num_computed_tokens + most  # an upper bound (pending's own start is exact here)
             if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):
                 return None
-            seqs.append(self._gen_plan(req, [row] + [0] * k, start))
+            seqs.append(self._gen_plan(req, [row, *drafts], start, None, None if parents is None else list(parents)))
         if not seqs:
             return None
         self._step += 1
+        self._ahead.add(self._step)
         finished, self._finished_since_plan = self._finished_since_plan, []
         return StepPlan(self._step, seqs, k, finished)
 
     def cancel_ahead(self, plan: StepPlan) -> None:
         """Give back a `plan_ahead` plan that will not run: its finished request ids go to the next plan
         (the blocks it grew stay with their requests, which use them later)."""
+        self._ahead.discard(plan.step_id)
         self._finished_since_plan[:0] = plan.finished_request_ids
 
     def _chunk_plan(self, req: Request, budget: int, scheduled: set[str], allow_preempt: bool) -> SeqPlan | None:
@@ -347,10 +367,15 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         real = self._real_drafts.pop(plan.step_id, {})
         kind = None if self.depth is None else self.depth.kind_of(plan.num_draft_tokens)
+        ahead = plan.step_id in self._ahead
+        self._ahead = {s for s in self._ahead if s > plan.step_id}  # (and those of steps dropped on a failure)
         for sp, res in zip(plan.seqs, out.results, strict=True):
             req = self.requests.get(sp.request_id)
             if req is None or req.finished or req.status is not RequestStatus.RUNNING:
                 continue
+            if ahead and self.on_verify is not None:  # what the step verified, in place of the placeholders
+                tokens, parents = [req.all_token_ids[-1], *req.draft_token_ids], req.draft_parents
+                sp = replace(sp, token_ids=tokens, start=req.num_computed_tokens, draft_parents=parents)
             if sp.is_context:
                 req.num_computed_tokens = sp.end
                 if not sp.is_final_chunk:
