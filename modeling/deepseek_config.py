@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from modeling.model import LlamaArgs, Rotary
+from modeling.model import DRAFT_POSITIONS, LlamaArgs, Rotary
 
 MODEL_TYPES = frozenset({"deepseek_v3"})
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # RoPE tables that do not change with the length
@@ -123,7 +123,8 @@ class ScaledRotary(Rotary):
         torch.nn.Module.__init__(self)
         with torch.device("cpu"):  # a table, also when the model is being laid out on the meta device
             inv_freq, scaling = rope_frequencies(args)
-            freqs = torch.outer(torch.arange(args.max_position_embeddings, dtype=torch.float32), inv_freq.float())
+            positions = torch.arange(args.max_position_embeddings + DRAFT_POSITIONS, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq.float())
             emb = torch.cat([freqs, freqs], dim=-1)
         self.register_tables((emb.cos() * scaling).float(), (emb.sin() * scaling).float())
 

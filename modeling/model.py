@@ -77,15 +77,21 @@ class RMSNorm(nn.Module):
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim] fp32
 
 
+# Rows the RoPE tables hold past the model's last position: a request's last steps draft (and verify) rows
+# past max_model_len, whose tokens are then cut off; a chain or tree is never deeper than this.
+DRAFT_POSITIONS = 64
+
+
 class Rotary(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table (plain, or scaled as `rope_scaling` says)."""
+    """Rotate-half RoPE with a precomputed cos/sin table (plain, or scaled as `rope_scaling` says) for
+    positions up to max_pos + DRAFT_POSITIONS."""
 
     cos_sin: torch.Tensor
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         inv, attention_scaling = rope_frequencies(head_dim, theta, max_pos, scaling)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+        freqs = torch.outer(torch.arange(max_pos + DRAFT_POSITIONS, dtype=torch.float64), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         if scaling is None:
             self.register_tables(emb.cos().float(), emb.sin().float())

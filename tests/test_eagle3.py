@@ -18,7 +18,7 @@ from test_head_layouts import check_step_paths_agree
 from cluster.engine.llm_engine import LLMEngine
 from modeling.errors import ModelLoadError
 from modeling.loader import resolve_model
-from modeling.model import LlamaArgs
+from modeling.model import DRAFT_POSITIONS, LlamaArgs
 from speculative.eagle3_head import Eagle3Head
 from workers.config import MTPServeConfig
 
@@ -102,7 +102,8 @@ def test_checkpoint_loads_as_published(setup: Setup) -> None:
     assert torch.equal(head.midlayer.hidden_norm.weight, setup.tensors["midlayer.hidden_norm.weight"])
     assert head.lm_head is not None and torch.equal(head.lm_head.weight, setup.tensors["lm_head.weight"])
     assert head.embed_tokens is None, "no embedding in the checkpoint: the target's is used"
-    assert head.rotary.cos.shape[0] == setup.args.max_position_embeddings, "positions past the draft config's 256"
+    positions = setup.args.max_position_embeddings + DRAFT_POSITIONS
+    assert head.rotary.cos.shape[0] == positions, "positions past the draft config's 256"
 
 
 def test_pytorch_bin_checkpoints_load_too(built: Callable[[str], Setup], tmp_path: Path) -> None:

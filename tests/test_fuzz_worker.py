@@ -210,7 +210,7 @@ def test_fuzzed_draft_inputs_get_ok_or_invalid_argument(
         ("seqs.0.block_ids", [0, NUM_BLOCKS], f"StepPlan.seqs[0].block_ids[1]: {NUM_BLOCKS} is out of range"),
         ("seqs.0.block_ids", [0], "StepPlan.seqs[0].block_ids: 1 blocks of 8 hold fewer than 11 slots"),
         ("seqs.0.token_ids", [5, 96], "StepPlan.seqs[0].token_ids[1]: 96 is out of range [0, 96)"),
-        ("seqs.1.start", 510, "StepPlan.seqs[1].start: rows [510, 514) leave [0, 512)"),
+        ("seqs.1.start", 512, f"StepPlan.seqs[1].start: rows [512, 516) leave [0, {512 + K})"),
         ("seqs.1.top_p", math.nan, "StepPlan.seqs[1].top_p: nan is not in (0, 1]"),
         ("seqs.1.request_id", "a", "StepPlan.seqs.request_id[1]: repeats request id 'a'"),
         ("num_draft_tokens", K + 1, f"StepPlan.num_draft_tokens: {K + 1} is not in [0, {K}]"),

@@ -84,13 +84,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return path, str(d / "head.safetensors")
 
 
-def config(model: tuple[str, str], k: int, tree: bool = False) -> MTPServeConfig:
+def config(model: tuple[str, str], k: int, tree: bool = False, max_model_len: int | None = None) -> MTPServeConfig:
     spec: dict[str, Any] = {"draft": model[1], "num_draft_tokens": K, "enabled": k > 0}
     if tree:
         spec.update(tree_budget=8, tree_width=3)
     return MTPServeConfig.from_dict(
         {
-            "model": {"path": model[0], "device": "cpu", "dtype": "float32"},
+            "model": {"path": model[0], "device": "cpu", "dtype": "float32", "max_model_len": max_model_len},
             "scheduler": {"num_kv_blocks": 96, "block_size": 8, "max_num_requests": 8},
             "speculative": spec,
         }
@@ -304,3 +304,23 @@ def test_a_closed_listener_accepts_no_more_connections() -> None:
     listener.close()
     with pytest.raises(OSError):
         socket_link(listener.name)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_requests_reach_max_model_len_through_the_link(model: tuple[str, str], tree: bool) -> None:
+    """Requests that run into max_model_len while drafting: their last steps draft rows past the limit (the
+    output is cut there), which the rank runs as the in-process engine does; same tokens, finish reason
+    'length', every block back."""
+    r = LocalRank(config(model, K, tree=tree, max_model_len=48), "socket")
+    try:
+        args, _ = mimic_target()
+        prompts = random_prompts(4, args.vocab_size, [30, 21, 40, 35], seed=5)
+        params: list[dict[str, Any]] = [{"max_tokens": 100, "ignore_eos": True} for _ in prompts]
+        want = drive(LLMEngine.from_config(r.cfg, load_tokenizer=False), prompts, params)
+        assert [want["reasons"][f"r{i}"] for i in (0, 1, 3)] == ["length"] * 3  # r2 is aborted by `drive`
+        eng = engine_over(r.cfg, r)
+        got = drive(eng, prompts, params)
+        assert got["tokens"] == want["tokens"] and got["reasons"] == want["reasons"]
+        assert got["blocks_held"] == 0
+    finally:
+        r.stop()

@@ -83,8 +83,10 @@ def check_seq(field: str, s: SeqPlan, k: int, lim: StepLimits) -> None:
         raise InvalidStepMessage(f"{field}.token_ids", "is empty")
     _ids_in_range(f"{field}.token_ids", s.token_ids, 0, lim.vocab_size)
     last = s.end if s.draft_parents is None else s.start + 1 + _tree_depth(s.draft_parents)  # past the last position
-    if s.start < 0 or last > lim.max_model_len:
-        raise InvalidStepMessage(f"{field}.start", f"rows [{s.start}, {last}) leave [0, {lim.max_model_len})")
+    # a generation row's own token lies inside the model's length; its drafts may pass it (their tokens are cut)
+    limit = lim.max_model_len if s.is_context else lim.max_model_len + lim.num_draft_tokens
+    if s.start < 0 or last > limit or s.start >= lim.max_model_len:
+        raise InvalidStepMessage(f"{field}.start", f"rows [{s.start}, {last}) leave [0, {limit})")
     if not s.is_context and not s.is_final_chunk:
         raise InvalidStepMessage(f"{field}.is_final_chunk", "a generation row is always final")
     drafts = 0 if s.is_context else len(s.token_ids) - 1
@@ -185,7 +187,8 @@ def check_draft_inputs(d: DraftInputs, lim: StepLimits) -> None:
     _ids_in_range("token_ids", d.token_ids.tolist(), 0, lim.vocab_size)
     _tensor("positions", d.positions, (t,), integer=True, sized_by="seq_lens")
     positions = d.positions.tolist()
-    _ids_in_range("positions", positions, 0, lim.max_model_len)
+    # accepted drafts of a request's last step may lie past max_model_len (their tokens are cut)
+    _ids_in_range("positions", positions, 0, lim.max_model_len + lim.num_draft_tokens + 1)
     _tensor("lookahead_tokens", d.lookahead_tokens, (sum(d.is_context),), integer=True, sized_by="is_context")
     _ids_in_range("lookahead_tokens", d.lookahead_tokens.tolist(), -1, lim.vocab_size)
     _tensor("sampled_tokens", d.sampled_tokens, (b,), integer=True, sized_by="request_ids")
