@@ -54,3 +54,20 @@ def test_smollm2_lossless(k: int) -> None:
             speculative={"num_draft_tokens": k},
         )
         assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 24})] == ref
+
+
+@pytest.mark.parametrize("spec", [{"num_draft_tokens": 3}, {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3}])
+def test_drafting_up_to_the_models_last_position(spec: dict[str, int]) -> None:
+    """Served at its full max_position_embeddings, a request's last steps draft rows past the model's last
+    position (their tokens are cut at the limit): target-only tokens, finish reason 'length'. The RoPE
+    tables hold those rows (they used to index past the table)."""
+    import dataclasses
+
+    args, w = mimic_target()
+    args = dataclasses.replace(args, max_position_embeddings=48)
+    prompts = random_prompts(2, args.vocab_size, [30, 40], seed=3)
+    params = {"max_tokens": 100, "ignore_eos": True}
+    want = [(c.token_ids, c.finish_reason) for c in tiny_engine(args, w).generate(prompts, params)]
+    got = tiny_engine(args, w, mimic_head(args, w), speculative=spec).generate(prompts, params)
+    assert [(c.token_ids, c.finish_reason) for c in got] == want
+    assert {r for _, r in want} == {"length"} and len(want[1][0]) == 8
