@@ -96,6 +96,8 @@ class TargetRunner:
         self.lookahead_source = lookahead_source
         self._generators: dict[str, torch.Generator] = {}
         self._results: dict[int, list[torch.Tensor]] = {}  # by width: two host buffers for results, alternating
+        self._spec_key: tuple[Any, Any, Any, bool] | None = None  # the steps `_spec` describes
+        self._spec: LaunchSpec | None = None
 
     def _gen(self, sp: SeqPlan) -> torch.Generator:
         g = self._generators.get(sp.request_id)
@@ -132,7 +134,13 @@ class TargetRunner:
     def launch_spec(self) -> LaunchSpec | None:
         """What `launch` queues: generation steps through the fused speculative step and tree steps through
         the tree step when the draft is colocated, else target-only steps through the uniform step; None
-        when it queues nothing."""
+        when it queues nothing. Kept until the steps it describes are replaced (`launch` asks every step)."""
+        key = (self.fused, self.tree_step, self.uniform, self.drafting)
+        if self._spec_key is None or any(a is not b for a, b in zip(self._spec_key, key, strict=True)):
+            self._spec_key, self._spec = key, self._build_launch_spec()
+        return self._spec
+
+    def _build_launch_spec(self) -> LaunchSpec | None:
         tree = self.tree_step
         trees: dict[str, Any] = {}
         if tree is not None:
