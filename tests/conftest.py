@@ -1,4 +1,4 @@
-"""Shared pytest setup: repo root on sys.path, single-threaded torch for stable CPU timings."""
+"""Shared pytest setup: repo root on sys.path, single-threaded torch for stable CPU timings, a local Ray."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,3 +17,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # run Triton kernels on CPU (numpy interpreter)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray runtime (2 CPUs) for the tests of one module, shut down after them."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

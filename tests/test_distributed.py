@@ -30,15 +30,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     args, w = mimic_target()
     d = tmp_path_factory.mktemp("mimic")

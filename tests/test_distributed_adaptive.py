@@ -17,15 +17,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """The mimic target as an HF directory and its head as a file."""
     args, w = mimic_target()
@@ -34,6 +25,36 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     head = str(d / "head.safetensors")
     mimic_head(args, w).save(head)
     return path, head
+
+
+def run_noting_proposals(
+    eng: Any, prompts: list[list[int]], params: list[dict[str, Any]]
+) -> tuple[list[list[int]], set[tuple[int, int, bool]]]:
+    """Run the requests to the end: their tokens in order, and (drafts asked, drafts proposed, a tree) of
+    every step that proposed."""
+    proposed: set[tuple[int, int, bool]] = set()
+    update = eng.scheduler.update
+
+    def noted(plan: Any, out: Any, drafts: Any) -> Any:
+        if drafts is not None and drafts.request_ids:
+            shape = drafts.draft_token_ids.shape[1], drafts.draft_parents is not None
+            proposed.add((plan.num_draft_tokens, *shape))
+        return update(plan, out, drafts)
+
+    eng.scheduler.update = noted
+    ids = [eng.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    tokens: dict[str, list[int]] = {r: [] for r in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+    return [tokens[r] for r in ids], proposed
+
+
+def target_only(prompts: list[list[int]], params: list[dict[str, Any]]) -> list[list[int]]:
+    """The mimic target's own tokens for each request."""
+    args, w = mimic_target()
+    ref = tiny_engine(args, w)
+    return [ref.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
 
 
 @pytest.mark.parametrize("placement", ["separate", "colocated"])
@@ -54,25 +75,8 @@ def test_adaptive_depths_through_actors(ray_local, model, placement: str) -> Non
             for d in range(4):
                 costs.set(bucket, d, 1.0 if d == want else 100.0)
         eng.scheduler.depth = policy = AdaptiveDepth(costs, AcceptanceTracker(3), explore_steps=0)
-        proposed: set[tuple[int, int, bool]] = set()  # (drafts asked, drafts proposed, a tree) per step
-        update = eng.scheduler.update
-
-        def noted(plan: Any, out: Any, drafts: Any) -> Any:
-            if drafts is not None and drafts.request_ids:
-                shape = drafts.draft_token_ids.shape[1], drafts.draft_parents is not None
-                proposed.add((plan.num_draft_tokens, *shape))
-            return update(plan, out, drafts)
-
-        eng.scheduler.update = noted  # type: ignore[method-assign]
-        ids = [eng.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
-        tokens: dict[str, list[int]] = {r: [] for r in ids}
-        while eng.has_unfinished():
-            for o in eng.step():
-                tokens[o.request_id].extend(o.new_token_ids)
-        args, w = mimic_target()
-        ref = tiny_engine(args, w)
-        want = [ref.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
-        assert [tokens[r] for r in ids] == want
+        tokens, _ = run_noting_proposals(eng, prompts, params)
+        assert tokens == target_only(prompts, params)
         assert policy.steps_per_depth[0] > 0 and policy.steps_per_depth[3] > 0, policy.steps_per_depth
         assert eng.totals.accepted > 0
         if placement == "separate":  # depth 0 still wrote the draft worker's KV: it equals a fixed-K run's
@@ -81,6 +85,7 @@ def test_adaptive_depths_through_actors(ray_local, model, placement: str) -> Non
             costs.set(2, 0, 1.0)
             costs.set(2, 1, 100.0)  # two requests now run at depth 0, one alone at depth 3
             pair = random_prompts(2, 96, [13, 7], seed=9)
+            args, w = mimic_target()
             a, _ = (eng.add_request(p, {"max_tokens": m}) for p, m in zip(pair, (40, 12), strict=True))
             fixed = tiny_engine(args, w, mimic_head(args, w), speculative={"num_draft_tokens": 3})
             fa, _ = (fixed.add_request(p, {"max_tokens": m}) for p, m in zip(pair, (40, 12), strict=True))
@@ -118,25 +123,8 @@ def test_adaptive_trees_through_actors(ray_local, model, placement: str) -> None
             for kind in built.kinds:
                 costs.set(bucket, kind, 1.0 if kind == want else 100.0)
         eng.scheduler.depth = policy = AdaptiveDepth(costs, AcceptanceTracker(3), explore_steps=0)
-        proposed: set[tuple[int, int, bool]] = set()  # (drafts asked, drafts proposed, a tree) per step
-        update = eng.scheduler.update
-
-        def noted(plan: Any, out: Any, drafts: Any) -> Any:
-            if drafts is not None and drafts.request_ids:
-                shape = drafts.draft_token_ids.shape[1], drafts.draft_parents is not None
-                proposed.add((plan.num_draft_tokens, *shape))
-            return update(plan, out, drafts)
-
-        eng.scheduler.update = noted  # type: ignore[method-assign]
-        ids = [eng.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
-        tokens: dict[str, list[int]] = {r: [] for r in ids}
-        while eng.has_unfinished():
-            for o in eng.step():
-                tokens[o.request_id].extend(o.new_token_ids)
-        args, w = mimic_target()
-        ref = tiny_engine(args, w)
-        want = [ref.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
-        assert [tokens[r] for r in ids] == want
+        tokens, proposed = run_noting_proposals(eng, prompts, params)
+        assert tokens == target_only(prompts, params)
         assert policy.tree_steps > 3 and policy.steps_per_depth[1] > 0, policy.step_counts()
         assert {(8, 8, True), (1, 1, False)} <= proposed and all((n == 8) == t for n, _, t in proposed), proposed
         assert eng.totals.accepted > 0

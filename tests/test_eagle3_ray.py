@@ -20,15 +20,6 @@ from tiny import random_prompts
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def write_model(root: Path, kind: str) -> tuple[str, str]:
     """A mimic target of `kind` and an EAGLE-3 checkpoint for it (SpecForge layout, layers 2, 4, 6)."""
     target, _ = write_hf_target(root / "target", kind, mimic=True, tie_word_embeddings=False)
