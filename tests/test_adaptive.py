@@ -201,6 +201,20 @@ def test_adaptive_depths_give_the_target_only_tokens(fused: bool, overlap: bool)
     assert eng.totals.drafted <= sum(used[d] * d for d in range(K + 1)) * len(prompts)
 
 
+def staggered(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Tokens per request when the three requests arrive at steps 0, 2 and 4 while the others decode."""
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while steps < 4 or eng.has_unfinished():
+        if steps in (0, 2, 4):
+            i = steps // 2
+            eng.add_request(prompts[i], params[i], request_id=f"r{i}")
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+    return tokens
+
+
 def test_captured_prefill_proposes_the_step_depth() -> None:
     """Requests arriving one by one while others decode (lone prompt chunks, and chunks split from the
     generation rows) through the prefill step, which drafts K and keeps the step's depth: tokens equal
@@ -209,19 +223,7 @@ def test_captured_prefill_proposes_the_step_depth() -> None:
     prompts = random_prompts(3, args.vocab_size, [40, 9, 21], seed=6)
     params = [{"max_tokens": 30}, {"max_tokens": 12}, {"max_tokens": 20}]
 
-    def staggered(eng: LLMEngine) -> dict[str, list[int]]:
-        tokens: dict[str, list[int]] = {}
-        steps = 0
-        while steps < 4 or eng.has_unfinished():
-            if steps in (0, 2, 4):
-                i = steps // 2
-                eng.add_request(prompts[i], params[i], request_id=f"r{i}")
-            for o in eng.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            steps += 1
-        return tokens
-
-    want = staggered(tiny_engine(args, w))
+    want = staggered(tiny_engine(args, w), prompts, params)
     eng = adaptive_engine(forced_policy({1: 1, 2: 2, 4: 0, 8: 0}), fused=True, prefill=True)
     runner = eng.target
     assert isinstance(runner, TargetRunner)
@@ -233,7 +235,7 @@ def test_captured_prefill_proposes_the_step_depth() -> None:
         return orig(plan, bucket, uniform)
 
     runner.prefill.run = counted
-    assert staggered(eng) == want
+    assert staggered(eng, prompts, params) == want
     assert len(set(used)) >= 2, used
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_adaptive import PARAMS, run, token_counts
+from test_adaptive import PARAMS, run, staggered, token_counts
 
 from cluster.engine.llm_engine import LLMEngine
 from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
@@ -175,19 +175,7 @@ def test_prompt_chunks_of_tree_steps_take_the_captured_prefill() -> None:
     prompts = random_prompts(3, args.vocab_size, [40, 9, 21], seed=6)
     params = [{"max_tokens": 30}, {"max_tokens": 12}, {"max_tokens": 20}]
 
-    def staggered(eng: LLMEngine) -> dict[str, list[int]]:
-        tokens: dict[str, list[int]] = {}
-        steps = 0
-        while steps < 4 or eng.has_unfinished():
-            if steps in (0, 2, 4):
-                i = steps // 2
-                eng.add_request(prompts[i], params[i], request_id=f"r{i}")
-            for o in eng.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            steps += 1
-        return tokens
-
-    want = staggered(tiny_engine(args, w))
+    want = staggered(tiny_engine(args, w), prompts, params)
     eng = tree_adaptive_engine(fused=True, prefill=True)
     policy = forced(eng, {1: TREE, 2: 2, 4: TREE, 8: 0})
     runner = eng.target
@@ -200,7 +188,7 @@ def test_prompt_chunks_of_tree_steps_take_the_captured_prefill() -> None:
         return run_prefill(plan, bucket, uniform)
 
     runner.prefill.run = counted
-    assert staggered(eng) == want
+    assert staggered(eng, prompts, params) == want
     assert SPEC["tree_budget"] in used and 2 in used, used
     assert policy.tree_steps > 0 and eng.totals.accepted > 0
 
