@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from modeling import argmax_kernels, draft_kernels, fused_kernels
+from modeling import argmax_kernels, draft_kernels, fused_kernels, topk_kernels
 from modeling.attention import write_kv
 from modeling.draft_kernels import DraftInputWeights
 from modeling.kv_cache import KVWrite
@@ -99,6 +99,11 @@ class TorchOps:
         """Greedy token per row [T]: argmax of norm(x) @ weight.T (the lm_head's logits)."""
         return F.linear(self.add_rms_norm(x, None, norm_weight, eps)[0], weight).argmax(-1)
 
+    def top_logprobs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest log-softmax values of each row of logits [M, V] (fp32 [M, k]) and their indices."""
+        top, index = logits.float().topk(k, dim=-1)
+        return top - torch.logsumexp(logits.float(), dim=-1, keepdim=True), index
+
     def draft_input(self, tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights) -> torch.Tensor:
         """The MTP head's input: cat(enorm(embed(tokens)), hnorm(hidden)) @ eh_proj.T."""
         e = self.add_rms_norm(F.embedding(tokens, w.embed), None, w.enorm, w.eps)[0]
@@ -171,6 +176,12 @@ class TritonOps(TorchOps):
         if tokens.shape[0] > self.small_rows or not draft_kernels.draft_input_fits(tokens, hidden, w):
             return super().draft_input(tokens, hidden, w)
         return draft_kernels.draft_input(tokens, hidden, w)
+
+    def top_logprobs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two launches (ties to the lowest index) instead of torch's cast, top-k and logsumexp."""
+        if not topk_kernels.top_logprobs_fits(logits, k):
+            return super().top_logprobs(logits, k)
+        return topk_kernels.top_logprobs(logits, k)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The matrix-vector kernel for small steps; cuBLAS otherwise."""

@@ -73,6 +73,11 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         """The draft's argmax token per row [N], as target token ids."""
         return self.token_ids(self.logits(shared, hidden).argmax(-1))
 
+    def top_logprobs(self, shared: LlamaModel, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely draft-vocabulary indices of each row [N, k] and their log-probabilities (fp32),
+        best first."""
+        return shared.norm.ops.top_logprobs(self.logits(shared, hidden), k)
+
     def token_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft-vocabulary indices."""
         return draft_index if self.vocab_ids is None else self.vocab_ids[draft_index]

@@ -106,7 +106,7 @@ class MTPEagleTree(DraftMethod):
         log-probabilities [B, budget], on the device."""
         head, shared, cache, w = self.chain.head, self.chain.shared, self.chain.cache, self.width
         bsz, dev = h0.shape[0], h0.device
-        score, index = top_logprobs(head.logits(shared, h0), w)  # [B, w]
+        score, index = head.top_logprobs(shared, h0, w)  # [B, w]
         node_tokens = [head.token_ids(index)]
         node_parents = [torch.zeros(bsz, w, dtype=torch.long, device=dev)]
         node_scores = [score]
@@ -122,7 +122,7 @@ class MTPEagleTree(DraftMethod):
             meta = meta_for(r, visible[:, :, : r * w])
             pos = roots.repeat_interleave(w) + r
             h = head.step(shared, frontier_tok.reshape(-1), frontier_h.reshape(bsz * w, -1), pos, cache, meta)
-            lp, idx = top_logprobs(head.logits(shared, h), w)  # [B*w, w]
+            lp, idx = head.top_logprobs(shared, h, w)  # [B*w, w]
             child_score = (frontier_score[:, :, None] + lp.view(bsz, w, w)).reshape(bsz, w * w)
             node_tokens.append(head.token_ids(idx).view(bsz, w * w))
             node_parents.append(frontier_ids.repeat_interleave(w, dim=1))
@@ -132,16 +132,9 @@ class MTPEagleTree(DraftMethod):
             frontier_ids = next_id + pick
             frontier_tok = node_tokens[-1].gather(1, pick)
             frontier_h = h.view(bsz, w, -1).gather(1, parent[:, :, None].expand(-1, -1, h.shape[-1]))
-            visible = visible.gather(1, parent[:, :, None].expand(-1, -1, span)).clone()
+            visible = visible.gather(1, parent[:, :, None].expand(-1, -1, span))
             next_id += w * w
         return prune(torch.cat(node_tokens, 1), torch.cat(node_parents, 1), torch.cat(node_scores, 1), self.budget)
-
-
-def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest log-probabilities of each row of logits [R, V] and their indices (one reduction for the
-    normaliser instead of a full log-softmax written out and read again)."""
-    top, index = logits.topk(k, dim=-1)
-    return top - torch.logsumexp(logits, dim=-1, keepdim=True), index
 
 
 def prune(
@@ -149,12 +142,22 @@ def prune(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keep each tree's `budget` best nodes, in fixed shapes. tokens / parents / scores [B, M] describe nodes
     1..M in creation order (parents [B, M] in 0..M, 0 = the root); returns tokens, renumbered parents and
-    scores [B, budget], the kept nodes in creation order."""
+    scores [B, budget], the kept nodes in creation order. Ties keep the earlier node.
+
+    Element-wise kernels only (a node's rank counts the nodes that beat it), no sort: a sort adds copies
+    and scratch that a captured step has to replay as extra graph nodes."""
     bsz, m = scores.shape
     scores = scores.float()
-    order = torch.sort(-scores, dim=1, stable=True).indices[:, :budget]  # ties: earlier node
-    kept = torch.sort(order, dim=1).values  # [B, budget] node index - 1, creation order
-    renumber = torch.zeros(bsz, m + 1, dtype=torch.long, device=scores.device)  # old node id -> new (root: 0)
-    new_ids = torch.arange(1, budget + 1, device=scores.device).expand(bsz, budget)
-    renumber.scatter_(1, kept + 1, new_ids)
-    return tokens.gather(1, kept), renumber.gather(1, parents.gather(1, kept)), scores.gather(1, kept)
+    earlier = torch.ones(m, m, dtype=torch.bool, device=scores.device).tril(-1)  # [i, j]: j < i
+    s_i, s_j = scores[:, :, None], scores[:, None, :]
+    beaten_by = (s_j > s_i) | ((s_j == s_i) & earlier)
+    kept = beaten_by.sum(dim=2) < budget  # [B, M]
+    slot = kept.long().cumsum(dim=1) - 1  # a kept node's place among the kept, in creation order
+    dest = torch.where(kept, slot, budget)  # dropped nodes go to one spare column
+    renumber = torch.cat([torch.zeros_like(slot[:, :1]), torch.where(kept, slot + 1, 0)], dim=1)  # old id -> new
+
+    def pack(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(bsz, budget + 1)
+        return out.scatter(1, dest, values)[:, :budget]
+
+    return pack(tokens), pack(renumber.gather(1, parents)), pack(scores)

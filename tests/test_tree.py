@@ -350,3 +350,26 @@ def test_batched_sampling_walk_keeps_the_target_distribution(kids: list[int], se
     first = torch.where(n_acc > 0, tok.gather(1, path[:, :1])[:, 0], bonus)
     counts = torch.bincount(first, minlength=vocab).double()
     assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue > 1e-3, (counts / trials, p)
+
+
+def test_prune_keeps_what_a_stable_sort_keeps() -> None:
+    """`prune` (element-wise ranks, no sort) keeps, orders and renumbers the nodes a stable sort by score
+    would, ties to the earlier node, on random trees with many tied scores."""
+    from speculative.mtp_tree import prune
+
+    def by_sorting(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, budget: int) -> tuple:
+        order = torch.sort(-scores, dim=1, stable=True).indices[:, :budget]
+        kept = torch.sort(order, dim=1).values
+        renumber = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.long)
+        renumber.scatter_(1, kept + 1, torch.arange(1, budget + 1).expand_as(kept))
+        return tokens.gather(1, kept), renumber.gather(1, parents.gather(1, kept)), scores.gather(1, kept)
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        b, m = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(2, 60, (1,), generator=g))
+        budget = int(torch.randint(1, m + 1, (1,), generator=g))
+        scores = torch.randint(-5, 1, (b, m), generator=g).float()
+        tokens = torch.randint(0, 1000, (b, m), generator=g)
+        parents = (torch.rand(b, m, generator=g) * torch.arange(1, m + 1)).long()  # parents[:, i] in [0, i]
+        got, want = prune(tokens, parents, scores, budget), by_sorting(tokens, parents, scores, budget)
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))

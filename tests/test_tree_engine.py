@@ -11,7 +11,9 @@ import torch
 from pydantic import ValidationError
 
 from cluster.engine.llm_engine import LLMEngine
+from modeling import fused_kernels
 from modeling.attention import ragged_metadata
+from modeling.layer_ops import TORCH_OPS, TritonOps
 from speculative.mtp_head import MTPEagleHead
 from speculative.mtp_tree import MTPEagleTree
 from speculative.tree import DraftTree
@@ -104,6 +106,35 @@ def test_tree_greedy_is_lossless(spec: dict[str, int], chunk: int) -> None:
     assert s.acceptance_length > 1.3
     blocks = eng.scheduler.blocks
     assert blocks.num_free == blocks.num_blocks, "every KV block comes back"
+
+
+@pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
+def test_trees_grown_with_the_top_k_kernel_are_the_torch_trees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft's per-level top-k through the Triton kernel (as on CUDA; here interpreted) grows the same
+    trees: same tokens, drafted and accepted counts as torch's top-k, in the eager and fixed-shape steps."""
+    args, _ = mimic_target()
+    prompts = random_prompts(3, args.vocab_size, [17, 3, 25], seed=9)
+    spec = TREES[1]
+    calls: list[int] = []
+    triton_ops = TritonOps()
+
+    def counted(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(k)
+        return triton_ops.top_logprobs(logits, k)
+
+    runs = []
+    for kernel in (False, True):
+        if kernel:
+            monkeypatch.setattr(TORCH_OPS, "top_logprobs", counted)
+        for fixed in (False, True):
+            eng = tree_engine(spec)
+            if fixed:
+                with_tree_step(eng)
+            out = eng.generate(prompts, {"max_tokens": 12, "ignore_eos": True})
+            runs.append(([c.token_ids for c in out], eng.totals.to_dict()))
+    assert len(calls) > 20, "the kernel ran"
+    assert runs[1] == runs[0] and runs[2] == runs[0] and runs[3] == runs[0]
+    assert runs[0][1]["accepted"] > 0
 
 
 def test_a_width_one_tree_is_the_chain() -> None:
