@@ -167,6 +167,76 @@ def test_tree_steps_queue_ahead_on_a_rank_drafting_in_process(model: tuple[str, 
         r.stop()
 
 
+def recorded_requests(r: LocalRank, prompts: list[list[int]]) -> list[wpb.StepRequest]:
+    """The step requests a distributed engine sends r's rank while it generates for `prompts` (the link is
+    closed afterwards)."""
+    sent: list[wpb.StepRequest] = []
+    send = r.links[0].send
+
+    def recorded(req: wpb.StepRequest, timeout: float | None = None) -> int:
+        sent.append(wpb.StepRequest.FromString(req.SerializeToString()))
+        return send(req, timeout)
+
+    r.links[0].send = recorded  # type: ignore[method-assign]
+    engine_over(r.cfg, r).generate(prompts, {"max_tokens": 10})
+    r.links[0].close()
+    r.links = []
+    return sent
+
+
+def replay_session(r: LocalRank, requests: list[wpb.StepRequest]) -> tuple[list[tuple[str, int]], list[bytes]]:
+    """Feed recorded step requests to a fresh session of r's rank, one at a time as a link would; returns the
+    order of its launches and replies by step id, and the replies."""
+    runner = r.worker.runner
+    assert runner is not None
+    events: list[tuple[str, int]] = []
+    launch = runner.launch
+
+    def ordered(plan, after=None):  # type: ignore[no-untyped-def]
+        events.append(("launch", plan.step_id))
+        return launch(plan, after)
+
+    runner.launch = ordered  # type: ignore[method-assign]
+    session, replies = r.worker._session(), []
+    for req in requests:
+        for reply in session.handle(req):
+            events.append(("reply", reply.step_id))
+            reply.ClearField("timing")
+            replies.append(reply.SerializeToString())
+    assert not session.failed
+    runner.launch = launch  # type: ignore[method-assign]
+    return events, replies
+
+
+def test_a_finished_launched_step_is_answered_before_the_next_is_queued(
+    model: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the device has finished a launched step by the time the next LAUNCH_AFTER arrives, the rank
+    answers it before queueing the next step (the scheduler plans the step after meanwhile); while the
+    device still runs it, the next step is queued first. Both orders give the same replies."""
+    from workers.step_session import StepSession
+
+    for k in (0, K):
+        r = LocalRank(config(model, k), "socket")
+        try:
+            sent = recorded_requests(r, [[1, 2, 3, 4, 5], [7, 8, 9]])
+            after = [(i, q.plan.step_id) for i, q in enumerate(sent) if q.kind == wpb.StepRequest.LAUNCH_AFTER]
+            assert len(after) >= 3
+            early, early_replies = replay_session(r, sent)  # CPU steps are finished once launched
+            for i, step in after:
+                before = sent[i - 1].plan.step_id
+                assert early.index(("reply", before)) < early.index(("launch", step)), (k, step)
+            with monkeypatch.context() as m:
+                m.setattr(StepSession, "_finished", staticmethod(lambda launched: False))
+                late, late_replies = replay_session(r, sent)
+            for i, step in after:
+                before = sent[i - 1].plan.step_id
+                assert late.index(("launch", step)) < late.index(("reply", before)), (k, step)
+            assert late_replies == early_replies
+        finally:
+            r.stop()
+
+
 def test_a_bad_message_gets_invalid_argument_and_the_rank_serves_on(model: tuple[str, str]) -> None:
     """A plan naming a block outside the cache gets a StepError naming the field; the stream ends, and the
     next connection runs a valid step."""

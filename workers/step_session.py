@@ -2,15 +2,18 @@
 
 The scheduler sends EXECUTE for a step it needs answered at once, LAUNCH / LAUNCH_AFTER for a captured
 generation step it wants queued on the device while it plans the next one, and COLLECT when nothing
-follows a launched step. A launched step is answered when the next message arrives: after that message's
-own step is queued (LAUNCH, LAUNCH_AFTER), or before it runs (EXECUTE), so the device is never idle
-between two launched steps for the hop. Messages that do not fit this order are refused.
+follows a launched step. A launched step is answered when the next message arrives. If the device is
+still running it, the next step is queued first (LAUNCH, LAUNCH_AFTER), so the device is never idle
+between two launched steps for the hop. If it has finished, its reply goes out before the next step is
+queued, so the scheduler plans the step after while this rank queues the next one, instead of waiting
+for it. Before an EXECUTE the launched step is answered first. Messages that do not fit this order are
+refused.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from speculative.messages import StepPlan, TargetOutput
@@ -62,37 +65,50 @@ class StepSession:
         self.rank = rank
         self.run_draft = run_draft
         self.pending: tuple[LaunchedStep, dict[str, float]] | None = None  # launched, and its timeline so far
+        self.failed = False  # a request failed: the stream ends after its error reply
 
-    def handle(self, req: wpb.StepRequest) -> tuple[list[wpb.TargetOutput], bool]:
-        """The replies one request releases (the launched step's, then its own), and False on an error."""
+    def handle(self, req: wpb.StepRequest) -> Iterator[wpb.TargetOutput]:
+        """The replies one request releases, each as soon as it is ready: the launched step's, then its own;
+        a failure's reply ends them and sets `failed`."""
         try:
-            return self._handle(req), True
+            yield from self._handle(req)
         except StepFailure as exc:
             self.pending = None
-            return [error_reply(req.plan.step_id, exc)], False
+            self.failed = True
+            yield error_reply(req.plan.step_id, exc)
 
-    def _handle(self, req: wpb.StepRequest) -> list[wpb.TargetOutput]:
+    def _handle(self, req: wpb.StepRequest) -> Iterator[wpb.TargetOutput]:
         t0 = time.perf_counter()
         if req.kind == Kind.COLLECT:
             if self.pending is None:
                 raise StepFailure("FAILED_PRECONDITION", "COLLECT with no launched step to answer")
-            return [self._finish()]
+            yield self._finish()
+            return
         plan = decode_plan(req.plan, self.limits)
         decode_s = time.perf_counter() - t0
         if req.kind == Kind.EXECUTE:
-            replies = [self._finish()] if self.pending is not None else []
-            return [*replies, self._execute(plan, t0, decode_s)]
+            if self.pending is not None:
+                yield self._finish()
+            yield self._execute(plan, t0, decode_s)
+            return
         after = None
         if req.kind == Kind.LAUNCH_AFTER:
             after = self._previous(plan)
+        if self.pending is not None and self._finished(self.pending[0]):
+            yield self._finish()  # the scheduler plans the step after while this one is queued
         launched = self.runner.launch(plan, after)
         if launched is None:
             why = f"step {plan.step_id} is not a captured generation step of this rank; it cannot be launched"
             raise StepFailure("FAILED_PRECONDITION", why)
         t1 = time.perf_counter()
-        replies = [self._finish()] if self.pending is not None else []
+        if self.pending is not None:
+            yield self._finish()
         self.pending = (launched, {"t_received": t0, "t_queued": t1, "decode_s": decode_s, "worker_s": t1 - t0})
-        return replies
+
+    @staticmethod
+    def _finished(launched: LaunchedStep) -> bool:
+        """Whether the device has finished a launched step (always, off CUDA: those steps run as launched)."""
+        return launched.ready is None or bool(launched.ready.query())
 
     def _previous(self, plan: StepPlan) -> LaunchedStep:
         """The launched step a LAUNCH_AFTER plan reads from, once its row references are checked."""

@@ -189,10 +189,9 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
             yield wpb.TargetOutput(error=wpb.StepError(code=exc.code, message=str(exc)))
             return
         for req in requests:
-            with self._lock:
-                replies, ok = session.handle(req)
-            yield from replies
-            if not ok:
+            with self._lock:  # held across the sends: the launch after an early reply belongs to this request
+                yield from session.handle(req)
+            if session.failed:
                 return
 
     def _run_draft(self, out: TargetOutput) -> None:
