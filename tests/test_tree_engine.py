@@ -17,6 +17,7 @@ from modeling.layer_ops import TORCH_OPS, TritonOps
 from speculative.mtp_head import MTPEagleHead
 from speculative.mtp_tree import MTPEagleTree
 from speculative.tree import DraftTree
+from workers import tree_step
 from workers.builders import DEFAULT_HEAD
 from workers.config import MTPServeConfig
 from workers.tree_inputs import TreeBuffers
@@ -109,9 +110,10 @@ def test_tree_greedy_is_lossless(spec: dict[str, int], chunk: int) -> None:
 
 
 @pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
-def test_trees_grown_with_the_top_k_kernel_are_the_torch_trees(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The draft's per-level top-k through the Triton kernel (as on CUDA; here interpreted) grows the same
-    trees: same tokens, drafted and accepted counts as torch's top-k, in the eager and fixed-shape steps."""
+def test_tree_steps_through_the_triton_kernels_are_the_torch_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft's per-level top-k and the fixed-shape step's greedy walk through their Triton kernels (as on
+    CUDA; here interpreted) give the same tokens, drafted and accepted counts as torch, in the eager and
+    fixed-shape steps."""
     args, _ = mimic_target()
     prompts = random_prompts(3, args.vocab_size, [17, 3, 25], seed=9)
     spec = TREES[1]
@@ -126,6 +128,8 @@ def test_trees_grown_with_the_top_k_kernel_are_the_torch_trees(monkeypatch: pyte
     for kernel in (False, True):
         if kernel:
             monkeypatch.setattr(TORCH_OPS, "top_logprobs", counted)
+            monkeypatch.setattr(tree_step, "tree_kernels_apply", lambda t: True)
+            monkeypatch.setattr(tree_step, "greedy_walk", None)  # the torch walk must not run
         for fixed in (False, True):
             eng = tree_engine(spec)
             if fixed:

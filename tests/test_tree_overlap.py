@@ -70,21 +70,49 @@ def drive(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, Any]]
     }
 
 
+def case() -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Four prompts with a stop token, max_tokens limits and room for a late arrival and an abort."""
+    args, _ = mimic_target()
+    prompts = random_prompts(4, args.vocab_size, [21, 5, 13, 9], seed=11)
+    params: list[dict[str, Any]] = [{"max_tokens": 40}, {"max_tokens": 9}, {"max_tokens": 60}, {"max_tokens": 17}]
+    params[0] = stop_on(prompts[0], params[0], 10)
+    return prompts, params
+
+
 def stop_on(prompt: list[int], params: dict[str, Any], at: int) -> dict[str, Any]:
     """`params` with a stop token: the one the engine emits at index `at` for `prompt`."""
     first = tree_engine(False)[0].generate([prompt], params)[0].token_ids
     return {**params, "stop_token_ids": [first[at]]}
 
 
-@pytest.mark.parametrize("spec", [TREE, {"num_draft_tokens": 4, "tree_budget": 12, "tree_width": 2}])
-def test_greedy_trees_queued_ahead_emit_the_same_tokens(spec: dict[str, int]) -> None:
+@pytest.mark.parametrize(
+    ("spec", "kernels"),
+    [(TREE, False), ({"num_draft_tokens": 4, "tree_budget": 12, "tree_width": 2}, False), (TREE, True)],
+    ids=["d3", "d4", "d3-triton"],
+)
+def test_greedy_trees_queued_ahead_emit_the_same_tokens(
+    spec: dict[str, int], kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A stop token, max_tokens, a late arrival and an abort: the same tokens, finish reasons and acceptance
     counts as reading every tree step before planning the next, target-only's tokens, most tree steps queued
-    ahead, and every KV block returned."""
+    ahead, and every KV block returned; with `kernels`, the queued steps' walks and inputs go through the
+    tree step's Triton kernels (as on CUDA; interpreted here) and the torch ones never run."""
+    if kernels:
+        from modeling import fused_kernels
+        from workers import tree_step
+
+        if not fused_kernels.available():
+            pytest.skip("triton is not installed")
+        want_kernels = drive(tree_engine(False, spec)[0], *case(), late=True)
+        monkeypatch.setattr(tree_step, "tree_kernels_apply", lambda t: True)
+        monkeypatch.setattr(tree_step, "greedy_walk", None)
+        monkeypatch.setattr(tree_step, "advance_trees", None)
+        eng, chained = tree_engine(True, spec)
+        assert drive(eng, *case(), late=True) == want_kernels
+        assert sum(chained) >= 5
+        return
     args, w = mimic_target()
-    prompts = random_prompts(4, args.vocab_size, [21, 5, 13, 9], seed=11)
-    params: list[dict[str, Any]] = [{"max_tokens": 40}, {"max_tokens": 9}, {"max_tokens": 60}, {"max_tokens": 17}]
-    params[0] = stop_on(prompts[0], params[0], 10)
+    prompts, params = case()
     want = drive(tree_engine(False, spec)[0], prompts, params, late=True)
     eng, chained = tree_engine(True, spec)
     got = drive(eng, prompts, params, late=True)
@@ -168,13 +196,21 @@ def test_a_tree_step_planned_ahead_carries_a_valid_placeholder_tree() -> None:
     assert eng.target.launch_spec().bucket_for(ahead) == 1  # type: ignore[attr-defined]
 
 
-def test_the_device_advance_writes_what_the_host_fill_writes() -> None:
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "triton"])
+def test_the_device_advance_writes_what_the_host_fill_writes(kernel: bool) -> None:
     """For sequences pointing at arbitrary rows of a previous tree step's results (random trees up to the
-    deepest, accepted counts 0..D, block-crossing positions), `advance_trees` leaves the same tokens,
-    positions, KV slots, lengths, parents, depths and ancestor masks as filling the buffers on the host from
-    the trees and positions those rows hold; padding rows stay as the host padded them."""
+    deepest, accepted counts 0..D, block-crossing positions), `advance_trees` (torch, or the Triton kernel
+    CUDA runs, here interpreted) leaves the same tokens, positions, KV slots, lengths, parents, depths and
+    ancestor masks as filling the buffers on the host from the trees and positions those rows hold; padding
+    rows stay as the host padded them."""
+    from modeling import fused_kernels
+    from workers import tree_inputs, tree_kernels
     from workers.step_buffers import StepBuffers
-    from workers.tree_inputs import ResultColumns, TreeBuffers, advance_trees
+    from workers.tree_inputs import ResultColumns, TreeBuffers
+
+    if kernel and not fused_kernels.available():
+        pytest.skip("triton is not installed")
+    advance_trees = tree_kernels.advance_trees if kernel else tree_inputs.advance_trees
 
     depth, budget, bs, m, bucket = 4, 9, 4, 5, 8
     q, cols = budget + 1, ResultColumns(depth, budget)

@@ -222,6 +222,7 @@ def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagle
     n = cfg.scheduler.max_num_requests
     step = FusedTreeStep(target.model, target.cache, drafter, n, max_blocks, target.device, replay=target.replay)
     step.steps.try_capture()
+    step.warm_up()
     return step
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from modeling import fused_kernels
 from modeling.attention import Metadata, UniformMetadata
 from modeling.kv_cache import KVCache
 from modeling.model import LlamaModel
@@ -37,9 +38,16 @@ from speculative.mtp_tree import MetaFor, MTPEagleTree
 from speculative.replay import ReplayAcceptance, forced_walk
 from speculative.sampling import SamplingMode, processed_probs, sampling_mode
 from speculative.tree import greedy_walk, sample_walk, walk_uniforms
+from workers import tree_kernels
 from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
 from workers.step_buffers import ForcedRows, StepBuffers
 from workers.tree_inputs import ResultColumns, TreeBuffers, advance_trees
+
+
+def tree_kernels_apply(t: torch.Tensor) -> bool:
+    """Whether steps over device tensors like t walk their trees (greedy) and advance queued trees in single
+    Triton launches (`workers/tree_kernels.py`): on CUDA."""
+    return t.is_cuda and fused_kernels.available()
 
 
 class FusedTreeStep:
@@ -112,6 +120,10 @@ class FusedTreeStep:
         d, q, parents = self.depth, self.q_len, self.trees.parents[:bucket]
         if mode is SamplingMode.GREEDY:
             argmax = self.target.greedy_tokens(hidden).view(bucket, q)
+            if self.forced is None and tree_kernels_apply(tokens):
+                n_acc, path, bonus, src, dst = tree_kernels.greedy_walk_moves(tokens, parents, argmax, slots, d)
+                self.cache.move(src.reshape(-1), dst.reshape(-1))
+                return n_acc, path, bonus
             if self.forced is None:
                 n_acc, path, bonus = greedy_walk(tokens, parents, argmax, d)
             else:
@@ -143,6 +155,17 @@ class FusedTreeStep:
             return UniformMetadata(rows, tables, roots + 1 + r * w, w, visible)
 
         return meta_for
+
+    def warm_up(self) -> None:
+        """Compile the queued-input kernel before serving (its first call would otherwise stall the first
+        queued tree step); leaves the buffers padded."""
+        b = self.buffers
+        previous = torch.zeros(b.max_batch, self.columns.width, dtype=torch.long, device=b.input_ids.device)
+        b.fill([], [], [], b.max_batch)
+        self.trees.fill_queued(b.max_batch, b.max_batch)
+        self._advance(previous, b.max_batch)
+        b.fill([], [], [], b.max_batch)
+        self.trees.fill(np.zeros((0, self.q_len), dtype=np.int64), b.max_batch)
 
     def time_steps(self, repeats: int = 10) -> dict[int, float]:
         """Seconds per greedy step by batch bucket, each the mean of `repeats` runs over padded buffers (which
@@ -185,9 +208,13 @@ class FusedTreeStep:
             self.trees.fill_uniforms(uniforms, bucket)
             mode = sampling_mode(seqs)
         if after is not None:
-            advance_trees(after, self.columns, self.buffers, self.trees, len(seqs))
+            self._advance(after, len(seqs))
         self.runs += 1
         return self.steps.run(bucket, mode)[: len(seqs)]  # type: ignore[no-any-return]
+
+    def _advance(self, previous: torch.Tensor, m: int) -> None:
+        advance = tree_kernels.advance_trees if tree_kernels_apply(previous) else advance_trees
+        advance(previous, self.columns, self.buffers, self.trees, m)
 
     def read(self, plan: StepPlan, host: torch.Tensor) -> TargetOutput:
         """Tokens, accept counts and the next trees from a launch's results, copied to the host."""

@@ -1,0 +1,54 @@
+"""The tree step's Triton kernels (`workers/tree_kernels.py`), run on CPU through Triton's interpreter,
+against the torch functions they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeling import fused_kernels
+from speculative.tree import greedy_walk
+from workers.tree_kernels import greedy_walk_moves
+
+pytestmark = pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
+
+
+def random_trees(g: torch.Generator, b: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens and parents [b, q] of random trees (parents[:, i] < i, -1 at the root) over a 4-token
+    vocabulary, so that walks go deep and siblings may repeat a token."""
+    parents = (torch.rand(b, q, generator=g) * torch.arange(q)).long()
+    parents[:, 0] = -1
+    return torch.randint(0, 4, (b, q), generator=g), parents
+
+
+def test_the_walk_kernel_is_greedy_walk_with_its_kv_moves() -> None:
+    """Accepted counts, paths and bonus tokens equal `greedy_walk` on 60 random batches of trees, and each
+    level's KV move reads the accepted node's slot (the destination once the walk stopped) into the slot of
+    position start + level + 1."""
+    g = torch.Generator().manual_seed(0)
+    deep = 0
+    for _ in range(60):
+        b, q = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(2, 20, (1,), generator=g))
+        depth = int(torch.randint(1, q, (1,), generator=g))
+        tokens, parents = random_trees(g, b, q)
+        argmax = torch.randint(0, 4, (b, q), generator=g)
+        slots = torch.randperm(1000, generator=g)[: b * q].view(b, q)
+        n_acc, path, bonus = greedy_walk(tokens, parents, argmax, depth)
+        got = greedy_walk_moves(tokens, parents, argmax, slots, depth)
+        assert torch.equal(got[0], n_acc) and torch.equal(got[1], path) and torch.equal(got[2], bonus)
+        accepted = torch.arange(1, depth + 1)[None, :] <= n_acc[:, None]
+        assert torch.equal(got[4], slots[:, 1 : depth + 1])
+        assert torch.equal(got[3], torch.where(accepted, slots.gather(1, path), slots[:, 1 : depth + 1]))
+        deep += int((n_acc >= 2).sum())
+    assert deep > 10, "walks past the first level are exercised"
+
+
+def test_the_walk_kernel_refuses_inputs_it_cannot_read() -> None:
+    """Shapes, dtypes and depths it cannot walk are refused naming the field."""
+    tokens, parents = random_trees(torch.Generator().manual_seed(1), 2, 5)
+    with pytest.raises(ValueError, match="slots"):
+        greedy_walk_moves(tokens, parents, tokens, torch.zeros(2, 4, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="argmax"):
+        greedy_walk_moves(tokens, parents, tokens.int(), tokens, 2)
+    with pytest.raises(ValueError, match="depth"):
+        greedy_walk_moves(tokens, parents, tokens, tokens, 5)
