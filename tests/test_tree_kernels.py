@@ -3,6 +3,12 @@ against the torch functions they replace."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,3 +58,48 @@ def test_the_walk_kernel_refuses_inputs_it_cannot_read() -> None:
         greedy_walk_moves(tokens, parents, tokens.int(), tokens, 2)
     with pytest.raises(ValueError, match="depth"):
         greedy_walk_moves(tokens, parents, tokens, tokens, 5)
+
+
+COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from modeling import topk_kernels
+from workers import tree_kernels
+
+I64 = "*i64"
+CASES = [
+    (tree_kernels._greedy_walk, dict.fromkeys(
+        ["tokens_ptr", "parents_ptr", "argmax_ptr", "slots_ptr", "n_acc_ptr", "path_ptr", "bonus_ptr", "src_ptr",
+         "dst_ptr"], I64), {"Q": 17, "QP": 32, "D": 4}),
+    (tree_kernels._advance_trees, {**dict.fromkeys(
+        ["prev_ptr", "ids_ptr", "pos_ptr", "slot_ptr", "lens_ptr", "tables_ptr", "depth_ptr", "parents_ptr",
+         "mask_ptr"], I64), "stride_prev": "i32", "stride_bt": "i32", "block_size": "i32"},
+     {"ACC": 5, "DRAFTS": 6, "PARENTS": 22, "NEXT": 38, "Q": 17, "QP": 32, "D": 4}),
+    (topk_kernels._topk_tiles, {"x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i32", "max_ptr": "*fp32",
+     "sum_ptr": "*fp32", "N": "i32", "T": "i32", "stride_x": "i32"}, {"K": 4, "BLOCK_N": 2048}),
+    (topk_kernels._topk_merge, {"val_ptr": "*fp32", "idx_ptr": "*i32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+     "out_val_ptr": "*fp32", "out_idx_ptr": "*i64", "N": "i32", "T": "i32"}, {"K": 4, "BLOCK_C": 256, "BLOCK_T": 64}),
+]
+sizes = {}
+for kernel, sig, consts in CASES:
+    src = ASTSource(kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+    sizes[kernel.fn.__name__] = len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"])
+print(json.dumps(sizes))
+"""
+
+
+def test_the_kernels_compile_for_an_h200() -> None:
+    """The tree step's and the top-k kernels go through Triton's compiler (not its interpreter) to sm_90
+    machine code on this CPU-only machine, at a 16-node depth-4 tree's shapes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, check=False, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    sizes = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(sizes) == {"_greedy_walk", "_advance_trees", "_topk_tiles", "_topk_merge"}
+    assert all(n > 1000 for n in sizes.values()), sizes

@@ -39,9 +39,9 @@ if triton is not None:
         inside = (i > 0) & (i < Q)
         tokens = tl.load(tokens_ptr + row + i, mask=inside, other=-1)
         parents = tl.load(parents_ptr + row + i, mask=inside, other=-1)
-        node = tl.zeros((), tl.int64)
-        alive = tl.full((), 1, tl.int1)
-        accepted = tl.zeros((), tl.int64)
+        node = (b * 0).to(tl.int64)  # scalars from the program id: the root, alive, nothing accepted yet
+        alive = node == 0
+        accepted = node
         for level in tl.static_range(D):
             want = tl.load(argmax_ptr + row + node)
             match = inside & (parents == node) & (tokens == want) & alive
