@@ -57,6 +57,8 @@ class CapturedSteps:
     `fn` must read only fixed-address buffers and return tensors (their storage is reused per replay).
     """
 
+    keep_graphs = False  # probes only: graphs captured from now on keep their nodes for `CUDAGraph.debug_dump`
+
     def __init__(self, fn: Callable[[int], Any], sizes: Sequence[int], device: torch.device, enabled: bool = True):
         self.fn = fn
         self.sizes = sorted(sizes)
@@ -92,6 +94,8 @@ class CapturedSteps:
                     self.fn(size)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            if self.keep_graphs:
+                graph.enable_debug_mode()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[size] = self.fn(size)
             pool = graph.pool()

@@ -1,6 +1,7 @@
 """How long a captured step holds the host in `replay()` (the CUDA-graph launch) against how long the GPU
-runs it, for the target-only, fused chain and tree steps at a shape, with PDL on and off. A step whose launch
-takes longer than it should leaves the GPU idle when nothing is queued ahead of it.
+runs it, for the target-only, fused chain and tree steps at a shape, with PDL on and off, and how many nodes
+of each kind (kernel, memcpy, memset, ...) its batch-1 greedy graph holds. A step whose launch takes longer
+than it should leaves the GPU idle when nothing is queued ahead of it.
 
 python3 bench/probes/graph_launch.py --shape DIR --out $OUT      # DIR holds a config.json
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cluster.engine.llm_engine import LLMEngine
 from speculative.sampling import SamplingMode
 from workers.config import MTPServeConfig
+from workers.graph_runner import CapturedSteps
 
 STEPS = {  # name: (K, tree budget, tree width)
     "target": (0, 0, 4),
@@ -46,6 +49,19 @@ def step_of(eng: LLMEngine, name: str) -> Any:
     """The engine's captured step object for `name`."""
     attr = {"target": "uniform", "chain3": "fused", "tree4x16": "tree_step"}[name]
     return getattr(eng.target, attr)
+
+
+NODE_KINDS = ("KERNEL", "MEMCPY", "MEMSET", "HOST", "EMPTY", "EVENT_RECORD", "WAIT_EVENT", "MEM_ALLOC", "MEM_FREE")
+
+
+def node_kinds(graph: torch.cuda.CUDAGraph, where: Path) -> dict[str, Any]:
+    """Occurrences of each node kind's name in the DOT dump of a graph captured with
+    `CapturedSteps.keep_graphs` (node labels name their kind), and the dump's opening lines to read them by."""
+    graph.debug_dump(str(where))
+    text = where.read_text()
+    counts: dict[str, Any] = {kind: len(re.findall(rf"\b{kind}\b", text)) for kind in NODE_KINDS}
+    counts["dot_head"] = text[:1500]
+    return counts
 
 
 def measure(step: Any, bucket: int, repeats: int) -> dict[str, float]:
@@ -80,6 +96,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(config))
     rows: list[dict[str, Any]] = []
+    CapturedSteps.keep_graphs = True
     for pdl in args.pdl.split(","):
         for name in args.steps.split(","):
             k, budget, width = STEPS[name]
@@ -95,7 +112,11 @@ def main() -> int:
             for _ in range(8):
                 eng.step()
             torch.cuda.synchronize()
-            row = {"step": name, "pdl": pdl, **measure(step_of(eng, name), 1, args.repeats)}
+            step = step_of(eng, name)
+            row = {"step": name, "pdl": pdl, **measure(step, 1, args.repeats)}
+            graph = step.steps.variants[SamplingMode.GREEDY].graphs.get(1)
+            if graph is not None:
+                row["nodes"] = node_kinds(graph, tmp / f"{name}_{pdl}.dot")
             rows.append(row)
             print(json.dumps(row), flush=True)
             del eng
