@@ -9,12 +9,14 @@ python3 bench/probes/graph_launch.py --shape DIR --out $OUT      # DIR holds a c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.engine.llm_engine import LLMEngine
+from modeling.layer_ops import TorchOps, TritonOps
 from speculative.sampling import SamplingMode
+from workers import tree_step
 from workers.config import MTPServeConfig
 from workers.graph_runner import CapturedSteps
 
@@ -31,7 +35,23 @@ STEPS = {  # name: (K, tree budget, tree width)
     "target": (0, 0, 4),
     "chain3": (3, 0, 4),
     "tree4x16": (4, 16, 4),
+    "tree4x16-torch": (4, 16, 4),  # the tree step with torch's top-k, walk and queued inputs (no tree kernels)
 }
+
+
+@contextlib.contextmanager
+def torch_tree_ops(on: bool) -> Iterator[None]:
+    """While `on`, tree steps built and run take torch's top-k, greedy walk and queued-input paths."""
+    if not on:
+        yield
+        return
+    saved = TritonOps.top_logprobs, tree_step.tree_kernels_apply
+    TritonOps.top_logprobs = TorchOps.top_logprobs  # type: ignore[method-assign]
+    tree_step.tree_kernels_apply = lambda t: False
+    try:
+        yield
+    finally:
+        TritonOps.top_logprobs, tree_step.tree_kernels_apply = saved  # type: ignore[method-assign]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def step_of(eng: LLMEngine, name: str) -> Any:
     """The engine's captured step object for `name`."""
-    attr = {"target": "uniform", "chain3": "fused", "tree4x16": "tree_step"}[name]
+    attr = {"target": "uniform", "chain3": "fused"}.get(name, "tree_step")
     return getattr(eng.target, attr)
 
 
@@ -107,13 +127,14 @@ def main() -> int:
                 "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1),
                                 "tree_budget": budget, "tree_width": width},
             })  # fmt: skip
-            eng = LLMEngine.from_config(cfg, load_tokenizer=False)
-            eng.add_request(list(range(100, 164)), {"max_tokens": 10_000, "ignore_eos": True})
-            for _ in range(8):
-                eng.step()
-            torch.cuda.synchronize()
-            step = step_of(eng, name)
-            row = {"step": name, "pdl": pdl, **measure(step, 1, args.repeats)}
+            with torch_tree_ops(name.endswith("-torch")):
+                eng = LLMEngine.from_config(cfg, load_tokenizer=False)
+                eng.add_request(list(range(100, 164)), {"max_tokens": 10_000, "ignore_eos": True})
+                for _ in range(8):
+                    eng.step()
+                torch.cuda.synchronize()
+                step = step_of(eng, name)
+                row = {"step": name, "pdl": pdl, **measure(step, 1, args.repeats)}
             graph = step.steps.variants[SamplingMode.GREEDY].graphs.get(1)
             if graph is not None:
                 row["nodes"] = node_kinds(graph, tmp / f"{name}_{pdl}.dot")
