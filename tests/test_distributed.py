@@ -24,19 +24,14 @@ from cluster.service.server import MTPServer
 from workers.config import MTPServeConfig
 
 from helpers_service import free_port
-from tiny import mimic_head, mimic_target, random_prompts, save_model_dir, tiny_engine
+from tiny import mimic_target, random_prompts, save_mimic, tiny_engine
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    args, w = mimic_target()
-    d = tmp_path_factory.mktemp("mimic")
-    path = save_model_dir(d / "model", args, w)
-    head = str(d / "head.safetensors")
-    mimic_head(args, w).save(head)
-    return path, head
+    return save_mimic(tmp_path_factory.mktemp("mimic"))
 
 
 def dist_config(model: tuple[str, str], placement: str = "separate", **sched: int) -> MTPServeConfig:

@@ -11,7 +11,7 @@ from test_distributed import dist_config
 
 from cluster.distributed.build import build_engine
 
-from tiny import draft_kv, mimic_head, mimic_target, random_prompts, save_model_dir, tiny_engine
+from tiny import draft_kv, mimic_head, mimic_target, random_prompts, save_mimic, tiny_engine
 
 pytestmark = pytest.mark.slow
 
@@ -19,12 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """The mimic target as an HF directory and its head as a file."""
-    args, w = mimic_target()
-    d = tmp_path_factory.mktemp("mimic")
-    path = save_model_dir(d / "model", args, w)
-    head = str(d / "head.safetensors")
-    mimic_head(args, w).save(head)
-    return path, head
+    return save_mimic(tmp_path_factory.mktemp("mimic"))
 
 
 def run_noting_proposals(

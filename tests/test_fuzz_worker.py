@@ -25,7 +25,7 @@ from workers.draft_worker import DraftWorker
 from workers.grpc_util import channel_options
 from workers.target_worker import TargetWorker
 
-from tiny import mimic_head, mimic_target, save_model_dir
+from tiny import save_mimic
 
 K = 3
 BLOCK = 8
@@ -47,15 +47,12 @@ tensors = st.builds(
 @pytest.fixture(scope="module")
 def cfg_json(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny CPU model with a draft head, as the worker actors get it."""
-    args, w = mimic_target()
-    d = tmp_path_factory.mktemp("fuzzmodel")
-    path = save_model_dir(d / "model", args, w)
-    mimic_head(args, w).save(d / "head.safetensors")
+    path, head = save_mimic(tmp_path_factory.mktemp("fuzzmodel"))
     cfg = MTPServeConfig.from_dict(
         {
             "model": {"path": path, "device": "cpu", "dtype": "float32"},
             "scheduler": {"num_kv_blocks": NUM_BLOCKS, "block_size": BLOCK, "max_num_requests": 8},
-            "speculative": {"draft": str(d / "head.safetensors"), "num_draft_tokens": K},
+            "speculative": {"draft": head, "num_draft_tokens": K},
         }
     )
     return cfg.model_dump_json()

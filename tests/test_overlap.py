@@ -26,10 +26,18 @@ PARAMS: list[dict[str, Any]] = [
 ]
 
 
-def drive(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, Any]]) -> dict[str, Any]:
-    """Three requests from the start, a fourth after 4 steps, the third aborted after 12; per request the
-    tokens and finish reason, plus the KV blocks still held at the end."""
-    ids = [eng.add_request(p, q, request_id=f"r{i}") for i, (p, q) in enumerate(zip(prompts[:3], params, strict=False))]
+def drive(
+    eng: LLMEngine,
+    prompts: list[list[int]],
+    params: list[dict[str, Any]],
+    late_at: int | None = 4,
+    abort_at: int = 12,
+) -> dict[str, Any]:
+    """Requests r0-r2 from the start, r3 after `late_at` steps (None: from the start too), r2 aborted after
+    `abort_at`; per request the tokens and finish reason, the drafted and accepted counts, the acceptance rate
+    and the KV blocks still held at the end."""
+    for i in range(3 if late_at is not None else 4):
+        eng.add_request(prompts[i], params[i], request_id=f"r{i}")
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str | None] = {}
     steps = 0
@@ -38,17 +46,17 @@ def drive(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, Any]]
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             reasons[o.request_id] = o.finish_reason
         steps += 1
-        if steps == 4:
-            ids.append(eng.add_request(prompts[3], params[3], request_id="r3"))
-        if steps == 12:
-            eng.abort(ids[2])
+        if steps == late_at:
+            eng.add_request(prompts[3], params[3], request_id="r3")
+        if steps == abort_at:
+            eng.abort("r2")
     blocks = eng.scheduler.blocks
-    acceptance = eng.totals.accepted / max(eng.totals.drafted, 1)
     return {
         "tokens": tokens,
         "reasons": reasons,
+        "counts": (eng.totals.drafted, eng.totals.accepted),
+        "acceptance": eng.totals.accepted / max(eng.totals.drafted, 1),
         "blocks_held": blocks.num_blocks - blocks.num_free,
-        "acceptance": acceptance,
     }
 
 

@@ -28,7 +28,7 @@ from workers.target_worker import TargetWorker
 from workers.tree_step import FusedTreeStep
 from workers.uniform_step import UniformTargetStep
 
-from tiny import mimic_head, mimic_target, random_prompts, save_model_dir
+from tiny import mimic_target, random_prompts, save_mimic
 
 K = 3
 
@@ -77,11 +77,7 @@ class LocalRank:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    args, w = mimic_target()
-    d = tmp_path_factory.mktemp("linkmodel")
-    path = save_model_dir(d / "model", args, w)
-    mimic_head(args, w).save(d / "head.safetensors")
-    return path, str(d / "head.safetensors")
+    return save_mimic(tmp_path_factory.mktemp("linkmodel"))
 
 
 def config(model: tuple[str, str], k: int, tree: bool = False, max_model_len: int | None = None) -> MTPServeConfig:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_overlap import drive as overlap_drive
 
 from cluster.engine.llm_engine import LLMEngine
 from speculative.mtp_tree import MTPEagleTree
@@ -44,30 +45,8 @@ def tree_engine(overlap: bool, spec: dict[str, int] = TREE) -> tuple[LLMEngine, 
 
 
 def drive(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, Any]], late: bool) -> dict[str, Any]:
-    """Requests 0-2 from the start, request 3 after 3 steps (or from the start), request 2 aborted after 5;
-    per request the tokens and finish reason, the acceptance counters and the KV blocks still held."""
-    starting = 3 if late else 4
-    for i in range(starting):
-        eng.add_request(prompts[i], params[i], request_id=f"r{i}")
-    tokens: dict[str, list[int]] = {}
-    reasons: dict[str, str | None] = {}
-    steps = 0
-    while eng.has_unfinished():
-        for o in eng.step():
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            reasons[o.request_id] = o.finish_reason
-        steps += 1
-        if steps == 3 and late:
-            eng.add_request(prompts[3], params[3], request_id="r3")
-        if steps == 5:
-            eng.abort("r2")
-    blocks = eng.scheduler.blocks
-    return {
-        "tokens": tokens,
-        "reasons": reasons,
-        "counts": (eng.totals.drafted, eng.totals.accepted),
-        "blocks_held": blocks.num_blocks - blocks.num_free,
-    }
+    """`test_overlap.drive` with request 3 after 3 steps (or from the start) and request 2 aborted after 5."""
+    return overlap_drive(eng, prompts, params, late_at=3 if late else None, abort_at=5)
 
 
 def case() -> tuple[list[list[int]], list[dict[str, Any]]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -83,21 +85,33 @@ def test_step_rows_in_and_past_the_first_tile_match_float64_reference(
 def test_tree_masks_match_float64_reference(q_len: int, width: int, lens: list[int], early: bool) -> None:
     """A random mask over each sequence's last `width` keys (its own row always seen) gives the reference's
     masked result, through the int64 bit rows the kernel reads."""
-    g = torch.Generator().manual_seed(q_len * width)
-    bs, dim, heads, kv_heads, nb, max_blocks = 16, 32, 6, 3, 40, 7
+    assert tree_attention_error(q_len, width, lens, heads=6, kv_heads=3, seed=q_len * width, early=early) < 1e-4
+
+
+def tree_attention_error(
+    q_len: int, width: int, lens: list[int], heads: int, kv_heads: int, seed: int, **kernel: Any
+) -> float:
+    """Largest difference between the uniform kernel and the float64 reference over a random paged cache,
+    with a random tree mask over each sequence's last `width` keys (its own row always seen), read through
+    the int64 bit rows the kernel takes; `kernel` goes to the kernel (e.g. early=True). Without a mask
+    (width 0) both attend causally."""
+    g = torch.Generator().manual_seed(seed)
+    bs, dim, nb, max_blocks = 16, 32, 40, 7
     kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
     vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
     tables = torch.randperm(nb, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
     seq_lens = torch.tensor(lens)
     q = torch.randn(len(lens) * q_len, heads, dim, generator=g)
-    mask = torch.rand(len(lens), q_len, width, generator=g) < 0.5
-    mask[:, torch.arange(q_len), width - q_len + torch.arange(q_len)] = True
-    bits = triton_attention.tree_mask_bits(mask)
+    mask = bits = None
+    if width:
+        mask = torch.rand(len(lens), q_len, width, generator=g) < 0.5
+        mask[:, torch.arange(q_len), width - q_len + torch.arange(q_len)] = True
+        bits = triton_attention.tree_mask_bits(mask)
     got = triton_attention.triton_uniform_attention(
-        q, kc, vc, tables, seq_lens, q_len, dim**-0.5, bits, width, early=early
+        q, kc, vc, tables, seq_lens, q_len, dim**-0.5, bits, width, **kernel
     )
     ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5, mask)
-    assert (got.double() - ref).abs().max().item() < 1e-4
+    return float((got.double() - ref).abs().max())
     causal = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
     assert (causal - ref).abs().max().item() > 1e-2, "the mask must matter"
 
@@ -218,22 +232,7 @@ def test_query_rows_cut_into_tiles_match_float64_reference(split: bool, monkeypa
         monkeypatch.setattr(triton_attention, "UNIFORM_TILE", 16)
         monkeypatch.setattr(triton_attention, "SPLIT_KEYS", 16)
     assert triton_attention.row_tiling(17 * 2) == (16, 3)
-    q_len, width, lens = 17, 17, [17, 60, 95]
-    g = torch.Generator().manual_seed(5)
-    bs, dim, heads, kv_heads, nb, max_blocks = 16, 32, 4, 2, 40, 7
-    kc = torch.randn(nb, bs, kv_heads, dim, generator=g)
-    vc = torch.randn(nb, bs, kv_heads, dim, generator=g)
-    tables = torch.randperm(nb, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
-    seq_lens = torch.tensor(lens)
-    q = torch.randn(len(lens) * q_len, heads, dim, generator=g)
-    mask = torch.rand(len(lens), q_len, width, generator=g) < 0.5
-    mask[:, torch.arange(q_len), width - q_len + torch.arange(q_len)] = True
-    bits = triton_attention.tree_mask_bits(mask)
-    got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5, bits, width)
-    ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5, mask)
-    assert (got.double() - ref).abs().max().item() < 1e-4
-    causal = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5)
-    causal_ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
-    assert (causal.double() - causal_ref).abs().max().item() < 1e-4
+    assert tree_attention_error(17, 17, [17, 60, 95], heads=4, kv_heads=2, seed=5) < 1e-4
+    assert tree_attention_error(17, 0, [17, 60, 95], heads=4, kv_heads=2, seed=5) < 1e-4
     ((_, _, counters),) = triton_attention._Scratch.buffers.values()
     assert not counters.any()

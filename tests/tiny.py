@@ -181,3 +181,15 @@ def same_distribution_pvalue(counts: list[torch.Tensor]) -> float:
     table = torch.stack(counts)
     table = table[:, table.sum(0) >= 10]
     return float(chi2_contingency(table.numpy())[1])
+
+
+def save_mimic(d: Any) -> tuple[str, str]:
+    """The mimic target as an HF directory under folder d, and its MTP head as a file there: (model dir,
+    head file), as worker actors load them."""
+    from pathlib import Path
+
+    args, w = mimic_target()
+    path = save_model_dir(Path(d) / "model", args, w)
+    head = str(Path(d) / "head.safetensors")
+    mimic_head(args, w).save(head)
+    return path, head
