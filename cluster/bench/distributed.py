@@ -62,11 +62,8 @@ SETTINGS = ("shape", "setups", "ks", "batches", "steps", "repeats", "enforce_eag
 
 def add_parser(kinds: argparse._SubParsersAction, build_engine: bench_report.EngineFactory) -> None:
     """Register `bench distributed`; `build_engine` makes an engine of a config, Ray actors included."""
-    p = kinds.add_parser(
-        "distributed",
-        help="the Ray path against in-process: step time, per-hop timeline and bytes",
-        description=(__doc__ or "").split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = bench_report.add_command(
+        kinds, "distributed", "the Ray path against in-process: step time, per-hop timeline and bytes", __doc__
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

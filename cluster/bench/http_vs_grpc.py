@@ -55,11 +55,8 @@ SETTINGS = (
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     """Register `bench http-vs-grpc`."""
-    p = kinds.add_parser(
-        "http-vs-grpc",
-        help="the OpenAI HTTP API against gRPC on one `serve` subprocess: TTFT and tok/s",
-        description=(__doc__ or "").split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = bench_report.add_command(
+        kinds, "http-vs-grpc", "the OpenAI HTTP API against gRPC on one `serve` subprocess: TTFT and tok/s", __doc__
     )
     p.add_argument("--model", help="GGUF file or HF Llama directory (default: the default model)")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama (dummy weights, random draft)")

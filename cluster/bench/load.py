@@ -43,11 +43,8 @@ ROOT = Path(cluster.__file__).resolve().parent.parent  # the checkout the server
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     """Register `bench load`."""
-    p = kinds.add_parser(
-        "load",
-        help="many concurrent gRPC streams against a `serve` subprocess: ends, KV blocks, memory",
-        description=(__doc__ or "").split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = bench_report.add_command(
+        kinds, "load", "many concurrent gRPC streams against a `serve` subprocess: ends, KV blocks, memory", __doc__
     )
     p.add_argument("--model", help="GGUF file or HF Llama directory (default: the default model)")
     p.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], help="the server's")

@@ -53,11 +53,11 @@ def shapes() -> dict[str, Shape]:
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     """Register `bench replay`."""
-    p = kinds.add_parser(
+    p = bench_report.add_command(
+        kinds,
         "replay",
-        help="speculative speed at any Llama shape with acceptance replayed from a real model's recording",
-        description=(__doc__ or "").split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "speculative speed at any Llama shape with acceptance replayed from a real model's recording",
+        __doc__,
     )
     bench_report.add_model_flags(p)
     p.set_defaults(draft="random")

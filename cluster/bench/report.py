@@ -150,6 +150,17 @@ def depth_list(text: str) -> list[int]:
     return values
 
 
+def add_command(kinds: argparse._SubParsersAction, name: str, summary: str, doc: str | None) -> argparse.ArgumentParser:
+    """Register `bench <name>`: `summary` in the command list, and the module docstring `doc` past its first
+    paragraph as the command's --help description."""
+    return kinds.add_parser(  # type: ignore[no-any-return]
+        name,
+        help=summary,
+        description=(doc or "").split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def add_model_flags(p: argparse.ArgumentParser, device: str = "auto") -> None:
     """The target, draft and output flags of the benchmarks that build their own engines per configuration."""
     p.add_argument("--model", help="GGUF file, HF Llama directory, or (with --load-format dummy) a config.json folder")

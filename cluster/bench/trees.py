@@ -39,11 +39,11 @@ EAGER_SUFFIX = " (eager)"  # the same tree drafting with the captured tree step 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     """Register `bench trees`."""
-    p = kinds.add_parser(
+    p = bench_report.add_command(
+        kinds,
         "trees",
-        help="draft trees against chains and target-only: tok/s, step time, acceptance (any Llama shape)",
-        description=(__doc__ or "").split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "draft trees against chains and target-only: tok/s, step time, acceptance (any Llama shape)",
+        __doc__,
     )
     bench_report.add_model_flags(p)
     p.add_argument("--configs", type=config_list, default=list(CONFIGS), help="comma-separated names of CONFIGS")

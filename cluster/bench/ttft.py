@@ -31,11 +31,8 @@ BUSY_PROMPT = 32  # tokens in each busy request's prompt
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     """Register `bench ttft`."""
-    p = kinds.add_parser(
-        "ttft",
-        help="time to first token by prompt length, alone and while others decode",
-        description=(__doc__ or "").split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = bench_report.add_command(
+        kinds, "ttft", "time to first token by prompt length, alone and while others decode", __doc__
     )
     bench_report.add_model_flags(p)
     p.add_argument("--lengths", type=bench_report.int_list, default=[128, 512, 2048, 8160], help="prompt tokens")
