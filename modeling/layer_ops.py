@@ -101,8 +101,9 @@ class TorchOps:
 
     def top_logprobs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest log-softmax values of each row of logits [M, V] (fp32 [M, k]) and their indices."""
-        top, index = logits.float().topk(k, dim=-1)
-        return top - torch.logsumexp(logits.float(), dim=-1, keepdim=True), index
+        x = logits.float()
+        top, index = x.topk(k, dim=-1)
+        return top - torch.logsumexp(x, dim=-1, keepdim=True), index
 
     def draft_input(self, tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights) -> torch.Tensor:
         """The MTP head's input: cat(enorm(embed(tokens)), hnorm(hidden)) @ eh_proj.T."""
