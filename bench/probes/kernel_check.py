@@ -4,11 +4,15 @@
   norm, cuBLAS projection, fp32 conversion and torch argmax, with token agreement;
 - the MTP head's input (`draft_kernels.draft_input`) against embedding + two norms + concat + cuBLAS;
 - uniform paged attention at batch 1, 8 and 64, Q = 1 and 4, for several context lengths, with and
-  without split key ranges, against float64.
+  without split key ranges, against float64;
+- the tree step's kernels: per-level top-k log-probabilities (`topk_kernels.top_logprobs`) against torch's
+  cast, top-k and logsumexp at 32k, 49k and 128k vocabularies, and the greedy walk with its KV moves
+  (`tree_kernels.greedy_walk_moves`) against `greedy_walk` on random trees.
 
 Each variant runs 50 times inside one CUDA graph (`graph_us`).
 
 python3 bench/probes/kernel_check.py --out $OUT      # one GPU; writes kernel_check.json
+python3 bench/probes/kernel_check.py --groups tree --out $OUT      # the tree step's kernels only
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from modeling import argmax_kernels, draft_kernels, triton_attention
+from modeling import argmax_kernels, draft_kernels, topk_kernels, triton_attention
 from modeling.attention import uniform_paged_attention
 from modeling.layer_ops import TORCH_OPS, TritonOps
+from speculative.tree import greedy_walk
+from workers.tree_kernels import greedy_walk_moves
 
 VOCAB, D, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 49152, 576, 9, 3, 64, 16
 REPS = 50
@@ -156,10 +162,87 @@ def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
     return out
 
 
+def topk_report(dev: str, g: torch.Generator) -> dict[str, object]:
+    """A tree level's top-k log-probabilities: two Triton launches against torch, time and agreement."""
+    out: dict[str, object] = {}
+    for vocab in (32768, VOCAB, 128256):
+        for rows, k in ((1, 4), (4, 4), (16, 4), (64, 4)):
+            logits = (4 * torch.randn(rows, vocab, device=dev, generator=g)).to(torch.bfloat16)
+            ref_val, ref_idx = TORCH_OPS.top_logprobs(logits, k)
+            val, idx = topk_kernels.top_logprobs(logits, k)
+            same = idx == ref_idx
+
+            def torch_topk(x: torch.Tensor = logits, k: int = k) -> object:
+                return TORCH_OPS.top_logprobs(x, k)
+
+            def triton_topk(x: torch.Tensor = logits, k: int = k) -> object:
+                return topk_kernels.top_logprobs(x, k)
+
+            entry: dict[str, object] = {
+                "torch_us": graph_us(torch_topk),
+                "triton_us": graph_us(triton_topk),
+                "max_abs_diff": (val - ref_val).abs().max().item(),
+                "same_ids": int(same.sum()),
+                "ids": same.numel(),
+                "differing_ids_are_ties": bool(
+                    torch.equal(logits.float().gather(1, idx)[~same], logits.float().gather(1, ref_idx)[~same])
+                ),
+            }
+            key = f"v{vocab}_rows{rows}_k{k}"
+            out[key] = entry
+            print("top_logprobs", key, json.dumps(entry), flush=True)
+    return out
+
+
+def walk_report(dev: str, g: torch.Generator) -> dict[str, object]:
+    """The greedy walk with its KV moves, one launch, against `greedy_walk` on random trees."""
+    same, deep, cases = 0, 0, 200
+    for _ in range(cases):
+        b, q = int(torch.randint(1, 65, (1,))), int(torch.randint(2, 33, (1,)))
+        depth = int(torch.randint(1, q, (1,)))
+        parents = (torch.rand(b, q, device=dev, generator=g) * torch.arange(q, device=dev)).long()
+        parents[:, 0] = -1
+        tokens = torch.randint(0, 4, (b, q), device=dev, generator=g)
+        argmax = torch.randint(0, 4, (b, q), device=dev, generator=g)
+        slots = torch.randperm(4096, device=dev, generator=g)[: b * q].view(b, q)
+        n_acc, path, bonus = greedy_walk(tokens, parents, argmax, depth)
+        got = greedy_walk_moves(tokens, parents, argmax, slots, depth)
+        accepted = torch.arange(1, depth + 1, device=dev)[None, :] <= n_acc[:, None]
+        src = torch.where(accepted, slots.gather(1, path), slots[:, 1 : depth + 1])
+        same += bool(
+            torch.equal(got[0], n_acc) and torch.equal(got[1], path) and torch.equal(got[2], bonus)
+            and torch.equal(got[3], src) and torch.equal(got[4], slots[:, 1 : depth + 1])
+        )  # fmt: skip
+        deep += int((n_acc >= 2).sum())
+    tokens = torch.randint(0, 4, (1, 16), device=dev, generator=g)
+    parents = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, 2, 2, 5, 5, 7, 9, 9, 11, 12]], device=dev)
+    slots = torch.arange(16, device=dev)[None]
+    entry: dict[str, object] = {
+        "cases": cases,
+        "equal": same,
+        "accepted_past_level_one": deep,
+        "b1_q16_torch_us": graph_us(lambda: greedy_walk(tokens, parents, tokens, 4)),
+        "b1_q16_triton_us": graph_us(lambda: greedy_walk_moves(tokens, parents, tokens, slots, 4)),
+    }
+    print("greedy_walk_moves", json.dumps(entry), flush=True)
+    return entry
+
+
+GROUPS: dict[str, Callable[[str, torch.Generator], dict[str, object]]] = {
+    "argmax": argmax_report,
+    "draft_input": draft_input_report,
+    "attention": attention_report,
+    "top_logprobs": topk_report,
+    "greedy_walk_moves": walk_report,
+}
+GROUP_SETS = {"all": list(GROUPS), "tree": ["top_logprobs", "greedy_walk_moves"]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The probe's flags."""
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out")
+    ap.add_argument("--groups", default="all", help=f"comma-separated, of {', '.join([*GROUP_SETS, *GROUPS])}")
     return ap
 
 
@@ -167,14 +250,15 @@ def main() -> int:
     args = build_parser().parse_args()
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
-    report = {
-        "gpu": torch.cuda.get_device_name(0),
-        "argmax": argmax_report(dev, g),
-        "draft_input": draft_input_report(dev, g),
-        "attention": attention_report(dev, g),
-    }
+    names = [n for group in args.groups.split(",") for n in GROUP_SETS.get(group, [group])]
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        raise SystemExit(f"--groups: unknown {', '.join(unknown)}; choose from {', '.join([*GROUP_SETS, *GROUPS])}")
+    report: dict[str, object] = {"gpu": torch.cuda.get_device_name(0)}
+    report.update({n: GROUPS[n](dev, g) for n in names})
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "kernel_check.json").write_text(json.dumps(report, indent=2))
+    name = "kernel_check.json" if args.groups == "all" else f"kernel_check_{args.groups.replace(',', '_')}.json"
+    (Path(args.out) / name).write_text(json.dumps(report, indent=2))
     return 0
 
 
