@@ -219,10 +219,12 @@ def test_bench_replay_reports_replayed_acceptance(tmp_path: Path, capsys: pytest
         (c, b, n) for c in ("target-only", "chain K=2", "tree K=3 N=8 w=3") for b, n in ((1, 2), (3, 3))
     ]
     for r in rows:
-        assert r["tok_s"] > 0 and r["step_ms"] > 0 and r["speedup"] is not None
-        if r["config"] == "target-only":
-            assert r["speedup"] == 1.0 and r["acceptance_length"] is None
+        assert r["tok_s"] > 0 and r["step_ms"] > 0 and r["speedup"] is not None and r["full_speedup"] is not None
+        if r["config"] == "target-only":  # every request runs to max_tokens together: no tail
+            assert r["speedup"] == 1.0 and r["acceptance_length"] is None and r["full_steps"] == r["steps"]
             continue
+        if r["batch"] == 3:  # the three requests accept differently: the last steps run without the first done
+            assert 0 < r["full_steps"] < r["steps"]
         assert r["steps_as_recorded"] == 1.0
         assert r["acceptance_length"] == r["acceptance_length_replayed"]
         assert r["acceptance_length"] > 1.5  # random weights alone accept nothing

@@ -116,7 +116,11 @@ def bench_prompts(engine: LLMEngine, n: int) -> list[list[int]]:
 def decode_run(
     engine: LLMEngine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, top_p: float = 0.95
 ) -> dict[str, Any]:
-    """Prefill all prompts, then time the generation steps only (seeded sampling when temperature > 0)."""
+    """Prefill all prompts, then time the generation steps only (seeded sampling when temperature > 0).
+
+    `full_tok_s` counts only the steps that run while every request is still going: the rate a server
+    whose finished requests are replaced at once holds. The wave's own rate (`tok_s`) also counts its tail,
+    where the requests that accept least run on in a shrinking batch."""
     params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature, "top_p": top_p}
     ids = [engine.add_request(p, {**params, "seed": i}) for i, p in enumerate(prompts)]
     reqs = [engine.scheduler.requests[r] for r in ids]
@@ -127,14 +131,20 @@ def decode_run(
     depths_before = list(policy.steps_per_depth) if policy is not None else []
     trees_before = policy.tree_steps if policy is not None else 0
     t0 = time.perf_counter()
-    steps = tokens = 0
+    steps = tokens = full_steps = full_tokens = 0
+    full_s, full = 0.0, True
     emitted: dict[str, list[int]] = {r: [] for r in ids}
     while engine.has_unfinished():
+        t_step = time.perf_counter()
         outs = engine.step()
         steps += 1
+        n = sum(len(o.new_token_ids) for o in outs)
+        tokens += n
+        if full:
+            full_steps, full_tokens, full_s = full_steps + 1, full_tokens + n, full_s + time.perf_counter() - t_step
         for o in outs:
-            tokens += len(o.new_token_ids)
             emitted[o.request_id].extend(o.new_token_ids)
+            full = full and not o.finished
     dt = time.perf_counter() - t0  # the last token is on the host: every step returns read tokens
     sync()  # with overlap, one more step (queued ahead, then dropped) may still be running
     dt_drained = time.perf_counter() - t0
@@ -148,6 +158,9 @@ def decode_run(
         "step_ms_incl_drain": 1e3 * dt_drained / max(steps, 1),
         "steps": steps,
         "tokens": tokens,
+        "full_tok_s": full_tokens / full_s if full_s else None,
+        "full_steps": full_steps,
+        "full_tokens": full_tokens,
         "acceptance_length": 1 + accepted / verify if verify else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "fused_replays": replays(getattr(engine.target, "fused", None)),

@@ -8,7 +8,10 @@ of an accepted step runs. Per prompt set, configuration and batch size it report
 the speed-up over target-only from the same run, and the acceptance length measured in the run next to the
 one the recording asks for over the same steps (they must be equal) and the recording's own.
 
-At each batch size B, max(B, --num-requests) requests (rounded up to a multiple of B) run B at a time;
+At each batch size B, max(B, --num-requests) requests (rounded up to a multiple of B) run B at a time, in
+waves. `x target` is the speed-up of whole waves, tails included (the requests that accept least run on in a
+shrinking batch); `x full` counts only the steps that run with the whole wave going, the rate of a server that
+refills finished slots at once.
 request r has the length of recorded prompt r mod n and replays recorded request r mod n, cycling through its
 steps. --record first records the configurations on a real model (default: the packaged SmolLM2 with the
 shipped head) over the held-apart prompt sets, into the --acceptance file (format: `replay_record.py`).
@@ -253,11 +256,13 @@ def engine_config(
 def report(
     args: argparse.Namespace, recording: Recording, sets: list[str], rows: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The report of the rows so far, with the speed-up of each row over target-only at its set and batch."""
-    base = {(r["set"], r["batch"]): r["tok_s"] for r in rows if r["config"] == "target-only"}
-    for r in rows:
-        ref = base.get((r["set"], r["batch"]))
-        r["speedup"] = r["tok_s"] / ref if ref else None
+    """The report of the rows so far, with the speed-up of each row over target-only at its set and batch:
+    of whole waves (`speedup`) and of the steps that run with every request going (`full_speedup`)."""
+    for key, out in (("tok_s", "speedup"), ("full_tok_s", "full_speedup")):
+        base = {(r["set"], r["batch"]): r.get(key) for r in rows if r["config"] == "target-only"}
+        for r in rows:
+            ref, own = base.get((r["set"], r["batch"])), r.get(key)
+            r[out] = own / ref if ref and own else None
     return bench_report.report(
         "replay",
         bench_report.command_line(getattr(args, "argv", None)),
@@ -314,7 +319,8 @@ def _f(x: float | None, spec: str) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """One line per prompt set, configuration and batch size."""
-    head = ["set", "config", "batch", "tok/s", "step ms", "x target", "acc len", "replayed", "recorded", "as rec"]
+    head = ["set", "config", "batch", "tok/s", "step ms", "x target", "x full", "acc len", "replayed", "recorded"]
+    head.append("as rec")
     body = [
         [
             r["set"],
@@ -323,6 +329,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['tok_s']:.0f}",
             f"{r['step_ms']:.3f}",
             _f(r["speedup"], ".2f"),
+            _f(r.get("full_speedup"), ".2f"),
             _f(r["acceptance_length"], ".3f"),
             _f(r["acceptance_length_replayed"], ".3f"),
             _f(r["acceptance_length_recorded"], ".3f"),

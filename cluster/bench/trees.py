@@ -102,11 +102,16 @@ def measure(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens:
     tokens, steps = sum(r["tokens"] for r in runs), sum(r["steps"] for r in runs)
     seconds = sum(r["tokens"] / r["tok_s"] for r in runs)
     lengths = [r["acceptance_length"] for r in runs if r["acceptance_length"]]
+    full_tokens = sum(r["full_tokens"] for r in runs)
+    full_s = sum(r["full_tokens"] / r["full_tok_s"] for r in runs if r["full_tok_s"])
     tree_step = getattr(engine.target, "tree_step", None)
     return {
         "batch": batch,
         "tok_s": tokens / seconds,
         "step_ms": 1e3 * seconds / steps,
+        "full_tok_s": full_tokens / full_s if full_s else None,
+        "steps": steps,
+        "full_steps": sum(r["full_steps"] for r in runs),
         "acceptance_length": sum(lengths) / len(lengths) if lengths else None,
         "tree_steps": None if tree_step is None else tree_step.runs,
         "tree_replays": None if tree_step is None else tree_step.steps.replays,

@@ -19,6 +19,8 @@ SHARDS=${SHARDS:-4}
 SEED=${SEED:-0}  # the dataset's seed (a fresh seed gives new prompts and answers)
 LR=${LR:-6e-4}
 WARMUP=${WARMUP:-150}
+STEPS=${STEPS:-100000}  # training steps at most (the time budget usually ends a run first); equal STEPS compare heads
+E3_SPEED=${E3_SPEED:-1}  # 0: the eagle3 step skips its K=1 / K=3 throughput runs
 # INIT_HEAD=path: every head starts from that trained head (continued training) instead of the target's layer
 # the ablation of the model card; HEAD_SPECS="fused:layers=fused" trains the shipped layout alone
 HEAD_SPECS=${HEAD_SPECS:-"base:layers=last fused:layers=fused fused-v16k:layers=fused,vocab=16384 fused-k1:layers=fused,k=1"}
@@ -56,7 +58,7 @@ train() {  # $1: seconds for this step
   [ -f "$DATA/meta.json" ] || { echo "dataset unfinished"; return 1; }
   python3 -m cluster train-draft --stage train --device cuda --target "$MODEL" --data-dir "$DATA" --seed 0 \
     --holdout-source seed --dev-fraction 0.006 --batch-size 64 --max-batch-tokens 24576 --lr "$LR" \
-    --warmup-steps "$WARMUP" ${INIT_HEAD:+--init-head "$INIT_HEAD"} --steps 100000 --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 --ckpt-every 0 \
+    --warmup-steps "$WARMUP" ${INIT_HEAD:+--init-head "$INIT_HEAD"} --steps "$STEPS" --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 --ckpt-every 0 \
     $(for s in $HEAD_SPECS; do printf -- '--head-spec %s ' "$s"; done) \
     --export-dtype bfloat16 --out "$HEADS/smollm2-135m-mtp.safetensors" \
     > "$OUT/train.log" 2>&1
@@ -87,7 +89,7 @@ eagle3() {  # $1: seconds for the training; EAGLE-3 heads on the finished datase
   specs=${E3_SPECS:-"e3:layers=eagle3 e3-v16k:layers=eagle3,vocab=16384"}
   python3 -m cluster train-draft --stage train --format eagle3 --device cuda --target "$MODEL" --data-dir "$DATA" \
     --seed 0 --holdout-source seed --dev-fraction 0.006 --batch-size 64 --max-batch-tokens 24576 --lr "$LR" \
-    --warmup-steps "$WARMUP" --steps 100000 --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 \
+    --warmup-steps "$WARMUP" --steps "$STEPS" --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 \
     --ckpt-every 0 $(for s in $specs; do printf -- '--head-spec %s ' "$s"; done) \
     --export-dtype bfloat16 --out "$HEADS/smollm2-135m-eagle3" > /tmp/train-eagle3.log 2>&1
   status=$?
@@ -101,6 +103,7 @@ eagle3() {  # $1: seconds for the training; EAGLE-3 heads on the finished datase
       --num-draft-tokens 3 --max-tokens 128 "${SETS[@]}" --quiet --json "$OUT/acc-$name.json" > "/tmp/acc-$name.log" 2>&1
     tail -n 8 "/tmp/acc-$name.log"
   done
+  [ "$E3_SPEED" = 0 ] && return $status
   for k in 1 3; do
     python3 -m cluster bench throughput --device cuda --model "$MODEL" --spec-method eagle3 \
       --draft "$HEADS/smollm2-135m-eagle3" --num-draft-tokens "$k" --batch-sizes 1,8,64 --output-len 128 \
