@@ -3,6 +3,10 @@
 #   bash bench/device_run.sh 8b       Llama-3-8B shape, random weights: step profiles, graph launches, replayed acceptance
 #   bash bench/device_run.sh smollm2  real SmolLM2 + shipped head: tree kernels, Ray against in-process, trees, adaptive
 #   bash bench/device_run.sh ray8b    Llama-3-8B shape: Ray TP=1 against in-process, and the 32k draft vocabulary's steps
+#   bash bench/device_run.sh 8b32k    Llama-3-8B shape with a 32k draft vocabulary: step profiles in one process, replay
+#   bash bench/device_run.sh ray      SmolLM2: Ray TP=1 against in-process (3 repeats), trees against target-only in fp32
+#   bash bench/device_run.sh e3a      EAGLE-3 against the native layout, part 1: a dataset, then the native head (STEPS)
+#   bash bench/device_run.sh e3b      part 2: the native head's online acceptance, the EAGLE-3 head (same STEPS), its own
 # Run from the checkout root after staging (../shared/device/README.md): the wheels (and Ray) in /tmp/site, the
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
@@ -51,6 +55,28 @@ case $PHASE in
       --draft-vocab 32768 --variants mtp3-graph,tree4x16-graph --out "$R/profile32k"
     step distributed 240 python3 -m cluster bench distributed --device cuda --shape "$L8B" \
       --setups in-process,ray-tp1 --batches 1,16 --ks 0,3 --steps 24 --json "$R/distributed_8b.json"
+    ;;
+  8b32k)
+    step profile 120 python3 bench/probes/profile_step.py --device cuda --steps 20 --shape "$L8B" \
+      --draft-vocab 32768 --variants target-graph,mtp3-graph,tree4x16-graph --out "$R/profile"
+    step replay 260 python3 -m cluster bench replay --acceptance bench/results/replay_recording_smollm2.json \
+      --model "$L8B" --load-format dummy --device cuda --draft-vocab 32768 --batches 1,8,64 --max-tokens 128 \
+      --json "$R/replay_8b_v32k.json"
+    ;;
+  ray)
+    step distributed 200 python3 -m cluster bench distributed --device cuda --shape smollm2 --model "$M" \
+      --setups in-process,ray-tp1 --batches 1,16 --ks 0,3 --steps 48 --repeats 3 --json "$R/distributed_smollm2.json"
+    step trees_fp32 120 python3 -m cluster bench trees --model "$M" --dtype float32 --batches 1,8 \
+      --configs "target-only,chain K=3,tree K=4 N=16 w=4" --json "$R/trees_fp32.json"
+    ;;
+  e3a)  # STEPS and MIX as exported; the dataset and heads stay on the warm machine for e3b
+    OUT=$R/out bash speculative/train/gpu_run.sh data "${DATA_S:-240}"
+    HEAD_SPECS="native:layers=fused" OUT=$R/out bash speculative/train/gpu_run.sh train "${TRAIN_S:-300}"
+    rm -f "$R"/out/*.safetensors  # the head stays in /root/heads; only figures come back
+    ;;
+  e3b)
+    OUT=$R/out bash speculative/train/gpu_run.sh eval
+    E3_SPECS="e3:layers=eagle3" E3_SPEED=0 OUT=$R/out bash speculative/train/gpu_run.sh eagle3 "${TRAIN_S:-300}"
     ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
