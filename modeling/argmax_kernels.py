@@ -93,7 +93,8 @@ if triton is not None:
         v = tl.load(val_ptr + row * stride_p + t, mask=t < T, other=float("-inf"))
         i = tl.load(idx_ptr + row * stride_p + t, mask=t < T, other=N)
         best = tl.max(v, 0)
-        tl.store(out_ptr + row, tl.min(tl.where(v == best, i, N), 0).to(tl.int64))
+        token = tl.min(tl.where(v == best, i, N), 0)
+        tl.store(out_ptr + row, tl.minimum(token, N - 1).to(tl.int64))  # a NaN row matches nothing: still an id
 
 
 ARGMAX_MAX_ROWS = 16  # rows are padded to one 16-row tensor-core tile

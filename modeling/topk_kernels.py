@@ -65,7 +65,7 @@ if triton is not None:
             best = tl.max(v, 0)
             token = tl.min(tl.where(v == best, i, N), 0)
             tl.store(out_val_ptr + row * K + j, best - lse)
-            tl.store(out_idx_ptr + row * K + j, token.to(tl.int64))
+            tl.store(out_idx_ptr + row * K + j, tl.minimum(token, N - 1).to(tl.int64))  # NaN rows: still ids
             v = tl.where(i == token, float("-inf"), v)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from cluster.engine.llm_engine import LLMEngine
 from speculative.messages import SeqPlan, StepPlan
+from speculative.sampling import SamplingMode
 from tests.tiny import mimic_head, mimic_target, random_prompts, slots_of, tiny_engine
 from workers.builders import build_prefill
 from workers.prefill_step import CapturedPrefill, prefill_sizes
@@ -214,3 +215,20 @@ def test_build_prefill_applies_only_where_it_is_exact() -> None:
     plain = tiny_engine(args, w)
     step = build_prefill(plain.cfg, plain.target, None, 0, 64)  # type: ignore[arg-type]
     assert isinstance(step, CapturedPrefill) and step.chain is None
+
+
+def test_capture_warm_ups_read_a_real_chunk() -> None:
+    """Before capturing, the buffers hold a one-token sampled chunk on the scratch block: warm-up runs
+    attend over a key at a positive temperature, so no NaN logits reach the steps that index with tokens."""
+    args, w = mimic_target()
+    eng = tiny_engine(args, w, mimic_head(args, w), scheduler={"chunk_size": CHUNK})
+    step = CapturedPrefill(eng.target.model, eng.target.cache, eng.draft, 3, CHUNK, 8, "cpu")  # type: ignore[arg-type]
+    step.capture()
+    b = step.buffers
+    assert (b.real_len.item(), b.last_row.item(), b.q_len.item()) == (1, 0, step.sizes[0])
+    assert b.seq_len.item() >= 1 and b.sampling()[0].item() > 0
+    scratch = eng.target.cache.scratch_block  # type: ignore[attr-defined]
+    assert set(b.slot_mapping[: step.sizes[0]].div(b.block_size, rounding_mode="floor").tolist()) == {scratch}
+    for bucket in step.sizes[:2]:
+        for mode in SamplingMode:
+            assert torch.isfinite(step._forward(bucket, mode, final=True).float()).all()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling import fused_kernels, topk_kernels
+from modeling import argmax_kernels, fused_kernels, topk_kernels
 from modeling.layer_ops import TORCH_OPS, TritonOps
 
 pytestmark = pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
@@ -61,3 +61,15 @@ def test_refuses_what_it_cannot_hold_and_the_ops_fall_back() -> None:
     got, index = TritonOps().top_logprobs(logits, big)
     want, want_index = TORCH_OPS.top_logprobs(logits, big)
     assert torch.equal(index, want_index) and torch.equal(got, want)
+
+
+def test_rows_of_nan_still_give_token_ids() -> None:
+    """A row whose logits are all NaN matches no maximum; its ids must still lie inside the vocabulary, for
+    the steps that embed them next (the greedy-token merge too)."""
+    _, index = topk_kernels.top_logprobs(torch.full((2, 3000), float("nan")), 4)
+    assert bool(((index >= 0) & (index < 3000)).all())
+    vals = torch.full((2, 5), float("nan"))
+    tile_ids = torch.arange(10, dtype=torch.int32).view(2, 5)
+    out = torch.empty(2, dtype=torch.long)
+    argmax_kernels._argmax_of_tiles[(2,)](vals, tile_ids, out, 5, 1000, vals.stride(0), BLOCK_T=8, PDL=False)
+    assert bool(((out >= 0) & (out < 1000)).all())

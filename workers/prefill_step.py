@@ -236,7 +236,12 @@ class CapturedPrefill:
 
     def capture(self) -> None:
         """Capture every bucket and variant (CUDA only) in one memory pool; a variant that cannot be
-        captured runs eagerly over the same buffers (logged)."""
+        captured runs eagerly over the same buffers (logged). The capture's warm-up runs read a one-token
+        sampled chunk on the scratch block, not zeroed buffers: a chunk of no keys and temperature 0 gives
+        NaN logits, and the steps that read their tokens would then index with them."""
+        dummy = SeqPlan("capture", [0], 0, [], True, True, -1, temperature=1.0)
+        self.buffers.fill(dummy, self.sizes[0])
+        self.buffers.fill_sampling(dummy, 0.5)
         self.final.try_capture()
         if self.partial is not None:
             self.partial.try_capture(self.final.greedy.pool)
