@@ -93,11 +93,13 @@ class CapturedSteps:
                 for _ in range(2):
                     self.fn(size)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)  # kept: its nodes stay for debug_dump
             if self.keep_graphs:
                 graph.enable_debug_mode()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[size] = self.fn(size)
+            if self.keep_graphs:
+                graph.instantiate()
             pool = graph.pool()
             self.graphs[size] = graph
         self.pool = pool
