@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The one-H200 benchmark runs behind bench/README.md's GPU tables, one device run per phase:
-#   bash bench/device_run.sh 8b       Llama-3-8B shape, random weights: step profiles, graph launches, replayed acceptance
-#   bash bench/device_run.sh smollm2  real SmolLM2 + shipped head: tree kernels, Ray against in-process, trees, adaptive
-#   bash bench/device_run.sh ray8b    Llama-3-8B shape: Ray TP=1 against in-process, and the 32k draft vocabulary's steps
-#   bash bench/device_run.sh 8b32k    Llama-3-8B shape with a 32k draft vocabulary: step profiles in one process, replay
-#   bash bench/device_run.sh ray      SmolLM2: Ray TP=1 against in-process (3 repeats), trees against target-only in fp32
+#   bash bench/device_run.sh 8b       Llama-3-8B shape, random weights: step profiles, replayed acceptance, graph
+#                                     launches (DRAFT_VOCAB=32768: the random head scores a 32k draft vocabulary)
+#   bash bench/device_run.sh ray8b    Llama-3-8B shape: Ray TP=1 against in-process
+#   bash bench/device_run.sh smollm2  real SmolLM2 + shipped head: tree kernels, trees against chains, adaptive
+#   bash bench/device_run.sh ray      SmolLM2: Ray TP=1 against in-process (REPEATS), trees against target-only in fp32
 #   bash bench/device_run.sh e3a      EAGLE-3 against the native layout, part 1: a dataset, then the native head (STEPS)
 #   bash bench/device_run.sh e3b      part 2: the native head's online acceptance, the EAGLE-3 head (same STEPS), its own
 # Run from the checkout root after staging (../shared/device/README.md): the wheels (and Ray) in /tmp/site, the
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, smollm2 or ray8b"}
+PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, e3a or e3b"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
+V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
+SUFFIX=$([ "$V" = 0 ] || echo "_v$V")
 OUT=${OUT:-/tmp/mtpserve-out}
 R=/tmp/res/$PHASE
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
@@ -34,38 +36,29 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $R/NAME.
 
 case $PHASE in
   8b)
-    step profile 150 python3 bench/probes/profile_step.py --device cuda --steps 20 --shape "$L8B" \
+    step profile 150 python3 bench/probes/profile_step.py --device cuda --steps 20 --shape "$L8B" --draft-vocab "$V" \
       --variants target-graph,mtp3-graph,tree4x16-graph --out "$R/profile"
     step replay 260 python3 -m cluster bench replay --acceptance bench/results/replay_recording_smollm2.json \
-      --model "$L8B" --load-format dummy --device cuda --batches 1,8,64 --max-tokens 128 --json "$R/replay_8b.json"
+      --model "$L8B" --load-format dummy --device cuda --draft-vocab "$V" --batches 1,8,64 --max-tokens 128 \
+      --json "$R/replay_8b$SUFFIX.json"
     step graph_launch 110 python3 bench/probes/graph_launch.py --shape "$L8B" --pdl on \
       --steps target,chain3,tree4x16,tree4x16-torch --repeats 10 --out "$R"
     ;;
+  ray8b)
+    step distributed 240 python3 -m cluster bench distributed --device cuda --shape "$L8B" \
+      --setups in-process,ray-tp1 --batches 1,16 --ks 0,3 --steps 24 --json "$R/distributed_8b.json"
+    ;;
   smollm2)
     step kernels 60 python3 bench/probes/kernel_check.py --groups tree --out "$R"
-    step distributed 200 python3 -m cluster bench distributed --device cuda --shape smollm2 --model "$M" \
-      --setups in-process,ray-tp1 --batches 1,16 --ks 0,3 --steps 48 --repeats 2 --json "$R/distributed_smollm2.json"
     step trees 150 python3 -m cluster bench trees --model "$M" --batches 1,8 --json "$R/trees.json" \
       --configs "target-only,chain K=1,chain K=3,tree K=3 N=8 w=3,tree K=4 N=16 w=4"
     step adaptive 150 python3 bench/probes/adaptive_depths.py --model "$M" --tree-budget 16 --tree-width 4 \
       --batches 1,8,64 --out "$R"
     ;;
-  ray8b)
-    step profile32k 120 python3 bench/probes/profile_step.py --device cuda --steps 20 --shape "$L8B" \
-      --draft-vocab 32768 --variants mtp3-graph,tree4x16-graph --out "$R/profile32k"
-    step distributed 240 python3 -m cluster bench distributed --device cuda --shape "$L8B" \
-      --setups in-process,ray-tp1 --batches 1,16 --ks 0,3 --steps 24 --json "$R/distributed_8b.json"
-    ;;
-  8b32k)
-    step profile 120 python3 bench/probes/profile_step.py --device cuda --steps 20 --shape "$L8B" \
-      --draft-vocab 32768 --variants target-graph,mtp3-graph,tree4x16-graph --out "$R/profile"
-    step replay 260 python3 -m cluster bench replay --acceptance bench/results/replay_recording_smollm2.json \
-      --model "$L8B" --load-format dummy --device cuda --draft-vocab 32768 --batches 1,8,64 --max-tokens 128 \
-      --json "$R/replay_8b_v32k.json"
-    ;;
   ray)
     step distributed 200 python3 -m cluster bench distributed --device cuda --shape smollm2 --model "$M" \
-      --setups in-process,ray-tp1 --batches 1,16 --ks 0,3 --steps 48 --repeats 3 --json "$R/distributed_smollm2.json"
+      --setups in-process,ray-tp1 --batches 1,16 --ks 0,3 --steps 48 --repeats "${REPEATS:-3}" \
+      --json "$R/distributed_smollm2.json"
     step trees_fp32 120 python3 -m cluster bench trees --model "$M" --dtype float32 --batches 1,8 \
       --configs "target-only,chain K=3,tree K=4 N=16 w=4" --json "$R/trees_fp32.json"
     ;;
