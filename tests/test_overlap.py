@@ -60,18 +60,19 @@ def drive(
     }
 
 
-def overlap_engine(overlap: bool, k: int = 0) -> tuple[LLMEngine, list[int]]:
+def overlap_engine(overlap: bool, k: int = 0, ahead: int = 1) -> tuple[LLMEngine, list[int]]:
     """A tiny engine with the fixed-buffer step: target-only (k = 0) or speculative with the fused step and
-    a head that mimics the target; records which launches read their inputs from the previous step."""
+    a head that mimics the target, `ahead` steps queued; records which launches read their inputs from the
+    previous step."""
     args, w = mimic_target()
     if k:
-        model = {"overlap_steps": overlap, "overlap_speculative": overlap}
+        model = {"overlap_steps": overlap, "overlap_speculative": overlap, "steps_ahead": ahead}
         eng = tiny_engine(args, w, mimic_head(args, w), model=model, speculative={"num_draft_tokens": k})
         runner = eng.target
         assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
         runner.fused = FusedSpecStep(runner.model, runner.cache, eng.draft, k, 8, 12, "cpu", use_graphs=False)
     else:
-        eng = tiny_engine(args, w, model={"overlap_steps": overlap})
+        eng = tiny_engine(args, w, model={"overlap_steps": overlap, "steps_ahead": ahead})
         with_uniform(eng, 0)
     runner = eng.target
     assert isinstance(runner, TargetRunner)
@@ -88,11 +89,12 @@ def overlap_engine(overlap: bool, k: int = 0) -> tuple[LLMEngine, list[int]]:
     return eng, chained
 
 
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("k", [0, 3])
-def test_overlapped_decoding_emits_the_same_tokens(k: int) -> None:
+def test_overlapped_decoding_emits_the_same_tokens(k: int, ahead: int) -> None:
     """Greedy and sampling requests, a stop token, a late arrival and an abort: the same tokens, finish
-    reasons and acceptance with and without overlap, target-only (k = 0) and speculative, most steps queued
-    ahead, and every KV block returned."""
+    reasons and acceptance with and without overlap (one or two steps queued ahead), target-only (k = 0) and
+    speculative, most steps queued ahead, and every KV block returned."""
     args, _ = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [21, 5, 13, 9], seed=11)
     params = [dict(p) for p in PARAMS]
@@ -101,7 +103,8 @@ def test_overlapped_decoding_emits_the_same_tokens(k: int) -> None:
     params[0]["stop_token_ids"] = [first[6]]  # request 0 stops on a token it emits part-way
     ref_engine, ref_chained = overlap_engine(False, k)
     want = drive(ref_engine, prompts, params)
-    eng, chained = overlap_engine(True, k)
+    eng, chained = overlap_engine(True, k, ahead)
+    assert eng.steps_ahead == ahead
     got = drive(eng, prompts, params)
     assert got == want
     assert (eng.totals.drafted, eng.totals.accepted) == (ref_engine.totals.drafted, ref_engine.totals.accepted)
@@ -116,11 +119,12 @@ def test_overlapped_decoding_emits_the_same_tokens(k: int) -> None:
     assert sum(chained) >= least and sum(chained) > len(chained) // 2, f"most steps must be queued ahead: {chained}"
 
 
-def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact() -> None:
-    """An untrained head (nearly nothing accepted) over long generations near max_model_len: each step
-    queued ahead is planned from the request's real position (the device then adds what was accepted),
-    so blocks grow at the real rate, the captured tables always fit, and the tokens match the sequential
-    path."""
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact(ahead: int) -> None:
+    """An untrained head (nearly nothing accepted) over long generations near max_model_len, one or two steps
+    queued ahead: each is planned from the request's real position plus the most the steps before it can
+    accept (the device then takes the real position from the previous step's results), so blocks grow at
+    the real rate, the captured tables always fit, and the tokens match the sequential path."""
     args, w = mimic_target()
     head = MTPEagleHead(args)
     head.init_random(seed=1)
@@ -129,6 +133,7 @@ def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact() -> Non
 
     def run(overlap: bool) -> tuple[list[list[int]], list[int], LLMEngine]:
         model = {"overlap_steps": overlap, "overlap_speculative": overlap, "max_model_len": max_len}
+        model["steps_ahead"] = ahead
         eng = tiny_engine(args, w, head, model=model, speculative={"num_draft_tokens": k})
         runner = eng.target
         assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
@@ -137,11 +142,11 @@ def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact() -> Non
         leads: list[int] = []
         plan_ahead = eng.scheduler.plan_ahead
 
-        def spy(pending):  # type: ignore[no-untyped-def]
-            ahead = plan_ahead(pending)
-            for sp in ahead.seqs if ahead is not None else []:
+        def spy(pending, unapplied=1):  # type: ignore[no-untyped-def]
+            planned = plan_ahead(pending, unapplied)
+            for sp in planned.seqs if planned is not None else []:
                 leads.append(sp.start - eng.scheduler.requests[sp.request_id].num_computed_tokens)
-            return ahead
+            return planned
 
         eng.scheduler.plan_ahead = spy  # type: ignore[method-assign]
         out = [c.token_ids for c in eng.generate(prompts, {"max_tokens": 70})]
@@ -150,7 +155,8 @@ def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact() -> Non
     want, _, _ = run(False)
     got, leads, eng = run(True)
     assert got == want and all(len(t) > 40 for t in got)
-    assert leads and set(leads) == {k + 1}, "planned from the real position plus the most one step can accept"
+    most = {(k + 1) * n for n in range(1, ahead + 1)}
+    assert leads and set(leads) == most, "planned from the real position plus the most the steps before accept"
     assert eng.totals.accepted < eng.totals.drafted // 4, "the untrained head gets little accepted"
     assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
 

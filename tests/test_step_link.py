@@ -80,13 +80,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return save_mimic(tmp_path_factory.mktemp("linkmodel"))
 
 
-def config(model: tuple[str, str], k: int, tree: bool = False, max_model_len: int | None = None) -> MTPServeConfig:
+def config(
+    model: tuple[str, str], k: int, tree: bool = False, max_model_len: int | None = None, steps_ahead: int | None = None
+) -> MTPServeConfig:
     spec: dict[str, Any] = {"draft": model[1], "num_draft_tokens": K, "enabled": k > 0}
     if tree:
         spec.update(tree_budget=8, tree_width=3)
     return MTPServeConfig.from_dict(
         {
-            "model": {"path": model[0], "device": "cpu", "dtype": "float32", "max_model_len": max_model_len},
+            "model": {
+                "path": model[0],
+                "device": "cpu",
+                "dtype": "float32",
+                "max_model_len": max_model_len,
+                "steps_ahead": steps_ahead,
+            },
             "scheduler": {"num_kv_blocks": 96, "block_size": 8, "max_num_requests": 8},
             "speculative": spec,
         }
@@ -140,7 +148,7 @@ def test_tree_steps_queue_ahead_on_a_rank_drafting_in_process(model: tuple[str, 
         rid = eng.add_request([1, 2, 3], {"max_tokens": 20})
         for _ in range(4):  # the aborted request's queued step is read first, then the prompt, then trees
             eng.step()
-        plan = eng._launched.plan  # type: ignore[union-attr]
+        plan = eng._launched[-1].plan
         assert [s.request_id for s in plan.seqs] == [rid]
         assert plan.num_draft_tokens == 8 and plan.seqs[0].draft_parents is not None
         r.links[0].close()
@@ -180,23 +188,24 @@ def recorded_requests(r: LocalRank, prompts: list[list[int]]) -> list[wpb.StepRe
     return sent
 
 
-def replay_session(r: LocalRank, requests: list[wpb.StepRequest]) -> tuple[list[tuple[str, int]], list[bytes]]:
-    """Feed recorded step requests to a fresh session of r's rank, one at a time as a link would; returns the
-    order of its launches and replies by step id, and the replies."""
+def replay_session(r: LocalRank, requests: list[wpb.StepRequest]) -> tuple[list[list[tuple[str, int]]], list[bytes]]:
+    """Feed recorded step requests to a fresh session of r's rank, one at a time as a link would; returns, per
+    request, the order of its launches and replies by step id, and the replies."""
     runner = r.worker.runner
     assert runner is not None
-    events: list[tuple[str, int]] = []
+    events: list[list[tuple[str, int]]] = []
     launch = runner.launch
 
     def ordered(plan, after=None):  # type: ignore[no-untyped-def]
-        events.append(("launch", plan.step_id))
+        events[-1].append(("launch", plan.step_id))
         return launch(plan, after)
 
     runner.launch = ordered  # type: ignore[method-assign]
     session, replies = r.worker._session(), []
     for req in requests:
+        events.append([])
         for reply in session.handle(req):
-            events.append(("reply", reply.step_id))
+            events[-1].append(("reply", reply.step_id))
             reply.ClearField("timing")
             replies.append(reply.SerializeToString())
     assert not session.failed
@@ -204,30 +213,56 @@ def replay_session(r: LocalRank, requests: list[wpb.StepRequest]) -> tuple[list[
     return events, replies
 
 
-def test_a_finished_launched_step_is_answered_before_the_next_is_queued(
-    model: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+def expected_replies(requests: list[wpb.StepRequest]) -> list[list[int]]:
+    """The step ids each request should release, from the protocol: a LAUNCH leaves `unanswered` launched
+    steps (its own included) unanswered, a COLLECT answers the oldest, an EXECUTE answers all, then itself."""
+    pending: list[int] = []
+    out: list[list[int]] = []
+    for q in requests:
+        if q.kind == wpb.StepRequest.COLLECT:
+            out.append([pending.pop(0)])
+        elif q.kind == wpb.StepRequest.EXECUTE:
+            out.append([*pending, q.plan.step_id])
+            pending = []
+        else:
+            pending.append(q.plan.step_id)
+            keep = max(1, q.unanswered)
+            out.append(pending[: len(pending) - keep])
+            pending = pending[len(pending) - keep :]
+    return out
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_launched_steps_are_answered_in_order_and_early_when_finished(
+    model: tuple[str, str], monkeypatch: pytest.MonkeyPatch, ahead: int
 ) -> None:
-    """When the device has finished a launched step by the time the next LAUNCH_AFTER arrives, the rank
-    answers it before queueing the next step (the scheduler plans the step after meanwhile); while the
-    device still runs it, the next step is queued first. Both orders give the same replies."""
+    """With 1 or 2 steps queued ahead, each message releases the replies the protocol says (the launched
+    steps past `unanswered`, oldest first). When the device has finished such a step by the time a LAUNCH
+    arrives, the rank answers it before queueing the new step (the scheduler plans meanwhile); while the
+    device still runs it, the new step is queued first. Both orders give the same replies."""
     from workers.step_session import StepSession
 
     for k in (0, K):
-        r = LocalRank(config(model, k), "socket")
+        r = LocalRank(config(model, k, steps_ahead=ahead), "socket")
         try:
             sent = recorded_requests(r, [[1, 2, 3, 4, 5], [7, 8, 9]])
-            after = [(i, q.plan.step_id) for i, q in enumerate(sent) if q.kind == wpb.StepRequest.LAUNCH_AFTER]
-            assert len(after) >= 3
+            launches = [
+                i for i, q in enumerate(sent) if q.kind in (wpb.StepRequest.LAUNCH, wpb.StepRequest.LAUNCH_AFTER)
+            ]
+            assert {sent[i].unanswered for i in launches} == {ahead}
+            want = expected_replies(sent)
+            releasing = [i for i in launches if want[i]]
+            assert len(releasing) >= 3
+            assert sum(len(w) for w in want) == sum(q.kind != wpb.StepRequest.COLLECT for q in sent)
             early, early_replies = replay_session(r, sent)  # CPU steps are finished once launched
-            for i, step in after:
-                before = sent[i - 1].plan.step_id
-                assert early.index(("reply", before)) < early.index(("launch", step)), (k, step)
             with monkeypatch.context() as m:
                 m.setattr(StepSession, "_finished", staticmethod(lambda launched: False))
                 late, late_replies = replay_session(r, sent)
-            for i, step in after:
-                before = sent[i - 1].plan.step_id
-                assert late.index(("launch", step)) < late.index(("reply", before)), (k, step)
+            for events in (early, late):
+                assert [[i for e, i in ev if e == "reply"] for ev in events] == want, (k, ahead)
+            for i in releasing:
+                step = sent[i].plan.step_id
+                assert early[i][-1] == ("launch", step) and late[i][0] == ("launch", step), (k, ahead, i)
             assert late_replies == early_replies
         finally:
             r.stop()
@@ -302,7 +337,7 @@ def test_a_step_that_raises_leaves_no_reply_behind(model: tuple[str, str], k: in
         rid = eng.add_request([3, 1, 4, 1, 5], {"max_tokens": 40})
         for _ in range(4):
             eng.step()
-        assert eng._launched is not None, "a step must be queued on the rank when update raises"
+        assert eng._launched, "a step must be queued on the rank when update raises"
         update = eng.scheduler.update
 
         def broken(*a, **kw):  # type: ignore[no-untyped-def]
@@ -333,15 +368,9 @@ def test_out_of_order_messages_are_refused(model: tuple[str, str]) -> None:
         r.links = [socket_link(name)]
         eng = engine_over(r.cfg, r)
         eng.add_request([1, 2, 3], {"max_tokens": 20})
-        b = eng.scheduler.blocks
-        print("free", b.num_free, b.num_blocks, eng.scheduler._finished_since_plan, eng.scheduler.num_running)
-        sch = eng.scheduler.schedule
-        eng.scheduler.schedule = lambda: (lambda p: (print("PLAN", p), p)[1])(sch())
-        print("OUT", eng.step(), eng.scheduler.requests)
-        print("A", eng._launched, eng.scheduler.running, eng.scheduler.waiting)
         eng.step()
-        print("B", eng._launched, eng.scheduler.running, eng.scheduler.waiting)
-        plan = eng._launched.plan  # type: ignore[union-attr]
+        eng.step()
+        plan = eng._launched[-1].plan
         r.links[0].close()
         from workers.convert import plan_to_proto
 

@@ -21,11 +21,11 @@ from tiny import draft_kv, mimic_head, mimic_target, random_prompts, tiny_engine
 TREE = {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3}
 
 
-def tree_engine(overlap: bool, spec: dict[str, int] = TREE) -> tuple[LLMEngine, list[int]]:
-    """A tiny mimic engine drafting trees through the fixed-buffer tree step, tree steps queued ahead or not;
-    records, per tree launch, whether it read its inputs from the previous step."""
+def tree_engine(overlap: bool, spec: dict[str, int] = TREE, ahead: int = 1) -> tuple[LLMEngine, list[int]]:
+    """A tiny mimic engine drafting trees through the fixed-buffer tree step, `ahead` tree steps queued ahead
+    or none; records, per tree launch, whether it read its inputs from the previous step."""
     args, w = mimic_target()
-    model = {"overlap_steps": overlap, "overlap_speculative": overlap}
+    model = {"overlap_steps": overlap, "overlap_speculative": overlap, "steps_ahead": ahead}
     sched = {"chunk_size": 512, "max_num_batched_tokens": 128}
     eng = tiny_engine(args, w, mimic_head(args, w), model=model, speculative=spec, scheduler=sched)
     runner, drafter = eng.target, eng.draft
@@ -65,17 +65,22 @@ def stop_on(prompt: list[int], params: dict[str, Any], at: int) -> dict[str, Any
 
 
 @pytest.mark.parametrize(
-    ("spec", "kernels"),
-    [(TREE, False), ({"num_draft_tokens": 4, "tree_budget": 12, "tree_width": 2}, False), (TREE, True)],
-    ids=["d3", "d4", "d3-triton"],
+    ("spec", "kernels", "ahead"),
+    [
+        (TREE, False, 1),
+        ({"num_draft_tokens": 4, "tree_budget": 12, "tree_width": 2}, False, 1),
+        (TREE, True, 1),
+        (TREE, False, 2),
+    ],
+    ids=["d3", "d4", "d3-triton", "d3-two-ahead"],
 )
 def test_greedy_trees_queued_ahead_emit_the_same_tokens(
-    spec: dict[str, int], kernels: bool, monkeypatch: pytest.MonkeyPatch
+    spec: dict[str, int], kernels: bool, ahead: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stop token, max_tokens, a late arrival and an abort: the same tokens, finish reasons and acceptance
     counts as reading every tree step before planning the next, target-only's tokens, most tree steps queued
-    ahead, and every KV block returned; with `kernels`, the queued steps' walks and inputs go through the
-    tree step's Triton kernels (as on CUDA; interpreted here) and the torch ones never run."""
+    ahead (one or two), and every KV block returned; with `kernels`, the queued steps' walks and inputs go
+    through the tree step's Triton kernels (as on CUDA; interpreted here) and the torch ones never run."""
     if kernels:
         from modeling import fused_kernels
         from workers import tree_step
@@ -93,7 +98,7 @@ def test_greedy_trees_queued_ahead_emit_the_same_tokens(
     args, w = mimic_target()
     prompts, params = case()
     want = drive(tree_engine(False, spec)[0], prompts, params, late=True)
-    eng, chained = tree_engine(True, spec)
+    eng, chained = tree_engine(True, spec, ahead)
     got = drive(eng, prompts, params, late=True)
     assert got == want
     assert want["reasons"] == {"r0": "stop", "r1": "length", "r2": None, "r3": "length"}  # r2 was aborted
@@ -106,10 +111,11 @@ def test_greedy_trees_queued_ahead_emit_the_same_tokens(
     assert sum(chained) >= 5 and sum(chained) > len(chained) // 2, f"most tree steps must be queued ahead: {chained}"
 
 
-def test_seeded_sampling_trees_queued_ahead_draw_the_same_tokens() -> None:
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_seeded_sampling_trees_queued_ahead_draw_the_same_tokens(ahead: int) -> None:
     """Sampling requests (temperature only, top-k / top-p) next to a greedy one, one stopping on a token and
-    one aborted: each request draws its walk's uniforms in the same order queued ahead or not, so the
-    tokens and finish reasons are the same."""
+    one aborted: each request draws its walk's uniforms in the same order queued ahead (one or two steps)
+    or not, so the tokens and finish reasons are the same."""
     args, _ = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [12, 7, 16, 10], seed=5)
     params: list[dict[str, Any]] = [
@@ -120,7 +126,7 @@ def test_seeded_sampling_trees_queued_ahead_draw_the_same_tokens() -> None:
     ]
     params[0] = stop_on(prompts[0], params[0], 8)
     want = drive(tree_engine(False)[0], prompts, params, late=False)
-    eng, chained = tree_engine(True)
+    eng, chained = tree_engine(True, TREE, ahead)
     got = drive(eng, prompts, params, late=False)
     assert got == want
     assert want["reasons"] == {"r0": "stop", "r1": "length", "r2": None, "r3": "length"}

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+MAX_STEPS_AHEAD = 2  # steps queued on the device ahead of the one being read (host buffers rotate over one more)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -42,6 +44,14 @@ class ModelConfig(_Strict):
         description="overlap speculative steps too (draft fused into the target's step: in process, or a TP=1 Ray rank "
         "with the draft colocated); needs overlap_steps",
     )
+    steps_ahead: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_STEPS_AHEAD,
+        description="overlapped decoding: how many steps are queued on the device ahead of the one whose tokens "
+        "are read; None picks 1 in process and 2 over Ray ranks, where the plan's round trip to the ranks must "
+        "fit in the steps queued ahead",
+    )
     fused_kernels: bool = Field(
         True,
         description="fused Triton kernels (CUDA only): norm+residual, RoPE+KV write, SwiGLU, and for small steps "
@@ -57,6 +67,10 @@ class ModelConfig(_Strict):
         description="launch the small-step Triton kernels with programmatic dependent launch (Hopper and newer): "
         "each kernel reads its weights while the previous one finishes; process-wide",
     )
+
+    def queued_steps(self, remote: bool) -> int:
+        """Steps queued ahead of the one being read: `steps_ahead`, else 2 for Ray ranks and 1 in process."""
+        return self.steps_ahead or (2 if remote else 1)
 
 
 class SpeculativeConfig(_Strict):

@@ -23,6 +23,7 @@ from speculative.sampling import (
 from speculative.tree import DraftTree
 from speculative.verify import verify, verify_greedy
 from workers.graph_runner import uniform_bucket
+from workers.step_buffers import HOST_TWINS
 from workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
 from workers.uniform_step import UniformTargetStep, pack_verified, read_verified, token_results
 
@@ -95,7 +96,7 @@ class TargetRunner:
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
         self._generators: dict[str, torch.Generator] = {}
-        self._results: dict[int, list[torch.Tensor]] = {}  # by width: two host buffers for results, alternating
+        self._results: dict[int, list[torch.Tensor]] = {}  # by width: HOST_TWINS host buffers for results, rotating
         self._spec_key: tuple[Any, Any, Any, bool] | None = None  # the steps `_spec` describes
         self._spec: LaunchSpec | None = None
 
@@ -184,14 +185,14 @@ class TargetRunner:
             tokens = None if previous is None else previous[:, 1]
             _, results = self.uniform.run(plan, bucket, self.uniforms(plan, 1), tokens)
         m, width = results.shape
-        pair = self._results.get(width)
-        if pair is None:
+        ring = self._results.get(width)
+        if ring is None:
             pin = self.device.type == "cuda"
-            pair = self._results[width] = [
-                torch.zeros((self._max_batch(), width), dtype=torch.long, pin_memory=pin) for _ in range(2)
+            ring = self._results[width] = [
+                torch.zeros((self._max_batch(), width), dtype=torch.long, pin_memory=pin) for _ in range(HOST_TWINS)
             ]
-        pair.reverse()
-        host = pair[0][:m]
+        ring.append(ring.pop(0))
+        host = ring[-1][:m]
         host.copy_(results, non_blocking=True)
         ready = None
         if self.device.type == "cuda":

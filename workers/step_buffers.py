@@ -11,6 +11,9 @@ import torch
 
 from speculative.messages import SeqPlan
 from speculative.replay import ReplayAcceptance
+from workers.config import MAX_STEPS_AHEAD
+
+HOST_TWINS = MAX_STEPS_AHEAD + 1  # a step's host copy is refilled only once the step is read
 
 
 @dataclass
@@ -19,19 +22,19 @@ class StepBuffers:
 
     Every field is a view of one packed device tensor (and its pinned host twins), laid out as
     [input_ids | positions | slot_mapping | seq_lens | block_tables], so a step is one host-to-device copy
-    of the prefix that the step uses. Steps alternate between two host twins, so a step can be filled
-    while the previous step's copy may still be queued behind the GPU.
+    of the prefix that the step uses. Steps rotate over HOST_TWINS host twins, so a step can be filled
+    while the copies of the steps queued before it may still wait behind the GPU.
     """
 
     packed: torch.Tensor  # device int64, every field below is a view of it
-    stagings: tuple[torch.Tensor, torch.Tensor]  # host int64 twins of `packed` (pinned on CUDA)
+    stagings: tuple[torch.Tensor, ...]  # host int64 twins of `packed` (pinned on CUDA)
     input_ids: torch.Tensor  # [B_max*Q] int64
     positions: torch.Tensor  # [B_max*Q] int64
     slot_mapping: torch.Tensor  # [B_max*Q] int64
     seq_lens: torch.Tensor  # [B_max] int64, KV length after the step
     block_tables: torch.Tensor  # [B_max, M] int64
     fpacked: torch.Tensor  # device float32: the sampling fields below are views of it
-    fstagings: tuple[torch.Tensor, torch.Tensor]  # host float32 twins of `fpacked`
+    fstagings: tuple[torch.Tensor, ...]  # host float32 twins of `fpacked`
     temperature: torch.Tensor  # [B_max] float32 (0 = greedy)
     top_k: torch.Tensor  # [B_max] float32 holding integers (0 = off)
     top_p: torch.Tensor  # [B_max] float32
@@ -51,22 +54,22 @@ class StepBuffers:
         sizes = [rows, rows, rows, max_batch, max_batch * max_blocks]
         packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         pin = device.type == "cuda"
-        stagings = (torch.zeros(sum(sizes), dtype=torch.long, pin_memory=pin) for _ in range(2))
+        stagings = (torch.zeros(sum(sizes), dtype=torch.long, pin_memory=pin) for _ in range(HOST_TWINS))
         ids, pos, slots, lens, tables = packed.split(sizes)
         fsizes = [max_batch, max_batch, max_batch, rows]
         fpacked = torch.zeros(sum(fsizes), dtype=torch.float32, device=device)
-        fstagings = (torch.zeros(sum(fsizes), dtype=torch.float32, pin_memory=pin) for _ in range(2))
+        fstagings = (torch.zeros(sum(fsizes), dtype=torch.float32, pin_memory=pin) for _ in range(HOST_TWINS))
         temp, top_k, top_p, uniforms = fpacked.split(fsizes)
         return cls(
             packed,
-            tuple(stagings),  # type: ignore[arg-type]
+            tuple(stagings),
             ids,
             pos,
             slots,
             lens,
             tables.view(max_batch, max_blocks),
             fpacked,
-            tuple(fstagings),  # type: ignore[arg-type]
+            tuple(fstagings),
             temp,
             top_k,
             top_p,
@@ -144,7 +147,7 @@ class StepBuffers:
         for b, t in enumerate(tables):
             if len(t) > m:
                 raise ValueError(f"sequence {b} has {len(t)} blocks, buffers hold {m}")
-        self.turn ^= 1
+        self.turn = (self.turn + 1) % HOST_TWINS
         staging = self.stagings[self.turn]
         host = staging.numpy()
         pad = self._padding(bucket)
@@ -213,19 +216,19 @@ class StepBuffers:
 
 class ForcedRows:
     """Fixed-address forced acceptance rows [B_max, Q] of a replayed step (`speculative/replay.py`): the
-    host fills them per step with the step's other inputs (one copy from one of two alternating host
+    host fills them per step with the step's other inputs (one copy from one of HOST_TWINS rotating host
     twins), the captured verify reads them in place of its comparison."""
 
     def __init__(self, replay: ReplayAcceptance, max_batch: int, q_len: int, device: torch.device) -> None:
         self.replay = replay
         self.rows_device = torch.zeros(max_batch, q_len, dtype=torch.long, device=device)
         pin = device.type == "cuda"
-        self._twins = tuple(torch.zeros(max_batch, q_len, dtype=torch.long, pin_memory=pin) for _ in range(2))
+        self._twins = tuple(torch.zeros(max_batch, q_len, dtype=torch.long, pin_memory=pin) for _ in range(HOST_TWINS))
         self._turn = 0
 
     def fill(self, seqs: Sequence[SeqPlan], bucket: int) -> None:
         """The replay's rows for a step's sequences; padding rows (up to `bucket`) accept nothing."""
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % HOST_TWINS
         host = self._twins[self._turn]
         n = len(seqs)
         host[:bucket] = 0

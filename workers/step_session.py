@@ -1,22 +1,24 @@
 """A target rank's side of the step stream: runs, launches and collects steps in the scheduler's order.
 
 The scheduler sends EXECUTE for a step it needs answered at once, LAUNCH / LAUNCH_AFTER for a captured
-generation step it wants queued on the device while it plans the next one, and COLLECT when nothing
-follows a launched step. A launched step is answered when the next message arrives. If the device is
-still running it, the next step is queued first (LAUNCH, LAUNCH_AFTER), so the device is never idle
-between two launched steps for the hop. If it has finished, its reply goes out before the next step is
-queued, so the scheduler plans the step after while this rank queues the next one, instead of waiting
-for it. Before an EXECUTE the launched step is answered first. Messages that do not fit this order are
-refused.
+generation step it wants queued on the device while it plans the next ones, and COLLECT to have the oldest
+launched step answered when nothing more follows. A LAUNCH message says how many launched steps, its own
+included, stay unanswered after it (the scheduler's steps ahead); the older ones are answered. If the device
+is still running such a step, the new step is queued first, so the device is never idle for the hop. If it
+has finished, its reply goes out before the new step is queued, so the scheduler plans while this rank
+queues, instead of waiting for it. Before an EXECUTE every launched step is answered. Messages that do not
+fit this order are refused.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from proto.mtpserve.v1 import worker_pb2 as wpb
 from speculative.messages import StepPlan, TargetOutput
+from workers.config import MAX_STEPS_AHEAD
 from workers.convert import plan_from_proto, target_output_to_proto
 from workers.message_checks import StepLimits, check_plan
 from workers.runner import LaunchedStep, TargetRunner
@@ -48,7 +50,7 @@ def decode_plan(msg: wpb.StepPlan, limits: StepLimits) -> StepPlan:
 
 
 class StepSession:
-    """One scheduler connection's state on a rank: the step launched and not yet answered.
+    """One scheduler connection's state on a rank: the steps launched and not yet answered, oldest first.
 
     `run_draft(out)` runs the draft of an executed step (rank 0, a draft not fused into the target's
     step) and raises StepFailure when it cannot."""
@@ -64,7 +66,7 @@ class StepSession:
         self.limits = limits
         self.rank = rank
         self.run_draft = run_draft
-        self.pending: tuple[LaunchedStep, dict[str, float]] | None = None  # launched, and its timeline so far
+        self.pending: deque[tuple[LaunchedStep, dict[str, float]]] = deque()  # launched, and their timelines
         self.failed = False  # a request failed: the stream ends after its error reply
 
     def handle(self, req: wpb.StepRequest) -> Iterator[wpb.TargetOutput]:
@@ -73,37 +75,42 @@ class StepSession:
         try:
             yield from self._handle(req)
         except StepFailure as exc:
-            self.pending = None
+            self.pending.clear()
             self.failed = True
             yield error_reply(req.plan.step_id, exc)
 
     def _handle(self, req: wpb.StepRequest) -> Iterator[wpb.TargetOutput]:
         t0 = time.perf_counter()
         if req.kind == Kind.COLLECT:
-            if self.pending is None:
+            if not self.pending:
                 raise StepFailure("FAILED_PRECONDITION", "COLLECT with no launched step to answer")
             yield self._finish()
             return
         plan = decode_plan(req.plan, self.limits)
         decode_s = time.perf_counter() - t0
         if req.kind == Kind.EXECUTE:
-            if self.pending is not None:
+            while self.pending:
                 yield self._finish()
             yield self._execute(plan, t0, decode_s)
             return
+        if req.unanswered > MAX_STEPS_AHEAD:
+            why = f"is {req.unanswered}; a rank keeps at most {MAX_STEPS_AHEAD} launched steps unanswered"
+            raise StepFailure("INVALID_ARGUMENT", f"StepRequest.unanswered {why}")
         after = None
         if req.kind == Kind.LAUNCH_AFTER:
             after = self._previous(plan)
-        if self.pending is not None and self._finished(self.pending[0]):
+        owed = len(self.pending) + 1 - max(1, req.unanswered)  # launched steps this message releases
+        while owed > 0 and self._finished(self.pending[0][0]):
+            owed -= 1
             yield self._finish()  # the scheduler plans the step after while this one is queued
         launched = self.runner.launch(plan, after)
         if launched is None:
             why = f"step {plan.step_id} is not a captured generation step of this rank; it cannot be launched"
             raise StepFailure("FAILED_PRECONDITION", why)
         t1 = time.perf_counter()
-        if self.pending is not None:
+        for _ in range(owed):
             yield self._finish()
-        self.pending = (launched, {"t_received": t0, "t_queued": t1, "decode_s": decode_s, "worker_s": t1 - t0})
+        self.pending.append((launched, {"t_received": t0, "t_queued": t1, "decode_s": decode_s, "worker_s": t1 - t0}))
 
     @staticmethod
     def _finished(launched: LaunchedStep) -> bool:
@@ -112,9 +119,9 @@ class StepSession:
 
     def _previous(self, plan: StepPlan) -> LaunchedStep:
         """The launched step a LAUNCH_AFTER plan reads from, once its row references are checked."""
-        if self.pending is None:
+        if not self.pending:
             raise StepFailure("FAILED_PRECONDITION", f"step {plan.step_id}: LAUNCH_AFTER with no launched step")
-        launched = self.pending[0]
+        launched = self.pending[-1][0]
         if launched.plan.num_draft_tokens != plan.num_draft_tokens:
             why = f"LAUNCH_AFTER a step of {launched.plan.num_draft_tokens} drafts: its results are laid out for that"
             raise StepFailure("INVALID_ARGUMENT", f"StepPlan.num_draft_tokens is {plan.num_draft_tokens}; {why}")
@@ -145,8 +152,7 @@ class StepSession:
         return out
 
     def _finish(self) -> wpb.TargetOutput:
-        assert self.pending is not None
-        (launched, timing), self.pending = self.pending, None
+        launched, timing = self.pending.popleft()
         t0 = time.perf_counter()
         out = self.runner.collect(launched)
         if self.rank != 0:

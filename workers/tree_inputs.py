@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.step_buffers import StepBuffers
+from workers.step_buffers import HOST_TWINS, StepBuffers
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class ResultColumns:
 
 class TreeBuffers:
     """Fixed-address tree inputs: each row's depth and parent, and each tree's ancestor mask, sent in one copy
-    from one of two alternating host twins (so a step can be filled while the previous one's copy is queued)."""
+    from one of HOST_TWINS rotating host twins (so a step can be filled while the copies of the steps queued before
+    it are waiting)."""
 
     def __init__(self, max_batch: int, q_len: int, num_uniforms: int, device: torch.device) -> None:
         self.max_batch, self.q_len = max_batch, q_len
@@ -67,8 +68,10 @@ class TreeBuffers:
         rows = max_batch * q_len
         self.packed = torch.zeros(2 * rows + rows * q_len, dtype=torch.long, device=device)
         pin = device.type == "cuda"
-        self.stagings = tuple(torch.zeros(self.packed.shape, dtype=torch.long, pin_memory=pin) for _ in range(2))
-        self.ustagings = tuple(torch.zeros(self.uniforms.shape, pin_memory=pin) for _ in range(2))
+        self.stagings = tuple(
+            torch.zeros(self.packed.shape, dtype=torch.long, pin_memory=pin) for _ in range(HOST_TWINS)
+        )
+        self.ustagings = tuple(torch.zeros(self.uniforms.shape, pin_memory=pin) for _ in range(HOST_TWINS))
         self.turn = 0  # the host twin the current step uses
         depth, parents, mask = self.packed.split([rows, rows, rows * q_len])
         self.depth = depth.view(max_batch, q_len)  # [B_max, Q]
@@ -100,9 +103,9 @@ class TreeBuffers:
         self._send(bucket)
 
     def _stage(self, n: int, bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Switch to the other host twin, pad rows n..bucket there; returns its (depth, parents, mask) views."""
+        """Switch to the next host twin, pad rows n..bucket there; returns its (depth, parents, mask) views."""
         q, rows = self.q_len, self.max_batch * self.q_len
-        self.turn ^= 1
+        self.turn = (self.turn + 1) % HOST_TWINS
         host = self.stagings[self.turn].numpy()
         depth = host[:rows].reshape(-1, q)
         par = host[rows : 2 * rows].reshape(-1, q)

@@ -9,13 +9,14 @@ one) and --draft (default the shipped head); `tiny` (hidden 128, 4 layers) and a
 config.json load random weights and a random head: timing only, since a random head accepts almost nothing,
 so K>0 steps there cost drafting without its gain.
 
-Setups: `in-process` (the engine in this process), `ray-tp1` (a scheduler-side engine and one target worker
-actor with the draft colocated, steps over the Unix-socket link, decode steps queued ahead),
-`ray-tp1-sync` (the same, every step answered before the next is planned), `ray-tp1-grpc` (the gRPC stream
-instead of the socket), `ray-tp2`, `ray-tp2-separate` (plus a draft worker actor). Per Ray step the
-timeline follows one step through both processes (SEGMENTS: to the rank, queued on the device, results
-read, reply encoded, back to the scheduler, the scheduler's turn until its next send), as medians;
-`hops_per_step` adds the scheduler's encode/decode and wait and the bytes per hop.
+Setups: `in-process` (the engine in this process, one decode step queued ahead), `in-process-ahead2` (two),
+`ray-tp1` (a scheduler-side engine and one target worker actor with the draft colocated, steps over the
+Unix-socket link, two decode steps queued ahead), `ray-tp1-ahead1` (one), `ray-tp1-sync` (the same, every step
+answered before the next is planned), `ray-tp1-grpc` (the gRPC stream instead of the socket), `ray-tp2`,
+`ray-tp2-separate` (plus a draft worker actor). Per Ray step the timeline follows one step through both
+processes (SEGMENTS: to the rank, queued on the device, results read, reply encoded, back to the scheduler, the
+scheduler's turn until its next send), as medians; `hops_per_step` adds the scheduler's encode/decode and wait
+and the bytes per hop.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ TINY = {
 }  # fmt: skip
 SETUPS: dict[str, dict[str, Any]] = {  # name: config overrides of the base config
     "in-process": {},
-    "ray-tp1": {"parallel.distributed": True, "parallel.draft_placement": "colocated"},
+    "in-process-ahead2": {"model.steps_ahead": 2},
+    "ray-tp1": {"parallel.distributed": True, "parallel.draft_placement": "colocated"},  # two steps ahead
+    "ray-tp1-ahead1": {"parallel.distributed": True, "parallel.draft_placement": "colocated", "model.steps_ahead": 1},
     "ray-tp1-sync": {"parallel.distributed": True, "model.overlap_steps": False},
     "ray-tp1-grpc": {"parallel.distributed": True, "parallel.step_transport": "grpc"},
     "ray-tp2": {"parallel.tp_size": 2, "parallel.draft_placement": "colocated"},

@@ -185,10 +185,10 @@ class RemoteTarget:
     """The target ranks as one executor over their step links: every rank gets every step; rank 0 answers.
 
     `execute` runs a step and waits for it. `launch` / `collect` queue a captured generation step on the
-    ranks and read it later, as `TargetRunner` does in process, so the engine plans step n+1 while the
-    ranks run step n (only plans the ranks' `LaunchSpec` takes). When a worker fails, or a step outlasts
-    `parallel.step_timeout_s` (a stalled worker), the step raises WorkerUnavailableError, health turns
-    NOT_SERVING, and a background thread restarts all workers through Ray; health turns SERVING when
+    ranks and read it later, as `TargetRunner` does in process, so the engine plans steps n+1 .. n+d while
+    the ranks run step n (d = `steps_ahead`; only plans the ranks' `LaunchSpec` takes). When a worker fails,
+    or a step outlasts `parallel.step_timeout_s` (a stalled worker), the step raises WorkerUnavailableError,
+    health turns NOT_SERVING, and a background thread restarts all workers through Ray; health turns SERVING when
     they are back.
     """
 
@@ -198,7 +198,8 @@ class RemoteTarget:
         self.drafting = False  # whether the ranks run a draft (the engine overlaps such steps only if asked)
         self.listeners: list[Callable[[bool], None]] = []
         self.hops: dict[str, float] = {"steps": 0.0}
-        self._unanswered: RemoteStep | None = None  # launched, and no later message sent to release its reply
+        self.steps_ahead = group.cfg.model.queued_steps(remote=True)
+        self._unanswered: deque[RemoteStep] = deque()  # launched, and not yet released for an answer, oldest first
         self._owed = 0  # replies every rank still sends for the steps sent so far
         self.timeline: deque[dict[str, float]] = deque(maxlen=4096)  # per answered step, both hosts' stamps
         self._turn: list[dict[str, float]] = []  # answered steps waiting for the scheduler's next send
@@ -217,13 +218,16 @@ class RemoteTarget:
         if spec is None or spec.bucket_for(plan) is None:
             return None
         step = self._send(Kind.LAUNCH_AFTER if after is not None else Kind.LAUNCH, plan)
-        self._unanswered = step
+        self._unanswered.append(step)
+        while len(self._unanswered) > self.steps_ahead:  # the ranks answer these after queueing this one
+            self._unanswered.popleft()
         return step
 
     def collect(self, step: RemoteStep) -> TargetOutput:
-        """Read a sent step's answer (releasing it first when nothing was sent after it)."""
-        if self._unanswered is step:
+        """Read a sent step's answer (releasing it first when the ranks keep it unanswered)."""
+        while step in self._unanswered:
             self._send(Kind.COLLECT, None)
+            self._unanswered.popleft()
         t0 = time.perf_counter()
         replies = self._receive(step.plan.step_id)
         t1 = time.perf_counter()
@@ -237,8 +241,9 @@ class RemoteTarget:
         that the next step's reply is its own."""
         if not self.healthy:
             return
-        if self._unanswered is not None:
+        while self._unanswered:
             self._send(Kind.COLLECT, None)
+            self._unanswered.popleft()
         while self._owed:
             self._receive(None)
 
@@ -267,10 +272,11 @@ class RemoteTarget:
         if not self.healthy:
             raise WorkerUnavailableError("workers are restarting; retry shortly")
         t0 = time.perf_counter()
-        req = wpb.StepRequest(kind=kind)  # type: ignore[arg-type]
+        req = wpb.StepRequest(kind=kind, unanswered=self.steps_ahead)  # type: ignore[arg-type]
         if plan is not None:
             req.plan.CopyFrom(plan_to_proto(plan))
-        self._unanswered = None
+        if kind == Kind.EXECUTE:
+            self._unanswered.clear()  # the ranks answer every launched step first
         for record in self._turn:
             record["next_send"] = t0
         self._turn = []
@@ -311,7 +317,8 @@ class RemoteTarget:
 
     def _fail(self, reason: str) -> WorkerUnavailableError:
         """Start restarting the workers (once); returns the error for the step that saw the failure."""
-        self._unanswered, self._owed = None, 0
+        self._unanswered.clear()
+        self._owed = 0
         if self.healthy:
             log.error("worker failure: %s; restarting workers", reason)
             self.healthy = False

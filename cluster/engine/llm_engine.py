@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -120,7 +121,10 @@ class LLMEngine:
         speculative = draft is not None or bool(getattr(target, "drafting", False))
         if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
             self._overlap_runner = target if isinstance(target, OverlapTarget) else None
-        self._launched: QueuedStep | None = None  # a queued step whose tokens are not read yet (see `step`)
+        self._launched: deque[QueuedStep] = deque()  # queued steps whose tokens are not read yet (see `step`)
+        self._refill = True  # plan ahead while fewer than `steps_ahead` steps follow the one to read
+        # a remote target says how many steps it keeps queued; in process it is the model config's choice
+        self.steps_ahead: int = getattr(target, "steps_ahead", None) or cfg.model.queued_steps(remote=False)
         # Given, a step whose draft runs here after the target hands its tokens to this callback before the
         # draft proposes (the next step needs the drafts, the client does not), and `step` leaves them out.
         self.on_tokens: Callable[[list[RequestOutput]], None] | None = None
@@ -234,15 +238,16 @@ class LLMEngine:
         """One scheduling step over every running request.
 
         In steady decoding on captured steps (`model.overlap_steps`; speculative steps too with the draft
-        in process, unless `model.overlap_speculative` is off), the next step is queued
-        on the device before this one's tokens are read, its
-        inputs taken from this step's results on the device, so host work overlaps GPU work. A request
-        that stops at this step then computes one extra step, which is dropped. A step that raises drops
-        the queued step with it."""
+        in process, unless `model.overlap_speculative` is off), `steps_ahead` steps are queued on the device
+        before this one's tokens are read, each with its inputs taken from the previous one's results on the
+        device, so host work (and, over Ray, the ranks' round trip) overlaps GPU work. A request that stops
+        at this step then computes up to `steps_ahead` extra steps, which are dropped. A step that raises
+        drops the queued steps with it."""
         try:
             return self._step()
         except Exception:
-            self._launched = None
+            self._launched.clear()
+            self._refill = True
             discard = getattr(self.target, "discard", None)  # a remote target owes replies for dropped steps
             if discard is not None:
                 discard()
@@ -250,31 +255,47 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         runner = self._overlap_runner
-        if self._launched is None:
+        if not self._launched:
+            self._refill = True
             plan = self.scheduler.schedule()
-            self._launched = runner.launch(plan) if runner is not None else None
-            if self._launched is None:
+            first = runner.launch(plan) if runner is not None else None
+            if first is None:
                 return self._execute(plan)
+            self._launched.append(first)
         assert runner is not None
-        current = self._launched
-        ahead = self.scheduler.plan_ahead(current.plan)
-        self._launched = runner.launch(ahead, current) if ahead is not None else None
-        if ahead is not None and self._launched is None:
-            self.scheduler.cancel_ahead(ahead)
+        while self._refill and len(self._launched) <= self.steps_ahead:
+            self._refill = self._queue_ahead(runner)
+        current = self._launched.popleft()
         out = runner.collect(current)
         outputs = self._apply(current.plan, out, out.draft_outputs)
-        if self._launched is not None and not self.has_unfinished():
-            self.drain()  # every request in the step queued ahead has finished: wait for it now, not later
+        if self._launched and not self.has_unfinished():
+            self.drain()  # every request in the steps queued ahead has finished: wait for them now, not later
         return outputs
 
+    def _queue_ahead(self, runner: OverlapTarget) -> bool:
+        """Plan and queue the step after the last queued one; False when it goes through `schedule` instead
+        (then nothing more is queued until the queue is read)."""
+        last = self._launched[-1]
+        ahead = self.scheduler.plan_ahead(last.plan, len(self._launched))
+        if ahead is None:
+            return False
+        launched = runner.launch(ahead, last)
+        if launched is None:
+            self.scheduler.cancel_ahead(ahead)
+            return False
+        self._launched.append(launched)
+        return True
+
     def drain(self) -> list[RequestOutput]:
-        """Read and apply a step queued ahead by `step`, if any, so that the scheduler's state is current
+        """Read and apply the steps queued ahead by `step`, if any, so that the scheduler's state is current
         (for callers that drive the scheduler and target directly)."""
-        launched, self._launched = self._launched, None
-        if launched is None or self._overlap_runner is None:
-            return []
-        out = self._overlap_runner.collect(launched)
-        return self._apply(launched.plan, out, out.draft_outputs)
+        outputs: list[RequestOutput] = []
+        while self._launched and self._overlap_runner is not None:
+            launched = self._launched.popleft()
+            out = self._overlap_runner.collect(launched)
+            outputs += self._apply(launched.plan, out, out.draft_outputs)
+        self._launched.clear()
+        return outputs
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         policy = self.scheduler.depth

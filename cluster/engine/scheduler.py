@@ -190,17 +190,18 @@ class Scheduler:
             return self.tree
         return StepKind(num_draft_tokens)
 
-    def plan_ahead(self, pending: StepPlan) -> StepPlan | None:
-        """The generation step after `pending`, a generation step whose results are not applied yet.
+    def plan_ahead(self, pending: StepPlan, unapplied: int = 1) -> StepPlan | None:
+        """The generation step after `pending`, the last of `unapplied` queued generation steps (each
+        planned from the one before it) whose results are not applied yet.
 
         Each sequence's token_ids[0] holds its row in `pending`: its inputs (last token, and the drafts
         and position when speculating; a tree step's tree) come from that row's results on the device, and
-        its drafts (and a tree's parents) here are placeholders. Requests that `pending` surely finishes
-        (by max_tokens), or whose next positions could pass max_model_len, are left out; those it may finish
-        (a stop token, or enough accepted drafts) stay in, and `update` drops their extra step. Blocks are
-        grown for the most tokens `pending` can accept (a tree's depth + 1). None when the step should go
-        through `schedule` instead: requests are waiting or running outside `pending`, blocks would need a
-        preemption, the kind changes, or nothing is left to run."""
+        its drafts (and a tree's parents) here are placeholders. Requests that the unapplied steps surely
+        finish (by max_tokens), or whose next positions could pass max_model_len, are left out; those they
+        may finish (a stop token, or enough accepted drafts) stay in, and `update` drops their extra steps.
+        Blocks are grown for the most tokens the unapplied steps can accept (a tree's depth + 1 each). None
+        when the step should go through `schedule` instead: requests are waiting or running outside
+        `pending`, blocks would need a preemption, the kind changes, or nothing is left to run."""
         k = pending.num_draft_tokens
         planned = {sp.request_id for sp in pending.seqs}
         if self.waiting or any(r.request_id not in planned for r in self.running):
@@ -221,10 +222,12 @@ class Scheduler:
             req = self.requests.get(sp.request_id)
             if req is None or req.status is not RequestStatus.RUNNING or sp.is_context or len(sp.token_ids) != k + 1:
                 continue
-            most = kind.most_tokens  # tokens `pending` can emit (at least one)
-            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + most >= self.max_model_len:
+            most = kind.most_tokens * unapplied  # tokens the unapplied steps can emit (at least one each)
+            if len(req.output_token_ids) + unapplied >= req.params.max_tokens or (
+                req.num_tokens + most >= self.max_model_len
+            ):
                 continue
-            start = req.num_computed_tokens + most  # an upper bound (pending's own start is exact here)
+            start = req.num_computed_tokens + most  # an upper bound (exact for one target-only step)
             if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):
                 return None
             seqs.append(self._gen_plan(req, [row, *drafts], start, None, None if parents is None else list(parents)))

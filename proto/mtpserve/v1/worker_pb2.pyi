@@ -188,7 +188,7 @@ class TargetOutput(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., draft_outputs: _Optional[_Union[DraftOutputs, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("kind", "plan")
+    __slots__ = ("kind", "plan", "unanswered")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         EXECUTE: _ClassVar[StepRequest.Kind]
@@ -201,9 +201,11 @@ class StepRequest(_message.Message):
     COLLECT: StepRequest.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_FIELD_NUMBER: _ClassVar[int]
     kind: StepRequest.Kind
     plan: StepPlan
-    def __init__(self, kind: _Optional[_Union[StepRequest.Kind, str]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
+    unanswered: int
+    def __init__(self, kind: _Optional[_Union[StepRequest.Kind, str]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ..., unanswered: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
