@@ -4,7 +4,8 @@
 #                                     launches (DRAFT_VOCAB=32768: the random head scores a 32k draft vocabulary)
 #   bash bench/device_run.sh ray8b    Llama-3-8B shape: Ray TP=1 against in-process
 #   bash bench/device_run.sh smollm2  real SmolLM2 + shipped head: tree kernels, trees against chains, adaptive
-#   bash bench/device_run.sh ray      SmolLM2: Ray TP=1 against in-process (REPEATS), trees against target-only in fp32
+#   bash bench/device_run.sh ray      SmolLM2: Ray TP=1 against in-process (REPEATS, SETUPS), trees against target-only
+#                                     in fp32 (FP32=0 skips them)
 #   bash bench/device_run.sh e3a      EAGLE-3 against the native layout, part 1: a dataset, then the native head (STEPS)
 #   bash bench/device_run.sh e3b      part 2: the native head's online acceptance, the EAGLE-3 head (same STEPS), its own
 # Run from the checkout root after staging (../shared/device/README.md): the wheels (and Ray) in /tmp/site, the
@@ -16,6 +17,7 @@ M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
 SUFFIX=$([ "$V" = 0 ] || echo "_v$V")
+SETUPS=${SETUPS:-in-process,in-process-ahead2,ray-tp1,ray-tp1-ahead1}  # ray, ray8b: Ray with 2 and 1 steps ahead
 OUT=${OUT:-/tmp/mtpserve-out}
 R=/tmp/res/$PHASE
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
@@ -45,8 +47,8 @@ case $PHASE in
       --steps target,chain3,tree4x16,tree4x16-torch --repeats 10 --out "$R"
     ;;
   ray8b)
-    step distributed 240 python3 -m cluster bench distributed --device cuda --shape "$L8B" \
-      --setups in-process,ray-tp1 --batches 1,16 --ks 0,3 --steps 24 --json "$R/distributed_8b.json"
+    step distributed 400 python3 -m cluster bench distributed --device cuda --shape "$L8B" \
+      --setups "$SETUPS" --batches 1,16 --ks 0,3 --steps 24 --json "$R/distributed_8b.json"
     ;;
   smollm2)
     step kernels 60 python3 bench/probes/kernel_check.py --groups tree --out "$R"
@@ -56,10 +58,10 @@ case $PHASE in
       --batches 1,8,64 --out "$R"
     ;;
   ray)
-    step distributed 200 python3 -m cluster bench distributed --device cuda --shape smollm2 --model "$M" \
-      --setups in-process,ray-tp1 --batches 1,16 --ks 0,3 --steps 48 --repeats "${REPEATS:-3}" \
+    step distributed 400 python3 -m cluster bench distributed --device cuda --shape smollm2 --model "$M" \
+      --setups "$SETUPS" --batches 1,16 --ks 0,3 --steps 48 --repeats "${REPEATS:-3}" \
       --json "$R/distributed_smollm2.json"
-    step trees_fp32 120 python3 -m cluster bench trees --model "$M" --dtype float32 --batches 1,8 \
+    [ "${FP32:-1}" = 0 ] || step trees_fp32 120 python3 -m cluster bench trees --model "$M" --dtype float32 --batches 1,8 \
       --configs "target-only,chain K=3,tree K=4 N=16 w=4" --json "$R/trees_fp32.json"
     ;;
   e3a)  # STEPS and MIX as exported; the dataset and heads stay on the warm machine for e3b
