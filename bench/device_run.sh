@@ -18,7 +18,7 @@ M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
 SUFFIX=$([ "$V" = 0 ] || echo "_v$V")
-SETUPS=${SETUPS:-in-process,in-process-ahead2,ray-tp1,ray-tp1-ahead1}  # ray, ray8b: Ray with 2 and 1 steps ahead
+SETUPS=${SETUPS:-in-process,in-process-ahead2,ray-tp1}  # ray, ray8b (one GPU holds one Ray setup at a time)
 OUT=${OUT:-/tmp/mtpserve-out}
 R=/tmp/res/$PHASE
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
