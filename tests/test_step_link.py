@@ -355,8 +355,9 @@ def test_a_step_that_raises_leaves_no_reply_behind(model: tuple[str, str], k: in
 
 
 def test_out_of_order_messages_are_refused(model: tuple[str, str]) -> None:
-    """COLLECT or LAUNCH_AFTER with no launched step, and a LAUNCH_AFTER row past the launched step's
-    rows, are refused by name instead of answering garbage or nothing."""
+    """COLLECT or LAUNCH_AFTER with no launched step, a LAUNCH_AFTER row past the launched step's rows, and a
+    LAUNCH leaving more steps unanswered than a rank can hold are refused by name instead of answering garbage
+    or nothing."""
     r = LocalRank(config(model, 0), "socket")
     try:
         _, name, _ = r.worker.endpoint()
@@ -386,6 +387,13 @@ def test_out_of_order_messages_are_refused(model: tuple[str, str]) -> None:
             reply, _ = link.recv(10.0)
             assert reply.error.code == code, reply
             link.close()
+        link = socket_link(name)  # more steps left unanswered than a rank has host buffers for
+        too_many = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan), unanswered=3)
+        too_many.plan.seqs[0].token_ids[0] = 1
+        link.send(too_many)
+        reply, _ = link.recv(10.0)
+        assert reply.error.code == "INVALID_ARGUMENT" and "StepRequest.unanswered" in reply.error.message, reply
+        link.close()
     finally:
         r.stop()
 
