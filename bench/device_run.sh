@@ -76,7 +76,7 @@ case $PHASE in
     ;;
   e3b)
     OUT=$R/out bash speculative/train/gpu_run.sh eval
-    E3_SPECS="e3:layers=eagle3" E3_SPEED=0 OUT=$R/out bash speculative/train/gpu_run.sh eagle3 "${TRAIN_S:-300}"
+    E3_SPECS="${E3_SPECS:-e3:layers=eagle3}" E3_SPEED=0 OUT=$R/out bash speculative/train/gpu_run.sh eagle3 "${TRAIN_S:-300}"
     ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

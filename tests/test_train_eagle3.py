@@ -139,6 +139,34 @@ def test_the_trained_head_drafts_losslessly_in_the_engine(target_dir: Path, trai
     assert eng.totals.accepted > 0
 
 
+def test_a_frozen_lm_head_keeps_the_targets_rows(
+    target_dir: Path, trained: tuple[Path, Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lm_head=frozen`: the exported EAGLE-3 head scores with the target's lm_head rows it started from, while
+    a head trained alongside it moves them; a layout without an lm_head of its own refuses the key."""
+    data, _, _ = trained
+    out = tmp_path / "heads"
+    rc = cli(
+        "train-draft", "--stage", "train", "--format", "eagle3", "--target", target_dir, "--device", "cpu",
+        "--data-dir", data, "--out", out, "--batch-size", 16, "--lr", "3e-3", "-k", 2, "--steps", 3,
+        "--eval-every", 0, "--ckpt-every", 0, "--dev-fraction", "0.1",
+        "--head-spec", "frozen:layers=0/1/2,lm_head=frozen", "--head-spec", "trained:layers=0/1/2",
+    )  # fmt: skip
+    assert rc == 0
+    with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
+        target = f.get_tensor("lm_head.weight")
+    heads = {}
+    for name in ("frozen", "trained"):
+        with safe_open(str(tmp_path / f"heads-{name}" / "model.safetensors"), "pt") as f:
+            heads[name] = (f.get_tensor("lm_head.weight").float(), f.get_tensor("fc.weight"))
+    assert torch.equal(heads["frozen"][0], target.float())
+    assert not torch.equal(heads["trained"][0], target.float()), "a trained lm_head moves"
+    base = ["train-draft", "--stage", "train", "--target", target_dir, "--device", "cpu", "--data-dir", data,
+            "--out", tmp_path / "mtp", "--steps", 1, "--head-spec", "h:lm_head=frozen"]  # fmt: skip
+    assert cli(*base) == 2
+    assert "lm_head=frozen" in capsys.readouterr().err
+
+
 def test_layouts_the_other_engines_cannot_read_are_refused(
     target_dir: Path, trained: tuple[Path, Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

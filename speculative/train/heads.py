@@ -58,6 +58,7 @@ class HeadSpec:
     path: float = 0.0  # extra loss weight on the decoding path's chains
     decoder: int = 1  # decoder layers per draft step
     repeat: float = 1.0  # loss weight of rows predicting a repeated 8-gram's token
+    lm_head: str = "trained"  # an EAGLE-3 head's own lm_head: 'trained', or 'frozen' at its start (the target's rows)
 
     def feature_layers(self, args: LlamaArgs) -> tuple[int, ...]:
         """The target layers this head reads."""
@@ -79,7 +80,8 @@ class HeadSpec:
         path = f",path={self.path:g}" if self.path else ""
         decoder = f",decoder={self.decoder}" if self.decoder != 1 else ""
         repeat = f",repeat={self.repeat:g}" if self.repeat != 1.0 else ""
-        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}{decoder}{repeat}"
+        lm_head = f",lm_head={self.lm_head}" if self.lm_head != "trained" else ""
+        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}{decoder}{repeat}{lm_head}"
 
     def describe(self, args: LlamaArgs, k: int) -> str:
         """A short human description, for tables."""
@@ -90,7 +92,9 @@ class HeadSpec:
         path = f", decoding-path chains x{1 + self.path:g}" if self.path else ""
         decoder = f", {self.decoder} decoder layers" if self.decoder != 1 else ""
         repeat = f", repeated 8-grams x{self.repeat:g}" if self.repeat != 1.0 else ""
-        return f"{feat}, {vocab}{mlp}{decoder}, loss over {self.num_draft_tokens or k} step(s){path}{repeat}"
+        lm_head = ", frozen lm_head" if self.lm_head == "frozen" else ""
+        steps = f"loss over {self.num_draft_tokens or k} step(s)"
+        return f"{feat}, {vocab}{mlp}{decoder}{lm_head}, {steps}{path}{repeat}"
 
 
 def parse_head_spec(text: str) -> HeadSpec:
@@ -103,10 +107,15 @@ def parse_head_spec(text: str) -> HeadSpec:
         key, eq, value = item.partition("=")
         if not eq:
             raise TrainSetupError("--head-spec", f"'{text}': '{item}' is not key=value")
-        if key not in ("layers", "vocab", "k", "mlp", "path", "decoder", "repeat"):
+        if key not in ("layers", "vocab", "k", "mlp", "path", "decoder", "repeat", "lm_head"):
             raise TrainSetupError(
-                "--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp, path, decoder, repeat)"
+                "--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp, path, decoder, repeat, lm_head)"
             )
+        if key == "lm_head":
+            if value not in ("trained", "frozen"):
+                raise TrainSetupError("--head-spec", f"'{text}': lm_head must be trained or frozen, got '{value}'")
+            spec.lm_head = value
+            continue
         if key in ("path", "repeat"):
             setattr(spec, key, _weight(text, key, value))
             continue
@@ -156,6 +165,9 @@ def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int, head_format:
                 check_feature_layers(s.feature_layers(args), args)
         except ValueError as exc:
             raise TrainSetupError("--head-spec", f"{s.name}: {exc}") from None
+        if s.lm_head != "trained" and head_format != "eagle3":
+            why = "only an EAGLE-3 head (--format eagle3) has an lm_head of its own; this layout uses the target's"
+            raise TrainSetupError("--head-spec", f"{s.name}: lm_head={s.lm_head}: {why}")
         if s.draft_vocab > args.vocab_size:
             raise TrainSetupError("--head-spec", f"{s.name}: vocab {s.draft_vocab} > the target's {args.vocab_size}")
         if s.mlp and s.mlp < args.intermediate_size:
@@ -179,7 +191,10 @@ def new_head(head_format: str, args: LlamaArgs, spec: HeadSpec, vocab_ids: torch
     """An untrained head of `spec` in the run's layout."""
     layers = spec.feature_layers(args)
     if head_format == "eagle3":
-        return Eagle3Head(args, layers, vocab_ids)
+        head = Eagle3Head(args, layers, vocab_ids)
+        if spec.lm_head == "frozen" and head.lm_head is not None:
+            head.lm_head.requires_grad_(False)  # it keeps the rows it starts from (the target's, or --init-head's)
+        return head
     return MTPEagleHead(args, layers, vocab_ids, mlp_size=spec.mlp or None, num_layers=spec.decoder)
 
 

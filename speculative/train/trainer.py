@@ -183,7 +183,8 @@ class Trainer:
         else:
             head.init_random(seed=cfg.seed)
         head.to(self.device).train()
-        opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        trainable = [p for p in head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_factor(s, self.warmup, self.total_steps, cfg.min_lr_ratio)
         )
