@@ -159,6 +159,7 @@ def decode_run(
         "steps": steps,
         "tokens": tokens,
         "full_tok_s": full_tokens / full_s if full_s else None,
+        "full_s": full_s,
         "full_steps": full_steps,
         "full_tokens": full_tokens,
         "acceptance_length": 1 + accepted / verify if verify else None,

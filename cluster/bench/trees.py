@@ -103,7 +103,7 @@ def measure(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens:
     seconds = sum(r["tokens"] / r["tok_s"] for r in runs)
     lengths = [r["acceptance_length"] for r in runs if r["acceptance_length"]]
     full_tokens = sum(r["full_tokens"] for r in runs)
-    full_s = sum(r["full_tokens"] / r["full_tok_s"] for r in runs if r["full_tok_s"])
+    full_s = sum(r["full_s"] for r in runs)
     tree_step = getattr(engine.target, "tree_step", None)
     return {
         "batch": batch,

@@ -173,9 +173,10 @@ class WorkerGroup:
         remove_placement_group(self.pg)
 
 
-@dataclass
+@dataclass(eq=False)
 class RemoteStep:
-    """A step sent to the ranks whose reply is not read yet."""
+    """A step sent to the ranks whose reply is not read yet (compared by identity: `collect` looks it up among
+    the unanswered ones)."""
 
     plan: StepPlan
     sent: float  # perf_counter() when it was sent

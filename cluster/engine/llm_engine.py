@@ -290,11 +290,11 @@ class LLMEngine:
         """Read and apply the steps queued ahead by `step`, if any, so that the scheduler's state is current
         (for callers that drive the scheduler and target directly)."""
         outputs: list[RequestOutput] = []
-        while self._launched and self._overlap_runner is not None:
+        while self._launched:
+            assert self._overlap_runner is not None  # the only one that queues steps
             launched = self._launched.popleft()
             out = self._overlap_runner.collect(launched)
             outputs += self._apply(launched.plan, out, out.draft_outputs)
-        self._launched.clear()
         return outputs
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:

@@ -227,7 +227,7 @@ class Scheduler:
                 req.num_tokens + most >= self.max_model_len
             ):
                 continue
-            start = req.num_computed_tokens + most  # an upper bound (exact for one target-only step)
+            start = req.num_computed_tokens + most  # an upper bound (exact for target-only steps)
             if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):
                 return None
             seqs.append(self._gen_plan(req, [row, *drafts], start, None, None if parents is None else list(parents)))
