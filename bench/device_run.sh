@@ -7,13 +7,15 @@
 #   bash bench/device_run.sh ray      SmolLM2: Ray TP=1 against in-process (REPEATS, SETUPS), trees against target-only
 #                                     in fp32 (FP32=0 skips them)
 #   bash bench/device_run.sh prof     SmolLM2 shape, random weights: where a target, chain and tree step's time goes
+#   bash bench/device_run.sh serve    SmolLM2: streams over gRPC and HTTP from a `serve` process against the engine
+#                                     alone, target-only and K=3, CLIENTS client processes (default 8)
 #   bash bench/device_run.sh e3a      EAGLE-3 against the native layout, part 1: a dataset, then the native head (STEPS)
 #   bash bench/device_run.sh e3b      part 2: the native head's online acceptance, the EAGLE-3 head (same STEPS), its own
 # Run from the checkout root after staging (../shared/device/README.md): the wheels (and Ray) in /tmp/site, the
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, e3a or e3b"}
+PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, serve, e3a or e3b"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
@@ -68,6 +70,15 @@ case $PHASE in
   prof)
     step profile 150 python3 bench/probes/profile_step.py --device cuda --steps 30 \
       --variants target-graph,mtp1-graph,mtp3-graph,tree4x16-graph --out "$R/profile"
+    ;;
+  serve)
+    for spec in "target:--no-speculation" "k3:"; do
+      name=${spec%%:*} flags=${spec#*:}
+      step "engine_$name" 120 python3 -m cluster bench throughput --model "$M" --device cuda $flags --batch-sizes 1,64 \
+        --prompt-len 128 --output-len 128 --max-num-requests 64 --json "$R/engine_$name.json"
+      step "streams_$name" 240 python3 -m cluster bench http-vs-grpc --model "$M" --device cuda $flags \
+        --batch-sizes 1,64 --client-procs "${CLIENTS:-8}" --json "$R/http_vs_grpc_$name.json"
+    done
     ;;
   e3a)  # STEPS and MIX as exported; the dataset and heads stay on the warm machine for e3b
     OUT=$R/out bash speculative/train/gpu_run.sh data "${DATA_S:-240}"

@@ -187,3 +187,18 @@ def rpc_error(fn: Any) -> grpc.RpcError:
     except grpc.RpcError as exc:
         return exc
     raise AssertionError("expected a gRPC error, the call succeeded")
+
+
+def dummy_server_config(model: Path, num_draft_tokens: int = 3) -> Any:
+    """The config of an in-process MTPServer on a dummy-weight model: a random draft head, 64 KV blocks, 4 requests,
+    gRPC on a free loopback port."""
+    from workers.config import MTPServeConfig
+
+    return MTPServeConfig.from_dict(
+        {
+            "model": {"path": str(model), "load_format": "dummy", "device": "cpu"},
+            "speculative": {"draft": "random", "num_draft_tokens": num_draft_tokens},
+            "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
+            "server": {"host": "127.0.0.1", "port": 0},
+        }
+    )

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cluster.engine.llm_engine import LLMEngine
@@ -100,8 +100,19 @@ def bounded(req: pb.GenerateRequest) -> pb.GenerateRequest:
     return req
 
 
+def _ok(**fields: Any) -> pb.GenerateRequest:
+    """A valid request, so that every run streams some whatever the generated examples are."""
+    sampling = fields.pop("sampling", {})
+    return pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), **fields)
+
+
 @SETTINGS
 @given(req=requests())
+@example(req=_ok(token_ids=pb.TokenIds(ids=[3, 4, 5]), sampling={"max_tokens": 4, "ignore_eos": True}))
+@example(req=_ok(text="Hello there", sampling={"max_tokens": 3}))
+@example(req=_ok(text="x", raw=True, request_id="fixed-id", sampling={"max_tokens": 2, "temperature": 0.7, "seed": 5}))
+@example(req=_ok(token_ids=pb.TokenIds(ids=[7] * 40), sampling={"top_k": 3, "top_p": 0.5, "stop_token_ids": [9]}))
+@example(req=_ok(text="é ∑ 🙂", sampling={"max_tokens": 2**31 - 1 - 6}))
 def test_public_api_answers_ok_or_names_the_field(served: tuple[MTPServer, MTPServeClient], req: Any) -> None:
     """A complete stream (final chunk, no more tokens than asked) or INVALID_ARGUMENT 'field: reason'."""
     _, client = served

@@ -32,6 +32,7 @@ from helpers_service import (
     ROOT,
     ServeProcess,
     child_env,
+    dummy_server_config,
     rpc_error,
     wait_for,
     write_dummy_model,
@@ -390,15 +391,7 @@ def test_serve_print_config_merges_yaml_and_flags(config_file: Path) -> None:
 def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MTPServer]:
     """An MTPServer in this process on a dummy-weight model (no tokenizer), port 0, metrics off."""
     model = write_dummy_model(tmp_path_factory.mktemp("dummy"))
-    cfg = MTPServeConfig.from_dict(
-        {
-            "model": {"path": str(model), "load_format": "dummy", "device": "cpu"},
-            "speculative": {"draft": "random"},
-            "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
-            "server": {"host": "127.0.0.1", "port": 0},
-        }
-    )
-    srv = MTPServer(LLMEngine.from_config(cfg), metrics=False)
+    srv = MTPServer(LLMEngine.from_config(dummy_server_config(model)), metrics=False)
     srv.start()
     yield srv
     srv.stop()

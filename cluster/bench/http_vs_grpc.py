@@ -8,8 +8,10 @@ end in turn (gRPC, HTTP, HTTP, gRPC, ...; one warm-up round of each first): rand
 prefix-cache hits). The gRPC client is grpc.aio over --channels channels; the HTTP client is aiohttp,
 streaming `POST /v1/completions` as server-sent events with `return_token_ids`, one connection per stream.
 TTFT runs from a request's send to its first chunk that carries a token; tok/s is a round's output tokens
-over its wall time. Both clients run in this one process, so at large batches the client can limit either
-front end before the engine does. --tiny serves a tiny random Llama (2 layers, hidden 128, random draft), a
+over its wall time (first send to last end). The clients run in this process, or split over --client-procs
+processes, since one Python client process can cap either front end at large batches. Also reported: tokens
+per streamed chunk (the server merges the tokens a slow stream has not sent yet into one chunk) and the server
+process's CPU time per output token (Linux). --tiny serves a tiny random Llama (2 layers, hidden 128, random draft), a
 CPU smoke run. Exit status 1 when a stream failed or came back short.
 """
 
@@ -18,25 +20,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import grpc
 import yaml
 
 import cluster
 from cluster.bench import report as bench_report
-from cluster.bench.load import served_vocab
-from proto.mtpserve.v1 import inference_pb2 as pb
-from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from cluster.bench.load import served_vocab, settle
+from cluster.bench.stream_clients import Clients
 from workers.config import MTPServeConfig
 
 ROOT = Path(cluster.__file__).resolve().parent.parent  # the checkout the server subprocess imports from
@@ -49,7 +48,7 @@ TINY_CONFIG = {
 }  # fmt: skip
 SETTINGS = (
     "tiny", "draft", "no_speculation", "dtype", "batch_sizes", "repeats", "prompt_len", "output_len", "channels",
-    "serve_args", "seed",
+    "serve_args", "seed", "client_procs",
 )  # fmt: skip
 
 
@@ -69,6 +68,9 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--channels", type=int, default=8, help="gRPC client channels the streams spread over")
+    p.add_argument(
+        "--client-procs", type=int, default=1, help="client processes the streams spread over (1: this process)"
+    )
     p.add_argument("--serve-args", default="", help="more `mtpserve serve` flags, space-separated")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
@@ -76,16 +78,6 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="OUT", help="write the report (command, environment, settings, results)")
     p.add_argument("--plot", metavar="OUT.png", help="plot output tok/s per front end and batch size")
     p.set_defaults(func=main, threads=None)
-
-
-@dataclass
-class Stream:
-    """One request's timings (seconds from the round's start) and tokens."""
-
-    first: float | None = None
-    end: float = 0.0
-    tokens: int = 0
-    error: str | None = None
 
 
 @dataclass
@@ -100,6 +92,8 @@ class Round:
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    chunks: int = 0
+    server_cpu_s: float | None = None
 
     @property
     def tok_per_s(self) -> float:
@@ -107,97 +101,34 @@ class Round:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-async def grpc_stream(stub: Any, prompt: list[int], output_len: int, t0: float) -> Stream:
-    """One gRPC Generate stream."""
-    s = Stream()
-    req = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=output_len, ignore_eos=True)
-    )
-    try:
-        async for msg in stub.Generate(req, timeout=900.0):
-            if msg.token_ids and s.first is None:
-                s.first = time.perf_counter() - t0
-            s.tokens += len(msg.token_ids)
-    except grpc.aio.AioRpcError as exc:
-        s.error = f"{exc.code().name}: {exc.details()}"
-    s.end = time.perf_counter() - t0
-    return s
-
-
-async def http_stream(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int, t0: float
-) -> Stream:
-    """One streamed `POST /v1/completions`, read as server-sent events."""
-    s = Stream()
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True}
-    body |= {"ignore_eos": True, "return_token_ids": True}
-    async with session.post(url, json=body) as resp:
-        if resp.status != 200:
-            s.error = f"{resp.status}: {await resp.text()}"
-            s.end = time.perf_counter() - t0
-            return s
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: "):
-                continue
-            if line == b"data: [DONE]":
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                s.error = chunk["error"]["message"]
-                break
-            n = sum(len(c.get("token_ids", [])) for c in chunk["choices"])
-            if n and s.first is None:
-                s.first = time.perf_counter() - t0
-            s.tokens += n
-    s.end = time.perf_counter() - t0
-    return s
-
-
-async def one_round(
-    front_end: str, addresses: dict[str, str], prompts: list[list[int]], args: argparse.Namespace
+def one_round(
+    clients: Clients, front_end: str, addresses: dict[str, str], prompts: list[list[int]], args: argparse.Namespace
 ) -> Round:
-    """All prompts at once over one front end."""
-    channels = [
-        grpc.aio.insecure_channel(addresses["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
-        for _ in range(args.channels)
-    ]
-    stubs = [pb_grpc.InferenceStub(c) for c in channels]
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=900))
-    url = f"http://{addresses['http']}/v1/completions"
-    try:
-        t0 = time.perf_counter()
-        if front_end == "grpc":
-            jobs = [grpc_stream(stubs[i % len(stubs)], p, args.output_len, t0) for i, p in enumerate(prompts)]
-        else:
-            jobs = [http_stream(session, url, p, args.output_len, t0) for p in prompts]
-        streams = await asyncio.gather(*jobs)
-        seconds = time.perf_counter() - t0
-    finally:
-        await session.close()
-        for c in channels:
-            await c.close()
+    """All prompts at once over one front end; the server process's CPU seconds over the round."""
+    cpu0 = process_cpu_s(args.server_pid)
+    streams = clients.run(front_end, addresses, prompts, args.output_len, args.channels)
+    cpu1 = process_cpu_s(args.server_pid)
+    seconds = max(s.end for s in streams) - min(s.sent for s in streams)
     r = Round(front_end, len(prompts), False, seconds, sum(s.tokens for s in streams))
+    r.chunks = sum(s.chunks for s in streams)
+    r.server_cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
     for s in streams:
         if s.error or s.tokens != args.output_len or s.first is None:
             r.errors.append(s.error or f"{s.tokens} tokens")
             continue
-        r.ttft_ms.append(1e3 * s.first)
+        r.ttft_ms.append(1e3 * (s.first - s.sent))
         if s.tokens > 1:
             r.tpot_ms.append(1e3 * (s.end - s.first) / (s.tokens - 1))
     return r
 
 
-async def settle(address: str, timeout: float = 120.0) -> None:
-    """Wait until the server holds no request and no KV block."""
-    async with grpc.aio.insecure_channel(address) as chan:
-        stub = pb_grpc.InferenceStub(chan)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            s = await stub.GetStats(pb.GetStatsRequest(), timeout=30.0)
-            if s.requests_running == s.requests_waiting == s.kv_blocks_used == 0:
-                return
-            await asyncio.sleep(0.1)
+def process_cpu_s(pid: int | None) -> float | None:
+    """User plus system CPU seconds of a process so far (Linux /proc); None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def server_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -232,6 +163,14 @@ def serve_command(args: argparse.Namespace, config: Path, model: str | None) -> 
 
 def run_rounds(args: argparse.Namespace, addresses: dict[str, str]) -> list[Round]:
     """Every batch size: a warm-up round of each front end, then --repeats rounds of each, alternating."""
+    clients = Clients(args.client_procs)
+    try:
+        return _rounds(clients, args, addresses)
+    finally:
+        clients.close()
+
+
+def _rounds(clients: Clients, args: argparse.Namespace, addresses: dict[str, str]) -> list[Round]:
     rng = random.Random(args.seed)
     rounds: list[Round] = []
     vocab = asyncio.run(served_vocab(addresses["grpc"]))
@@ -239,13 +178,14 @@ def run_rounds(args: argparse.Namespace, addresses: dict[str, str]) -> list[Roun
         for i in range(args.repeats + 1):
             for fe in FRONT_ENDS if i % 2 == 0 else FRONT_ENDS[::-1]:
                 prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-                r = asyncio.run(one_round(fe, addresses, prompts, args))
+                r = one_round(clients, fe, addresses, prompts, args)
                 r.warmup = i == 0
                 rounds.append(r)
                 asyncio.run(settle(addresses["grpc"]))
                 ttft = statistics.fmean(r.ttft_ms) if r.ttft_ms else float("nan")
                 tag = " (warm-up)" if r.warmup else ""
-                line = f"batch {batch:>3} {fe:>4}: {r.tok_per_s:9.1f} tok/s, TTFT {ttft:8.1f} ms"
+                cpu = f", server CPU {r.server_cpu_s:.2f} s" if r.server_cpu_s is not None else ""
+                line = f"batch {batch:>3} {fe:>4}: {r.tok_per_s:9.1f} tok/s, TTFT {ttft:8.1f} ms{cpu}"
                 print(f"{line}, {len(r.errors)} errors{tag}", file=sys.stderr, flush=True)
     return rounds
 
@@ -267,6 +207,8 @@ def summarize(rounds: list[Round]) -> list[dict[str, Any]]:
                 "ttft_ms_p50": ttft[len(ttft) // 2] if ttft else None,
                 "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None,
                 "tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
+                "tokens_per_chunk": sum(r.tokens for r in rs) / max(1, sum(r.chunks for r in rs)) if rs else None,
+                "server_cpu_us_per_token": _cpu_per_token(rs),
                 "errors": sum(len(r.errors) for r in rs),
             }
         g, h = row["grpc"], row["http"]
@@ -277,6 +219,13 @@ def summarize(rounds: list[Round]) -> list[dict[str, Any]]:
             }
         out.append(row)
     return out
+
+
+def _cpu_per_token(rounds: list[Round]) -> float | None:
+    cpu = [r.server_cpu_s for r in rounds]
+    if not rounds or any(c is None for c in cpu):
+        return None
+    return 1e6 * sum(c for c in cpu if c is not None) / max(1, sum(r.tokens for r in rounds))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -291,6 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             model = str(Path(tmp) / "tiny")
         cmd = serve_command(args, Path(tmp) / "serve.yaml", model)
         proc, addresses, log = bench_report.serve_subprocess(cmd, ROOT, SERVING, args.startup_timeout)
+        args.server_pid = proc.pid
         try:
             rounds = run_rounds(args, addresses)
         finally:
@@ -309,17 +259,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """tok/s, TTFT (mean, p50, p90), TPOT and errors per batch size and front end."""
+    """tok/s, TTFT (mean, p50, p90), TPOT, tokens per chunk, server CPU per token and errors per batch size and
+    front end."""
     body = []
     for row in rows:
         for fe in FRONT_ENDS:
             f = row[fe]
             if f["tok_per_s"] is None or f["ttft_ms_mean"] is None:
-                body.append([str(row["batch"]), fe, "no complete round", "", "", "", "", str(f["errors"])])
+                body.append([str(row["batch"]), fe, "no complete round", *[""] * 6, str(f["errors"])])
                 continue
             cells = [f["tok_per_s"], f["ttft_ms_mean"], f["ttft_ms_p50"], f["ttft_ms_p90"], f["tpot_ms_mean"] or 0]
+            cells += [f["tokens_per_chunk"] or 0, f["server_cpu_us_per_token"] or 0]
             body.append([str(row["batch"]), fe, *(f"{x:.1f}" for x in cells), str(f["errors"])])
-    head = ["batch", "front end", "tok/s", "TTFT mean ms", "p50", "p90", "TPOT ms", "errors"]
+    head = ["batch", "front end", "tok/s", "TTFT mean ms", "p50", "p90", "TPOT ms", "tok/chunk", "server CPU us/tok"]
+    head.append("errors")
     return bench_report.table(head, body)
 
 

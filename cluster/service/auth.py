@@ -85,8 +85,8 @@ def bearer(metadata: Any) -> str | None:
 def _refuse(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends the call with UNAUTHENTICATED."""
 
-    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+    async def deny(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
 
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(deny)
@@ -97,7 +97,7 @@ def _refuse(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandl
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Ends calls without the expected bearer token with UNAUTHENTICATED; `on_failure(reason)` counts them
     (reason: "missing" or "invalid")."""
 
@@ -105,9 +105,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         self._token = token
         self._on_failure = on_failure
 
-    def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         """Pass health checks and calls with the right token; refuse the rest."""
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
         token = bearer(handler_call_details.invocation_metadata)

@@ -57,13 +57,6 @@ class RequestHandle:
         if self.on_event is not None:
             self.on_event()
 
-    def next_event(self, timeout: float) -> RequestOutput | Exception | None:
-        """The next output or error, or None if none arrived within `timeout` seconds."""
-        try:
-            return self.events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
 
 @dataclass
 class LoopSnapshot:
@@ -148,17 +141,6 @@ class EngineLoop:
         """Clear a worker failure (the distributed engine calls this once its actors are back)."""
         self._set_workers_ok(True)
 
-    def submit(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        frontend: str = GRPC,
-        on_event: Callable[[], None] | None = None,
-    ) -> RequestHandle:
-        """Queue a request; raises InvalidRequestError / QueueFullError as the engine decides."""
-        return self._wait(self._queue(self._adder(prompt_token_ids, params, request_id, frontend, on_event)))
-
     def submit_nowait(
         self,
         prompt_token_ids: list[int],
@@ -167,7 +149,8 @@ class EngineLoop:
         frontend: str = GRPC,
         on_event: Callable[[], None] | None = None,
     ) -> futures.Future[RequestHandle]:
-        """Queue a request without waiting: a future of its handle, or of the error `submit` would raise.
+        """Queue a request without waiting: a future of its handle, or of the error the engine refuses it with
+        (InvalidRequestError, QueueFullError).
         A caller that gives up must cancel the future, and abort the request if the future was already
         running or done."""
         return self._queue(self._adder(prompt_token_ids, params, request_id, frontend, on_event)).result
@@ -201,9 +184,6 @@ class EngineLoop:
         cmd = _Command(lambda: self._abort(request_id, reason))
         self._commands.put(cmd)
         return bool(self._wait(cmd)) if wait else True
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        return self._wait(self._queue(fn))
 
     def _queue(self, fn: Callable[[], Any]) -> _Command:
         if self._stopping.is_set() or not self._thread.is_alive():
@@ -295,6 +275,7 @@ class EngineLoop:
         """Update per-request bookkeeping and metrics; returns the outputs to deliver."""
         now = time.monotonic()
         deliveries = []
+        generated: dict[str, int] = {}
         for out in outputs:
             handle = self._handles.get(out.request_id)
             if handle is None:
@@ -305,13 +286,15 @@ class EngineLoop:
                     self.metrics.ttft.labels(frontend=handle.frontend).observe(now - handle.arrival)
             handle.num_output_tokens = out.num_output_tokens
             handle.stats = out.stats
-            self._generated += len(out.new_token_ids)
-            if self.metrics is not None:
-                self.metrics.generation_tokens.labels(frontend=handle.frontend).inc(len(out.new_token_ids))
+            generated[handle.frontend] = generated.get(handle.frontend, 0) + len(out.new_token_ids)
             if out.finished:
                 del self._handles[out.request_id]
                 self._record_finish(handle, out.finish_reason or "stop")
             deliveries.append((handle, out))
+        self._generated += sum(generated.values())
+        if self.metrics is not None:
+            for frontend, n in generated.items():
+                self.metrics.generation_tokens.labels(frontend=frontend).inc(n)
         return deliveries
 
     def _fail_all(self, exc: Exception) -> None:

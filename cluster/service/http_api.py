@@ -27,7 +27,7 @@ from cluster.engine.llm_engine import encode_chat, encode_text, has_chat_templat
 from cluster.engine.request import sampling_params
 from cluster.service.auth import bearer
 from cluster.service.engine_loop import EngineFailure, EngineLoop, ServerShuttingDown
-from cluster.service.http_stream import EngineStream
+from cluster.service.engine_stream import EngineStream
 from cluster.service.metrics import HTTP, ServerMetrics
 from cluster.service.openai_schema import (
     ChatCompletionRequest,

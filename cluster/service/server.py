@@ -1,21 +1,21 @@
 """Public servers around one engine loop (cluster/service/engine_loop.py): gRPC (the Inference servicer,
-cluster/service/servicer.py, health, reflection), the optional OpenAI-compatible HTTP API
-(cluster/service/http_api.py, on its own thread and event loop) and the metrics endpoint."""
+cluster/service/servicer.py, health, reflection) and the optional OpenAI-compatible HTTP API
+(cluster/service/http_api.py), both on one front-end thread and event loop, and the metrics endpoint."""
 
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.engine.llm_engine import LLMEngine
 from cluster.service.auth import BearerTokenInterceptor, read_secret, server_credentials, ssl_context
 from cluster.service.engine_loop import EngineLoop
+from cluster.service.front_end_thread import FrontEndThread, HTTPSite
+from cluster.service.health import LiveHealth
 from cluster.service.http_api import OpenAIAPI
-from cluster.service.http_server import HTTPServer
 from cluster.service.metrics import GRPC, ServerMetrics
 from cluster.service.servicer import SERVICE_NAME, InferenceServicer, model_info
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
@@ -38,15 +38,16 @@ class MTPServer:
         self.metrics = ServerMetrics()
         self._metrics_on = metrics
         self._serving = True
-        self.health = health.HealthServicer()
-        self.loop = EngineLoop(engine, self.metrics, on_health_change=lambda _ok: self._refresh_health())
+        self.front_end = FrontEndThread()
+        self.health = LiveHealth(self.is_serving, [SERVICE_NAME], self.front_end.loop)
+        self.loop = EngineLoop(engine, self.metrics, on_health_change=lambda _ok: self.health.changed())
         self.servicer = InferenceServicer(self.loop, self.accepting)
         engine.health_listeners.append(self.set_serving)
         self.port = 0
         self.metrics_port: int | None = None
         self.http_port: int | None = None
-        self._grpc: grpc.Server | None = None
-        self._http: HTTPServer | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._http: HTTPSite | None = None
 
     @property
     def address(self) -> str:
@@ -75,38 +76,45 @@ class MTPServer:
         self._serving = serving
         if serving:
             self.loop.mark_healthy()
-        self._refresh_health()
-
-    def _refresh_health(self) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if self.is_serving() else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+        self.health.changed()
 
     def start(self) -> None:
-        """Start the engine loop, bind the gRPC port (TLS and the token check as configured) and the metrics
-        endpoint; ConfigError when a credential file cannot be read."""
+        """Start the engine loop, bind the gRPC port (TLS and the token check as configured), the HTTP port when
+        set, and the metrics endpoint; ConfigError when a credential file cannot be read."""
+        sc = self.cfg.server
+        token = read_secret(sc.auth_token_file, "server.auth_token_file") if sc.auth_token_file else None
+        credentials = server_credentials(sc.tls) if sc.tls.enabled else None
+        self.loop.start()
+        self.front_end.start()
+        try:
+            self.front_end.call(lambda: self._start_grpc(token, credentials))
+            if sc.http_port is not None:
+                self._start_http(token)
+        except BaseException:
+            self.stop(grace=0.0)
+            raise
+        if self._metrics_on:
+            self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.host)
+        self.health.changed()
+        log.info("gRPC on %s, HTTP on %s, metrics on %s", self.address, self.http_address, self.metrics_port)
+
+    async def _start_grpc(self, token: bytes | None, credentials: grpc.ServerCredentials | None) -> None:
         sc = self.cfg.server
         limit = sc.max_message_mb * 1024 * 1024
         sched = self.cfg.scheduler
-        workers = min(sched.max_num_requests + sched.max_queue, 1024) + 16
         interceptors = []
-        token = read_secret(sc.auth_token_file, "server.auth_token_file") if sc.auth_token_file else None
         if token is not None:
             refused = self.metrics.auth_failures
             interceptors.append(
                 BearerTokenInterceptor(token, lambda reason: refused.labels(frontend=GRPC, reason=reason).inc())
             )
-        credentials = server_credentials(sc.tls) if sc.tls.enabled else None
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtpserve-grpc"),
+        server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.so_reuseport", 0),
             ],
-            maximum_concurrent_rpcs=workers,
+            maximum_concurrent_rpcs=min(sched.max_num_requests + sched.max_queue, 1024) + 16,
             interceptors=interceptors,
         )
         pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
@@ -117,15 +125,8 @@ class MTPServer:
         )
         bind = _host_port(sc.host, sc.port)
         self.port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
-        self.loop.start()
-        server.start()
+        await server.start()
         self._grpc = server
-        if sc.http_port is not None:
-            self._start_http(token)
-        if self._metrics_on:
-            self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.host)
-        self._refresh_health()
-        log.info("gRPC on %s, HTTP on %s, metrics on %s", self.address, self.http_address, self.metrics_port)
 
     def _start_http(self, token: bytes | None) -> None:
         sc = self.cfg.server
@@ -141,16 +142,19 @@ class MTPServer:
             max_body_bytes=sc.http_max_body_mb * 1024 * 1024,
         )
         tls = ssl_context(sc.tls) if sc.tls.enabled else None
-        self._http = HTTPServer(api.app, sc.host, sc.http_port, tls)
-        self.http_port = self._http.start()
+        self._http = HTTPSite(api.app, sc.host, sc.http_port, tls)
+        self.http_port = self.front_end.call(self._http.start)
 
     def stop(self, grace: float = 1.0) -> None:
         """Report NOT_SERVING, stop accepting RPCs, cancel streams after `grace` s, stop the loop."""
         self._serving = False
         self.health.enter_graceful_shutdown()
-        if self._grpc is not None:
-            self._grpc.stop(grace).wait(grace + 2.0)
-        if self._http is not None:
-            self._http.stop()
+        self.front_end.stop(lambda: self._stop_front_ends(grace), timeout=grace + 10.0)
         self.loop.stop()
         self.metrics.stop_http()
+
+    async def _stop_front_ends(self, grace: float) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        if self._http is not None:
+            await self._http.stop()

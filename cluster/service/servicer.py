@@ -1,15 +1,17 @@
 """The mtpserve.v1.Inference gRPC servicer over an EngineLoop, and the proto conversions it needs.
 
-Each handler validates the request, submits it to the engine loop and streams the request's outputs
-back; engine errors become gRPC status codes.
+Each handler (a coroutine on the front-end event loop) validates the request, submits it to the engine loop
+and streams the request's outputs back, several steps' tokens per message when the stream falls behind; engine
+errors become gRPC status codes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -18,8 +20,9 @@ import grpc
 from cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import SamplingParams, sampling_params
-from cluster.service.detokenizer import IncrementalDetokenizer
-from cluster.service.engine_loop import EngineFailure, EngineLoop, RequestHandle, ServerShuttingDown
+from cluster.service.engine_loop import EngineFailure, EngineLoop, ServerShuttingDown
+from cluster.service.engine_stream import EngineStream, Piece
+from cluster.service.metrics import GRPC
 from proto.mtpserve.v1 import inference_pb2 as pb
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from speculative.stats import SpecStats
@@ -37,7 +40,6 @@ PROTO_FIELDS = {
     "stop_token_ids": "sampling.stop_token_ids",
     "max_tokens": "sampling.max_tokens",
 }
-POLL_S = 0.25  # how often a blocked handler re-checks that its RPC is still alive
 
 
 def stats_to_proto(s: SpecStats) -> pb.AcceptanceStats:
@@ -79,14 +81,23 @@ def _abort_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
     """End the RPC with a status; context.abort raises, and this tells the type checker so."""
-    context.abort(code, details)
+    await context.abort(code, details)
     raise AssertionError("unreachable: context.abort raises")
 
 
+def last_chunk(chunk: pb.GenerateResponse, piece: Piece) -> pb.GenerateResponse:
+    """`chunk` with the finish reason, usage and statistics of a request's last piece."""
+    chunk.finish_reason = FINISH_REASONS.get(piece.finish_reason or "", pb.FINISH_REASON_STOP)
+    chunk.usage.prompt_tokens = piece.prompt_tokens
+    chunk.usage.completion_tokens = piece.completion_tokens
+    chunk.stats.CopyFrom(stats_to_proto(piece.stats or SpecStats()))
+    return chunk
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """mtpserve.v1.Inference on top of an EngineLoop."""
+    """mtpserve.v1.Inference on top of an EngineLoop, served by grpc.aio on the front-end event loop."""
 
     def __init__(self, loop: EngineLoop, accepting: Callable[[], bool]) -> None:
         self.loop = loop
@@ -95,7 +106,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.started = time.monotonic()
         self.tokenizer_lock = threading.Lock()
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequestError("prompt", "must be set: give text or token_ids")
@@ -105,66 +116,59 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise InvalidRequestError("prompt.text", "must not be empty")
         if self.engine.tokenizer is None:
             raise InvalidRequestError("prompt.text", "this model has no tokenizer; send prompt.token_ids")
+        return await asyncio.to_thread(self._encode, request.text, not request.raw)
+
+    def _encode(self, text: str, chat: bool) -> list[int]:
         with self.tokenizer_lock:
-            return self.engine.encode_prompt(request.text, chat=not request.raw)
+            return self.engine.encode_prompt(text, chat=chat)
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream a completion; cancellation or a passed deadline aborts the request."""
-        handle = self._start(request, context)
-        rid = handle.request_id
-        if not context.add_callback(lambda: self.loop.abort(rid, wait=False)):
-            self.loop.abort(rid, wait=False)  # the RPC ended before the callback was registered
-        detok = IncrementalDetokenizer(self.engine.tokenizer, self.tokenizer_lock) if self.engine.tokenizer else None
-        while True:
-            event = handle.next_event(POLL_S)
-            if event is None:
-                if not context.is_active():
-                    self.loop.abort(rid, wait=False)
-                    return
-                continue
-            if isinstance(event, Exception):
-                _abort(context, *_abort_code(event))
-            chunk = pb.GenerateResponse(request_id=rid, token_ids=event.new_token_ids)
-            chunk.text = detok.push(event.new_token_ids) if detok else ""
-            if not event.finished:
-                yield chunk
-                continue
-            if detok:
-                chunk.text += detok.flush()
-            chunk.finish_reason = FINISH_REASONS.get(event.finish_reason or "", pb.FINISH_REASON_STOP)
-            chunk.usage.prompt_tokens = event.num_prompt_tokens
-            chunk.usage.completion_tokens = event.num_output_tokens
-            chunk.stats.CopyFrom(stats_to_proto(event.stats))
-            yield chunk
-            return
-
-    def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> RequestHandle:
-        if not self.accepting():
-            _abort(context, grpc.StatusCode.UNAVAILABLE, "workers are down or the server is stopping")
+        stream = EngineStream(self.loop, self.engine.tokenizer, self.tokenizer_lock, [], GRPC)
         try:
-            ids = self._prompt_ids(request)
+            rid = await self._start(stream, request, context)
+            try:
+                async for piece in stream.pieces():
+                    chunk = pb.GenerateResponse(request_id=rid, token_ids=piece.token_ids, text=piece.text)
+                    yield chunk if piece.finish_reason is None else last_chunk(chunk, piece)
+            except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
+                await _abort(context, *_abort_code(exc))
+        finally:
+            stream.close()
+
+    async def _start(self, stream: EngineStream, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+        if not self.accepting():
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "workers are down or the server is stopping")
+        try:
+            ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
-                _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request started")
-            return self.loop.submit(ids, params, request.request_id or None)
+                await _abort(
+                    context, grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request started"
+                )
+            await stream.start(ids, params, request.request_id or None)
         except (InvalidRequestError, QueueFullError, WorkerUnavailableError, ServerShuttingDown) as exc:
-            _abort(context, *_abort_code(exc))
+            await _abort(context, *_abort_code(exc))
+        assert stream.handle is not None
+        return stream.handle.request_id
 
-    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Stop a request by id."""
         if not request.request_id:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         try:
-            return pb.AbortResponse(aborted=self.loop.abort(request.request_id))
+            return pb.AbortResponse(aborted=await asyncio.to_thread(self.loop.abort, request.request_id))
         except ServerShuttingDown as exc:
-            _abort(context, *_abort_code(exc))
+            await _abort(context, *_abort_code(exc))
 
-    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         """Describe the target and the draft head."""
         return model_info(self.engine)
 
-    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         """Aggregate acceptance statistics, load and KV use."""
         snap = self.loop.snapshot
         return pb.GetStatsResponse(

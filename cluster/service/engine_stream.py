@@ -1,5 +1,8 @@
-"""One request on the engine loop, driven from an asyncio front end: submit it, then read text pieces (detokenized,
-cut at stop strings) until it ends; leaving early aborts it, which frees its KV blocks."""
+"""One request on the engine loop, driven from an asyncio front end (gRPC or HTTP): submit it, then read text
+pieces (detokenized, cut at stop strings) until it ends; leaving early aborts it, which frees its KV blocks.
+
+A piece carries every token that arrived since the last one, so a stream that falls behind the engine sends
+fewer, larger pieces instead of a backlog of one-token ones."""
 
 from __future__ import annotations
 
@@ -7,9 +10,10 @@ import asyncio
 import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster.engine.request import SamplingParams
@@ -35,34 +39,78 @@ class Piece:
     stats: SpecStats | None = None
 
 
+class LoopWaker:
+    """Sets asyncio.Events of one event loop from other threads; the events set in a burst (one engine step's
+    outputs) cost the loop one wake-up, not one each. A no-op once the loop is closed."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._due: list[asyncio.Event] = []
+
+    @classmethod
+    def of_running_loop(cls) -> LoopWaker:
+        """The waker of the running event loop."""
+        loop = asyncio.get_running_loop()
+        waker = _WAKERS.get(loop)
+        if waker is None:
+            waker = _WAKERS[loop] = cls(loop)
+        return waker
+
+    def wake(self, event: asyncio.Event) -> None:
+        """Set `event` on the loop's thread, soon."""
+        with self._lock:
+            self._due.append(event)
+            first = len(self._due) == 1
+        if first:
+            with contextlib.suppress(RuntimeError):  # a closed event loop: nobody waits any more
+                self._loop.call_soon_threadsafe(self._set_due)
+
+    def _set_due(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for event in due:
+            event.set()
+
+
+_WAKERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
+
+
 class _Waker:
-    """Sets an asyncio.Event from any thread (the engine loop calls it per event); a no-op once the event
-    loop is closed."""
+    """The per-request callback the engine loop calls after queueing an event."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
+        self._waker = LoopWaker.of_running_loop()
 
     def __call__(self) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody waits for this request any more
-            self._loop.call_soon_threadsafe(self.event.set)
+        self._waker.wake(self.event)
+
+
+def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: both steps' tokens, the later one's state."""
+    return replace(then, new_token_ids=[*first.new_token_ids, *then.new_token_ids])
 
 
 class EngineStream:
     """A request submitted to the engine loop from a coroutine; `close()` aborts it unless it ended."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Any, lock: threading.Lock, stop: list[str]) -> None:
+    def __init__(
+        self, loop: EngineLoop, tokenizer: Any, lock: threading.Lock, stop: list[str], frontend: str = HTTP
+    ) -> None:
         self.loop = loop
+        self.frontend = frontend
         self.detok = IncrementalDetokenizer(tokenizer, lock) if tokenizer is not None else None
         self.stops = StopStrings(stop) if stop else None
         self.handle: RequestHandle | None = None
         self.done = False
+        self._held: RequestOutput | Exception | None = None
         self._waker = _Waker()
 
-    async def start(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> None:
-        """Queue the request; raises what `EngineLoop.submit` raises (InvalidRequestError, QueueFullError,
-        ServerShuttingDown). Cancelled meanwhile, the request is withdrawn or aborted."""
-        fut = self.loop.submit_nowait(prompt_token_ids, params, request_id, HTTP, self._waker)
+    async def start(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> None:
+        """Queue the request; raises what the engine refuses it with (InvalidRequestError, QueueFullError) or
+        ServerShuttingDown. Cancelled meanwhile, the request is withdrawn or aborted."""
+        fut = self.loop.submit_nowait(prompt_token_ids, params, request_id, self.frontend, self._waker)
         try:
             self.handle = await self._result(fut)
         except BaseException:
@@ -120,7 +168,24 @@ class EngineStream:
         return Piece(text, ids, reason, handle.num_prompt_tokens, event.num_output_tokens, event.stats)
 
     async def _next(self, handle: RequestHandle) -> RequestOutput | Exception:
+        """Every output queued for the request, merged, or its error; waits when none is queued."""
+        event = await self._first(handle)
+        while isinstance(event, RequestOutput) and not event.finished:
+            try:
+                more = handle.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(more, Exception):
+                self._held = more  # the tokens before it go out first
+                break
+            event = merged(event, more)
+        return event
+
+    async def _first(self, handle: RequestHandle) -> RequestOutput | Exception:
         """The request's next event; waits on the waker, cleared before the queue's last check."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
         while True:
             try:
                 return handle.events.get_nowait()
