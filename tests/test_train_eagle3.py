@@ -142,8 +142,9 @@ def test_the_trained_head_drafts_losslessly_in_the_engine(target_dir: Path, trai
 def test_a_frozen_lm_head_keeps_the_targets_rows(
     target_dir: Path, trained: tuple[Path, Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`lm_head=frozen`: the exported EAGLE-3 head scores with the target's lm_head rows it started from, while
-    a head trained alongside it moves them; a layout without an lm_head of its own refuses the key."""
+    """`lm_head=frozen`: the exported EAGLE-3 head scores with the target's final norm and lm_head rows it started
+    from, while a head trained alongside it moves them; `residual=normed` writes `norm_before_residual` and serves
+    losslessly; a layout without an lm_head of its own refuses both keys."""
     data, _, _ = trained
     out = tmp_path / "heads"
     rc = cli(
@@ -151,20 +152,37 @@ def test_a_frozen_lm_head_keeps_the_targets_rows(
         "--data-dir", data, "--out", out, "--batch-size", 16, "--lr", "3e-3", "-k", 2, "--steps", 3,
         "--eval-every", 0, "--ckpt-every", 0, "--dev-fraction", "0.1",
         "--head-spec", "frozen:layers=0/1/2,lm_head=frozen", "--head-spec", "trained:layers=0/1/2",
+        "--head-spec", "normed:layers=0/1/2,residual=normed",
     )  # fmt: skip
     assert rc == 0
     with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
-        target = f.get_tensor("lm_head.weight")
+        target = f.get_tensor("lm_head.weight").float(), f.get_tensor("model.norm.weight").float()
     heads = {}
-    for name in ("frozen", "trained"):
+    for name in ("frozen", "trained", "normed"):
         with safe_open(str(tmp_path / f"heads-{name}" / "model.safetensors"), "pt") as f:
-            heads[name] = (f.get_tensor("lm_head.weight").float(), f.get_tensor("fc.weight"))
-    assert torch.equal(heads["frozen"][0], target.float())
-    assert not torch.equal(heads["trained"][0], target.float()), "a trained lm_head moves"
-    base = ["train-draft", "--stage", "train", "--target", target_dir, "--device", "cpu", "--data-dir", data,
-            "--out", tmp_path / "mtp", "--steps", 1, "--head-spec", "h:lm_head=frozen"]  # fmt: skip
-    assert cli(*base) == 2
-    assert "lm_head=frozen" in capsys.readouterr().err
+            heads[name] = f.get_tensor("lm_head.weight").float(), f.get_tensor("norm.weight").float()
+    assert torch.equal(heads["frozen"][0], target[0]) and torch.equal(heads["frozen"][1], target[1])
+    assert not torch.equal(heads["trained"][0], target[0]), "a trained lm_head moves"
+    assert not torch.equal(heads["trained"][1], target[1]), "a trained final norm moves"
+    configs = {n: json.loads((tmp_path / f"heads-{n}" / "config.json").read_text()) for n in ("normed", "trained")}
+    assert configs["normed"]["norm_before_residual"] is True and "norm_before_residual" not in configs["trained"]
+    prompts = random_prompts(2, 256, [9, 21], seed=3)
+    runs = []
+    for spec in (
+        {"enabled": False},
+        {"method": "eagle3", "draft": str(tmp_path / "heads-normed"), "num_draft_tokens": 2},
+    ):
+        cfg = engine_config(speculative=spec)
+        cfg.model.path = str(target_dir)
+        eng = LLMEngine.from_config(cfg, load_tokenizer=False)
+        runs.append([c.token_ids for c in eng.generate(prompts, {"max_tokens": 16})])
+    assert eng.draft.head.midlayer.norm_before_residual  # type: ignore[union-attr]
+    assert runs[1] == runs[0]
+    for key in ("lm_head=frozen", "residual=normed"):
+        base = ["train-draft", "--stage", "train", "--target", target_dir, "--device", "cpu", "--data-dir", data,
+                "--out", tmp_path / "mtp", "--steps", 1, "--head-spec", f"h:{key}"]  # fmt: skip
+        assert cli(*base) == 2
+        assert key in capsys.readouterr().err
 
 
 def test_layouts_the_other_engines_cannot_read_are_refused(

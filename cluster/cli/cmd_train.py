@@ -312,8 +312,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "vocab=N (N most frequent response tokens; 0 = all), k=unrolled loss steps, mlp=N (the draft "
         "layer's MLP width; 0 = the target's), path=W (chains that greedy decoding with the head would run "
         "weigh 1+W in the loss; default 0), decoder=N (decoder layers per draft step, 1-4; default 1), "
-        "repeat=W (loss weight of rows whose token repeats an 8-gram earlier in its answer; default 1), "
-        "lm_head=trained|frozen (--format eagle3: train its own lm_head, or keep its first rows); "
+        "repeat=W (loss weight of rows whose token repeats an 8-gram earlier in its answer; default 1), --format "
+        "eagle3: lm_head=trained|frozen (its final norm and lm_head), residual=raw|normed (its layer's residual); "
         "layers=eagle3 is EAGLE-3's 1, L/2-1, L-4; default one head, 'head:layers=last' ('head:layers=eagle3' "
         "with --format eagle3, whose heads keep decoder=1 and read layers before the last)",
     )

@@ -44,6 +44,7 @@ from speculative.train.errors import TrainSetupError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 HEAD_FORMATS = ("mtp", "eagle3")
+CHOICES = {"lm_head": ("trained", "frozen"), "residual": ("raw", "normed")}  # EAGLE-3 keys, default first
 
 
 @dataclass
@@ -58,7 +59,8 @@ class HeadSpec:
     path: float = 0.0  # extra loss weight on the decoding path's chains
     decoder: int = 1  # decoder layers per draft step
     repeat: float = 1.0  # loss weight of rows predicting a repeated 8-gram's token
-    lm_head: str = "trained"  # an EAGLE-3 head's own lm_head: 'trained', or 'frozen' at its start (the target's rows)
+    lm_head: str = "trained"  # an EAGLE-3 head's final norm and lm_head: 'trained', or 'frozen' as they start
+    residual: str = "raw"  # an EAGLE-3 layer's residual: the hidden input ('raw') or it normed ('normed')
 
     def feature_layers(self, args: LlamaArgs) -> tuple[int, ...]:
         """The target layers this head reads."""
@@ -81,6 +83,7 @@ class HeadSpec:
         decoder = f",decoder={self.decoder}" if self.decoder != 1 else ""
         repeat = f",repeat={self.repeat:g}" if self.repeat != 1.0 else ""
         lm_head = f",lm_head={self.lm_head}" if self.lm_head != "trained" else ""
+        lm_head += f",residual={self.residual}" if self.residual != "raw" else ""
         return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}{decoder}{repeat}{lm_head}"
 
     def describe(self, args: LlamaArgs, k: int) -> str:
@@ -92,7 +95,8 @@ class HeadSpec:
         path = f", decoding-path chains x{1 + self.path:g}" if self.path else ""
         decoder = f", {self.decoder} decoder layers" if self.decoder != 1 else ""
         repeat = f", repeated 8-grams x{self.repeat:g}" if self.repeat != 1.0 else ""
-        lm_head = ", frozen lm_head" if self.lm_head == "frozen" else ""
+        lm_head = ", frozen norm and lm_head" if self.lm_head == "frozen" else ""
+        lm_head += ", normed residual" if self.residual == "normed" else ""
         steps = f"loss over {self.num_draft_tokens or k} step(s)"
         return f"{feat}, {vocab}{mlp}{decoder}{lm_head}, {steps}{path}{repeat}"
 
@@ -107,14 +111,14 @@ def parse_head_spec(text: str) -> HeadSpec:
         key, eq, value = item.partition("=")
         if not eq:
             raise TrainSetupError("--head-spec", f"'{text}': '{item}' is not key=value")
-        if key not in ("layers", "vocab", "k", "mlp", "path", "decoder", "repeat", "lm_head"):
-            raise TrainSetupError(
-                "--head-spec", f"'{text}': unknown key '{key}' (layers, vocab, k, mlp, path, decoder, repeat, lm_head)"
-            )
-        if key == "lm_head":
-            if value not in ("trained", "frozen"):
-                raise TrainSetupError("--head-spec", f"'{text}': lm_head must be trained or frozen, got '{value}'")
-            spec.lm_head = value
+        if key not in ("layers", "vocab", "k", "mlp", "path", "decoder", "repeat", *CHOICES):
+            known = "layers, vocab, k, mlp, path, decoder, repeat, " + ", ".join(CHOICES)
+            raise TrainSetupError("--head-spec", f"'{text}': unknown key '{key}' ({known})")
+        if key in CHOICES:
+            if value not in CHOICES[key]:
+                allowed = " or ".join(CHOICES[key])
+                raise TrainSetupError("--head-spec", f"'{text}': {key} must be {allowed}, got '{value}'")
+            setattr(spec, key, value)
             continue
         if key in ("path", "repeat"):
             setattr(spec, key, _weight(text, key, value))
@@ -165,9 +169,10 @@ def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int, head_format:
                 check_feature_layers(s.feature_layers(args), args)
         except ValueError as exc:
             raise TrainSetupError("--head-spec", f"{s.name}: {exc}") from None
-        if s.lm_head != "trained" and head_format != "eagle3":
-            why = "only an EAGLE-3 head (--format eagle3) has an lm_head of its own; this layout uses the target's"
-            raise TrainSetupError("--head-spec", f"{s.name}: lm_head={s.lm_head}: {why}")
+        for key, values in CHOICES.items():
+            if getattr(s, key) != values[0] and head_format != "eagle3":
+                why = "only an EAGLE-3 head (--format eagle3) has it; this layout scores with the target's lm_head"
+                raise TrainSetupError("--head-spec", f"{s.name}: {key}={getattr(s, key)}: {why}")
         if s.draft_vocab > args.vocab_size:
             raise TrainSetupError("--head-spec", f"{s.name}: vocab {s.draft_vocab} > the target's {args.vocab_size}")
         if s.mlp and s.mlp < args.intermediate_size:
@@ -191,9 +196,11 @@ def new_head(head_format: str, args: LlamaArgs, spec: HeadSpec, vocab_ids: torch
     """An untrained head of `spec` in the run's layout."""
     layers = spec.feature_layers(args)
     if head_format == "eagle3":
-        head = Eagle3Head(args, layers, vocab_ids)
-        if spec.lm_head == "frozen" and head.lm_head is not None:
-            head.lm_head.requires_grad_(False)  # it keeps the rows it starts from (the target's, or --init-head's)
+        head = Eagle3Head(args, layers, vocab_ids, norm_before_residual=spec.residual == "normed")
+        if spec.lm_head == "frozen":  # it scores as it starts: the target's final norm and rows, or --init-head's
+            head.norm.requires_grad_(False)
+            if head.lm_head is not None:
+                head.lm_head.requires_grad_(False)
         return head
     return MTPEagleHead(args, layers, vocab_ids, mlp_size=spec.mlp or None, num_layers=spec.decoder)
 
