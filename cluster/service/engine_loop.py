@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field, replace
@@ -45,7 +46,7 @@ class RequestHandle:
     num_prompt_tokens: int
     frontend: str = GRPC
     on_event: Callable[[], None] | None = None
-    events: queue.Queue[RequestOutput | Exception] = field(default_factory=queue.Queue)
+    events: deque[RequestOutput | Exception] = field(default_factory=deque)  # appended by one thread, popped by one
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     num_output_tokens: int = 0
@@ -53,7 +54,7 @@ class RequestHandle:
 
     def put(self, event: RequestOutput | Exception) -> None:
         """Queue an event for the reader and tell it."""
-        self.events.put(event)
+        self.events.append(event)
         if self.on_event is not None:
             self.on_event()
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import threading
 import weakref
 from collections.abc import AsyncIterator
@@ -172,8 +171,8 @@ class EngineStream:
         event = await self._first(handle)
         while isinstance(event, RequestOutput) and not event.finished:
             try:
-                more = handle.events.get_nowait()
-            except queue.Empty:
+                more = handle.events.popleft()
+            except IndexError:
                 break
             if isinstance(more, Exception):
                 self._held = more  # the tokens before it go out first
@@ -188,12 +187,12 @@ class EngineStream:
             return held
         while True:
             try:
-                return handle.events.get_nowait()
-            except queue.Empty:
+                return handle.events.popleft()
+            except IndexError:
                 self._waker.event.clear()
             try:
-                return handle.events.get_nowait()
-            except queue.Empty:
+                return handle.events.popleft()
+            except IndexError:
                 await self._waker.event.wait()
 
     def close(self) -> None:
