@@ -5,7 +5,7 @@ burst of events, and grpc.health.v1 Watch follows the server's state."""
 from __future__ import annotations
 
 import asyncio
-import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,12 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import SamplingParams
 from cluster.engine.scheduler import RequestOutput
+from cluster.service.client import MTPServeClient
 from cluster.service.engine_loop import EngineFailure, RequestHandle
 from cluster.service.engine_stream import EngineStream, LoopWaker, merged
 from cluster.service.metrics import GRPC
 from cluster.service.server import MTPServer
 
-from helpers_service import dummy_server_config, wait_for, write_dummy_model
+from helpers_service import dummy_server_config, wait_for, write_dummy_model, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def _read(server: MTPServer, prompt: list[int], tokens: int, wait_done: bool) ->
     reader starts only once the engine has finished the request."""
 
     async def run() -> list[list[int]]:
-        stream = EngineStream(server.loop, None, threading.Lock(), [], GRPC)
+        stream = EngineStream(server.loop, None, [], GRPC)
         done_before = server.loop.snapshot.requests_finished
         await stream.start(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), None)
         try:
@@ -63,7 +64,7 @@ def test_a_stream_that_falls_behind_gets_the_missed_tokens_in_one_piece(server: 
 
 def test_an_error_after_tokens_reaches_the_reader_after_them(server: MTPServer) -> None:
     async def run() -> tuple[list[list[int]], BaseException | None]:
-        stream = EngineStream(server.loop, None, threading.Lock(), [], GRPC)
+        stream = EngineStream(server.loop, None, [], GRPC)
         stream.handle = handle = RequestHandle("r", 3)
         for ids in ([1], [2, 3], [4]):
             handle.put(RequestOutput("r", ids, False, None, 3, 0))
@@ -137,3 +138,37 @@ def test_health_watch_follows_the_serving_state(server: MTPServer) -> None:
     assert seen == [serving, not_serving, serving]
     assert first_unknown == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
     assert wait_for(lambda: server.is_serving(), 5)
+
+
+def test_streamed_text_does_not_wait_on_a_prompt_encode(tmp_path: Path) -> None:
+    """Text is decoded with the front end's own tokenizer copy: a stream completes, with text equal to the
+    engine tokenizer's decode, while another thread holds the encode lock (as a long prompt's encode does)."""
+    model, head = write_tiny_model(tmp_path)
+    cfg = dummy_server_config(model)
+    cfg.model.load_format = "auto"
+    cfg.speculative.draft = str(head)
+    srv = MTPServer(LLMEngine.from_config(cfg), metrics=False)
+    srv.start()
+    try:
+        tokenizers = srv.servicer.tokenizers
+        assert tokenizers.decoder is not tokenizers.encoder
+        with tokenizers.lock, MTPServeClient(f"127.0.0.1:{srv.port}", timeout=30) as client:
+            out = client.generate(token_ids=[28, 2365, 314, 3434], max_tokens=12, ignore_eos=True)
+        assert len(out["token_ids"]) == 12
+        assert out["text"] == tokenizers.encoder.decode(out["token_ids"], skip_special_tokens=True)
+    finally:
+        srv.stop()
+
+
+def test_stop_ends_health_watches_within_the_grace(tmp_path: Path) -> None:
+    srv = MTPServer(LLMEngine.from_config(dummy_server_config(write_dummy_model(tmp_path))), metrics=False)
+    srv.start()
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as chan:
+        watch = health_pb2_grpc.HealthStub(chan).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        t0 = time.monotonic()
+        srv.stop(grace=5.0)
+        stopped_in = time.monotonic() - t0
+        rest = [m.status for m in watch]
+    assert rest == [health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert stopped_in < 5.0, "an open Watch must not hold the server for the whole grace"

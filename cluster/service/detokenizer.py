@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass
+class Tokenizers:
+    """The engine's tokenizer, which prompts are encoded with in worker threads under `lock`, and a copy of it that
+    only the front-end event loop decodes with, so that no stream's text waits on a long prompt's encode."""
+
+    encoder: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    decoder: Any = None
+
+    def __post_init__(self) -> None:
+        if self.decoder is None and self.encoder is not None:
+            self.decoder = copy.deepcopy(self.encoder)
 
 
 class IncrementalDetokenizer:
@@ -13,9 +30,9 @@ class IncrementalDetokenizer:
     difference, holding text back while it ends in U+FFFD (a character whose bytes are not all in yet).
     """
 
-    def __init__(self, tokenizer: Any, lock: threading.Lock) -> None:
+    def __init__(self, tokenizer: Any, lock: threading.Lock | None = None) -> None:
         self.tokenizer = tokenizer
-        self.lock = lock
+        self.lock: Any = lock if lock is not None else contextlib.nullcontext()
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: context that makes the next decode stable
         self.read_offset = 0  # tokens before this are already emitted as text

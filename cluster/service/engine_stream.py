@@ -92,14 +92,13 @@ def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 
 
 class EngineStream:
-    """A request submitted to the engine loop from a coroutine; `close()` aborts it unless it ended."""
+    """A request submitted to the engine loop from a coroutine; `close()` aborts it unless it ended. `decoder` is a
+    tokenizer that only the event loop's thread uses (`Tokenizers.decoder`), or None for token ids alone."""
 
-    def __init__(
-        self, loop: EngineLoop, tokenizer: Any, lock: threading.Lock, stop: list[str], frontend: str = HTTP
-    ) -> None:
+    def __init__(self, loop: EngineLoop, decoder: Any, stop: list[str], frontend: str = HTTP) -> None:
         self.loop = loop
         self.frontend = frontend
-        self.detok = IncrementalDetokenizer(tokenizer, lock) if tokenizer is not None else None
+        self.detok = IncrementalDetokenizer(decoder) if decoder is not None else None
         self.stops = StopStrings(stop) if stop else None
         self.handle: RequestHandle | None = None
         self.done = False

@@ -48,6 +48,8 @@ class FrontEndThread:
     def stop(self, teardown: Callable[[], Awaitable[None]] | None = None, timeout: float = 15.0) -> None:
         """Run `teardown` on the loop, cancel what is left, and end the thread."""
         if not self._thread.is_alive():
+            if self._thread.ident is None and not self.loop.is_closed():
+                self.loop.close()  # never started
             return
         if teardown is not None:
             try:
@@ -67,6 +69,7 @@ class FrontEndThread:
                 for task in pending:
                     task.cancel()
                 self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
                 self.loop.run_until_complete(self.loop.shutdown_default_executor())
             except Exception:
                 log.exception("front-end loop shutdown")

@@ -56,7 +56,7 @@ class LiveHealth(health_pb2_grpc.HealthServicer):
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        """The status now, then each change of it, until the client leaves."""
+        """The status now, then each change of it, until the client leaves or the server shuts down."""
         last = None
         while True:
             changed = self._changed
@@ -64,5 +64,7 @@ class LiveHealth(health_pb2_grpc.HealthServicer):
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status
-            with contextlib.suppress(TimeoutError):  # a change nobody announced is seen within a second
+            if self._shutting_down:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):  # a change nobody announced is seen within a second
                 await asyncio.wait_for(changed.wait(), WATCH_RECHECK_S)

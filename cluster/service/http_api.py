@@ -14,7 +14,6 @@ import asyncio
 import hmac
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,7 @@ from cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUna
 from cluster.engine.llm_engine import encode_chat, encode_text, has_chat_template
 from cluster.engine.request import sampling_params
 from cluster.service.auth import bearer
+from cluster.service.detokenizer import Tokenizers
 from cluster.service.engine_loop import EngineFailure, EngineLoop, ServerShuttingDown
 from cluster.service.engine_stream import EngineStream
 from cluster.service.metrics import HTTP, ServerMetrics
@@ -94,7 +94,7 @@ class OpenAIAPI:
     def __init__(
         self,
         loop: EngineLoop,
-        tokenizer_lock: threading.Lock,
+        tokenizers: Tokenizers,
         model_id: str,
         accepting: Callable[[], bool],
         serving: Callable[[], bool],
@@ -104,7 +104,7 @@ class OpenAIAPI:
     ) -> None:
         self.loop = loop
         self.engine = loop.engine
-        self.lock = tokenizer_lock
+        self.tokenizers = tokenizers
         self.model_id = model_id
         self.accepting = accepting
         self.serving = serving
@@ -211,7 +211,7 @@ class OpenAIAPI:
         return await self._generate(request, req, ids, chat=False)
 
     def _locked(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        with self.lock:  # the gRPC servicer's tokenizer lock
+        with self.tokenizers.lock:  # shared with the gRPC servicer
             return fn(*args)
 
     async def _json(self, request: web.Request) -> Any:
@@ -243,7 +243,7 @@ class OpenAIAPI:
         except InvalidRequestError as exc:
             raise InvalidRequestError(field if exc.field == "max_tokens" else exc.field, exc.reason) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = EngineStream(self.loop, self.engine.tokenizer, self.lock, req.stop)
+        stream = EngineStream(self.loop, self.tokenizers.decoder, req.stop)
         try:
             try:
                 await stream.start(ids, params, rid)

@@ -4,6 +4,7 @@ cluster/service/servicer.py, health, reflection) and the optional OpenAI-compati
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -90,11 +91,11 @@ class MTPServer:
             self.front_end.call(lambda: self._start_grpc(token, credentials))
             if sc.http_port is not None:
                 self._start_http(token)
+            if self._metrics_on:
+                self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.host)
         except BaseException:
             self.stop(grace=0.0)
             raise
-        if self._metrics_on:
-            self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.host)
         self.health.changed()
         log.info("gRPC on %s, HTTP on %s, metrics on %s", self.address, self.http_address, self.metrics_port)
 
@@ -133,7 +134,7 @@ class MTPServer:
         assert sc.http_port is not None
         api = OpenAIAPI(
             self.loop,
-            self.servicer.tokenizer_lock,
+            self.servicer.tokenizers,
             model_info(self.engine).model_name,
             self.accepting,
             self.is_serving,
@@ -154,7 +155,7 @@ class MTPServer:
         self.metrics.stop_http()
 
     async def _stop_front_ends(self, grace: float) -> None:
-        if self._grpc is not None:
-            await self._grpc.stop(grace)
+        stops = [] if self._grpc is None else [self._grpc.stop(grace)]
         if self._http is not None:
-            await self._http.stop()
+            stops.append(self._http.stop())  # its own grace, 1 s, running beside gRPC's
+        await asyncio.gather(*stops)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ import grpc
 from cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import SamplingParams, sampling_params
+from cluster.service.detokenizer import Tokenizers
 from cluster.service.engine_loop import EngineFailure, EngineLoop, ServerShuttingDown
 from cluster.service.engine_stream import EngineStream, Piece
 from cluster.service.metrics import GRPC
@@ -104,7 +104,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.engine = loop.engine
         self.accepting = accepting
         self.started = time.monotonic()
-        self.tokenizer_lock = threading.Lock()
+        self.tokenizers = Tokenizers(self.engine.tokenizer)
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -119,14 +119,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return await asyncio.to_thread(self._encode, request.text, not request.raw)
 
     def _encode(self, text: str, chat: bool) -> list[int]:
-        with self.tokenizer_lock:
+        with self.tokenizers.lock:
             return self.engine.encode_prompt(text, chat=chat)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream a completion; cancellation or a passed deadline aborts the request."""
-        stream = EngineStream(self.loop, self.engine.tokenizer, self.tokenizer_lock, [], GRPC)
+        stream = EngineStream(self.loop, self.tokenizers.decoder, [], GRPC)
+        context.add_done_callback(lambda _: stream.close())  # a cancel may leave the generator paused at a yield
         try:
             rid = await self._start(stream, request, context)
             try:
