@@ -257,3 +257,16 @@ def test_gpu_set_load_and_distributed_groups_on_cpu(model: Path, tmp_path: Path)
         assert bool(r["timeline_ms"]) == (r["setup"] == "ray-tp1")  # only the Ray path has hops to time
     (load,) = docs["load"]["results"]
     assert load["wrong"] == [] and load["after"]["kv_blocks_used"] == 0 and sum(load["ends"].values()) == 16
+
+
+def test_grpc_stream_cost_probe_reports_both_servers(tmp_path: Path) -> None:
+    """`bench/probes/grpc_stream_cost.py`: every stream's messages arrive from both servers, and the server CPU per
+    message is measured (above zero) for each round."""
+    probe = ROOT / "bench" / "probes" / "grpc_stream_cost.py"
+    cmd = [sys.executable, str(probe), "--streams", "4", "--messages", "16", "--repeats", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads((tmp_path / "grpc_stream_cost.json").read_text())
+    assert set(doc["results"]) == {"sync", "aio"}
+    for rows in doc["results"].values():
+        assert len(rows) == 1 and rows[0]["messages"] == 4 * 16 and rows[0]["server_cpu_us_per_msg"] > 0

@@ -110,7 +110,7 @@ def measure(kind: str, args: argparse.Namespace) -> list[dict[str, float]]:
         for _ in range(args.repeats):
             c0 = cpu()
             seconds, n = asyncio.run(streams(port, args.streams, args.channels))
-            row = {"msg_per_s": n / seconds, "server_cpu_us_per_msg": 1e6 * (cpu() - c0) / n}
+            row = {"messages": n, "msg_per_s": n / seconds, "server_cpu_us_per_msg": 1e6 * (cpu() - c0) / n}
             rows.append(row)
             print(f"{kind}: {row['msg_per_s']:8.0f} msg/s, {row['server_cpu_us_per_msg']:5.1f} us server CPU a message")
     finally:
