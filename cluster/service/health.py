@@ -59,12 +59,12 @@ class LiveHealth(health_pb2_grpc.HealthServicer):
         """The status now, then each change of it, until the client leaves or the server shuts down."""
         last = None
         while True:
-            changed = self._changed
+            changed, down = self._changed, self._shutting_down  # read before the status, which then reflects both
             status = self.status(request.service)
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status
-            if self._shutting_down:
+            if down:
                 return
             with contextlib.suppress(asyncio.TimeoutError):  # a change nobody announced is seen within a second
                 await asyncio.wait_for(changed.wait(), WATCH_RECHECK_S)
