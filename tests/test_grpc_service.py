@@ -186,7 +186,7 @@ def test_incremental_detokenizer_handles_multibyte_characters(tokenizer: Any) ->
     text = "naïve café — 東京 🙂🚀 ok"
     ids = tokenizer.encode(text, add_special_tokens=False)
     for step in (1, 2, 3):
-        detok = IncrementalDetokenizer(tokenizer, threading.Lock())
+        detok = IncrementalDetokenizer(tokenizer)
         deltas = [detok.push(ids[i : i + step]) for i in range(0, len(ids), step)]
         deltas.append(detok.flush())
         assert "".join(deltas) == text

@@ -22,6 +22,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from cluster.bench.stream_clients import Job, run_job
 from proto.mtpserve.v1 import inference_pb2 as pb
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -77,22 +78,6 @@ def serve(kind: str, messages: int) -> None:
     asyncio.run(main())
 
 
-async def streams(port: int, n: int, channels: int) -> tuple[float, int]:
-    """`n` concurrent streams read to the end: wall seconds and messages received."""
-    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(channels)]
-    stubs = [pb_grpc.InferenceStub(c) for c in chans]
-
-    async def one(stub: pb_grpc.InferenceStub) -> int:
-        return len([m async for m in stub.Generate(pb.GenerateRequest())])
-
-    t0 = time.perf_counter()
-    got = await asyncio.gather(*(one(stubs[i % channels]) for i in range(n)))
-    seconds = time.perf_counter() - t0
-    for c in chans:
-        await c.close()
-    return seconds, sum(got)
-
-
 def measure(kind: str, args: argparse.Namespace) -> list[dict[str, float]]:
     """`--repeats` rounds against one server of `kind`: messages per second and server CPU microseconds each."""
     cmd = [sys.executable, __file__, "--serve", kind, "--messages", str(args.messages)]
@@ -109,7 +94,9 @@ def measure(kind: str, args: argparse.Namespace) -> list[dict[str, float]]:
     try:
         for _ in range(args.repeats):
             c0 = cpu()
-            seconds, n = asyncio.run(streams(port, args.streams, args.channels))
+            job = Job("grpc", {"grpc": f"127.0.0.1:{port}", "http": ""}, [[1]] * args.streams, 1, args.channels)
+            got = run_job(job)
+            seconds, n = max(s.end for s in got) - min(s.sent for s in got), sum(s.chunks for s in got)
             row = {"messages": n, "msg_per_s": n / seconds, "server_cpu_us_per_msg": 1e6 * (cpu() - c0) / n}
             rows.append(row)
             print(f"{kind}: {row['msg_per_s']:8.0f} msg/s, {row['server_cpu_us_per_msg']:5.1f} us server CPU a message")

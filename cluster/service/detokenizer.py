@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 from dataclasses import dataclass, field
@@ -30,16 +29,14 @@ class IncrementalDetokenizer:
     difference, holding text back while it ends in U+FFFD (a character whose bytes are not all in yet).
     """
 
-    def __init__(self, tokenizer: Any, lock: threading.Lock | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.lock: Any = lock if lock is not None else contextlib.nullcontext()
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer  # used by this thread alone (`Tokenizers.decoder` on the front-end loop)
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: context that makes the next decode stable
         self.read_offset = 0  # tokens before this are already emitted as text
 
     def _decode(self, ids: list[int]) -> str:
-        with self.lock:
-            return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def push(self, new_ids: list[int]) -> str:
         """Add tokens; returns the newly completed text (possibly empty)."""

@@ -24,11 +24,6 @@ class FrontEndThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    @property
-    def running(self) -> bool:
-        """True while the thread runs its loop."""
-        return self._thread.is_alive() and self.loop.is_running()
-
     def start(self) -> None:
         """Start the thread and its loop."""
         self._thread.start()
@@ -40,10 +35,6 @@ class FrontEndThread:
             return await make()
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
-
-    def on_loop(self) -> bool:
-        """True when called from the loop's own thread."""
-        return threading.current_thread() is self._thread
 
     def stop(self, teardown: Callable[[], Awaitable[None]] | None = None, timeout: float = 15.0) -> None:
         """Run `teardown` on the loop, cancel what is left, and end the thread."""

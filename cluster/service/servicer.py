@@ -127,17 +127,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream a completion; cancellation or a passed deadline aborts the request."""
         stream = EngineStream(self.loop, self.tokenizers.decoder, [], GRPC)
-        context.add_done_callback(lambda _: stream.close())  # a cancel may leave the generator paused at a yield
+        # however the call ends (a cancel may leave this generator paused at a yield), the request is aborted
+        context.add_done_callback(lambda _: stream.close())
+        rid = await self._start(stream, request, context)
         try:
-            rid = await self._start(stream, request, context)
-            try:
-                async for piece in stream.pieces():
-                    chunk = pb.GenerateResponse(request_id=rid, token_ids=piece.token_ids, text=piece.text)
-                    yield chunk if piece.finish_reason is None else last_chunk(chunk, piece)
-            except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
-                await _abort(context, *_abort_code(exc))
-        finally:
-            stream.close()
+            async for piece in stream.pieces():
+                chunk = pb.GenerateResponse(request_id=rid, token_ids=piece.token_ids, text=piece.text)
+                yield chunk if piece.finish_reason is None else last_chunk(chunk, piece)
+        except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
+            await _abort(context, *_abort_code(exc))
 
     async def _start(self, stream: EngineStream, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
         if not self.accepting():

@@ -82,9 +82,8 @@ class HeadSpec:
         path = f",path={self.path:g}" if self.path else ""
         decoder = f",decoder={self.decoder}" if self.decoder != 1 else ""
         repeat = f",repeat={self.repeat:g}" if self.repeat != 1.0 else ""
-        lm_head = f",lm_head={self.lm_head}" if self.lm_head != "trained" else ""
-        lm_head += f",residual={self.residual}" if self.residual != "raw" else ""
-        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}{decoder}{repeat}{lm_head}"
+        eagle3 = "".join(f",{key}={getattr(self, key)}" for key, v in CHOICES.items() if getattr(self, key) != v[0])
+        return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}{decoder}{repeat}{eagle3}"
 
     def describe(self, args: LlamaArgs, k: int) -> str:
         """A short human description, for tables."""
@@ -95,10 +94,10 @@ class HeadSpec:
         path = f", decoding-path chains x{1 + self.path:g}" if self.path else ""
         decoder = f", {self.decoder} decoder layers" if self.decoder != 1 else ""
         repeat = f", repeated 8-grams x{self.repeat:g}" if self.repeat != 1.0 else ""
-        lm_head = ", frozen norm and lm_head" if self.lm_head == "frozen" else ""
-        lm_head += ", normed residual" if self.residual == "normed" else ""
+        eagle3 = ", frozen norm and lm_head" if self.lm_head == "frozen" else ""
+        eagle3 += ", normed residual" if self.residual == "normed" else ""
         steps = f"loss over {self.num_draft_tokens or k} step(s)"
-        return f"{feat}, {vocab}{mlp}{decoder}{lm_head}, {steps}{path}{repeat}"
+        return f"{feat}, {vocab}{mlp}{decoder}{eagle3}, {steps}{path}{repeat}"
 
 
 def parse_head_spec(text: str) -> HeadSpec:
