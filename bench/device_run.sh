@@ -8,7 +8,8 @@
 #                                     in fp32 (FP32=0 skips them)
 #   bash bench/device_run.sh prof     SmolLM2 shape, random weights: where a target, chain and tree step's time goes
 #   bash bench/device_run.sh serve    SmolLM2: streams over gRPC and HTTP from a `serve` process against the engine
-#                                     alone, target-only and K=3, CLIENTS client processes (default 8)
+#                                     alone, target-only and K=3 (target-only also with the engine on a thread),
+#                                     CLIENTS client processes (default 8)
 #   bash bench/device_run.sh e3a      EAGLE-3 against the native layout, part 1: a dataset, then the native head (STEPS)
 #   bash bench/device_run.sh e3b      part 2: the native head's online acceptance, the EAGLE-3 head (same STEPS), its own
 # Run from the checkout root after staging (../shared/device/README.md): the wheels (and Ray) in /tmp/site, the
@@ -78,6 +79,9 @@ case $PHASE in
         --prompt-len 128 --output-len 128 --max-num-requests 64 --json "$R/engine_$name.json"
       step "streams_$name" 240 python3 -m cluster bench http-vs-grpc --model "$M" --device cuda $flags \
         --batch-sizes 1,64 --client-procs "${CLIENTS:-8}" --json "$R/http_vs_grpc_$name.json"
+      [ "$name" = target ] && step "streams_thread_$name" 240 python3 -m cluster bench http-vs-grpc --model "$M" --device cuda $flags \
+        --serve-args "--no-engine-process" --batch-sizes 1,64 --client-procs "${CLIENTS:-8}" \
+        --json "$R/http_vs_grpc_thread_$name.json"
     done
     ;;
   e3a)  # STEPS and MIX as exported; the dataset and heads stay on the warm machine for e3b

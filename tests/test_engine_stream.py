@@ -17,9 +17,9 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import SamplingParams
 from cluster.engine.scheduler import RequestOutput
 from cluster.service.client import MTPServeClient
-from cluster.service.engine_loop import EngineFailure, RequestHandle
 from cluster.service.engine_stream import EngineStream, LoopWaker, merged
 from cluster.service.metrics import GRPC
+from cluster.service.request_book import EngineFailure, RequestHandle
 from cluster.service.server import MTPServer
 
 from helpers_service import dummy_server_config, wait_for, write_dummy_model, write_tiny_model

@@ -240,6 +240,11 @@ class ServerConfig(_Strict):
         description="file holding the bearer token every Inference call and HTTP API call must carry (health is open)",
     )
     allow_insecure: bool = Field(False, description="serve a non-loopback address without TLS and without a token")
+    engine_process: bool = Field(
+        True,
+        description="run the engine in a process of its own beside the front ends (`mtpserve serve` without Ray); "
+        "false: on a thread of the serving process",
+    )
 
     @model_validator(mode="after")
     def _check_exposure(self) -> ServerConfig:

@@ -10,9 +10,9 @@ streaming `POST /v1/completions` as server-sent events with `return_token_ids`, 
 TTFT runs from a request's send to its first chunk that carries a token; tok/s is a round's output tokens
 over its wall time (first send to last end). The clients run in this process, or split over --client-procs
 processes, since one Python client process can cap either front end at large batches. Also reported: tokens
-per streamed chunk (the server merges the tokens a slow stream has not sent yet into one chunk) and the server
-process's CPU time per output token (Linux). --tiny serves a tiny random Llama (2 layers, hidden 128, random draft), a
-CPU smoke run. Exit status 1 when a stream failed or came back short.
+per streamed chunk (the server merges the tokens a slow stream has not sent yet into one chunk) and the server's
+CPU time per output token (its engine process included; Linux). --tiny serves a tiny random Llama (2 layers,
+hidden 128, random draft), a CPU smoke run. Exit status 1 when a stream failed or came back short.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Round:
 def one_round(
     clients: Clients, front_end: str, addresses: dict[str, str], prompts: list[list[int]], args: argparse.Namespace
 ) -> Round:
-    """All prompts at once over one front end; the server process's CPU seconds over the round."""
+    """All prompts at once over one front end; the server's CPU seconds (with its engine process) over the round."""
     cpu0 = process_cpu_s(args.server_pid)
     streams = clients.run(front_end, addresses, prompts, args.output_len, args.channels)
     cpu1 = process_cpu_s(args.server_pid)
@@ -123,12 +123,26 @@ def one_round(
 
 
 def process_cpu_s(pid: int | None) -> float | None:
-    """User plus system CPU seconds of a process so far (Linux /proc); None elsewhere."""
+    """User plus system CPU seconds so far of a process and its live descendants, such as the engine process
+    (Linux /proc); None elsewhere."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for child in _children(pid):
+        total += process_cpu_s(child) or 0.0
+    return total
+
+
+def _children(pid: int | None) -> list[int]:
+    pids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            pids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return pids
 
 
 def server_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -35,6 +35,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
         "/health) on this port, from the same engine (default: off; 0 picks a free one)",
     )
+    g.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine in a process of its own, so that the front ends' per-token work and the engine's "
+        "steps do not share one interpreter lock (default: on; --no-engine-process runs it on a thread of the "
+        "serving process; with Ray the scheduler actor always drives it from a thread)",
+    )
     g.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
     g = p.add_argument_group("security (docs: README, 'Security')")
     g.add_argument("--auth-token-file", help="file with the bearer token that every Inference call must carry")
@@ -81,7 +89,8 @@ def install_stop_signals(stop: threading.Event) -> None:
 
 
 def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
-    """Build the engine, serve until `stop` is set (by SIGINT/SIGTERM by default), shut down cleanly.
+    """Build the engine, serve until `stop` is set (by SIGINT/SIGTERM by default), shut down cleanly; exit status 1
+    when the engine stops on its own (its process died), so that a supervisor restarts the server.
 
     With Ray (tp_size > 1, --distributed or --address) the scheduler and the gRPC front end run in a
     scheduler actor on this node, which starts the worker actors; this process only waits.
@@ -98,15 +107,19 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     if uses_ray(cfg):
         return serve_with_actor(cfg, stop)
 
+    engine, rc = None, 0
     try:
-        engine = build_engine(cfg)
+        if cfg.server.engine_process:
+            server = MTPServer(None, cfg)  # the engine is built in its own process
+        else:
+            engine = build_engine(cfg)
+            server = MTPServer(engine, cfg)
     except MTPServeError as exc:
         print(f"mtpserve: {exc}", file=sys.stderr)
         return 2
-    if stop is None:  # after build_engine: ray.init replaces the SIGTERM handler
+    if stop is None:
         stop = threading.Event()
         install_stop_signals(stop)
-    server = MTPServer(engine, cfg)
     try:
         try:
             server.start()
@@ -117,13 +130,17 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
             return 2
         print(f"mtpserve: {serving_line(server.address, server.metrics_port, server.http_address)}", flush=True)
         while not stop.wait(0.5):
-            pass
+            if not server.loop.running:  # the engine process died: exit, so that a supervisor restarts the server
+                print("mtpserve: the engine stopped (see the log above); exiting", file=sys.stderr, flush=True)
+                rc = 1
+                break
     finally:
         server.stop()
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
         log.info("stopped")
     print("mtpserve: stopped", flush=True)
-    return 0
+    return rc
 
 
 def serving_line(grpc_address: str, metrics_port: int | None, http_address: str | None) -> str:

@@ -142,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "server.tls.client_ca_file": a.get("tls_client_ca"),
         "server.auth_token_file": a.get("auth_token_file"),
         "server.allow_insecure": True if a.get("allow_insecure") else None,
+        "server.engine_process": a.get("engine_process"),
     }
     try:
         if a.get("config"):

@@ -28,6 +28,9 @@ class InvalidRequestError(MTPServeError, ValueError):
         self.field = field
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.field, self.reason)  # pickles across processes with both fields
+
 
 def invalid_field(exc: ValidationError, prefix: str = "") -> InvalidRequestError:
     """The first error of a pydantic validation as an InvalidRequestError naming `prefix` + the field's path
@@ -48,6 +51,9 @@ class ConfigError(MTPServeError):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.field, self.reason)  # pickles across processes with both fields
 
 
 class QueueFullError(MTPServeError):

@@ -9,12 +9,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.engine.errors import WorkerUnavailableError
@@ -22,69 +20,24 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import SamplingParams
 from cluster.engine.scheduler import RequestOutput
 from cluster.service.metrics import GRPC, ServerMetrics
-from speculative.stats import SpecStats
+from cluster.service.model_info import model_info
+from cluster.service.request_book import (
+    LoopSnapshot,
+    RequestBook,
+    RequestHandle,
+    ServerShuttingDown,
+    engine_load,
+    step_error,
+)
+from proto.mtpserve.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-class EngineFailure(Exception):
-    """The engine raised while running a request; the request is dropped (gRPC UNAVAILABLE)."""
-
-
-class ServerShuttingDown(Exception):
-    """The server stopped before the request finished (gRPC UNAVAILABLE)."""
-
-
-@dataclass
-class RequestHandle:
-    """A request in flight: the engine loop fills `events`, one front-end handler drains it.
-
-    `on_event`, when given, is called (on the engine thread) after each event is queued; an asyncio
-    front end uses it to wake the coroutine that reads the queue."""
-
-    request_id: str
-    num_prompt_tokens: int
-    frontend: str = GRPC
-    on_event: Callable[[], None] | None = None
-    events: deque[RequestOutput | Exception] = field(default_factory=deque)  # appended by one thread, popped by one
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    num_output_tokens: int = 0
-    stats: SpecStats = field(default_factory=SpecStats)
-
-    def put(self, event: RequestOutput | Exception) -> None:
-        """Queue an event for the reader and tell it."""
-        self.events.append(event)
-        if self.on_event is not None:
-            self.on_event()
-
-
-@dataclass
-class LoopSnapshot:
-    """Engine state published by the loop after every iteration (read without touching the engine)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    totals: SpecStats = field(default_factory=SpecStats)
-    requests_finished: int = 0
-    generated_tokens: int = 0
-    kv_blocks_cached: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
 
 
 @dataclass
 class _Command:
     fn: Callable[[], Any]
     result: futures.Future[Any] = field(default_factory=futures.Future)
-
-
-def _copy_stats(s: SpecStats) -> SpecStats:
-    return replace(
-        s, accepted_per_position=list(s.accepted_per_position), drafted_per_position=list(s.drafted_per_position)
-    )
 
 
 class EngineLoop:
@@ -105,18 +58,32 @@ class EngineLoop:
         self.metrics = metrics
         self._on_health_change = on_health_change
         self._commands: queue.Queue[_Command | None] = queue.Queue()
-        self._handles: dict[str, RequestHandle] = {}
+        self._book = RequestBook(metrics)
         self._thread = threading.Thread(target=self._run, name="mtpserve-engine-loop", daemon=True)
         self._stopping = threading.Event()
         self._workers_ok = True
-        self._finished = 0
-        self._generated = 0
-        self._totals = SpecStats()  # over every request that ended: finished, aborted or failed
-        self.snapshot = LoopSnapshot()
+        self._info: pb.ModelInfo | None = None
         self._publish()
         engine.on_tokens = self._deliver  # a step's tokens reach their streams before its draft runs
 
     # ---- called from any thread ------------------------------------------------------------------
+    @property
+    def snapshot(self) -> LoopSnapshot:
+        """The engine state after the last step."""
+        return self._book.snapshot
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer, or None."""
+        return self.engine.tokenizer
+
+    @property
+    def info(self) -> pb.ModelInfo:
+        """The served model, its draft and its limits."""
+        if self._info is None:
+            self._info = model_info(self.engine)
+        return self._info
+
     def start(self) -> None:
         """Start the loop thread."""
         self._thread.start()
@@ -169,9 +136,7 @@ class EngineLoop:
 
         def add() -> RequestHandle:
             self.engine.add_request(prompt_token_ids, params, rid)
-            self._handles[rid] = handle
-            if self.metrics is not None:
-                self.metrics.prompt_tokens.labels(frontend=frontend).inc(len(prompt_token_ids))
+            self._book.add(handle)
             return handle
 
         return add
@@ -239,7 +204,7 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Route outputs to their streams, publishing the state first."""
-        deliveries = self._route(outputs)
+        deliveries = self._book.route(outputs)
         self._publish()
         for handle, out in deliveries:
             handle.put(out)
@@ -261,62 +226,29 @@ class EngineLoop:
                 return
 
     def _abort(self, request_id: str, reason: str = "abort") -> bool:
-        handle = self._handles.pop(request_id, None)
+        known = request_id in self._book.handles
         aborted = self.engine.abort(request_id)
-        if handle is None:
-            return aborted
-        out = RequestOutput(
-            request_id, [], True, "abort", handle.num_prompt_tokens, handle.num_output_tokens, handle.stats
-        )
-        self._record_finish(handle, reason)
-        handle.put(out)
-        return True
-
-    def _route(self, outputs: list[RequestOutput]) -> list[tuple[RequestHandle, RequestOutput]]:
-        """Update per-request bookkeeping and metrics; returns the outputs to deliver."""
-        now = time.monotonic()
-        deliveries = []
-        generated: dict[str, int] = {}
-        for out in outputs:
-            handle = self._handles.get(out.request_id)
-            if handle is None:
-                continue
-            if out.new_token_ids and handle.first_token_at is None:
-                handle.first_token_at = now
-                if self.metrics is not None:
-                    self.metrics.ttft.labels(frontend=handle.frontend).observe(now - handle.arrival)
-            handle.num_output_tokens = out.num_output_tokens
-            handle.stats = out.stats
-            generated[handle.frontend] = generated.get(handle.frontend, 0) + len(out.new_token_ids)
-            if out.finished:
-                del self._handles[out.request_id]
-                self._record_finish(handle, out.finish_reason or "stop")
-            deliveries.append((handle, out))
-        self._generated += sum(generated.values())
-        if self.metrics is not None:
-            for frontend, n in generated.items():
-                self.metrics.generation_tokens.labels(frontend=frontend).inc(n)
-        return deliveries
+        return self._book.end_aborted(request_id, reason) if known else aborted
 
     def _fail_all(self, exc: Exception) -> None:
+        err = step_error(exc)
         if isinstance(exc, WorkerUnavailableError):
             log.error("workers are down: %s", exc)
-            err: Exception = exc
             self._set_workers_ok(False)
         else:
-            log.exception("engine step failed; failing %d in-flight requests", len(self._handles))
-            err = EngineFailure(f"the engine failed while running this request ({type(exc).__name__}: {exc})")
-        handles, self._handles = self._handles, {}
-        for rid, handle in handles.items():
-            try:
-                self.engine.abort(rid)
-            except Exception:  # the engine is already broken; keep failing the rest
-                log.exception("abort of %s after an engine failure raised", rid)
-            self._record_finish(handle, "error")
-            handle.put(err)
+            log.exception("engine step failed; failing %d in-flight requests", len(self._book.handles))
+        self._end_all(err, "error")
         dropped = self.engine.scheduler.forget_cached()  # the KV those keys point at may be gone
         if dropped:
             log.info("dropped %d prefix-cache blocks after the failure", dropped)
+
+    def _end_all(self, err: Exception, reason: str) -> None:
+        for rid, handle in self._book.take_all().items():
+            try:
+                self.engine.abort(rid)
+            except Exception:  # the engine may be broken; keep ending the rest
+                log.exception("abort of %s raised", rid)
+            self._book.end(handle, err, reason)
 
     def _drain_on_stop(self) -> None:
         err = ServerShuttingDown("the server is shutting down")
@@ -327,27 +259,11 @@ class EngineLoop:
                 break
             if cmd is not None and cmd.result.set_running_or_notify_cancel():
                 cmd.result.set_exception(err)
-        handles, self._handles = self._handles, {}
-        for rid, handle in handles.items():
-            try:
-                self.engine.abort(rid)
-            except Exception:
-                log.exception("abort of %s at shutdown raised", rid)
-            self._record_finish(handle, "abort")
-            handle.put(err)
+        self._end_all(err, "abort")
         try:
             self._publish()
         except Exception:
             log.exception("could not publish the final engine state")
-
-    def _record_finish(self, handle: RequestHandle, reason: str) -> None:
-        self._finished += 1
-        self._totals.merge(handle.stats)
-        if self.metrics is None:
-            return
-        first = handle.first_token_at
-        decode_s = None if first is None else time.monotonic() - first
-        self.metrics.observe_finish(reason, handle.num_output_tokens, decode_s, handle.stats, handle.frontend)
 
     def _set_workers_ok(self, ok: bool) -> None:
         changed = ok != self._workers_ok
@@ -356,23 +272,4 @@ class EngineLoop:
             self._on_health_change(ok)
 
     def _publish(self) -> None:
-        sched = self.engine.scheduler
-        blocks = sched.blocks
-        used = blocks.num_blocks - blocks.num_free
-        self.snapshot = LoopSnapshot(
-            running=len(sched.running),
-            waiting=sched.num_waiting,
-            kv_blocks_used=used,
-            kv_blocks_total=blocks.num_blocks,
-            totals=_copy_stats(self._totals),
-            requests_finished=self._finished,
-            generated_tokens=self._generated,
-            kv_blocks_cached=blocks.num_cached,
-            prefix_query_tokens=sched.prefix_query_tokens,
-            prefix_hit_tokens=sched.prefix_hit_tokens,
-        )
-        if self.metrics is not None:
-            self.metrics.observe_load(len(sched.running), sched.num_waiting, used, blocks.num_blocks)
-            self.metrics.observe_prefix_cache(sched.prefix_query_tokens, sched.prefix_hit_tokens, blocks.num_cached)
-            if sched.depth is not None:
-                self.metrics.observe_depths(sched.depth.step_counts(), sched.depth.depth)
+        self._book.publish(engine_load(self.engine))

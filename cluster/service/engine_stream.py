@@ -18,8 +18,8 @@ from typing import Any
 from cluster.engine.request import SamplingParams
 from cluster.engine.scheduler import RequestOutput
 from cluster.service.detokenizer import IncrementalDetokenizer
-from cluster.service.engine_loop import EngineLoop, RequestHandle, ServerShuttingDown
 from cluster.service.metrics import HTTP
+from cluster.service.request_book import EngineCore, RequestHandle, ServerShuttingDown
 from cluster.service.stop_strings import StopStrings
 from speculative.stats import SpecStats
 
@@ -95,7 +95,7 @@ class EngineStream:
     """A request submitted to the engine loop from a coroutine; `close()` aborts it unless it ended. `decoder` is a
     tokenizer that only the event loop's thread uses (`Tokenizers.decoder`), or None for token ids alone."""
 
-    def __init__(self, loop: EngineLoop, decoder: Any, stop: list[str], frontend: str = HTTP) -> None:
+    def __init__(self, loop: EngineCore, decoder: Any, stop: list[str], frontend: str = HTTP) -> None:
         self.loop = loop
         self.frontend = frontend
         self.detok = IncrementalDetokenizer(decoder) if decoder is not None else None

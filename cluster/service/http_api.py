@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (aiohttp): chat and text completions, streamed as server-sent events or whole,
-`GET /v1/models` and `GET /health`, over the same EngineLoop as the gRPC servicer.
+`GET /v1/models` and `GET /health`, over the same engine as the gRPC servicer.
 
 Requests are validated by the models in cluster/service/openai_schema.py and by the engine, as gRPC requests are;
 every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 naming the field,
@@ -26,7 +26,6 @@ from cluster.engine.llm_engine import encode_chat, encode_text, has_chat_templat
 from cluster.engine.request import sampling_params
 from cluster.service.auth import bearer
 from cluster.service.detokenizer import Tokenizers
-from cluster.service.engine_loop import EngineFailure, EngineLoop, ServerShuttingDown
 from cluster.service.engine_stream import EngineStream
 from cluster.service.metrics import HTTP, ServerMetrics
 from cluster.service.openai_schema import (
@@ -38,6 +37,7 @@ from cluster.service.openai_schema import (
     parse,
     usage_body,
 )
+from cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -89,11 +89,11 @@ def api_error(exc: Exception, prompt_field: str) -> APIError:
 
 
 class OpenAIAPI:
-    """Routes and handlers of the OpenAI-compatible API over one EngineLoop."""
+    """Routes and handlers of the OpenAI-compatible API over one engine (EngineCore)."""
 
     def __init__(
         self,
-        loop: EngineLoop,
+        loop: EngineCore,
         tokenizers: Tokenizers,
         model_id: str,
         accepting: Callable[[], bool],
@@ -103,7 +103,6 @@ class OpenAIAPI:
         max_body_bytes: int = 4 * 1024 * 1024,
     ) -> None:
         self.loop = loop
-        self.engine = loop.engine
         self.tokenizers = tokenizers
         self.model_id = model_id
         self.accepting = accepting
@@ -179,7 +178,7 @@ class OpenAIAPI:
             "object": "model",
             "created": self.created,
             "owned_by": "mtpserve",
-            "max_model_len": self.engine.max_model_len,
+            "max_model_len": self.loop.info.max_model_len,
         }
         return web.json_response({"object": "list", "data": [entry]})
 
@@ -188,7 +187,7 @@ class OpenAIAPI:
         """POST /v1/chat/completions: the messages in the tokenizer's chat template."""
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._json(request))
         self._check_model(req.model)
-        tok = self.engine.tokenizer
+        tok = self.tokenizers.encoder
         if tok is None or not has_chat_template(tok):
             raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
         turns = [m.turn() for m in req.messages]
@@ -204,10 +203,10 @@ class OpenAIAPI:
         self._check_model(req.model)
         if isinstance(req.prompt, list):
             ids = list(req.prompt)
-        elif self.engine.tokenizer is None:
+        elif self.tokenizers.encoder is None:
             raise InvalidRequestError("prompt", "this model has no tokenizer; send token ids")
         else:
-            ids = await asyncio.to_thread(self._locked, encode_text, self.engine.tokenizer, req.prompt, False)
+            ids = await asyncio.to_thread(self._locked, encode_text, self.tokenizers.encoder, req.prompt, False)
         return await self._generate(request, req, ids, chat=False)
 
     def _locked(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
@@ -232,7 +231,7 @@ class OpenAIAPI:
         prompt_field = "messages" if chat else "prompt"
         if not self.accepting():
             raise APIError(503, "workers are down or the server is stopping")
-        n, limit = len(ids), self.engine.max_model_len
+        n, limit = len(ids), self.loop.info.max_model_len
         if n >= limit:
             raise InvalidRequestError(prompt_field, f"has {n} tokens; the model's maximum length is {limit}")
         field, asked = req.requested_max_tokens()

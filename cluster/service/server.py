@@ -14,11 +14,13 @@ from grpc_reflection.v1alpha import reflection
 from cluster.engine.llm_engine import LLMEngine
 from cluster.service.auth import BearerTokenInterceptor, read_secret, server_credentials, ssl_context
 from cluster.service.engine_loop import EngineLoop
+from cluster.service.engine_process import EngineProcess
 from cluster.service.front_end_thread import FrontEndThread, HTTPSite
 from cluster.service.health import LiveHealth
 from cluster.service.http_api import OpenAIAPI
 from cluster.service.metrics import GRPC, ServerMetrics
-from cluster.service.servicer import SERVICE_NAME, InferenceServicer, model_info
+from cluster.service.request_book import EngineCore
+from cluster.service.servicer import SERVICE_NAME, InferenceServicer
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from workers.config import MTPServeConfig
 
@@ -31,19 +33,34 @@ def _host_port(host: str, port: int) -> str:
 
 class MTPServer:
     """The gRPC server (Inference, Health, reflection), the HTTP API when `server.http_port` is set, their
-    engine loop and the metrics endpoint."""
+    engine and the metrics endpoint.
 
-    def __init__(self, engine: LLMEngine, cfg: MTPServeConfig | None = None, metrics: bool = True) -> None:
-        self.cfg = cfg or engine.cfg
-        self.engine = engine
+    Given an engine, the server drives it from a thread of this process (EngineLoop). Given none, it builds the
+    engine from `cfg` in a process of its own (EngineProcess; the build's errors, such as ModelLoadError, are
+    raised here)."""
+
+    def __init__(self, engine: LLMEngine | None, cfg: MTPServeConfig | None = None, metrics: bool = True) -> None:
+        if cfg is None:
+            assert engine is not None, "give an engine or a config"
+            cfg = engine.cfg
+        self.cfg = cfg
+        self.engine = engine  # None when the engine runs in a process of its own
         self.metrics = ServerMetrics()
         self._metrics_on = metrics
         self._serving = True
         self.front_end = FrontEndThread()
         self.health = LiveHealth(self.is_serving, [SERVICE_NAME], self.front_end.loop)
-        self.loop = EngineLoop(engine, self.metrics, on_health_change=lambda _ok: self.health.changed())
+        self.loop: EngineCore
+        try:
+            if engine is None:
+                self.loop = EngineProcess(cfg, self.metrics, on_health_change=lambda _ok: self.health.changed())
+            else:
+                self.loop = EngineLoop(engine, self.metrics, on_health_change=lambda _ok: self.health.changed())
+                engine.health_listeners.append(self.set_serving)
+        except BaseException:
+            self.front_end.stop(None)
+            raise
         self.servicer = InferenceServicer(self.loop, self.accepting)
-        engine.health_listeners.append(self.set_serving)
         self.port = 0
         self.metrics_port: int | None = None
         self.http_port: int | None = None
@@ -135,7 +152,7 @@ class MTPServer:
         api = OpenAIAPI(
             self.loop,
             self.servicer.tokenizers,
-            model_info(self.engine).model_name,
+            self.loop.info.model_name,
             self.accepting,
             self.is_serving,
             token=token,

@@ -1,4 +1,4 @@
-"""The mtpserve.v1.Inference gRPC servicer over an EngineLoop, and the proto conversions it needs.
+"""The mtpserve.v1.Inference gRPC servicer over an engine (request_book.EngineCore), and the proto conversions it needs.
 
 Each handler (a coroutine on the front-end event loop) validates the request, submits it to the engine loop
 and streams the request's outputs back, several steps' tokens per message when the stream falls behind; engine
@@ -8,27 +8,24 @@ errors become gRPC status codes.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
 
 from cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
-from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.llm_engine import encode_text
 from cluster.engine.request import SamplingParams, sampling_params
 from cluster.service.detokenizer import Tokenizers
-from cluster.service.engine_loop import EngineFailure, EngineLoop, ServerShuttingDown
 from cluster.service.engine_stream import EngineStream, Piece
 from cluster.service.metrics import GRPC
+from cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
 from proto.mtpserve.v1 import inference_pb2 as pb
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from speculative.stats import SpecStats
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
@@ -97,14 +94,13 @@ def last_chunk(chunk: pb.GenerateResponse, piece: Piece) -> pb.GenerateResponse:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """mtpserve.v1.Inference on top of an EngineLoop, served by grpc.aio on the front-end event loop."""
+    """mtpserve.v1.Inference on top of an engine (EngineCore), served by grpc.aio on the front-end event loop."""
 
-    def __init__(self, loop: EngineLoop, accepting: Callable[[], bool]) -> None:
+    def __init__(self, loop: EngineCore, accepting: Callable[[], bool]) -> None:
         self.loop = loop
-        self.engine = loop.engine
         self.accepting = accepting
         self.started = time.monotonic()
-        self.tokenizers = Tokenizers(self.engine.tokenizer)
+        self.tokenizers = Tokenizers(loop.tokenizer)
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -114,13 +110,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return list(request.token_ids.ids)
         if not request.text:
             raise InvalidRequestError("prompt.text", "must not be empty")
-        if self.engine.tokenizer is None:
+        if self.tokenizers.encoder is None:
             raise InvalidRequestError("prompt.text", "this model has no tokenizer; send prompt.token_ids")
         return await asyncio.to_thread(self._encode, request.text, not request.raw)
 
     def _encode(self, text: str, chat: bool) -> list[int]:
         with self.tokenizers.lock:
-            return self.engine.encode_prompt(text, chat=chat)
+            return encode_text(self.tokenizers.encoder, text, chat)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -165,7 +161,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         """Describe the target and the draft head."""
-        return model_info(self.engine)
+        return self.loop.info
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         """Aggregate acceptance statistics, load and KV use."""
@@ -184,38 +180,3 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             prefix_cache_hit_tokens=snap.prefix_hit_tokens,
             prefix_cache_hit_rate=snap.prefix_hit_tokens / max(1, snap.prefix_query_tokens),
         )
-
-
-def model_info(engine: LLMEngine) -> pb.ModelInfo:
-    """ModelInfo for an engine, from its config and architecture."""
-    cfg, args = engine.cfg, engine.args
-    arch, name = "LlamaForCausalLM", DEFAULT_MODEL_NAME
-    if cfg.model.path is not None:
-        path = Path(cfg.model.path)
-        name = path.stem if path.is_file() else path.resolve().name
-        conf = path / "config.json"
-        if conf.is_file():
-            arch = (json.loads(conf.read_text()).get("architectures") or [arch])[0]
-    spec = cfg.speculative
-    device = getattr(engine.target, "device", None) or cfg.model.device
-    return pb.ModelInfo(
-        model_name=name,
-        architecture=arch,
-        vocab_size=args.vocab_size,
-        max_model_len=engine.max_model_len,
-        hidden_size=args.hidden_size,
-        num_layers=args.num_hidden_layers,
-        tp_size=cfg.parallel.tp_size,
-        device=str(getattr(device, "type", device)),
-        dtype=cfg.model.dtype,
-        has_tokenizer=engine.tokenizer is not None,
-        block_size=cfg.scheduler.block_size,
-        draft=pb.DraftInfo(
-            enabled=engine.draft is not None,
-            method=spec.method if engine.draft is not None else "",
-            source=spec.draft or "",
-            num_draft_tokens=engine.scheduler.k,
-            lookahead_source=spec.lookahead_source,
-            placement=cfg.parallel.draft_placement,
-        ),
-    )

@@ -1,0 +1,163 @@
+"""The engine's side of the engine process (engine_process.py): build the engine from the config, then serve
+the parent's pipe. Adds and aborts come in between steps; every step's outputs and the scheduler's state go
+out, a step's tokens before its draft runs. The engine has this process's interpreter to itself, so the front
+ends' work on every token never waits on it for the GIL, nor it on them."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+from multiprocessing.connection import Connection
+from typing import Any
+
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.scheduler import RequestOutput
+from cluster.service.model_info import model_info
+from cluster.service.request_book import EngineFailure, engine_load, step_error
+from speculative.stats import SpecStats
+from workers.config import MTPServeConfig
+
+log = logging.getLogger(__name__)
+
+# parent -> child
+ADD, ABORT, STOP = "add", "abort", "stop"
+# child -> parent
+READY, ERROR, ADDED, OUT, FAIL, STOPPED = "ready", "error", "added", "out", "fail", "stopped"
+
+PackedOutput = tuple[str, list[int], bool, str | None, int, int, tuple[int, int, int, list[int], list[int]]]
+
+
+def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
+    """Outputs as plain tuples (pickled in half the time of the dataclasses)."""
+    return [
+        (
+            o.request_id,
+            o.new_token_ids,
+            o.finished,
+            o.finish_reason,
+            o.num_prompt_tokens,
+            o.num_output_tokens,
+            (
+                o.stats.drafted,
+                o.stats.accepted,
+                o.stats.verify_steps,
+                o.stats.accepted_per_position,
+                o.stats.drafted_per_position,
+            ),
+        )
+        for o in outputs
+    ]
+
+
+def unpack_outputs(packed: list[PackedOutput]) -> list[RequestOutput]:
+    """The outputs `pack_outputs` packed."""
+    return [
+        RequestOutput(rid, ids, finished, reason, n_prompt, n_out, SpecStats(*stats))
+        for rid, ids, finished, reason, n_prompt, n_out, stats in packed
+    ]
+
+
+def portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives a pickle round trip, else an EngineFailure carrying its type and message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return EngineFailure(f"{type(exc).__name__}: {exc}")
+
+
+def run_engine_process(cfg: MTPServeConfig, conn: Connection, log_level: int = logging.INFO) -> None:
+    """Entry point of the engine process: send READY (model info, tokenizer) or ERROR, then serve until STOP or
+    until the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops this process
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[engine]: %(message)s")
+    try:
+        engine = LLMEngine.from_config(cfg)
+    except BaseException as exc:
+        conn.send((ERROR, portable(exc)))
+        return
+    try:
+        conn.send((READY, model_info(engine).SerializeToString(), engine.tokenizer))
+        _ChildLoop(engine, conn).run()
+    finally:
+        engine.shutdown()
+
+
+class _ChildLoop:
+    """Applies the parent's commands between steps and sends every step's results."""
+
+    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.live: set[str] = set()  # requests added and not yet ended
+        self.parent_gone = False
+        engine.on_tokens = self._send_outputs
+
+    def run(self) -> None:
+        """Serve until STOP or until the parent's end of the pipe closes."""
+        while not self.parent_gone and self._apply_commands(block=not self.engine.has_unfinished()):
+            if self.engine.has_unfinished():
+                self._step()
+        for rid in list(self.live):
+            self.engine.abort(rid)
+        self._send((STOPPED,))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one when `block`); False on STOP or a closed pipe."""
+        try:
+            if block:
+                self.conn.poll(None)
+            while self.conn.poll():
+                msg = self.conn.recv()
+                if msg[0] == STOP:
+                    return False
+                self._apply(msg)
+        except (EOFError, OSError):
+            self.parent_gone = True
+            return False
+        return True
+
+    def _apply(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] == ABORT:
+            self.live.discard(msg[1])
+            if self.engine.abort(msg[1]):
+                self._send((OUT, [], engine_load(self.engine)))  # the freed blocks show before the next step
+            return
+        _, seq, rid, ids, params = msg
+        try:
+            self.engine.add_request(ids, params, rid)
+        except Exception as exc:
+            self._send((ADDED, seq, portable(exc)))
+            return
+        self.live.add(rid)
+        self._send((ADDED, seq, None))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            err = step_error(exc)
+            log.exception("engine step failed; failing %d in-flight requests", len(self.live))
+            for rid in list(self.live):
+                try:
+                    self.engine.abort(rid)
+                except Exception:  # the engine may be broken; keep ending the rest
+                    log.exception("abort of %s after an engine failure raised", rid)
+            self.live.clear()
+            self.engine.scheduler.forget_cached()  # the KV those keys point at may be gone
+            self._send((FAIL, portable(err), engine_load(self.engine)))
+            return
+        self._send_outputs(outputs)
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            if o.finished:
+                self.live.discard(o.request_id)
+        self._send((OUT, pack_outputs(outputs), engine_load(self.engine)))
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError:
+            self.parent_gone = True

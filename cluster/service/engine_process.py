@@ -1,0 +1,282 @@
+"""The engine in a process of its own, driven from the server's process through one pipe (an EngineCore).
+
+The server's process keeps the front ends, the tokenizer, the request handles and the metrics; the child
+(engine_child.py) keeps the engine and steps it without sharing an interpreter lock with them. One writer
+thread sends adds and aborts, so no front end ever waits on the pipe; one reader thread routes the outputs
+to their handles. If the child dies, every request in flight fails with EngineFailure and the server
+reports NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+from cluster.engine.errors import ModelLoadError, WorkerUnavailableError
+from cluster.engine.request import SamplingParams
+from cluster.service.engine_child import (
+    ABORT,
+    ADD,
+    ADDED,
+    ERROR,
+    FAIL,
+    OUT,
+    READY,
+    STOP,
+    STOPPED,
+    run_engine_process,
+    unpack_outputs,
+)
+from cluster.service.metrics import GRPC, ServerMetrics
+from cluster.service.request_book import (
+    EngineFailure,
+    EngineLoad,
+    LoopSnapshot,
+    RequestBook,
+    RequestHandle,
+    ServerShuttingDown,
+)
+from proto.mtpserve.v1 import inference_pb2 as pb
+from workers.config import MTPServeConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineProcess:
+    """Builds the engine from `cfg` in a spawned child (raising what the build raised there, such as
+    ModelLoadError) and drives it: the same calls as EngineLoop, across a process boundary."""
+
+    def __init__(
+        self,
+        cfg: MTPServeConfig,
+        metrics: ServerMetrics | None = None,
+        on_health_change: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self._on_health_change = on_health_change
+        ctx = mp.get_context("spawn")  # a fresh interpreter: safe for CUDA, and no copy of this one's threads
+        self._conn, child_end = ctx.Pipe()
+        level = logging.getLogger().getEffectiveLevel()
+        self._proc = ctx.Process(
+            target=run_engine_process, args=(cfg, child_end, level), name="mtpserve-engine", daemon=True
+        )
+        self._proc.start()
+        child_end.close()
+        self._info, self._tokenizer = self._wait_ready()
+        self._book = RequestBook(metrics)
+        self._lock = threading.Lock()  # the book, the pending adds and the aborts asked before an add was answered
+        self._pending: dict[int, tuple[RequestHandle, futures.Future[RequestHandle]]] = {}
+        self._abort_when_added: dict[str, str] = {}
+        self._seq = itertools.count()
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._workers_ok = True
+        self._reader = threading.Thread(target=self._read, name="mtpserve-engine-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="mtpserve-engine-writer", daemon=True)
+
+    def _wait_ready(self) -> tuple[pb.ModelInfo, Any]:
+        try:
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(5.0)
+            raise ModelLoadError(
+                f"the engine process exited with code {self._proc.exitcode} while it loaded the model"
+            ) from None
+        if msg[0] == ERROR:
+            self._proc.join(5.0)
+            raise msg[1]
+        assert msg[0] == READY, msg[0]
+        return pb.ModelInfo.FromString(msg[1]), msg[2]
+
+    # ---- EngineCore ------------------------------------------------------------------------------
+    @property
+    def snapshot(self) -> LoopSnapshot:
+        """The engine state after the last step the child reported."""
+        return self._book.snapshot
+
+    @property
+    def running(self) -> bool:
+        """True while the child serves and the process is not stopping."""
+        return self._reader.is_alive() and not self._stopping.is_set()
+
+    @property
+    def healthy(self) -> bool:
+        """True while the child serves and its last step did not find workers down."""
+        return self.running and self._workers_ok
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (a copy the child sent), or None."""
+        return self._tokenizer
+
+    @property
+    def info(self) -> pb.ModelInfo:
+        """The served model, its draft and its limits, as the child described them."""
+        return self._info
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._proc.pid
+
+    def start(self) -> None:
+        """Start routing outputs and sending commands."""
+        self._reader.start()
+        self._writer.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Fail what is still in flight with ServerShuttingDown, stop the child (terminated if it does not exit
+        within `timeout` s) and both threads."""
+        self._stopping.set()
+        self._outbox.put((STOP,))
+        self._outbox.put(None)
+        if self._reader.ident is not None:
+            self._reader.join(timeout)
+        self._proc.join(timeout if self._reader.ident is not None else 0.0)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
+            self._proc.terminate()
+            self._proc.join(5.0)
+        if self._reader.ident is None:
+            self._ended()
+        if self._writer.ident is not None:
+            self._writer.join(1.0)
+        self._conn.close()
+
+    def mark_healthy(self) -> None:
+        """Clear a worker failure."""
+        self._set_workers_ok(True)
+
+    def submit_nowait(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        frontend: str = GRPC,
+        on_event: Callable[[], None] | None = None,
+    ) -> futures.Future[RequestHandle]:
+        """Send a request to the engine without waiting: a future of its handle, or of the error the engine
+        refuses it with (InvalidRequestError, QueueFullError). A caller that gives up must cancel the future, and
+        abort the request if the future was already running or done."""
+        if not self.running:
+            raise ServerShuttingDown("the server is shutting down")
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        handle = RequestHandle(rid, len(prompt_token_ids), frontend, on_event)
+        fut: futures.Future[RequestHandle] = futures.Future()
+        seq = next(self._seq)
+        with self._lock:
+            self._pending[seq] = (handle, fut)
+        self._outbox.put((ADD, seq, rid, list(prompt_token_ids), params))
+        return fut
+
+    def abort(self, request_id: str, wait: bool = True, reason: str = "abort") -> bool:
+        """Abort a request (the child frees its KV blocks); True when it was in flight or being added. Never
+        waits on the child: the request ends here at once."""
+        if self._stopping.is_set():
+            return False
+        with self._lock:
+            known = self._book.end_aborted(request_id, reason)
+            if not known and any(h.request_id == request_id for h, _ in self._pending.values()):
+                self._abort_when_added[request_id] = reason
+                known = True
+        if known:
+            self._outbox.put((ABORT, request_id))
+        return known
+
+    # ---- the writer and reader threads -----------------------------------------------------------
+    def _write(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except OSError:  # the child is gone; the reader fails what is in flight
+                return
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._conn.recv()
+                tag = msg[0]
+                if tag == OUT:
+                    self._on_outputs(msg[1], msg[2])
+                elif tag == ADDED:
+                    self._on_added(msg[1], msg[2])
+                elif tag == FAIL:
+                    self._on_failure(msg[1], msg[2])
+                elif tag == STOPPED:
+                    return
+        except (EOFError, OSError):
+            return
+        except BaseException:
+            log.exception("the engine process's reader crashed; the server stops serving")
+            raise
+        finally:
+            self._ended()
+
+    def _on_outputs(self, packed: list[Any], load: EngineLoad) -> None:
+        outputs = unpack_outputs(packed)
+        with self._lock:
+            deliveries = self._book.route(outputs)
+            self._book.publish(load)
+            for handle, out in deliveries:
+                handle.put(out)
+        if not self._workers_ok:
+            self._set_workers_ok(True)
+
+    def _on_added(self, seq: int, err: BaseException | None) -> None:
+        with self._lock:
+            handle, fut = self._pending.pop(seq)
+            reason = self._abort_when_added.pop(handle.request_id, None)
+            if not fut.set_running_or_notify_cancel():
+                if err is None and reason is None:
+                    self._outbox.put((ABORT, handle.request_id))  # the caller gave up before the engine took it
+                return
+            if err is not None:
+                fut.set_exception(err)
+                return
+            self._book.add(handle)
+            if reason is not None:  # aborted while the add was on its way; the child has dropped it too
+                self._book.end_aborted(handle.request_id, reason)
+            fut.set_result(handle)
+
+    def _on_failure(self, err: Exception, load: EngineLoad) -> None:
+        if isinstance(err, WorkerUnavailableError):
+            log.error("workers are down: %s", err)
+            self._set_workers_ok(False)
+        with self._lock:
+            for handle in self._book.take_all().values():
+                self._book.end(handle, err, "error")
+            self._book.publish(load)
+
+    def _ended(self) -> None:
+        """The child stopped or died: fail every pending add and request in flight."""
+        stopping = self._stopping.is_set()
+        self._stopping.set()
+        self._outbox.put(None)
+        if stopping:
+            err: Exception = ServerShuttingDown("the server is shutting down")
+        else:
+            self._proc.join(5.0)
+            err = EngineFailure(f"the engine process exited (exit code {self._proc.exitcode})")
+            log.error("%s; the server stops serving", err)
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            for _, fut in pending.values():
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(err)
+            for handle in self._book.take_all().values():
+                self._book.end(handle, err, "abort" if stopping else "error")
+        if self._on_health_change is not None:
+            self._on_health_change(False)
+
+    def _set_workers_ok(self, ok: bool) -> None:
+        changed = ok != self._workers_ok
+        self._workers_ok = ok
+        if changed and self._on_health_change is not None:
+            self._on_health_change(ok)

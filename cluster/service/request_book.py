@@ -1,0 +1,272 @@
+"""Requests in flight as the front ends see them: their handles, the routing of engine outputs to them, the
+serving metrics, and the engine state published for GetStats. `EngineCore` is what the front ends drive: the
+engine on a thread of this process (engine_loop.py) or in a process of its own (engine_process.py)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from cluster.engine.errors import WorkerUnavailableError
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.request import SamplingParams
+from cluster.engine.scheduler import RequestOutput
+from cluster.service.metrics import GRPC, ServerMetrics
+from proto.mtpserve.v1 import inference_pb2 as pb
+from speculative.stats import SpecStats
+
+
+class EngineFailure(Exception):
+    """The engine raised while running a request; the request is dropped (gRPC UNAVAILABLE)."""
+
+
+class ServerShuttingDown(Exception):
+    """The server stopped before the request finished (gRPC UNAVAILABLE)."""
+
+
+def step_error(exc: Exception) -> Exception:
+    """What the requests in flight fail with when a step raises `exc`: a worker outage as it is, anything else
+    as an EngineFailure naming it."""
+    if isinstance(exc, WorkerUnavailableError):
+        return exc
+    return EngineFailure(f"the engine failed while running this request ({type(exc).__name__}: {exc})")
+
+
+@dataclass
+class RequestHandle:
+    """A request in flight: the engine side fills `events`, one front-end handler drains it.
+
+    `on_event`, when given, is called (on the thread that queued the event) after each event is queued; an
+    asyncio front end uses it to wake the coroutine that reads the queue."""
+
+    request_id: str
+    num_prompt_tokens: int
+    frontend: str = GRPC
+    on_event: Callable[[], None] | None = None
+    events: deque[RequestOutput | Exception] = field(default_factory=deque)  # appended by one thread, popped by one
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    num_output_tokens: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def put(self, event: RequestOutput | Exception) -> None:
+        """Queue an event for the reader and tell it."""
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event()
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The scheduler's state after a step: load, KV blocks, prefix-cache totals and the adaptive depth."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    depth_steps: dict[str, int] | None = None
+    depth: int = 0
+
+
+def engine_load(engine: LLMEngine) -> EngineLoad:
+    """The engine's scheduler state now."""
+    sched = engine.scheduler
+    blocks = sched.blocks
+    policy = sched.depth
+    return EngineLoad(
+        running=len(sched.running),
+        waiting=sched.num_waiting,
+        kv_blocks_used=blocks.num_blocks - blocks.num_free,
+        kv_blocks_total=blocks.num_blocks,
+        kv_blocks_cached=blocks.num_cached,
+        prefix_query_tokens=sched.prefix_query_tokens,
+        prefix_hit_tokens=sched.prefix_hit_tokens,
+        depth_steps=None if policy is None else policy.step_counts(),
+        depth=0 if policy is None else policy.depth,
+    )
+
+
+@dataclass
+class LoopSnapshot:
+    """Engine state published after every step (read without touching the engine)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    totals: SpecStats = field(default_factory=SpecStats)
+    requests_finished: int = 0
+    generated_tokens: int = 0
+    kv_blocks_cached: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+def _copy_stats(s: SpecStats) -> SpecStats:
+    return replace(
+        s, accepted_per_position=list(s.accepted_per_position), drafted_per_position=list(s.drafted_per_position)
+    )
+
+
+class RequestBook:
+    """The handles of the requests in flight, and what their outputs do to the metrics and the snapshot.
+
+    Not thread-safe: one thread at a time calls it (the engine thread, or the engine process's reader under
+    its lock)."""
+
+    def __init__(self, metrics: ServerMetrics | None) -> None:
+        self.metrics = metrics
+        self.handles: dict[str, RequestHandle] = {}
+        self.snapshot = LoopSnapshot()
+        self._finished = 0
+        self._generated = 0
+        self._totals = SpecStats()  # over every request that ended: finished, aborted or failed
+
+    def add(self, handle: RequestHandle) -> None:
+        """Track a request the engine has taken."""
+        self.handles[handle.request_id] = handle
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.labels(frontend=handle.frontend).inc(handle.num_prompt_tokens)
+
+    def route(self, outputs: list[RequestOutput]) -> list[tuple[RequestHandle, RequestOutput]]:
+        """Update per-request bookkeeping and metrics; returns the outputs to deliver (unknown requests dropped)."""
+        now = time.monotonic()
+        deliveries = []
+        generated: dict[str, int] = {}
+        for out in outputs:
+            handle = self.handles.get(out.request_id)
+            if handle is None:
+                continue
+            if out.new_token_ids and handle.first_token_at is None:
+                handle.first_token_at = now
+                if self.metrics is not None:
+                    self.metrics.ttft.labels(frontend=handle.frontend).observe(now - handle.arrival)
+            handle.num_output_tokens = out.num_output_tokens
+            handle.stats = out.stats
+            generated[handle.frontend] = generated.get(handle.frontend, 0) + len(out.new_token_ids)
+            if out.finished:
+                del self.handles[out.request_id]
+                self.finish(handle, out.finish_reason or "stop")
+            deliveries.append((handle, out))
+        self._generated += sum(generated.values())
+        if self.metrics is not None:
+            for frontend, n in generated.items():
+                self.metrics.generation_tokens.labels(frontend=frontend).inc(n)
+        return deliveries
+
+    def end_aborted(self, request_id: str, reason: str) -> bool:
+        """Drop an aborted request and hand its reader a final "abort" output; False when it is not in flight."""
+        handle = self.handles.pop(request_id, None)
+        if handle is None:
+            return False
+        out = RequestOutput(
+            request_id, [], True, "abort", handle.num_prompt_tokens, handle.num_output_tokens, handle.stats
+        )
+        self.finish(handle, reason)
+        handle.put(out)
+        return True
+
+    def take_all(self) -> dict[str, RequestHandle]:
+        """Every request in flight, no longer tracked (end each with `end`)."""
+        handles, self.handles = self.handles, {}
+        return handles
+
+    def end(self, handle: RequestHandle, error: Exception, reason: str) -> None:
+        """End a request taken with `take_all` with an error for its reader."""
+        self.finish(handle, reason)
+        handle.put(error)
+
+    def finish(self, handle: RequestHandle, reason: str) -> None:
+        """Count a request that ended, and record it in the metrics."""
+        self._finished += 1
+        self._totals.merge(handle.stats)
+        if self.metrics is None:
+            return
+        first = handle.first_token_at
+        decode_s = None if first is None else time.monotonic() - first
+        self.metrics.observe_finish(reason, handle.num_output_tokens, decode_s, handle.stats, handle.frontend)
+
+    def publish(self, load: EngineLoad) -> None:
+        """Publish the snapshot and the load metrics for the engine state `load`."""
+        self.snapshot = LoopSnapshot(
+            running=load.running,
+            waiting=load.waiting,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_total=load.kv_blocks_total,
+            totals=_copy_stats(self._totals),
+            requests_finished=self._finished,
+            generated_tokens=self._generated,
+            kv_blocks_cached=load.kv_blocks_cached,
+            prefix_query_tokens=load.prefix_query_tokens,
+            prefix_hit_tokens=load.prefix_hit_tokens,
+        )
+        m = self.metrics
+        if m is None:
+            return
+        m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
+        m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
+        if load.depth_steps is not None:
+            m.observe_depths(load.depth_steps, load.depth)
+
+
+class EngineCore(Protocol):
+    """The engine as both front ends drive it: queue and abort requests, read their outputs from their handles."""
+
+    @property
+    def snapshot(self) -> LoopSnapshot:
+        """The engine state after the last step."""
+        ...
+
+    @property
+    def running(self) -> bool:
+        """True while the engine serves and is not stopping."""
+        ...
+
+    @property
+    def healthy(self) -> bool:
+        """True while the engine serves and the last step did not find workers down."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The target's tokenizer, or None."""
+        ...
+
+    @property
+    def info(self) -> pb.ModelInfo:
+        """The served model, its draft and its limits."""
+        ...
+
+    def start(self) -> None:
+        """Start serving."""
+        ...
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Fail what is still in flight with ServerShuttingDown and stop."""
+        ...
+
+    def mark_healthy(self) -> None:
+        """Clear a worker failure."""
+        ...
+
+    def submit_nowait(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        frontend: str = GRPC,
+        on_event: Callable[[], None] | None = None,
+    ) -> futures.Future[RequestHandle]:
+        """Queue a request: a future of its handle, or of the error the engine refuses it with."""
+        ...
+
+    def abort(self, request_id: str, wait: bool = True, reason: str = "abort") -> bool:
+        """Abort a request (frees its KV blocks); whether it was in flight."""
+        ...

@@ -1,0 +1,271 @@
+"""The engine in a process of its own (`server.engine_process`, the default of `mtpserve serve`): the same answers
+as the engine on a thread, refusals that name the field, no KV blocks left behind, and a server that reports
+NOT_SERVING and fails its streams when the engine process dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from multiprocessing import Pipe
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from cluster.engine.errors import InvalidRequestError, ModelLoadError
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.request import SamplingParams
+from cluster.engine.scheduler import RequestOutput
+from cluster.service.client import MTPServeClient
+from cluster.service.engine_child import (
+    ADD,
+    ADDED,
+    FAIL,
+    OUT,
+    STOP,
+    STOPPED,
+    _ChildLoop,
+    pack_outputs,
+    portable,
+    unpack_outputs,
+)
+from cluster.service.engine_process import EngineProcess
+from cluster.service.request_book import EngineFailure
+from cluster.service.server import MTPServer
+from speculative.stats import SpecStats
+from workers.config import MTPServeConfig
+
+from helpers_service import ServeProcess, rpc_error, wait_for, write_tiny_model
+
+PROMPTS: list[dict[str, Any]] = [
+    {"prompt": "Name three rivers in Europe.", "max_tokens": 24},
+    {"token_ids": [28, 2365, 314, 3434, 17], "max_tokens": 40, "ignore_eos": True},
+    {"prompt": "Write a haiku about rain.", "max_tokens": 20, "temperature": 0.8, "seed": 7},
+]
+
+
+def _config(model: Path, head: Path) -> MTPServeConfig:
+    return MTPServeConfig.from_dict(
+        {
+            "model": {"path": str(model), "device": "cpu"},
+            "speculative": {"draft": str(head), "num_draft_tokens": 2},
+            "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
+            "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model dir, draft head) of a tiny model with SmolLM2's tokenizer."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny: tuple[Path, Path]) -> Iterator[MTPServer]:
+    """A server whose engine runs in a child process, gRPC and HTTP on free ports, metrics off."""
+    srv = MTPServer(None, _config(*tiny), metrics=False)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: MTPServer) -> Iterator[MTPServeClient]:
+    """A client of `server`."""
+    with MTPServeClient(server.address, timeout=60) as c:
+        yield c
+
+
+def _answers(client: MTPServeClient) -> list[dict[str, Any]]:
+    return [client.generate(**p) for p in PROMPTS]
+
+
+def test_the_engine_runs_in_another_process(server: MTPServer) -> None:
+    assert isinstance(server.loop, EngineProcess)
+    assert server.loop.pid is not None and server.loop.pid != os.getpid()
+
+
+def test_answers_and_model_info_equal_those_of_the_engine_on_a_thread(
+    server: MTPServer, client: MTPServeClient, tiny: tuple[Path, Path]
+) -> None:
+    in_child = _answers(client)
+    info = client.model_info()
+    threaded = MTPServer(LLMEngine.from_config(_config(*tiny)), metrics=False)
+    threaded.start()
+    try:
+        with MTPServeClient(threaded.address, timeout=60) as local:
+            assert _answers(local) == in_child  # tokens, text, finish reason and acceptance counters
+            assert local.model_info() == info
+    finally:
+        threaded.stop()
+    assert len(in_child[1]["token_ids"]) == 40 and in_child[0]["text"]
+    stats = client.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["requests_running"] == 0
+    assert stats["requests_finished"] >= len(PROMPTS)
+
+
+def test_refusals_name_the_field_and_the_engine_serves_on(client: MTPServeClient, server: MTPServer) -> None:
+    vocab = server.loop.info.vocab_size
+    err = rpc_error(lambda: client.generate(token_ids=[1, vocab], max_tokens=4))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt.token_ids:")
+    err = rpc_error(lambda: client.generate(token_ids=[5] * 600, max_tokens=4))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt")
+    assert len(client.generate(token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True)["token_ids"]) == 5
+    assert wait_for(lambda: client.stats()["kv_blocks_used"] == 0)
+
+
+def test_a_cancelled_stream_and_an_aborted_request_free_their_blocks(client: MTPServeClient) -> None:
+    stream = client.stream(token_ids=[9, 8, 7, 6], max_tokens=400, ignore_eos=True)
+    next(stream)
+    stream.close()  # cancels the call
+    ended: dict[str, Any] = {}
+
+    def run() -> None:
+        ended["result"] = client.generate(token_ids=[3, 4, 5], request_id="stop-me", max_tokens=400, ignore_eos=True)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_for(lambda: client.stats()["requests_running"] >= 1)
+    assert client.abort("stop-me")
+    thread.join(30)
+    assert ended["result"]["finish_reason"] == "abort" and len(ended["result"]["token_ids"]) < 400
+    assert wait_for(lambda: (s := client.stats())["kv_blocks_used"] == 0 and s["requests_running"] == 0)
+    assert not client.abort("stop-me")
+
+
+def _http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_http_api_runs_over_the_engine_process(server: MTPServer) -> None:
+    url = f"http://{server.http_address}"
+    _, models = _http(f"{url}/v1/models")
+    assert models["data"][0]["id"] == server.loop.info.model_name
+    body = {"model": models["data"][0]["id"], "prompt": "One, two,", "max_tokens": 8, "ignore_eos": True}
+    status, out = _http(f"{url}/v1/completions", body)
+    assert status == 200 and out["usage"]["completion_tokens"] == 8, out
+    status, out = _http(f"{url}/v1/completions", {**body, "temperature": -1})
+    assert status == 400 and "temperature" in out["error"]["message"], out
+
+
+def test_a_dead_engine_process_fails_its_streams_and_the_server_stops_serving(tiny: tuple[Path, Path]) -> None:
+    srv = MTPServer(None, _config(*tiny), metrics=False)
+    srv.start()
+    try:
+        with MTPServeClient(srv.address, timeout=60) as c:
+            stream = c.stream(token_ids=[9, 8, 7], max_tokens=10_000 // 20, ignore_eos=True)
+            next(stream)
+            assert isinstance(srv.loop, EngineProcess) and srv.loop.pid is not None
+            os.kill(srv.loop.pid, signal.SIGKILL)
+            err = rpc_error(lambda: list(stream))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "engine process exited" in err.details()
+            assert wait_for(lambda: c.health() == "NOT_SERVING")
+            err = rpc_error(lambda: c.generate(token_ids=[1, 2], max_tokens=2))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop(grace=0.5)
+
+
+def test_a_model_that_cannot_load_raises_the_childs_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    cfg = MTPServeConfig.from_dict({"model": {"path": str(tmp_path), "device": "cpu"}, "server": {"port": 0}})
+    with pytest.raises(ModelLoadError, match=r"config\.json: .*vocab_size"):
+        MTPServer(None, cfg, metrics=False)
+
+
+# ---- the child's loop, driven in this process over a pipe ------------------------------------------------------------
+def _messages_until(conn: Any, tag: str) -> list[tuple[Any, ...]]:
+    got = []
+    while True:
+        assert conn.poll(60), f"no {tag} within 60 s; got {[m[0] for m in got]}"
+        got.append(conn.recv())
+        if got[-1][0] == tag:
+            return got
+
+
+def test_a_step_that_raises_fails_the_requests_in_flight_and_frees_their_blocks(tiny: tuple[Path, Path]) -> None:
+    engine = LLMEngine.from_config(_config(*tiny))
+    step = engine.step
+    calls = {"n": 0}
+
+    def failing_once() -> list[RequestOutput]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return step()
+
+    engine.step = failing_once  # type: ignore[method-assign]
+    parent, child = Pipe()
+    loop = threading.Thread(target=_ChildLoop(engine, child).run)
+    loop.start()
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    parent.send((ADD, 0, "a", [5, 6, 7], params))
+    got = _messages_until(parent, FAIL)
+    assert got[0] == (ADDED, 0, None)
+    err, load = got[-1][1], got[-1][2]
+    assert isinstance(err, EngineFailure) and "RuntimeError: boom" in str(err)
+    assert load.kv_blocks_used == 0 and load.running == 0
+    parent.send((ADD, 1, "b", [5, 6, 7], params))
+    outs = _messages_until(parent, OUT)
+    while not any(o[2] for o in outs[-1][1]):  # until "b" finishes
+        outs += _messages_until(parent, OUT)
+    assert sum(len(o[1]) for m in outs if m[0] == OUT for o in m[1]) == 30
+    parent.send((ADD, 2, "c", [5, 10**9], params))
+    added = _messages_until(parent, ADDED)[-1]
+    assert isinstance(added[2], InvalidRequestError) and added[2].field == "prompt_token_ids"
+    parent.send((STOP,))
+    assert _messages_until(parent, STOPPED)[-1] == (STOPPED,)
+    loop.join(10)
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks  # cached blocks count as free
+
+
+def test_outputs_and_refusals_cross_the_pipe_whole() -> None:
+    outs = [
+        RequestOutput("r1", [4, 5], False, None, 7, 2, SpecStats(4, 3, 2, [2, 1], [2, 2])),
+        RequestOutput("r2", [], True, "length", 3, 9),
+    ]
+    assert unpack_outputs(pickle.loads(pickle.dumps(pack_outputs(outs)))) == outs
+    err = pickle.loads(pickle.dumps(portable(InvalidRequestError("sampling.top_p", "must be > 0"))))
+    assert isinstance(err, InvalidRequestError) and (err.field, err.reason) == ("sampling.top_p", "must be > 0")
+
+    class Local(Exception):  # cannot be pickled: defined in a function
+        pass
+
+    stand_in = portable(Local("bad"))
+    assert isinstance(stand_in, EngineFailure) and "Local: bad" in str(stand_in)
+
+
+def test_serve_exits_with_status_1_when_its_engine_process_dies(tiny: tuple[Path, Path]) -> None:
+    model, head = tiny
+    serve = ServeProcess(["--model", str(model), "--draft", str(head), "--device", "cpu"]).start()
+    try:
+        assert serve.proc is not None
+        engine_pids = [pid for pid in _children(serve.proc.pid) if b"spawn_main" in _cmdline(pid)]
+        assert len(engine_pids) == 1, "mtpserve serve should start one engine process"
+        os.kill(engine_pids[0], signal.SIGKILL)
+        assert serve.proc.wait(30) == 1
+        assert "the engine stopped" in serve.log and "engine process exited" in serve.log
+    finally:
+        serve.stop()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in (task / "children").read_text().split()]
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
