@@ -341,3 +341,24 @@ def test_prefix_cache_cli_refuses_what_it_cannot_measure(tmp_path: Path, capsys:
     assert "tokenizer" in capsys.readouterr().err
     assert main([*base, "--document", str(tmp_path / "missing.txt")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_process_tree_figures_count_the_engine_process() -> None:
+    """The served process's CPU and memory figures include its children (the engine process is one)."""
+    import os
+    import subprocess
+
+    from cluster.bench.procs import process_tree, tree_cpu_s, tree_rss_mb
+
+    from helpers_service import wait_for
+
+    code = "import time; x = b'x' * (64 << 20); s = sum(range(3_000_000)); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        assert wait_for(lambda: child.pid in process_tree(os.getpid()) and tree_rss_mb(child.pid) > 60, 30)
+        assert tree_rss_mb(os.getpid()) >= tree_rss_mb(child.pid) + 10  # this process's own memory on top
+        child_cpu, own_cpu = tree_cpu_s(child.pid), tree_cpu_s(os.getpid())
+        assert child_cpu is not None and own_cpu is not None and own_cpu >= child_cpu > 0
+    finally:
+        child.kill()
+        child.wait()

@@ -4,6 +4,7 @@ NOT_SERVING and fails its streams when the engine process dies."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -126,19 +127,53 @@ def test_a_cancelled_stream_and_an_aborted_request_free_their_blocks(client: MTP
     stream = client.stream(token_ids=[9, 8, 7, 6], max_tokens=400, ignore_eos=True)
     next(stream)
     stream.close()  # cancels the call
-    ended: dict[str, Any] = {}
-
-    def run() -> None:
-        ended["result"] = client.generate(token_ids=[3, 4, 5], request_id="stop-me", max_tokens=400, ignore_eos=True)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    wait_for(lambda: client.stats()["requests_running"] >= 1)
+    chunks = client.stream(token_ids=[3, 4, 5], request_id="stop-me", max_tokens=400, ignore_eos=True)
+    first = next(chunks)
     assert client.abort("stop-me")
-    thread.join(30)
-    assert ended["result"]["finish_reason"] == "abort" and len(ended["result"]["token_ids"]) < 400
+    rest = list(chunks)
+    assert rest[-1].finish_reason == "abort"
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) < 400
     assert wait_for(lambda: (s := client.stats())["kv_blocks_used"] == 0 and s["requests_running"] == 0)
     assert not client.abort("stop-me")
+
+
+def test_requests_given_up_while_the_engine_adds_them_end_there_too(server: MTPServer) -> None:
+    """A cancel or an abort that reaches the server before the engine process has answered the add, and an abort
+    from a callback of the add's future (run by the thread that resolves it), all leave nothing running."""
+    proc = server.loop
+    assert isinstance(proc, EngineProcess)
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    early = proc.submit_nowait([5, 6, 7], params)
+    if not early.cancel():  # the engine was quicker than this thread
+        proc.abort(early.result(30).request_id)
+    aborted = proc.submit_nowait([5, 6, 8], params, request_id="abort-early")
+    assert proc.abort("abort-early")
+    handle = aborted.result(30)
+    assert wait_for(lambda: bool(handle.events) and getattr(handle.events[-1], "finish_reason", None) == "abort")
+    in_callback = proc.submit_nowait([5, 6, 9], params)
+    in_callback.add_done_callback(lambda f: proc.abort(f.result().request_id, wait=False))
+    in_callback.result(30)
+    assert wait_for(lambda: (s := proc.snapshot).running == 0 and s.waiting == 0 and s.kv_blocks_used == 0, 30)
+    last = proc.submit_nowait([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)).result(30)
+    assert wait_for(lambda: any(getattr(e, "finished", False) for e in list(last.events)), 30)
+
+
+def test_stop_ends_streams_in_flight_and_the_engine_process_exits_cleanly(tiny: tuple[Path, Path]) -> None:
+    srv = MTPServer(None, _config(*tiny), metrics=False)
+    assert srv.loop.snapshot.kv_blocks_total == 64  # published before the first step
+    srv.start()
+    try:
+        with MTPServeClient(srv.address, timeout=60) as c:
+            assert c.stats()["kv_blocks_total"] == 64
+            stream = c.stream(token_ids=[9, 8, 7], max_tokens=500, ignore_eos=True)
+            next(stream)
+            srv.stop(grace=0.2)
+            err = rpc_error(lambda: list(stream))
+            assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    finally:
+        srv.stop(grace=0.2)
+    assert isinstance(srv.loop, EngineProcess) and srv.loop._proc.exitcode == 0
+    assert srv.loop.snapshot.running == 0
 
 
 def _http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
@@ -227,8 +262,11 @@ def test_a_step_that_raises_fails_the_requests_in_flight_and_frees_their_blocks(
     parent.send((ADD, 2, "c", [5, 10**9], params))
     added = _messages_until(parent, ADDED)[-1]
     assert isinstance(added[2], InvalidRequestError) and added[2].field == "prompt_token_ids"
+    parent.send((ADD, 3, "d", [5, 6, 7], SamplingParams(max_tokens=300, ignore_eos=True)))
+    _messages_until(parent, OUT)  # "d" runs
     parent.send((STOP,))
-    assert _messages_until(parent, STOPPED)[-1] == (STOPPED,)
+    stopped = _messages_until(parent, STOPPED)[-1]
+    assert stopped[1].running == 0 and stopped[1].kv_blocks_used == 0  # what ran at STOP is aborted
     loop.join(10)
     assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks  # cached blocks count as free
 
@@ -263,8 +301,32 @@ def test_serve_exits_with_status_1_when_its_engine_process_dies(tiny: tuple[Path
         serve.stop()
 
 
+def test_the_engine_process_exits_when_serve_is_killed(tiny: tuple[Path, Path]) -> None:
+    model, head = tiny
+    serve = ServeProcess(["--model", str(model), "--draft", str(head), "--device", "cpu"]).start()
+    try:
+        assert serve.proc is not None
+        (engine,) = [pid for pid in _children(serve.proc.pid) if b"spawn_main" in _cmdline(pid)]
+        serve.proc.kill()
+        serve.proc.wait(10)
+        assert wait_for(lambda: _gone(engine), 20)
+    finally:
+        serve.stop()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in (task / "children").read_text().split()]
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
 
 
 def _cmdline(pid: int) -> bytes:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import statistics
@@ -35,6 +34,7 @@ import yaml
 import cluster
 from cluster.bench import report as bench_report
 from cluster.bench.load import served_vocab, settle
+from cluster.bench.procs import tree_cpu_s
 from cluster.bench.stream_clients import Clients
 from workers.config import MTPServeConfig
 
@@ -105,9 +105,9 @@ def one_round(
     clients: Clients, front_end: str, addresses: dict[str, str], prompts: list[list[int]], args: argparse.Namespace
 ) -> Round:
     """All prompts at once over one front end; the server's CPU seconds (with its engine process) over the round."""
-    cpu0 = process_cpu_s(args.server_pid)
+    cpu0 = tree_cpu_s(args.server_pid)
     streams = clients.run(front_end, addresses, prompts, args.output_len, args.channels)
-    cpu1 = process_cpu_s(args.server_pid)
+    cpu1 = tree_cpu_s(args.server_pid)
     seconds = max(s.end for s in streams) - min(s.sent for s in streams)
     r = Round(front_end, len(prompts), False, seconds, sum(s.tokens for s in streams))
     r.chunks = sum(s.chunks for s in streams)
@@ -120,29 +120,6 @@ def one_round(
         if s.tokens > 1:
             r.tpot_ms.append(1e3 * (s.end - s.first) / (s.tokens - 1))
     return r
-
-
-def process_cpu_s(pid: int | None) -> float | None:
-    """User plus system CPU seconds so far of a process and its live descendants, such as the engine process
-    (Linux /proc); None elsewhere."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    for child in _children(pid):
-        total += process_cpu_s(child) or 0.0
-    return total
-
-
-def _children(pid: int | None) -> list[int]:
-    pids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            pids += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return pids
 
 
 def server_config(args: argparse.Namespace) -> dict[str, Any]:

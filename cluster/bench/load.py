@@ -7,10 +7,10 @@ opens --streams streams at once over a few channels with grpc.aio. Each stream i
 the end, cancel after the first chunk, or a deadline too short to finish. Per round it records how every
 stream ended, wrong ends (a finished stream without its max_tokens tokens, or a status other than the
 fate's), output tok/s, and after the round settles the server's KV blocks in use, running and waiting
-requests and resident memory. After the first round every greedy stream that finished is run again
-alone; the report gives the fraction with identical tokens (bf16 on a GPU can differ at near ties
-between batch shapes; fp32 on CPU must match exactly). Exit status 1 when any stream ended wrongly or a
-KV block stayed held.
+requests and resident memory (the serving process and its engine process). After the first round every
+greedy stream that finished is run again alone; the report gives the fraction with identical tokens (bf16
+on a GPU can differ at near ties between batch shapes; fp32 on CPU must match exactly). Exit status 1 when
+any stream ended wrongly or a KV block stayed held.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import yaml
 
 import cluster
 from cluster.bench import report as bench_report
+from cluster.bench.procs import tree_gpu_mb, tree_rss_mb
 from proto.mtpserve.v1 import inference_pb2 as pb
 from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from workers.config import MTPServeConfig
@@ -191,33 +192,6 @@ async def settle(address: str, timeout: float = 120.0) -> pb.GetStatsResponse:
         await asyncio.sleep(0.2)
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def gpu_mb(pid: int) -> float | None:
-    """GPU memory the process holds (nvidia-smi), None without one."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(pid):
-            return float(parts[1])
-    return None
-
-
 def check(specs: list[Spec], outcomes: list[Outcome]) -> dict[str, Any]:
     """Counts of how streams ended, and every wrong end."""
     ends: dict[str, int] = {}
@@ -286,8 +260,8 @@ def run_rounds(args: argparse.Namespace, proc: subprocess.Popen[str], address: s
                 "kv_blocks_total": settled.kv_blocks_total,
                 "requests_running": settled.requests_running,
                 "requests_waiting": settled.requests_waiting,
-                "server_rss_mb": rss_mb(proc.pid),
-                "server_gpu_mb": gpu_mb(proc.pid),
+                "server_rss_mb": tree_rss_mb(proc.pid),
+                "server_gpu_mb": tree_gpu_mb(proc.pid),
             },
         }
         row["tok_per_s"] = row["output_tokens"] / seconds

@@ -6,11 +6,15 @@ ends' work on every token never waits on it for the GIL, nor it on them."""
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
+import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from cluster.engine.errors import MTPServeError
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.scheduler import RequestOutput
 from cluster.service.model_info import model_info
@@ -24,6 +28,8 @@ log = logging.getLogger(__name__)
 ADD, ABORT, STOP = "add", "abort", "stop"
 # child -> parent
 READY, ERROR, ADDED, OUT, FAIL, STOPPED = "ready", "error", "added", "out", "fail", "stopped"
+
+PARENT_CHECK_S = 1.0
 
 PackedOutput = tuple[str, list[int], bool, str | None, int, int, tuple[int, int, int, list[int], list[int]]]
 
@@ -67,21 +73,34 @@ def portable(exc: BaseException) -> BaseException:
         return EngineFailure(f"{type(exc).__name__}: {exc}")
 
 
-def run_engine_process(cfg: MTPServeConfig, conn: Connection, log_level: int = logging.INFO) -> None:
-    """Entry point of the engine process: send READY (model info, tokenizer) or ERROR, then serve until STOP or
-    until the parent is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops this process
+def run_engine_process(cfg: MTPServeConfig, conn: Connection, parent_pid: int, log_level: int = logging.INFO) -> None:
+    """Entry point of the engine process: send READY (model info, tokenizer, scheduler state) or ERROR, then serve
+    until STOP or until the parent is gone."""
+    # A signal to the whole process group (Ctrl-C, a supervisor's SIGTERM) is the parent's to handle: it drains
+    # the streams, then stops this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[engine]: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="mtpserve-parent-watch", daemon=True).start()
     try:
         engine = LLMEngine.from_config(cfg)
     except BaseException as exc:
+        if not isinstance(exc, MTPServeError):
+            log.exception("the engine could not be built")
         conn.send((ERROR, portable(exc)))
         return
     try:
-        conn.send((READY, model_info(engine).SerializeToString(), engine.tokenizer))
+        conn.send((READY, model_info(engine).SerializeToString(), engine.tokenizer, engine_load(engine)))
         _ChildLoop(engine, conn).run()
     finally:
         engine.shutdown()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this process once its parent is gone (killed while the model loads, say); a closed pipe ends it later."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(1)
 
 
 class _ChildLoop:
@@ -101,7 +120,7 @@ class _ChildLoop:
                 self._step()
         for rid in list(self.live):
             self.engine.abort(rid)
-        self._send((STOPPED,))
+        self._send((STOPPED, engine_load(self.engine)))
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when `block`); False on STOP or a closed pipe."""

@@ -9,14 +9,17 @@ reports NOT_SERVING.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import uuid
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import replace
 from typing import Any
 
 from cluster.engine.errors import ModelLoadError, WorkerUnavailableError
@@ -65,12 +68,16 @@ class EngineProcess:
         self._conn, child_end = ctx.Pipe()
         level = logging.getLogger().getEffectiveLevel()
         self._proc = ctx.Process(
-            target=run_engine_process, args=(cfg, child_end, level), name="mtpserve-engine", daemon=True
+            target=run_engine_process,
+            args=(cfg, child_end, os.getpid(), level),
+            name="mtpserve-engine",
+            daemon=True,
         )
         self._proc.start()
         child_end.close()
-        self._info, self._tokenizer = self._wait_ready()
+        self._info, self._tokenizer, self._last_load = self._wait_ready()
         self._book = RequestBook(metrics)
+        self._book.publish(self._last_load)
         self._lock = threading.Lock()  # the book, the pending adds and the aborts asked before an add was answered
         self._pending: dict[int, tuple[RequestHandle, futures.Future[RequestHandle]]] = {}
         self._abort_when_added: dict[str, str] = {}
@@ -81,7 +88,7 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="mtpserve-engine-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="mtpserve-engine-writer", daemon=True)
 
-    def _wait_ready(self) -> tuple[pb.ModelInfo, Any]:
+    def _wait_ready(self) -> tuple[pb.ModelInfo, Any, EngineLoad]:
         try:
             msg = self._conn.recv()
         except (EOFError, OSError):
@@ -93,7 +100,7 @@ class EngineProcess:
             self._proc.join(5.0)
             raise msg[1]
         assert msg[0] == READY, msg[0]
-        return pb.ModelInfo.FromString(msg[1]), msg[2]
+        return pb.ModelInfo.FromString(msg[1]), msg[2], msg[3]
 
     # ---- EngineCore ------------------------------------------------------------------------------
     @property
@@ -132,22 +139,30 @@ class EngineProcess:
         self._writer.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Fail what is still in flight with ServerShuttingDown, stop the child (terminated if it does not exit
-        within `timeout` s) and both threads."""
+        """Fail what is still in flight with ServerShuttingDown, stop the child (terminated, then killed, if it
+        does not exit within `timeout` s) and both threads."""
         self._stopping.set()
-        self._outbox.put((STOP,))
-        self._outbox.put(None)
-        if self._reader.ident is not None:
+        started = self._reader.ident is not None
+        if started:
+            self._outbox.put((STOP,))
+            self._outbox.put(None)
             self._reader.join(timeout)
-        self._proc.join(timeout if self._reader.ident is not None else 0.0)
+        else:
+            with contextlib.suppress(OSError):
+                self._conn.send((STOP,))
+        self._proc.join(timeout)
         if self._proc.is_alive():
             log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
             self._proc.terminate()
             self._proc.join(5.0)
-        if self._reader.ident is None:
-            self._ended()
-        if self._writer.ident is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5.0)
+        if started:
+            self._reader.join(5.0)  # the child is gone: its end of the pipe is closed
             self._writer.join(1.0)
+        else:
+            self._ended()
         self._conn.close()
 
     def mark_healthy(self) -> None:
@@ -165,15 +180,15 @@ class EngineProcess:
         """Send a request to the engine without waiting: a future of its handle, or of the error the engine
         refuses it with (InvalidRequestError, QueueFullError). A caller that gives up must cancel the future, and
         abort the request if the future was already running or done."""
-        if not self.running:
-            raise ServerShuttingDown("the server is shutting down")
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         handle = RequestHandle(rid, len(prompt_token_ids), frontend, on_event)
         fut: futures.Future[RequestHandle] = futures.Future()
-        seq = next(self._seq)
-        with self._lock:
+        with self._lock:  # the add is queued in the order of the pending map, ahead of any abort of it
+            if not self.running:
+                raise ServerShuttingDown("the server is shutting down")
+            seq = next(self._seq)
             self._pending[seq] = (handle, fut)
-        self._outbox.put((ADD, seq, rid, list(prompt_token_ids), params))
+            self._outbox.put((ADD, seq, rid, list(prompt_token_ids), params))
         return fut
 
     def abort(self, request_id: str, wait: bool = True, reason: str = "abort") -> bool:
@@ -186,8 +201,8 @@ class EngineProcess:
             if not known and any(h.request_id == request_id for h, _ in self._pending.values()):
                 self._abort_when_added[request_id] = reason
                 known = True
-        if known:
-            self._outbox.put((ABORT, request_id))
+            if known:
+                self._outbox.put((ABORT, request_id))
         return known
 
     # ---- the writer and reader threads -----------------------------------------------------------
@@ -196,6 +211,10 @@ class EngineProcess:
             try:
                 self._conn.send(msg)
             except OSError:  # the child is gone; the reader fails what is in flight
+                return
+            except Exception:
+                log.exception("could not send %s to the engine process; stopping it", msg[0])
+                self._proc.kill()  # the reader then fails every request in flight
                 return
 
     def _read(self) -> None:
@@ -210,6 +229,7 @@ class EngineProcess:
                 elif tag == FAIL:
                     self._on_failure(msg[1], msg[2])
                 elif tag == STOPPED:
+                    self._last_load = msg[1]
                     return
         except (EOFError, OSError):
             return
@@ -223,26 +243,29 @@ class EngineProcess:
         outputs = unpack_outputs(packed)
         with self._lock:
             deliveries = self._book.route(outputs)
+            self._last_load = load
             self._book.publish(load)
             for handle, out in deliveries:
                 handle.put(out)
-        if not self._workers_ok:
+        if packed and not self._workers_ok:  # a step went through
             self._set_workers_ok(True)
 
     def _on_added(self, seq: int, err: BaseException | None) -> None:
-        with self._lock:
+        with self._lock:  # decide here; resolve the future after, since its callbacks may call abort()
             handle, fut = self._pending.pop(seq)
             reason = self._abort_when_added.pop(handle.request_id, None)
-            if not fut.set_running_or_notify_cancel():
-                if err is None and reason is None:
-                    self._outbox.put((ABORT, handle.request_id))  # the caller gave up before the engine took it
-                return
-            if err is not None:
-                fut.set_exception(err)
-                return
-            self._book.add(handle)
-            if reason is not None:  # aborted while the add was on its way; the child has dropped it too
-                self._book.end_aborted(handle.request_id, reason)
+            wanted = fut.set_running_or_notify_cancel()
+            if err is None and (reason is not None or not wanted):
+                self._outbox.put((ABORT, handle.request_id))  # given up on before the engine took it
+            if err is None and wanted:
+                self._book.add(handle)
+                if reason is not None:
+                    self._book.end_aborted(handle.request_id, reason)
+        if not wanted:
+            return
+        if err is not None:
+            fut.set_exception(err)
+        else:
             fut.set_result(handle)
 
     def _on_failure(self, err: Exception, load: EngineLoad) -> None:
@@ -252,6 +275,7 @@ class EngineProcess:
         with self._lock:
             for handle in self._book.take_all().values():
                 self._book.end(handle, err, "error")
+            self._last_load = load
             self._book.publish(load)
 
     def _ended(self) -> None:
@@ -267,11 +291,14 @@ class EngineProcess:
             log.error("%s; the server stops serving", err)
         with self._lock:
             pending, self._pending = self._pending, {}
-            for _, fut in pending.values():
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(err)
             for handle in self._book.take_all().values():
                 self._book.end(handle, err, "abort" if stopping else "error")
+            if not stopping:  # a dead engine holds nothing
+                self._last_load = replace(self._last_load, running=0, waiting=0, kv_blocks_used=0)
+            self._book.publish(self._last_load)
+        for _, fut in pending.values():
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(err)
         if self._on_health_change is not None:
             self._on_health_change(False)
 

@@ -246,7 +246,13 @@ class OpenAIAPI:
         try:
             try:
                 await stream.start(ids, params, rid)
-            except (InvalidRequestError, QueueFullError, WorkerUnavailableError, ServerShuttingDown) as exc:
+            except (
+                InvalidRequestError,
+                QueueFullError,
+                WorkerUnavailableError,
+                EngineFailure,
+                ServerShuttingDown,
+            ) as exc:
                 raise api_error(exc, prompt_field) from None
             if req.stream:
                 return await self._sse(request, req, stream, rid, chat)

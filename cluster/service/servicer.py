@@ -145,7 +145,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     context, grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request started"
                 )
             await stream.start(ids, params, request.request_id or None)
-        except (InvalidRequestError, QueueFullError, WorkerUnavailableError, ServerShuttingDown) as exc:
+        except (InvalidRequestError, QueueFullError, WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
             await _abort(context, *_abort_code(exc))
         assert stream.handle is not None
         return stream.handle.request_id
