@@ -25,7 +25,7 @@ from workers.config import MTPServeConfig
 log = logging.getLogger(__name__)
 
 # parent -> child
-ADD, ABORT, STOP = "add", "abort", "stop"
+ADD, ABORT, STOP, BATCH = "add", "abort", "stop", "batch"  # a BATCH holds several of the others, in order
 # child -> parent
 READY, ERROR, ADDED, OUT, FAIL, STOPPED = "ready", "error", "added", "out", "fail", "stopped"
 
@@ -129,9 +129,10 @@ class _ChildLoop:
                 self.conn.poll(None)
             while self.conn.poll():
                 msg = self.conn.recv()
-                if msg[0] == STOP:
-                    return False
-                self._apply(msg)
+                for cmd in msg[1] if msg[0] == BATCH else [msg]:
+                    if cmd[0] == STOP:
+                        return False
+                    self._apply(cmd)
         except (EOFError, OSError):
             self.parent_gone = True
             return False

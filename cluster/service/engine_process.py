@@ -1,14 +1,15 @@
 """The engine in a process of its own, driven from the server's process through one pipe (an EngineCore).
 
 The server's process keeps the front ends, the tokenizer, the request handles and the metrics; the child
-(engine_child.py) keeps the engine and steps it without sharing an interpreter lock with them. One writer
-thread sends adds and aborts, so no front end ever waits on the pipe; one reader thread routes the outputs
-to their handles. If the child dies, every request in flight fails with EngineFailure and the server
-reports NOT_SERVING.
+(engine_child.py) keeps the engine and steps it without sharing an interpreter lock with them. The front ends'
+event loop reads the child's outputs itself (no thread between them and the streams); one writer thread sends
+adds and aborts, all that are queued in one message, so no front end ever waits on the pipe. If the child dies,
+every request in flight fails with EngineFailure and the server reports NOT_SERVING.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -16,6 +17,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent import futures
@@ -28,6 +30,7 @@ from cluster.service.engine_child import (
     ABORT,
     ADD,
     ADDED,
+    BATCH,
     ERROR,
     FAIL,
     OUT,
@@ -50,6 +53,7 @@ from proto.mtpserve.v1 import inference_pb2 as pb
 from workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
+MESSAGES_PER_WAKE = 16
 
 
 class EngineProcess:
@@ -59,11 +63,13 @@ class EngineProcess:
     def __init__(
         self,
         cfg: MTPServeConfig,
+        event_loop: asyncio.AbstractEventLoop,
         metrics: ServerMetrics | None = None,
         on_health_change: Callable[[bool], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self._on_health_change = on_health_change
+        self._event_loop = event_loop
         ctx = mp.get_context("spawn")  # a fresh interpreter: safe for CUDA, and no copy of this one's threads
         self._conn, child_end = ctx.Pipe()
         level = logging.getLogger().getEffectiveLevel()
@@ -85,7 +91,8 @@ class EngineProcess:
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._workers_ok = True
-        self._reader = threading.Thread(target=self._read, name="mtpserve-engine-reader", daemon=True)
+        self._reading = False  # from start() until the child stopped or died
+        self._over = False
         self._writer = threading.Thread(target=self._write, name="mtpserve-engine-writer", daemon=True)
 
     def _wait_ready(self) -> tuple[pb.ModelInfo, Any, EngineLoad]:
@@ -111,7 +118,7 @@ class EngineProcess:
     @property
     def running(self) -> bool:
         """True while the child serves and the process is not stopping."""
-        return self._reader.is_alive() and not self._stopping.is_set()
+        return self._reading and not self._stopping.is_set()
 
     @property
     def healthy(self) -> bool:
@@ -134,22 +141,23 @@ class EngineProcess:
         return self._proc.pid
 
     def start(self) -> None:
-        """Start routing outputs and sending commands."""
-        self._reader.start()
+        """Start sending commands, and routing the child's outputs on the event loop."""
+        self._reading = True
         self._writer.start()
+        self._on_loop(lambda: self._event_loop.add_reader(self._conn.fileno(), self._on_readable))
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Fail what is still in flight with ServerShuttingDown, stop the child (terminated, then killed, if it
-        does not exit within `timeout` s) and both threads."""
+        """Fail what is still in flight with ServerShuttingDown and stop the child (terminated, then killed, if it
+        does not exit within `timeout` s)."""
         self._stopping.set()
-        started = self._reader.ident is not None
-        if started:
+        if self._writer.ident is not None:
             self._outbox.put((STOP,))
             self._outbox.put(None)
-            self._reader.join(timeout)
         else:
             with contextlib.suppress(OSError):
                 self._conn.send((STOP,))
+        self._on_loop(self._detach)
+        self._read_until_stopped(timeout)  # the last steps' outputs, then STOPPED, on this thread
         self._proc.join(timeout)
         if self._proc.is_alive():
             log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
@@ -158,11 +166,9 @@ class EngineProcess:
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(5.0)
-        if started:
-            self._reader.join(5.0)  # the child is gone: its end of the pipe is closed
+        if self._writer.ident is not None:
             self._writer.join(1.0)
-        else:
-            self._ended()
+        self._ended()
         self._conn.close()
 
     def mark_healthy(self) -> None:
@@ -207,37 +213,93 @@ class EngineProcess:
 
     # ---- the writer and reader threads -----------------------------------------------------------
     def _write(self) -> None:
-        while (msg := self._outbox.get()) is not None:
+        """Send the queued commands, all that are queued in one message (one hand-off of the interpreter lock)."""
+        while True:
+            batch = [self._outbox.get()]
+            while batch[-1] is not None:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            msgs = [m for m in batch if m is not None]
             try:
-                self._conn.send(msg)
+                if msgs:
+                    self._conn.send(msgs[0] if len(msgs) == 1 else (BATCH, msgs))
             except OSError:  # the child is gone; the reader fails what is in flight
                 return
             except Exception:
-                log.exception("could not send %s to the engine process; stopping it", msg[0])
+                log.exception("could not send commands to the engine process; stopping it")
                 self._proc.kill()  # the reader then fails every request in flight
                 return
+            if batch[-1] is None:
+                return
 
-    def _read(self) -> None:
+    def _on_readable(self) -> None:
+        """On the event loop: route what the child sent; at its end (STOPPED, or a closed pipe), stop reading."""
         try:
-            while True:
-                msg = self._conn.recv()
-                tag = msg[0]
-                if tag == OUT:
-                    self._on_outputs(msg[1], msg[2])
-                elif tag == ADDED:
-                    self._on_added(msg[1], msg[2])
-                elif tag == FAIL:
-                    self._on_failure(msg[1], msg[2])
-                elif tag == STOPPED:
-                    self._last_load = msg[1]
+            for _ in range(MESSAGES_PER_WAKE):  # then let the streams run; the loop calls again while any is left
+                if not self._conn.poll():
                     return
+                if not self._dispatch(self._conn.recv()):
+                    break
+            else:
+                return
         except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("routing the engine process's outputs failed; the server stops serving")
+        self._detach()
+        self._ended()
+
+    def _read_until_stopped(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(EOFError, OSError):
+            while self._reading and self._conn.poll(max(0.0, deadline - time.monotonic())):
+                if not self._dispatch(self._conn.recv()):
+                    return
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> bool:
+        """Apply one message of the child; False once it has stopped."""
+        tag = msg[0]
+        if tag == OUT:
+            self._on_outputs(msg[1], msg[2])
+        elif tag == ADDED:
+            self._on_added(msg[1], msg[2])
+        elif tag == FAIL:
+            self._on_failure(msg[1], msg[2])
+        elif tag == STOPPED:
+            self._last_load = msg[1]
+            return False
+        return True
+
+    def _detach(self) -> None:
+        if not self._event_loop.is_closed():
+            self._event_loop.remove_reader(self._conn.fileno())
+
+    def _on_loop(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the event loop's thread: now when the loop is not running or this is its thread, else soon
+        (waiting for it)."""
+        loop = self._event_loop
+        if loop.is_closed():
             return
-        except BaseException:
-            log.exception("the engine process's reader crashed; the server stops serving")
-            raise
-        finally:
-            self._ended()
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here or not loop.is_running():
+            fn()
+            return
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                done.set()
+
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            loop.call_soon_threadsafe(run)
+            done.wait(5.0)
 
     def _on_outputs(self, packed: list[Any], load: EngineLoad) -> None:
         outputs = unpack_outputs(packed)
@@ -279,14 +341,19 @@ class EngineProcess:
             self._book.publish(load)
 
     def _ended(self) -> None:
-        """The child stopped or died: fail every pending add and request in flight."""
+        """The child stopped or died: fail every pending add and request in flight (once)."""
+        with self._lock:
+            if self._over:
+                return
+            self._over = True
+            self._reading = False
         stopping = self._stopping.is_set()
         self._stopping.set()
         self._outbox.put(None)
         if stopping:
             err: Exception = ServerShuttingDown("the server is shutting down")
         else:
-            self._proc.join(5.0)
+            self._proc.join(1.0)
             err = EngineFailure(f"the engine process exited (exit code {self._proc.exitcode})")
             log.error("%s; the server stops serving", err)
         with self._lock:

@@ -53,7 +53,7 @@ class MTPServer:
         self.loop: EngineCore
         try:
             if engine is None:
-                self.loop = EngineProcess(cfg, self.metrics, on_health_change=lambda _ok: self.health.changed())
+                self.loop = EngineProcess(cfg, self.front_end.loop, self.metrics, lambda _ok: self.health.changed())
             else:
                 self.loop = EngineLoop(engine, self.metrics, on_health_change=lambda _ok: self.health.changed())
                 engine.health_listeners.append(self.set_serving)
