@@ -265,6 +265,8 @@ def test_scheduler_actor_serves_grpc_and_http(ray_local, model) -> None:
     actor, address, _, http_address = start_scheduler_actor(cfg)
     try:
         assert ray_local.get(actor.ready.remote()) is True
+        actor_pid, front_end_pid = ray_local.get(actor.pids.remote())
+        assert front_end_pid is not None and front_end_pid != actor_pid, "the front ends run in a process of their own"
         prompts = random_prompts(2, 96, [11, 25], seed=16)
         with MTPServeClient(address, timeout=60) as client:
             assert client.health() == "SERVING"
@@ -283,9 +285,10 @@ def test_scheduler_actor_serves_grpc_and_http(ray_local, model) -> None:
         stop_scheduler_actor(actor)
 
 
-def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model) -> None:
-    """The front end's process dies mid-stream: the stream ends with UNAVAILABLE within 5 s, and within 60 s
-    the same address is SERVING again with new workers, giving the reference tokens."""
+@pytest.mark.parametrize("victim", ["scheduler", "front-ends"])
+def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model, victim: str) -> None:
+    """The scheduler actor's process, or its front ends' process, dies mid-stream: the streams end with UNAVAILABLE
+    within 5 s, and within 60 s the same address is SERVING again with new workers, giving the reference tokens."""
     from cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     cfg = dist_config(model, "colocated", chunk_size=6)
@@ -297,7 +300,10 @@ def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model) -
         with MTPServeClient(address, timeout=60) as client:
             load = StreamLoad(client, LOAD_STREAMS)
             assert load.wait_running(8, 60), "the running slots never filled"
-            ray_local.kill(actor, no_restart=False)
+            if victim == "scheduler":
+                ray_local.kill(actor, no_restart=False)
+            else:
+                os.kill(ray_local.get(actor.pids.remote())[1], signal.SIGKILL)
             t0 = time.monotonic()
             assert set(load.join(30)) == {grpc.StatusCode.UNAVAILABLE}
             assert max(load.ended) - t0 < 5.0, "every stream (running or queued) ends within 5 s"

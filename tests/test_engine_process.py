@@ -32,7 +32,7 @@ from cluster.service.engine_child import (
     OUT,
     STOP,
     STOPPED,
-    _ChildLoop,
+    PipedEngine,
     pack_outputs,
     portable,
     unpack_outputs,
@@ -245,7 +245,7 @@ def test_a_step_that_raises_fails_the_requests_in_flight_and_frees_their_blocks(
 
     engine.step = failing_once  # type: ignore[method-assign]
     parent, child = Pipe()
-    loop = threading.Thread(target=_ChildLoop(engine, child).run)
+    loop = threading.Thread(target=PipedEngine(engine, child).run)
     loop.start()
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     parent.send((ADD, 0, "a", [5, 6, 7], params))

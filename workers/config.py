@@ -242,8 +242,8 @@ class ServerConfig(_Strict):
     allow_insecure: bool = Field(False, description="serve a non-loopback address without TLS and without a token")
     engine_process: bool = Field(
         True,
-        description="run the engine in a process of its own beside the front ends (`mtpserve serve` without Ray); "
-        "false: on a thread of the serving process",
+        description="run the engine and the front ends in separate processes: without Ray the engine in a child "
+        "of `mtpserve serve`, with Ray the front ends in a child of the scheduler actor; false: one process",
     )
 
     @model_validator(mode="after")

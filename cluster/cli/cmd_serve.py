@@ -39,9 +39,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run the engine in a process of its own, so that the front ends' per-token work and the engine's "
-        "steps do not share one interpreter lock (default: on; --no-engine-process runs it on a thread of the "
-        "serving process; with Ray the scheduler actor always drives it from a thread)",
+        help="run the engine and the front ends in separate processes, so that the front ends' per-token work "
+        "and the engine's steps do not share one interpreter lock (default: on; without Ray the engine runs in a "
+        "child process, with Ray the front ends run in a child of the scheduler actor; --no-engine-process keeps "
+        "both in one process)",
     )
     g.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
     g = p.add_argument_group("security (docs: README, 'Security')")

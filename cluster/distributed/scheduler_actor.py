@@ -1,11 +1,16 @@
-"""The scheduler as a Ray actor: it owns the engine (scheduler + step loop) and serves the public gRPC (and
-HTTP) API from the same process, so the per-step path has no extra hop between a front end and a scheduler."""
+"""The scheduler as a Ray actor: it owns the engine (scheduler + step loop) and its worker actors, and serves the
+public gRPC (and HTTP) API from a child process over a pipe (`server.engine_process`, the default), so that the
+front ends' per-token work and the scheduler's per-step work do not share one interpreter lock; with
+`server.engine_process: false` it serves them from its own process."""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
+from cluster.service.front_end_process import FrontEndProcess
+from cluster.service.server import MTPServer
 from workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
@@ -19,14 +24,18 @@ class SchedulerActor:
         import ray
 
         from cluster.distributed.actors import build_distributed_engine
-        from cluster.service.server import MTPServer
+        from cluster.service.front_end_process import FrontEndProcess
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self.cfg = MTPServeConfig.model_validate_json(cfg_json)
         workers = f"mtpserve-workers-{ray.get_runtime_context().get_actor_id()}"  # the same after a restart
         self.engine = build_distributed_engine(self.cfg, workers)
-        self.server = MTPServer(self.engine, self.cfg)
-        self.server.start()
+        self.server: MTPServer | FrontEndProcess
+        if self.cfg.server.engine_process:
+            self.server = FrontEndProcess(self.engine, self.cfg, on_lost=_restart)
+        else:
+            self.server = MTPServer(self.engine, self.cfg)
+            self.server.start()
 
     def endpoints(self) -> tuple[str, int | None, str | None]:
         """(gRPC host:port, metrics port, HTTP host:port or None)."""
@@ -36,10 +45,21 @@ class SchedulerActor:
         """Liveness probe for Ray."""
         return True
 
+    def pids(self) -> tuple[int, int | None]:
+        """(this actor's process id, the front-end process's id or None when the front ends run here)."""
+        srv = self.server
+        return os.getpid(), None if isinstance(srv, MTPServer) else srv.pid
+
     def stop(self) -> None:
         """Stop serving and release the worker actors."""
         self.server.stop()
         self.engine.shutdown()
+
+
+def _restart() -> None:
+    """End this actor's process so that Ray starts it again (with new front ends and workers)."""
+    log.error("the front ends are gone; restarting the scheduler actor")
+    os._exit(1)
 
 
 def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None, str | None]:

@@ -1,7 +1,10 @@
-"""The engine's side of the engine process (engine_process.py): build the engine from the config, then serve
-the parent's pipe. Adds and aborts come in between steps; every step's outputs and the scheduler's state go
-out, a step's tokens before its draft runs. The engine has this process's interpreter to itself, so the front
-ends' work on every token never waits on it for the GIL, nor it on them."""
+"""The engine's side of the pipe between the engine and the front ends when they run in separate processes
+(engine_process.py is the other side). Adds and aborts come in between steps; every step's outputs and the
+scheduler's state go out, a step's tokens before its draft runs. The engine has its process's interpreter to
+itself, so the front ends' work on every token never waits on it for the GIL, nor it on them.
+
+`run_engine_process` is the child `mtpserve serve` starts: it builds the engine from the config and serves the
+pipe. With Ray the scheduler actor keeps the engine and serves the pipe from a thread (front_end_process.py)."""
 
 from __future__ import annotations
 
@@ -24,10 +27,10 @@ from workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 
-# parent -> child
+# front ends -> engine
 ADD, ABORT, STOP, BATCH = "add", "abort", "stop", "batch"  # a BATCH holds several of the others, in order
-# child -> parent
-READY, ERROR, ADDED, OUT, FAIL, STOPPED = "ready", "error", "added", "out", "fail", "stopped"
+# engine -> front ends
+READY, ERROR, ADDED, OUT, FAIL, STOPPED, HEALTH = "ready", "error", "added", "out", "fail", "stopped", "health"
 
 PARENT_CHECK_S = 1.0
 
@@ -76,12 +79,7 @@ def portable(exc: BaseException) -> BaseException:
 def run_engine_process(cfg: MTPServeConfig, conn: Connection, parent_pid: int, log_level: int = logging.INFO) -> None:
     """Entry point of the engine process: send READY (model info, tokenizer, scheduler state) or ERROR, then serve
     until STOP or until the parent is gone."""
-    # A signal to the whole process group (Ctrl-C, a supervisor's SIGTERM) is the parent's to handle: it drains
-    # the streams, then stops this process.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[engine]: %(message)s")
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="mtpserve-parent-watch", daemon=True).start()
+    serve_as_child(parent_pid, log_level, "engine")
     try:
         engine = LLMEngine.from_config(cfg)
     except BaseException as exc:
@@ -90,10 +88,25 @@ def run_engine_process(cfg: MTPServeConfig, conn: Connection, parent_pid: int, l
         conn.send((ERROR, portable(exc)))
         return
     try:
-        conn.send((READY, model_info(engine).SerializeToString(), engine.tokenizer, engine_load(engine)))
-        _ChildLoop(engine, conn).run()
+        send_ready(engine, conn)
+        PipedEngine(engine, conn).run()
     finally:
         engine.shutdown()
+
+
+def send_ready(engine: LLMEngine, conn: Connection) -> None:
+    """Tell the peer what it serves: READY with the model info, the tokenizer and the scheduler state."""
+    conn.send((READY, model_info(engine).SerializeToString(), engine.tokenizer, engine_load(engine)))
+
+
+def serve_as_child(parent_pid: int, log_level: int, tag: str) -> None:
+    """Set up a child of the server: signals to the whole process group (Ctrl-C, a supervisor's SIGTERM) are the
+    parent's to handle, which stops this process in order; log lines carry `tag`; the process ends by itself
+    once the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[{tag}]: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="mtpserve-parent-watch", daemon=True).start()
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -103,19 +116,22 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-class _ChildLoop:
-    """Applies the parent's commands between steps and sends every step's results."""
+class PipedEngine:
+    """Drives an engine for the peer at the other end of `conn` (the server's process, or a front-end process):
+    applies its commands between steps and sends every step's results, and worker outages as HEALTH."""
 
     def __init__(self, engine: LLMEngine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
         self.live: set[str] = set()  # requests added and not yet ended
-        self.parent_gone = False
+        self.peer_gone = False
+        self._send_lock = threading.Lock()  # health listeners may call from the workers' restart thread
         engine.on_tokens = self._send_outputs
+        engine.health_listeners.append(lambda ok: self._send((HEALTH, ok)))
 
     def run(self) -> None:
-        """Serve until STOP or until the parent's end of the pipe closes."""
-        while not self.parent_gone and self._apply_commands(block=not self.engine.has_unfinished()):
+        """Serve until STOP or until the peer's end of the pipe closes."""
+        while not self.peer_gone and self._apply_commands(block=not self.engine.has_unfinished()):
             if self.engine.has_unfinished():
                 self._step()
         for rid in list(self.live):
@@ -134,7 +150,7 @@ class _ChildLoop:
                         return False
                     self._apply(cmd)
         except (EOFError, OSError):
-            self.parent_gone = True
+            self.peer_gone = True
             return False
         return True
 
@@ -178,6 +194,7 @@ class _ChildLoop:
 
     def _send(self, msg: tuple[Any, ...]) -> None:
         try:
-            self.conn.send(msg)
+            with self._send_lock:
+                self.conn.send(msg)
         except OSError:
-            self.parent_gone = True
+            self.peer_gone = True

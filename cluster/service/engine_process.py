@@ -22,6 +22,8 @@ import uuid
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from cluster.engine.errors import ModelLoadError, WorkerUnavailableError
@@ -33,6 +35,7 @@ from cluster.service.engine_child import (
     BATCH,
     ERROR,
     FAIL,
+    HEALTH,
     OUT,
     READY,
     STOP,
@@ -57,8 +60,10 @@ MESSAGES_PER_WAKE = 16
 
 
 class EngineProcess:
-    """Builds the engine from `cfg` in a spawned child (raising what the build raised there, such as
-    ModelLoadError) and drives it: the same calls as EngineLoop, across a process boundary."""
+    """An engine in another process, driven through a pipe: the same calls as EngineLoop. Without `pipe` it builds
+    the engine from `cfg` in a spawned child (raising what the build raised there, such as ModelLoadError); with
+    one, the engine is at its other end already (the Ray scheduler actor that started this front-end process).
+    `on_serving` hears the engine's worker outages and recoveries."""
 
     def __init__(
         self,
@@ -66,21 +71,28 @@ class EngineProcess:
         event_loop: asyncio.AbstractEventLoop,
         metrics: ServerMetrics | None = None,
         on_health_change: Callable[[bool], None] | None = None,
+        pipe: Connection | None = None,
+        on_serving: Callable[[bool], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self._on_health_change = on_health_change
+        self._on_serving = on_serving
         self._event_loop = event_loop
-        ctx = mp.get_context("spawn")  # a fresh interpreter: safe for CUDA, and no copy of this one's threads
-        self._conn, child_end = ctx.Pipe()
-        level = logging.getLogger().getEffectiveLevel()
-        self._proc = ctx.Process(
-            target=run_engine_process,
-            args=(cfg, child_end, os.getpid(), level),
-            name="mtpserve-engine",
-            daemon=True,
-        )
-        self._proc.start()
-        child_end.close()
+        self._proc: BaseProcess | None = None
+        if pipe is None:
+            ctx = mp.get_context("spawn")  # a fresh interpreter: safe for CUDA, and no copy of this one's threads
+            self._conn, child_end = ctx.Pipe()
+            level = logging.getLogger().getEffectiveLevel()
+            self._proc = ctx.Process(
+                target=run_engine_process,
+                args=(cfg, child_end, os.getpid(), level),
+                name="mtpserve-engine",
+                daemon=True,
+            )
+            self._proc.start()
+            child_end.close()
+        else:
+            self._conn = pipe
         self._info, self._tokenizer, self._last_load = self._wait_ready()
         self._book = RequestBook(metrics)
         self._book.publish(self._last_load)
@@ -99,12 +111,10 @@ class EngineProcess:
         try:
             msg = self._conn.recv()
         except (EOFError, OSError):
-            self._proc.join(5.0)
-            raise ModelLoadError(
-                f"the engine process exited with code {self._proc.exitcode} while it loaded the model"
-            ) from None
+            raise ModelLoadError(f"the engine process {self._exit_status()} while it loaded the model") from None
         if msg[0] == ERROR:
-            self._proc.join(5.0)
+            if self._proc is not None:
+                self._proc.join(5.0)
             raise msg[1]
         assert msg[0] == READY, msg[0]
         return pb.ModelInfo.FromString(msg[1]), msg[2], msg[3]
@@ -137,8 +147,8 @@ class EngineProcess:
 
     @property
     def pid(self) -> int | None:
-        """The engine process's id."""
-        return self._proc.pid
+        """The engine process's id, when this object started it."""
+        return None if self._proc is None else self._proc.pid
 
     def start(self) -> None:
         """Start sending commands, and routing the child's outputs on the event loop."""
@@ -158,14 +168,15 @@ class EngineProcess:
                 self._conn.send((STOP,))
         self._on_loop(self._detach)
         self._read_until_stopped(timeout)  # the last steps' outputs, then STOPPED, on this thread
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
-            self._proc.terminate()
-            self._proc.join(5.0)
+        if self._proc is not None:
+            self._proc.join(timeout)
             if self._proc.is_alive():
-                self._proc.kill()
+                log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
+                self._proc.terminate()
                 self._proc.join(5.0)
+                if self._proc.is_alive():
+                    self._proc.kill()
+                    self._proc.join(5.0)
         if self._writer.ident is not None:
             self._writer.join(1.0)
         self._ended()
@@ -229,7 +240,8 @@ class EngineProcess:
                 return
             except Exception:
                 log.exception("could not send commands to the engine process; stopping it")
-                self._proc.kill()  # the reader then fails every request in flight
+                if self._proc is not None:
+                    self._proc.kill()  # the reader then fails every request in flight
                 return
             if batch[-1] is None:
                 return
@@ -267,6 +279,9 @@ class EngineProcess:
             self._on_added(msg[1], msg[2])
         elif tag == FAIL:
             self._on_failure(msg[1], msg[2])
+        elif tag == HEALTH:
+            if self._on_serving is not None:
+                self._on_serving(msg[1])
         elif tag == STOPPED:
             self._last_load = msg[1]
             return False
@@ -353,8 +368,7 @@ class EngineProcess:
         if stopping:
             err: Exception = ServerShuttingDown("the server is shutting down")
         else:
-            self._proc.join(1.0)
-            err = EngineFailure(f"the engine process exited (exit code {self._proc.exitcode})")
+            err = EngineFailure(f"the engine process {self._exit_status()}")
             log.error("%s; the server stops serving", err)
         with self._lock:
             pending, self._pending = self._pending, {}
@@ -368,6 +382,12 @@ class EngineProcess:
                 fut.set_exception(err)
         if self._on_health_change is not None:
             self._on_health_change(False)
+
+    def _exit_status(self) -> str:
+        if self._proc is None:
+            return "closed its pipe"
+        self._proc.join(1.0)
+        return f"exited (exit code {self._proc.exitcode})"
 
     def _set_workers_ok(self, ok: bool) -> None:
         changed = ok != self._workers_ok

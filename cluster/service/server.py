@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from multiprocessing.connection import Connection
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,9 +38,15 @@ class MTPServer:
 
     Given an engine, the server drives it from a thread of this process (EngineLoop). Given none, it builds the
     engine from `cfg` in a process of its own (EngineProcess; the build's errors, such as ModelLoadError, are
-    raised here)."""
+    raised here), or, given `engine_pipe`, drives the engine at the other end of that pipe."""
 
-    def __init__(self, engine: LLMEngine | None, cfg: MTPServeConfig | None = None, metrics: bool = True) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine | None,
+        cfg: MTPServeConfig | None = None,
+        metrics: bool = True,
+        engine_pipe: Connection | None = None,
+    ) -> None:
         if cfg is None:
             assert engine is not None, "give an engine or a config"
             cfg = engine.cfg
@@ -53,7 +60,14 @@ class MTPServer:
         self.loop: EngineCore
         try:
             if engine is None:
-                self.loop = EngineProcess(cfg, self.front_end.loop, self.metrics, lambda _ok: self.health.changed())
+                self.loop = EngineProcess(
+                    cfg,
+                    self.front_end.loop,
+                    self.metrics,
+                    lambda _ok: self.health.changed(),
+                    pipe=engine_pipe,
+                    on_serving=self.set_serving,
+                )
             else:
                 self.loop = EngineLoop(engine, self.metrics, on_health_change=lambda _ok: self.health.changed())
                 engine.health_listeners.append(self.set_serving)

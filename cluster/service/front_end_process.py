@@ -1,0 +1,113 @@
+"""The front ends in a process of their own, beside an engine that stays where it is: the Ray scheduler actor
+keeps its distributed engine (and its workers) and steps it on a thread, while a spawned child serves gRPC,
+HTTP and metrics over a pipe to it (engine_child.PipedEngine on this side, engine_process.EngineProcess on the
+child's). The two no longer share one interpreter lock."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from cluster.engine.errors import ModelLoadError
+from cluster.engine.llm_engine import LLMEngine
+from cluster.service.engine_child import ERROR, PipedEngine, portable, send_ready, serve_as_child
+from cluster.service.server import MTPServer
+from workers.config import MTPServeConfig
+
+log = logging.getLogger(__name__)
+SERVING, STOP_SERVING = "serving", "stop-serving"
+START_TIMEOUT_S = 300.0
+
+
+class FrontEndProcess:
+    """Serves `engine` through front ends in a spawned child, bound as `cfg.server` says (raising the child's
+    error if they cannot start). `on_lost` is called if the child dies while serving."""
+
+    def __init__(self, engine: LLMEngine, cfg: MTPServeConfig, on_lost: Callable[[], None]) -> None:
+        ctx = mp.get_context("spawn")
+        engine_end, child_engine_end = ctx.Pipe()
+        self._control, child_control = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=run_front_ends,
+            args=(cfg, child_engine_end, child_control, os.getpid(), logging.getLogger().getEffectiveLevel()),
+            name="mtpserve-front-ends",
+            daemon=True,
+        )
+        self._proc.start()
+        child_engine_end.close()
+        child_control.close()
+        self._on_lost = on_lost
+        self._stopping = False
+        self._serving = False
+        send_ready(engine, engine_end)
+        self._engine = PipedEngine(engine, engine_end)
+        self._thread = threading.Thread(target=self._serve_engine, name="mtpserve-piped-engine", daemon=True)
+        self._thread.start()  # a child that fails to start stops the engine side through the pipe
+        self.address, self.metrics_port, self.http_address = self._wait_serving()
+        self._serving = True
+
+    @property
+    def pid(self) -> int | None:
+        """The front-end process's id."""
+        return self._proc.pid
+
+    def _wait_serving(self) -> tuple[str, int | None, str | None]:
+        try:
+            if not self._control.poll(START_TIMEOUT_S):
+                raise ModelLoadError(f"the front-end process did not start within {START_TIMEOUT_S:.0f} s")
+            msg = self._control.recv()
+        except (EOFError, OSError):
+            self._proc.join(5.0)
+            raise ModelLoadError(f"the front-end process exited with code {self._proc.exitcode}") from None
+        if msg[0] == ERROR:
+            self._stopping = True
+            self._proc.join(10.0)
+            raise msg[1]
+        return msg[1], msg[2], msg[3]
+
+    def _serve_engine(self) -> None:
+        try:
+            self._engine.run()
+        finally:
+            if self._serving and not self._stopping:
+                log.error("the front-end process is gone; nothing serves this engine any more")
+                self._on_lost()
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop the front ends (their streams end as at any server stop), then the engine side."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._control.send((STOP_SERVING,))
+        self._thread.join(timeout)
+        self._proc.join(5.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5.0)
+        self._control.close()
+
+
+def run_front_ends(
+    cfg: MTPServeConfig, engine_pipe: Connection, control: Connection, parent_pid: int, log_level: int
+) -> None:
+    """Entry point of the front-end process: serve over `engine_pipe` until told to stop on `control` (or until
+    the parent or the engine is gone); the bound endpoints, or the error, go back on `control`."""
+    serve_as_child(parent_pid, log_level, "front ends")
+    try:
+        server = MTPServer(None, cfg, engine_pipe=engine_pipe)
+        server.start()
+    except BaseException as exc:
+        control.send((ERROR, portable(exc)))
+        return
+    control.send((SERVING, server.address, server.metrics_port, server.http_address))
+    try:
+        while server.loop.running and not control.poll(0.5):
+            pass
+    except (EOFError, OSError):
+        pass
+    finally:
+        server.stop()
