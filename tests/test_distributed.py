@@ -255,18 +255,20 @@ def test_config_dir_exists(model) -> None:
     assert Path(model[0], "config.json").is_file()
 
 
-def test_scheduler_actor_serves_grpc_and_http(ray_local, model) -> None:
-    """The scheduler actor serves gRPC and, from the same engine, the HTTP API; both give the reference tokens."""
+@pytest.mark.parametrize("split", [True, False], ids=["front-ends-in-a-child", "one-process"])
+def test_scheduler_actor_serves_grpc_and_http(ray_local, model, split: bool) -> None:
+    """The scheduler actor serves gRPC and, from the same engine, the HTTP API, with its front ends in a child
+    process or in the actor itself; both give the reference tokens."""
     from cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     cfg = dist_config(model, chunk_size=6)
-    server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "http_port": 0}
+    server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "http_port": 0, "engine_process": split}
     cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update=server)})
     actor, address, _, http_address = start_scheduler_actor(cfg)
     try:
         assert ray_local.get(actor.ready.remote()) is True
         actor_pid, front_end_pid = ray_local.get(actor.pids.remote())
-        assert front_end_pid is not None and front_end_pid != actor_pid, "the front ends run in a process of their own"
+        assert (front_end_pid is not None and front_end_pid != actor_pid) if split else front_end_pid is None
         prompts = random_prompts(2, 96, [11, 25], seed=16)
         with MTPServeClient(address, timeout=60) as client:
             assert client.health() == "SERVING"

@@ -20,14 +20,16 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.engine.errors import InvalidRequestError, ModelLoadError
+from cluster.engine.errors import InvalidRequestError, ModelLoadError, MTPServeError
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import SamplingParams
 from cluster.engine.scheduler import RequestOutput
 from cluster.service.client import MTPServeClient
 from cluster.service.engine_child import (
+    ABORT,
     ADD,
     ADDED,
+    BATCH,
     FAIL,
     OUT,
     STOP,
@@ -38,6 +40,7 @@ from cluster.service.engine_child import (
     unpack_outputs,
 )
 from cluster.service.engine_process import EngineProcess
+from cluster.service.front_end_process import FrontEndProcess
 from cluster.service.request_book import EngineFailure
 from cluster.service.server import MTPServer
 from speculative.stats import SpecStats
@@ -331,3 +334,71 @@ def _children(pid: int) -> list[int]:
 
 def _cmdline(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_a_batch_of_commands_applies_in_order(tiny: tuple[Path, Path]) -> None:
+    engine = LLMEngine.from_config(_config(*tiny))
+    parent, child = Pipe()
+    loop = threading.Thread(target=PipedEngine(engine, child).run)
+    loop.start()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    parent.send((BATCH, [(ADD, 0, "a", [5, 6, 7], params), (ABORT, "a"), (ADD, 1, "b", [5, 6, 8], params)]))
+    got = _messages_until(parent, OUT)
+    while not any(o[0] == "b" and o[2] for m in got if m[0] == OUT for o in m[1]):
+        got += _messages_until(parent, OUT)
+    assert [m[1] for m in got if m[0] == ADDED] == [0, 1]
+    assert {o[0] for m in got if m[0] == OUT for o in m[1]} == {"b"}, "the aborted request never ran"
+    parent.send((BATCH, [(ADD, 2, "c", [5, 6, 9], params), (STOP,), (ADD, 3, "d", [1, 2], params)]))
+    assert [m[1] for m in _messages_until(parent, STOPPED) if m[0] == ADDED] == [2]
+    loop.join(10)
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+
+
+# ---- the other split: the engine stays here, the front ends run in a child (the Ray scheduler actor's layout) ----
+def test_front_ends_in_a_child_serve_this_engine_and_follow_its_health(tiny: tuple[Path, Path]) -> None:
+    cfg = _config(*tiny)
+    engine = LLMEngine.from_config(cfg)
+    lost = threading.Event()
+    front = FrontEndProcess(engine, cfg, on_lost=lost.set)
+    try:
+        assert front.pid is not None and front.pid != os.getpid()
+        with MTPServeClient(front.address, timeout=60) as c:
+            out = c.generate(token_ids=[28, 2365, 314], max_tokens=8, ignore_eos=True)
+            assert len(out["token_ids"]) == 8 and c.health() == "SERVING"
+            for listener in list(engine.health_listeners):  # as the distributed engine reports a worker outage
+                listener(False)
+            assert wait_for(lambda: c.health() == "NOT_SERVING")
+            assert rpc_error(lambda: c.generate(token_ids=[1, 2], max_tokens=2)).code() == grpc.StatusCode.UNAVAILABLE
+            for listener in list(engine.health_listeners):
+                listener(True)
+            assert wait_for(lambda: c.health() == "SERVING")
+        _, models = _http(f"http://{front.http_address}/v1/models")
+        assert [m["id"] for m in models["data"]] == [Path(str(cfg.model.path)).name]
+    finally:
+        front.stop()
+    assert front._proc.exitcode == 0 and not lost.is_set()
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+
+
+def test_front_ends_that_die_are_reported_and_a_taken_port_is_refused(tiny: tuple[Path, Path]) -> None:
+    cfg = _config(*tiny)
+    engine = LLMEngine.from_config(cfg)
+    lost = threading.Event()
+    front = FrontEndProcess(engine, cfg, on_lost=lost.set)
+    try:
+        port = int(front.address.rsplit(":", 1)[1])
+        taken = cfg.model_copy(update={"server": cfg.server.model_copy(update={"port": port})})
+        children = _spawned(os.getpid())
+        with pytest.raises((RuntimeError, OSError, MTPServeError)):
+            FrontEndProcess(LLMEngine.from_config(taken), taken, on_lost=lost.set)
+        assert _spawned(os.getpid()) == children, "the child that could not bind is gone"
+        assert front.pid is not None
+        os.kill(front.pid, signal.SIGKILL)
+        assert lost.wait(15), "the engine side did not notice its front ends died"
+    finally:
+        front.stop()
+    assert front.pid not in _spawned(os.getpid())
+
+
+def _spawned(pid: int) -> set[int]:
+    return {p for p in _children(pid) if b"spawn_main" in _cmdline(p) and not _gone(p)}

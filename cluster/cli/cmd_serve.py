@@ -93,8 +93,8 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     """Build the engine, serve until `stop` is set (by SIGINT/SIGTERM by default), shut down cleanly; exit status 1
     when the engine stops on its own (its process died), so that a supervisor restarts the server.
 
-    With Ray (tp_size > 1, --distributed or --address) the scheduler and the gRPC front end run in a
-    scheduler actor on this node, which starts the worker actors; this process only waits.
+    With Ray (tp_size > 1, --distributed or --address) the scheduler runs in a scheduler actor on this node, which
+    starts the worker actors and the front ends' process; this process only waits.
     """
     from cluster.distributed.build import build_engine, uses_ray
     from cluster.service.auth import check_server_files

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from cluster.engine.errors import MTPServeError
@@ -107,6 +108,14 @@ def serve_as_child(parent_pid: int, log_level: int, tag: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[{tag}]: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="mtpserve-parent-watch", daemon=True).start()
+
+
+def kill_at_exit(proc: BaseProcess) -> None:
+    """At this interpreter's exit, kill a child still running (it ignores SIGTERM, which multiprocessing's own exit
+    hook sends before it waits on the child without a limit)."""
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5.0)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -10,6 +10,7 @@ every request in flight fails with EngineFailure and the server reports NOT_SERV
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import logging
@@ -40,6 +41,7 @@ from cluster.service.engine_child import (
     READY,
     STOP,
     STOPPED,
+    kill_at_exit,
     run_engine_process,
     unpack_outputs,
 )
@@ -90,6 +92,7 @@ class EngineProcess:
                 daemon=True,
             )
             self._proc.start()
+            atexit.register(kill_at_exit, self._proc)
             child_end.close()
         else:
             self._conn = pipe
@@ -166,21 +169,20 @@ class EngineProcess:
         else:
             with contextlib.suppress(OSError):
                 self._conn.send((STOP,))
-        self._on_loop(self._detach)
-        self._read_until_stopped(timeout)  # the last steps' outputs, then STOPPED, on this thread
+        detached = self._on_loop(self._detach)
+        if detached:  # else the loop may still read the pipe: two readers would tear its messages apart
+            self._read_until_stopped(timeout)  # the last steps' outputs, then STOPPED, on this thread
         if self._proc is not None:
             self._proc.join(timeout)
-            if self._proc.is_alive():
-                log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
-                self._proc.terminate()
+            if self._proc.is_alive():  # it ignores SIGTERM
+                log.warning("the engine process did not stop within %.0f s; killing it", timeout)
+                self._proc.kill()
                 self._proc.join(5.0)
-                if self._proc.is_alive():
-                    self._proc.kill()
-                    self._proc.join(5.0)
         if self._writer.ident is not None:
             self._writer.join(1.0)
         self._ended()
-        self._conn.close()
+        if detached:
+            self._conn.close()
 
     def mark_healthy(self) -> None:
         """Clear a worker failure."""
@@ -222,7 +224,7 @@ class EngineProcess:
                 self._outbox.put((ABORT, request_id))
         return known
 
-    # ---- the writer and reader threads -----------------------------------------------------------
+    # ---- the writer thread and the reader on the event loop -------------------------------------------------------
     def _write(self) -> None:
         """Send the queued commands, all that are queued in one message (one hand-off of the interpreter lock)."""
         while True:
@@ -291,19 +293,19 @@ class EngineProcess:
         if not self._event_loop.is_closed():
             self._event_loop.remove_reader(self._conn.fileno())
 
-    def _on_loop(self, fn: Callable[[], object]) -> None:
+    def _on_loop(self, fn: Callable[[], object]) -> bool:
         """Run `fn` on the event loop's thread: now when the loop is not running or this is its thread, else soon
-        (waiting for it)."""
+        (waiting up to 5 s for it). True when it ran, or when the loop is closed."""
         loop = self._event_loop
         if loop.is_closed():
-            return
+            return True
         try:
             here = asyncio.get_running_loop() is loop
         except RuntimeError:
             here = False
         if here or not loop.is_running():
             fn()
-            return
+            return True
         done = threading.Event()
 
         def run() -> None:
@@ -312,9 +314,11 @@ class EngineProcess:
             finally:
                 done.set()
 
-        with contextlib.suppress(RuntimeError):  # closed meanwhile
+        try:
             loop.call_soon_threadsafe(run)
-            done.wait(5.0)
+        except RuntimeError:  # closed meanwhile
+            return True
+        return done.wait(5.0)
 
     def _on_outputs(self, packed: list[Any], load: EngineLoad) -> None:
         outputs = unpack_outputs(packed)
@@ -386,7 +390,7 @@ class EngineProcess:
     def _exit_status(self) -> str:
         if self._proc is None:
             return "closed its pipe"
-        self._proc.join(1.0)
+        self._proc.join(0.5)
         return f"exited (exit code {self._proc.exitcode})"
 
     def _set_workers_ok(self, ok: bool) -> None:

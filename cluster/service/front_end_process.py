@@ -5,6 +5,7 @@ child's). The two no longer share one interpreter lock."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing as mp
@@ -13,15 +14,19 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from cluster.engine.errors import ModelLoadError
+from cluster.engine.errors import MTPServeError
 from cluster.engine.llm_engine import LLMEngine
-from cluster.service.engine_child import ERROR, PipedEngine, portable, send_ready, serve_as_child
+from cluster.service.engine_child import ERROR, PipedEngine, kill_at_exit, portable, send_ready, serve_as_child
 from cluster.service.server import MTPServer
 from workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 SERVING, STOP_SERVING = "serving", "stop-serving"
 START_TIMEOUT_S = 300.0
+
+
+class FrontEndError(MTPServeError):
+    """The front ends' process could not start."""
 
 
 class FrontEndProcess:
@@ -39,17 +44,31 @@ class FrontEndProcess:
             daemon=True,
         )
         self._proc.start()
+        atexit.register(kill_at_exit, self._proc)
         child_engine_end.close()
         child_control.close()
         self._on_lost = on_lost
+        self._lock = threading.Lock()
         self._stopping = False
         self._serving = False
-        send_ready(engine, engine_end)
-        self._engine = PipedEngine(engine, engine_end)
+        self._engine_end = engine_end
         self._thread = threading.Thread(target=self._serve_engine, name="mtpserve-piped-engine", daemon=True)
-        self._thread.start()  # a child that fails to start stops the engine side through the pipe
-        self.address, self.metrics_port, self.http_address = self._wait_serving()
-        self._serving = True
+        try:
+            send_ready(engine, engine_end)
+            self._engine = PipedEngine(engine, engine_end)
+            self._thread.start()  # a child that fails to start stops the engine side through the pipe
+            self.address, self.metrics_port, self.http_address = self._wait_serving()
+        except BaseException:
+            self._stopping = True
+            self._proc.kill()
+            self._proc.join(5.0)
+            self._close()
+            raise
+        with self._lock:  # the child may have died already: then it is lost now
+            self._serving = True
+            lost = not self._thread.is_alive()
+        if lost:
+            self._lost()
 
     @property
     def pid(self) -> int | None:
@@ -59,28 +78,39 @@ class FrontEndProcess:
     def _wait_serving(self) -> tuple[str, int | None, str | None]:
         try:
             if not self._control.poll(START_TIMEOUT_S):
-                raise ModelLoadError(f"the front-end process did not start within {START_TIMEOUT_S:.0f} s")
+                raise FrontEndError(f"the front-end process did not start within {START_TIMEOUT_S:.0f} s")
             msg = self._control.recv()
         except (EOFError, OSError):
             self._proc.join(5.0)
-            raise ModelLoadError(f"the front-end process exited with code {self._proc.exitcode}") from None
+            raise FrontEndError(f"the front-end process exited with code {self._proc.exitcode}") from None
         if msg[0] == ERROR:
-            self._stopping = True
-            self._proc.join(10.0)
             raise msg[1]
         return msg[1], msg[2], msg[3]
 
     def _serve_engine(self) -> None:
         try:
             self._engine.run()
+        except Exception:
+            log.exception("serving the engine to the front ends failed")
         finally:
-            if self._serving and not self._stopping:
-                log.error("the front-end process is gone; nothing serves this engine any more")
-                self._on_lost()
+            self._engine_end.close()  # the front ends see the pipe close
+            with self._lock:
+                lost = self._serving and not self._stopping
+            if lost:
+                self._lost()
+
+    def _lost(self) -> None:
+        log.error("the front-end process is gone; nothing serves this engine any more")
+        self._on_lost()
+
+    def _close(self) -> None:
+        for conn in (self._control, self._engine_end):
+            conn.close()
 
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the front ends (their streams end as at any server stop), then the engine side."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         with contextlib.suppress(OSError):
             self._control.send((STOP_SERVING,))
         self._thread.join(timeout)
@@ -88,7 +118,7 @@ class FrontEndProcess:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5.0)
-        self._control.close()
+        self._close()
 
 
 def run_front_ends(
