@@ -290,7 +290,8 @@ def test_scheduler_actor_serves_grpc_and_http(ray_local, model, split: bool) -> 
 @pytest.mark.parametrize("victim", ["scheduler", "front-ends"])
 def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model, victim: str) -> None:
     """The scheduler actor's process, or its front ends' process, dies mid-stream: the streams end with UNAVAILABLE
-    within 5 s, and within 60 s the same address is SERVING again with new workers, giving the reference tokens."""
+    within 5 s, and within 60 s the same address is SERVING again, giving the reference tokens: a new actor with new
+    workers, or new front ends over the same actor and workers."""
     from cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     cfg = dist_config(model, "colocated", chunk_size=6)
@@ -302,10 +303,11 @@ def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model, v
         with MTPServeClient(address, timeout=60) as client:
             load = StreamLoad(client, LOAD_STREAMS)
             assert load.wait_running(8, 60), "the running slots never filled"
+            actor_pid, front_end_pid = ray_local.get(actor.pids.remote())
             if victim == "scheduler":
                 ray_local.kill(actor, no_restart=False)
             else:
-                os.kill(ray_local.get(actor.pids.remote())[1], signal.SIGKILL)
+                os.kill(front_end_pid, signal.SIGKILL)
             t0 = time.monotonic()
             assert set(load.join(30)) == {grpc.StatusCode.UNAVAILABLE}
             assert max(load.ended) - t0 < 5.0, "every stream (running or queued) ends within 5 s"
@@ -324,6 +326,8 @@ def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model, v
         prompts = random_prompts(2, 96, [11, 25], seed=17)
         with MTPServeClient(address, timeout=60) as client:
             assert [client.generate(token_ids=p, max_tokens=10)["token_ids"] for p in prompts] == reference(prompts, 10)
+        now_actor, now_front = ray_local.get(actor.pids.remote())
+        assert now_front != front_end_pid and (now_actor == actor_pid) == (victim == "front-ends")
         assert live_groups(ray_local) == before + 1, "the crashed incarnation's placement group is removed"
     finally:
         stop_scheduler_actor(actor)

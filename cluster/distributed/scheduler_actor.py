@@ -24,15 +24,15 @@ class SchedulerActor:
         import ray
 
         from cluster.distributed.actors import build_distributed_engine
-        from cluster.service.front_end_process import FrontEndProcess
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self.cfg = MTPServeConfig.model_validate_json(cfg_json)
         workers = f"mtpserve-workers-{ray.get_runtime_context().get_actor_id()}"  # the same after a restart
         self.engine = build_distributed_engine(self.cfg, workers)
+        self._stopping = False
         self.server: MTPServer | FrontEndProcess
         if self.cfg.server.engine_process:
-            self.server = FrontEndProcess(self.engine, self.cfg, on_lost=_restart)
+            self.server = FrontEndProcess(self.engine, self.cfg, on_lost=self._front_ends_lost)
         else:
             self.server = MTPServer(self.engine, self.cfg)
             self.server.start()
@@ -52,14 +52,21 @@ class SchedulerActor:
 
     def stop(self) -> None:
         """Stop serving and release the worker actors."""
+        self._stopping = True
         self.server.stop()
         self.engine.shutdown()
 
-
-def _restart() -> None:
-    """End this actor's process so that Ray starts it again (with new front ends and workers)."""
-    log.error("the front ends are gone; restarting the scheduler actor")
-    os._exit(1)
+    def _front_ends_lost(self) -> None:
+        """The front-end process died: start new front ends for the same engine and workers; if they cannot
+        start, end this process so that Ray restarts the whole actor."""
+        if self._stopping:
+            return
+        log.error("the front-end process died; starting new front ends")
+        try:
+            self.server = FrontEndProcess(self.engine, self.cfg, on_lost=self._front_ends_lost)
+        except Exception:
+            log.exception("new front ends could not start; restarting the scheduler actor")
+            os._exit(1)
 
 
 def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None, str | None]:

@@ -136,16 +136,21 @@ class PipedEngine:
         self.peer_gone = False
         self._send_lock = threading.Lock()  # health listeners may call from the workers' restart thread
         engine.on_tokens = self._send_outputs
-        engine.health_listeners.append(lambda ok: self._send((HEALTH, ok)))
+        engine.health_listeners.append(self._send_health)
 
     def run(self) -> None:
         """Serve until STOP or until the peer's end of the pipe closes."""
-        while not self.peer_gone and self._apply_commands(block=not self.engine.has_unfinished()):
-            if self.engine.has_unfinished():
-                self._step()
-        for rid in list(self.live):
-            self.engine.abort(rid)
-        self._send((STOPPED, engine_load(self.engine)))
+        try:
+            while not self.peer_gone and self._apply_commands(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    self._step()
+            for rid in list(self.live):
+                self.engine.abort(rid)
+            self._send((STOPPED, engine_load(self.engine)))
+        finally:
+            self.engine.health_listeners.remove(self._send_health)
+            if self.engine.on_tokens == self._send_outputs:
+                self.engine.on_tokens = None  # another peer may drive the engine next
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when `block`); False on STOP or a closed pipe."""
@@ -200,6 +205,9 @@ class PipedEngine:
             if o.finished:
                 self.live.discard(o.request_id)
         self._send((OUT, pack_outputs(outputs), engine_load(self.engine)))
+
+    def _send_health(self, ok: bool) -> None:
+        self._send((HEALTH, ok))
 
     def _send(self, msg: tuple[Any, ...]) -> None:
         try:
