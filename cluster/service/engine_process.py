@@ -160,8 +160,8 @@ class EngineProcess:
         self._on_loop(lambda: self._event_loop.add_reader(self._conn.fileno(), self._on_readable))
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Fail what is still in flight with ServerShuttingDown and stop the child (terminated, then killed, if it
-        does not exit within `timeout` s)."""
+        """Fail what is still in flight with ServerShuttingDown and stop the engine's side (a child that does not exit
+        within `timeout` s is killed)."""
         self._stopping.set()
         if self._writer.ident is not None:
             self._outbox.put((STOP,))
