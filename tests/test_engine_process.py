@@ -37,6 +37,7 @@ from cluster.service.engine_child import (
     PipedEngine,
     pack_outputs,
     portable,
+    send_ready,
     unpack_outputs,
 )
 from cluster.service.engine_process import EngineProcess
@@ -402,3 +403,35 @@ def test_front_ends_that_die_are_reported_and_a_taken_port_is_refused(tiny: tupl
 
 def _spawned(pid: int) -> set[int]:
     return {p for p in _children(pid) if b"spawn_main" in _cmdline(p) and not _gone(p)}
+
+
+def test_an_abort_that_crosses_the_finish_keeps_the_finish(tiny: tuple[Path, Path]) -> None:
+    """The request finishes in the engine while its abort is on the way: the stream ends with its own finish and
+    tokens, as with the engine on a thread. Both sides are driven by hand, so the crossing always happens."""
+    import asyncio
+
+    cfg = _config(*tiny)
+    engine = LLMEngine.from_config(cfg)
+    engine_end, server_end = Pipe()
+    piped = PipedEngine(engine, engine_end)
+    ready = threading.Thread(target=send_ready, args=(engine, engine_end))  # larger than the pipe holds
+    ready.start()
+    loop = asyncio.new_event_loop()
+    proc = EngineProcess(cfg, loop, pipe=server_end)
+    ready.join()
+    proc.start()
+    try:
+        fut = proc.submit_nowait([5, 6, 7], SamplingParams(max_tokens=1, ignore_eos=True))
+        assert piped._apply_commands(block=True)  # the add
+        loop.run_until_complete(asyncio.sleep(0.2))  # the server reads ADDED
+        handle = fut.result(5)
+        piped._step()  # the request finishes; its output waits in the pipe
+        assert proc.abort(handle.request_id)
+        assert piped._apply_commands(block=True)  # the abort finds nothing left to stop
+        loop.run_until_complete(asyncio.sleep(0.2))
+        last = handle.events[-1]
+        assert isinstance(last, RequestOutput) and last.finish_reason == "length" and len(last.new_token_ids) == 1
+        assert proc.snapshot.kv_blocks_used == 0
+    finally:
+        proc.stop(timeout=0.5)
+        loop.close()

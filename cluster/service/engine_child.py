@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 ADD, ABORT, STOP, BATCH = "add", "abort", "stop", "batch"  # a BATCH holds several of the others, in order
 # engine -> front ends
 READY, ERROR, ADDED, OUT, FAIL, STOPPED, HEALTH = "ready", "error", "added", "out", "fail", "stopped", "health"
+ABORTED = "aborted"
 
 PARENT_CHECK_S = 1.0
 
@@ -171,8 +172,8 @@ class PipedEngine:
     def _apply(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == ABORT:
             self.live.discard(msg[1])
-            if self.engine.abort(msg[1]):
-                self._send((OUT, [], engine_load(self.engine)))  # the freed blocks show before the next step
+            self.engine.abort(msg[1])
+            self._send((ABORTED, msg[1], engine_load(self.engine)))  # the freed blocks show before the next step
             return
         _, seq, rid, ids, params = msg
         try:

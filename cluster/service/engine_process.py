@@ -31,6 +31,7 @@ from cluster.engine.errors import ModelLoadError, WorkerUnavailableError
 from cluster.engine.request import SamplingParams
 from cluster.service.engine_child import (
     ABORT,
+    ABORTED,
     ADD,
     ADDED,
     BATCH,
@@ -101,7 +102,7 @@ class EngineProcess:
         self._book.publish(self._last_load)
         self._lock = threading.Lock()  # the book, the pending adds and the aborts asked before an add was answered
         self._pending: dict[int, tuple[RequestHandle, futures.Future[RequestHandle]]] = {}
-        self._abort_when_added: dict[str, str] = {}
+        self._abort_reasons: dict[str, str] = {}  # aborts sent and not yet answered, with their finish reasons
         self._seq = itertools.count()
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
@@ -211,16 +212,17 @@ class EngineProcess:
         return fut
 
     def abort(self, request_id: str, wait: bool = True, reason: str = "abort") -> bool:
-        """Abort a request (the child frees its KV blocks); True when it was in flight or being added. Never
-        waits on the child: the request ends here at once."""
+        """Abort a request (the child frees its KV blocks); True when it was in flight or being added. Never waits
+        on the child: the request's stream ends when the child has answered, after the tokens it made before (or
+        with its own finish, if it finished first)."""
         if self._stopping.is_set():
             return False
         with self._lock:
-            known = self._book.end_aborted(request_id, reason)
-            if not known and any(h.request_id == request_id for h, _ in self._pending.values()):
-                self._abort_when_added[request_id] = reason
-                known = True
+            known = request_id in self._book.handles or any(
+                h.request_id == request_id for h, _ in self._pending.values()
+            )
             if known:
+                self._abort_reasons[request_id] = reason
                 self._outbox.put((ABORT, request_id))
         return known
 
@@ -281,6 +283,8 @@ class EngineProcess:
             self._on_added(msg[1], msg[2])
         elif tag == FAIL:
             self._on_failure(msg[1], msg[2])
+        elif tag == ABORTED:
+            self._on_aborted(msg[1], msg[2])
         elif tag == HEALTH:
             if self._on_serving is not None:
                 self._on_serving(msg[1])
@@ -334,20 +338,27 @@ class EngineProcess:
     def _on_added(self, seq: int, err: BaseException | None) -> None:
         with self._lock:  # decide here; resolve the future after, since its callbacks may call abort()
             handle, fut = self._pending.pop(seq)
-            reason = self._abort_when_added.pop(handle.request_id, None)
             wanted = fut.set_running_or_notify_cancel()
-            if err is None and (reason is not None or not wanted):
+            if err is not None:
+                self._abort_reasons.pop(handle.request_id, None)
+            elif not wanted:
                 self._outbox.put((ABORT, handle.request_id))  # given up on before the engine took it
-            if err is None and wanted:
-                self._book.add(handle)
-                if reason is not None:
-                    self._book.end_aborted(handle.request_id, reason)
+            else:
+                self._book.add(handle)  # an abort already on its way ends it when the child answers
         if not wanted:
             return
         if err is not None:
             fut.set_exception(err)
         else:
             fut.set_result(handle)
+
+    def _on_aborted(self, request_id: str, load: EngineLoad) -> None:
+        with self._lock:
+            reason = self._abort_reasons.pop(request_id, None)
+            if reason is not None:
+                self._book.end_aborted(request_id, reason)  # no-op if the request finished first
+            self._last_load = load
+            self._book.publish(load)
 
     def _on_failure(self, err: Exception, load: EngineLoad) -> None:
         if isinstance(err, WorkerUnavailableError):
@@ -375,6 +386,7 @@ class EngineProcess:
             err = EngineFailure(f"the engine process {self._exit_status()}")
             log.error("%s; the server stops serving", err)
         with self._lock:
+            self._abort_reasons.clear()
             pending, self._pending = self._pending, {}
             for handle in self._book.take_all().values():
                 self._book.end(handle, err, "abort" if stopping else "error")
