@@ -4,7 +4,6 @@ NOT_SERVING and fails its streams when the engine process dies."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
@@ -20,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
+from cluster.bench.procs import process_tree
 from cluster.engine.errors import InvalidRequestError, ModelLoadError, MTPServeError
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import SamplingParams
@@ -296,7 +296,7 @@ def test_serve_exits_with_status_1_when_its_engine_process_dies(tiny: tuple[Path
     serve = ServeProcess(["--model", str(model), "--draft", str(head), "--device", "cpu"]).start()
     try:
         assert serve.proc is not None
-        engine_pids = [pid for pid in _children(serve.proc.pid) if b"spawn_main" in _cmdline(pid)]
+        engine_pids = [pid for pid in process_tree(serve.proc.pid)[1:] if b"spawn_main" in _cmdline(pid)]
         assert len(engine_pids) == 1, "mtpserve serve should start one engine process"
         os.kill(engine_pids[0], signal.SIGKILL)
         assert serve.proc.wait(30) == 1
@@ -310,7 +310,7 @@ def test_the_engine_process_exits_when_serve_is_killed(tiny: tuple[Path, Path]) 
     serve = ServeProcess(["--model", str(model), "--draft", str(head), "--device", "cpu"]).start()
     try:
         assert serve.proc is not None
-        (engine,) = [pid for pid in _children(serve.proc.pid) if b"spawn_main" in _cmdline(pid)]
+        (engine,) = [pid for pid in process_tree(serve.proc.pid)[1:] if b"spawn_main" in _cmdline(pid)]
         serve.proc.kill()
         serve.proc.wait(10)
         assert wait_for(lambda: _gone(engine), 20)
@@ -323,14 +323,6 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
 
 
 def _cmdline(pid: int) -> bytes:
@@ -402,7 +394,7 @@ def test_front_ends_that_die_are_reported_and_a_taken_port_is_refused(tiny: tupl
 
 
 def _spawned(pid: int) -> set[int]:
-    return {p for p in _children(pid) if b"spawn_main" in _cmdline(p) and not _gone(p)}
+    return {p for p in process_tree(pid)[1:] if b"spawn_main" in _cmdline(p) and not _gone(p)}
 
 
 def test_an_abort_that_crosses_the_finish_keeps_the_finish(tiny: tuple[Path, Path]) -> None:

@@ -26,6 +26,7 @@ from cluster.service.request_book import (
     RequestBook,
     RequestHandle,
     ServerShuttingDown,
+    WorkerHealth,
     engine_load,
     step_error,
 )
@@ -61,7 +62,7 @@ class EngineLoop:
         self._book = RequestBook(metrics)
         self._thread = threading.Thread(target=self._run, name="mtpserve-engine-loop", daemon=True)
         self._stopping = threading.Event()
-        self._workers_ok = True
+        self._workers = WorkerHealth(on_health_change)
         self._info: pb.ModelInfo | None = None
         self._publish()
         engine.on_tokens = self._deliver  # a step's tokens reach their streams before its draft runs
@@ -103,11 +104,11 @@ class EngineLoop:
     @property
     def healthy(self) -> bool:
         """True while the loop runs and the last step did not find workers down."""
-        return self.running and self._workers_ok
+        return self.running and self._workers.ok
 
     def mark_healthy(self) -> None:
         """Clear a worker failure (the distributed engine calls this once its actors are back)."""
-        self._set_workers_ok(True)
+        self._workers.set(True)
 
     def submit_nowait(
         self,
@@ -199,8 +200,8 @@ class EngineLoop:
             self._publish()
             return
         self._deliver(outputs)
-        if not self._workers_ok:
-            self._set_workers_ok(True)
+        if not self._workers.ok:
+            self._workers.set(True)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Route outputs to their streams, publishing the state first."""
@@ -234,7 +235,7 @@ class EngineLoop:
         err = step_error(exc)
         if isinstance(exc, WorkerUnavailableError):
             log.error("workers are down: %s", exc)
-            self._set_workers_ok(False)
+            self._workers.set(False)
         else:
             log.exception("engine step failed; failing %d in-flight requests", len(self._book.handles))
         self._end_all(err, "error")
@@ -264,12 +265,6 @@ class EngineLoop:
             self._publish()
         except Exception:
             log.exception("could not publish the final engine state")
-
-    def _set_workers_ok(self, ok: bool) -> None:
-        changed = ok != self._workers_ok
-        self._workers_ok = ok
-        if changed and self._on_health_change is not None:
-            self._on_health_change(ok)
 
     def _publish(self) -> None:
         self._book.publish(engine_load(self.engine))

@@ -54,6 +54,7 @@ from cluster.service.request_book import (
     RequestBook,
     RequestHandle,
     ServerShuttingDown,
+    WorkerHealth,
 )
 from proto.mtpserve.v1 import inference_pb2 as pb
 from workers.config import MTPServeConfig
@@ -106,7 +107,7 @@ class EngineProcess:
         self._seq = itertools.count()
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
-        self._workers_ok = True
+        self._workers = WorkerHealth(on_health_change)
         self._reading = False  # from start() until the child stopped or died
         self._over = False
         self._writer = threading.Thread(target=self._write, name="mtpserve-engine-writer", daemon=True)
@@ -137,7 +138,7 @@ class EngineProcess:
     @property
     def healthy(self) -> bool:
         """True while the child serves and its last step did not find workers down."""
-        return self.running and self._workers_ok
+        return self.running and self._workers.ok
 
     @property
     def tokenizer(self) -> Any:
@@ -187,7 +188,7 @@ class EngineProcess:
 
     def mark_healthy(self) -> None:
         """Clear a worker failure."""
-        self._set_workers_ok(True)
+        self._workers.set(True)
 
     def submit_nowait(
         self,
@@ -332,8 +333,8 @@ class EngineProcess:
             self._book.publish(load)
             for handle, out in deliveries:
                 handle.put(out)
-        if packed and not self._workers_ok:  # a step went through
-            self._set_workers_ok(True)
+        if packed and not self._workers.ok:  # a step went through
+            self._workers.set(True)
 
     def _on_added(self, seq: int, err: BaseException | None) -> None:
         with self._lock:  # decide here; resolve the future after, since its callbacks may call abort()
@@ -363,7 +364,7 @@ class EngineProcess:
     def _on_failure(self, err: Exception, load: EngineLoad) -> None:
         if isinstance(err, WorkerUnavailableError):
             log.error("workers are down: %s", err)
-            self._set_workers_ok(False)
+            self._workers.set(False)
         with self._lock:
             for handle in self._book.take_all().values():
                 self._book.end(handle, err, "error")
@@ -404,9 +405,3 @@ class EngineProcess:
             return "closed its pipe"
         self._proc.join(0.5)
         return f"exited (exit code {self._proc.exitcode})"
-
-    def _set_workers_ok(self, ok: bool) -> None:
-        changed = ok != self._workers_ok
-        self._workers_ok = ok
-        if changed and self._on_health_change is not None:
-            self._on_health_change(ok)

@@ -37,6 +37,20 @@ def step_error(exc: Exception) -> Exception:
 
 
 @dataclass
+class WorkerHealth:
+    """Whether the engine's last step found every worker up; `on_change` hears each change."""
+
+    on_change: Callable[[bool], None] | None = None
+    ok: bool = True
+
+    def set(self, ok: bool) -> None:
+        """Record the workers' state, telling `on_change` when it changed."""
+        changed, self.ok = ok != self.ok, ok
+        if changed and self.on_change is not None:
+            self.on_change(ok)
+
+
+@dataclass
 class RequestHandle:
     """A request in flight: the engine side fills `events`, one front-end handler drains it.
 
