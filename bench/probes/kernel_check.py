@@ -5,6 +5,8 @@
 - the MTP head's input (`draft_kernels.draft_input`) against embedding + two norms + concat + cuBLAS;
 - uniform paged attention at batch 1, 8 and 64, Q = 1 and 4, for several context lengths, with and
   without split key ranges, against float64;
+- the matrix-vector kernels (`fused_kernels.norm_linear`, `swiglu_linear`) at 1-16 rows against RMSNorm +
+  cuBLAS, for the decoder layer's projections (rows past `GEMV_MAX_ROWS` lift that limit for the probe);
 - the tree step's kernels: per-level top-k log-probabilities (`topk_kernels.top_logprobs`) against torch's
   cast, top-k and logsumexp at 32k, 49k and 128k vocabularies, and the greedy walk with its KV moves
   (`tree_kernels.greedy_walk_moves`) against `greedy_walk` on random trees.
@@ -28,13 +30,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from modeling import argmax_kernels, draft_kernels, topk_kernels, triton_attention
+from modeling import argmax_kernels, draft_kernels, fused_kernels, topk_kernels, triton_attention
 from modeling.attention import uniform_paged_attention
 from modeling.layer_ops import TORCH_OPS, TritonOps
 from speculative.tree import greedy_walk
 from workers.tree_kernels import greedy_walk_moves
 
-VOCAB, D, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 49152, 576, 9, 3, 64, 16
+VOCAB, D, HEADS, KV_HEADS, HEAD_DIM, BLOCK, MLP = 49152, 576, 9, 3, 64, 16, 1536
 REPS = 50
 
 
@@ -228,9 +230,46 @@ def walk_report(dev: str, g: torch.Generator) -> dict[str, object]:
     return entry
 
 
+def _gemv_pair(
+    down: bool, x: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, ops: TritonOps
+) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """(Triton, cuBLAS) callables for SwiGLU + down projection, or RMSNorm + projection."""
+    if down:
+        return (lambda: fused_kernels.swiglu_linear(x, w)), (lambda: F.linear(ops.silu_mul(x), w))
+    return (lambda: fused_kernels.norm_linear(x, None, nw, 1e-5, w)[0]), (
+        lambda: F.linear(ops.add_rms_norm(x, None, nw, 1e-5)[0], w)
+    )
+
+
+def gemv_report(dev: str, g: torch.Generator) -> dict[str, object]:
+    """Matrix-vector kernels against RMSNorm + cuBLAS per row count, at the layer's projection shapes."""
+    ops = TritonOps()
+    fused_kernels.GEMV_MAX_ROWS = 16
+    nw = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(torch.bfloat16)
+    shapes = {"qkv": (D, (HEADS + 2 * KV_HEADS) * HEAD_DIM), "gate_up": (D, 2 * MLP), "down": (MLP, D)}
+    out: dict[str, object] = {}
+    for name, (k, n) in shapes.items():
+        w = (0.05 * torch.randn(n, k, device=dev, generator=g)).to(torch.bfloat16)
+        for rows in (1, 2, 4, 8, 16):
+            x = torch.randn(rows, 2 * k if name == "down" else k, device=dev, generator=g).to(torch.bfloat16)
+            triton_fn, cublas_fn = _gemv_pair(name == "down", x, nw, w, ops)
+            ref = (
+                F.linear(TORCH_OPS.silu_mul(x).float(), w.float())
+                if name == "down"
+                else F.linear(TORCH_OPS.add_rms_norm(x.float(), None, nw.float(), 1e-5)[0], w.float())
+            )
+            got = triton_fn()
+            entry = {"triton_us": graph_us(triton_fn), "cublas_us": graph_us(cublas_fn),
+                     "max_abs_err_vs_fp32": (got.float() - ref).abs().max().item()}  # fmt: skip
+            out[f"{name}_{rows}"] = entry
+            print("gemv", name, rows, json.dumps(entry), flush=True)
+    return out
+
+
 GROUPS: dict[str, Callable[[str, torch.Generator], dict[str, object]]] = {
     "argmax": argmax_report,
     "draft_input": draft_input_report,
+    "gemv": gemv_report,
     "attention": attention_report,
     "top_logprobs": topk_report,
     "greedy_walk_moves": walk_report,
