@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.engine.llm_engine import LLMEngine
+from modeling import draft_kernels, fused_kernels
 from modeling.layer_ops import TritonOps
 from workers.config import MTPServeConfig
 
@@ -165,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shape", help="a directory with a config.json to profile instead of SmolLM2-135M's shape")
     ap.add_argument("--max-num-requests", type=int, default=8, help="batch slots (and CUDA-graph buckets) to build")
     ap.add_argument("--draft-vocab", type=int, default=0, help="the random head's draft vocabulary (0: the target's)")
+    ap.add_argument(
+        "--gemv-rows",
+        type=int,
+        default=0,
+        help="matrix-vector kernels for steps of up to this many rows (0: as built)",
+    )
     return ap
 
 
@@ -204,6 +211,9 @@ def main() -> int:
         if unknown:
             ap.error(f"--variants: unknown {sorted(unknown)}; choose from {[v[0] for v in variants]}")
         variants = [v for v in variants if v[0] in chosen]
+    if args.gemv_rows:
+        fused_kernels.GEMV_MAX_ROWS = draft_kernels.GEMV_MAX_ROWS = TritonOps.small_rows = args.gemv_rows
+        suffix += f"_g{args.gemv_rows}"
     small_rows = TritonOps.small_rows
     for name, k, graphs, fused, gemv, overlap_spec, tree in variants:
         budget, width = tree or (0, 4)
