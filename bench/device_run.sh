@@ -12,11 +12,14 @@
 #                                     CLIENTS client processes (default 8)
 #   bash bench/device_run.sh e3a      EAGLE-3 against the native layout, part 1: a dataset, then the native head (STEPS)
 #   bash bench/device_run.sh e3b      part 2: the native head's online acceptance, the EAGLE-3 head (same STEPS), its own
+#   bash bench/device_run.sh e3       both parts in one run (a smaller dataset, DATA_S=110 without the long part; the
+#                                     E3_SPECS default: frozen norm and lm_head, raw and normed residual), packed
+#                                     after every stage
 # Run from the checkout root after staging (../shared/device/README.md): the wheels (and Ray) in /tmp/site, the
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, serve, e3a or e3b"}
+PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, serve, e3a, e3b or e3"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
@@ -92,6 +95,19 @@ case $PHASE in
   e3b)
     OUT=$R/out bash speculative/train/gpu_run.sh eval
     E3_SPECS="${E3_SPECS:-e3:layers=eagle3}" E3_SPEED=0 OUT=$R/out bash speculative/train/gpu_run.sh eagle3 "${TRAIN_S:-300}"
+    ;;
+  e3)
+    pack() { echo "== $1 at $(($(date +%s) - start))s"; tar czf "$OUT/.$BASHPID" -C /tmp/res e3 && mv "$OUT/.$BASHPID" "$OUT/e3.tgz"; }
+    (while sleep 15; do pack running > /dev/null; done) &  # a run cut short still returns what finished
+    export MIX=${MIX:-chat=4,steered=1,magpie=1,math=2,code=2,multi=2,seed=1} STEPS=${STEPS:-800}
+    OUT=$R bash speculative/train/gpu_run.sh data "${DATA_S:-110}" > "$R/stage-data.log" 2>&1; pack data
+    HEAD_SPECS="native:layers=fused" OUT=$R bash speculative/train/gpu_run.sh train 170 > "$R/stage-train.log" 2>&1
+    rm -f "$R"/*.safetensors; tail -c 600 "$R/stage-train.log"; pack native
+    OUT=$R bash speculative/train/gpu_run.sh eval > "$R/stage-eval.log" 2>&1; tail -n 8 "$R/stage-eval.log"; pack eval
+    E3_SPECS="${E3_SPECS:-e3f:layers=eagle3,lm_head=frozen e3fn:layers=eagle3,lm_head=frozen,residual=normed}" E3_SPEED=0 \
+      OUT=$R bash speculative/train/gpu_run.sh eagle3 260 > "$R/stage-eagle3.log" 2>&1
+    tail -n 30 "$R/stage-eagle3.log"
+    kill %1
     ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
