@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling import pdl
-from modeling.fused_kernels import GEMV_MAX_K, GEMV_MAX_ROWS, _need_triton
+from modeling import fused_kernels, pdl
+from modeling.fused_kernels import _need_triton
 
 try:
     import triton
@@ -72,15 +72,15 @@ class DraftInputWeights:
 
 
 def draft_input_fits(tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights) -> bool:
-    """Whether `draft_input` takes these rows: one token per hidden row, at most GEMV_MAX_ROWS of them,
-    narrow enough, with unit column strides and one dtype for the embedding table, eh_proj and the
+    """Whether `draft_input` takes these rows: one token per hidden row, as many and as narrow as
+    `fused_kernels.gemv_fits` takes, with unit column strides and one dtype for the embedding table, eh_proj and the
     output."""
     d = w.embed.shape[1]
     return (
         tokens.dim() == 1
         and hidden.dim() == 2
-        and 0 < tokens.shape[0] == hidden.shape[0] <= GEMV_MAX_ROWS
-        and d <= GEMV_MAX_K
+        and tokens.shape[0] == hidden.shape[0]
+        and fused_kernels.gemv_fits(tokens.shape[0], d)
         and w.eh_proj.shape[1] == 2 * d
         and hidden.shape[1] == d
         and w.embed.stride(-1) == w.eh_proj.stride(-1) == 1
@@ -94,8 +94,9 @@ def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights
     _need_triton()
     if not draft_input_fits(tokens, hidden, w):
         raise ValueError(
-            f"draft_input takes 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K} with eh_proj [d_out, 2d] and one "
-            f"dtype; got tokens {tuple(tokens.shape)}, hidden {tuple(hidden.shape)}, eh_proj {tuple(w.eh_proj.shape)}"
+            f"draft_input takes 1-{fused_kernels.GEMV_MAX_ROWS} rows of width <= {fused_kernels.GEMV_MAX_K} with "
+            f"eh_proj [d_out, 2d] and one dtype; got tokens {tuple(tokens.shape)}, hidden {tuple(hidden.shape)}, "
+            f"eh_proj {tuple(w.eh_proj.shape)}"
         )
     m, d = hidden.shape
     n = w.eh_proj.shape[0]

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.engine.llm_engine import LLMEngine
-from modeling import draft_kernels, fused_kernels
+from modeling import fused_kernels
 from modeling.layer_ops import TritonOps
 from workers.config import MTPServeConfig
 
@@ -212,7 +212,7 @@ def main() -> int:
             ap.error(f"--variants: unknown {sorted(unknown)}; choose from {[v[0] for v in variants]}")
         variants = [v for v in variants if v[0] in chosen]
     if args.gemv_rows:
-        fused_kernels.GEMV_MAX_ROWS = draft_kernels.GEMV_MAX_ROWS = TritonOps.small_rows = args.gemv_rows
+        fused_kernels.GEMV_MAX_ROWS = TritonOps.small_rows = args.gemv_rows
         suffix += f"_g{args.gemv_rows}"
     small_rows = TritonOps.small_rows
     for name, k, graphs, fused, gemv, overlap_spec, tree in variants:
