@@ -230,14 +230,18 @@ def walk_report(dev: str, g: torch.Generator) -> dict[str, object]:
     return entry
 
 
-def _gemv_pair(
+def _gemv_case(
     down: bool, x: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, ops: TritonOps
-) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
-    """(Triton, cuBLAS) callables for SwiGLU + down projection, or RMSNorm + projection."""
+) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], torch.Tensor]:
+    """(Triton, cuBLAS, fp32 reference) for SwiGLU + down projection, or RMSNorm + projection."""
     if down:
-        return (lambda: fused_kernels.swiglu_linear(x, w)), (lambda: F.linear(ops.silu_mul(x), w))
-    return (lambda: fused_kernels.norm_linear(x, None, nw, 1e-5, w)[0]), (
-        lambda: F.linear(ops.add_rms_norm(x, None, nw, 1e-5)[0], w)
+        ref = F.linear(TORCH_OPS.silu_mul(x).float(), w.float())
+        return (lambda: fused_kernels.swiglu_linear(x, w)), (lambda: F.linear(ops.silu_mul(x), w)), ref
+    ref = F.linear(TORCH_OPS.add_rms_norm(x.float(), None, nw.float(), 1e-5)[0], w.float())
+    return (
+        (lambda: fused_kernels.norm_linear(x, None, nw, 1e-5, w)[0]),
+        (lambda: F.linear(ops.add_rms_norm(x, None, nw, 1e-5)[0], w)),
+        ref,
     )
 
 
@@ -252,12 +256,7 @@ def gemv_report(dev: str, g: torch.Generator) -> dict[str, object]:
         w = (0.05 * torch.randn(n, k, device=dev, generator=g)).to(torch.bfloat16)
         for rows in (1, 2, 4, 8, 16):
             x = torch.randn(rows, 2 * k if name == "down" else k, device=dev, generator=g).to(torch.bfloat16)
-            triton_fn, cublas_fn = _gemv_pair(name == "down", x, nw, w, ops)
-            ref = (
-                F.linear(TORCH_OPS.silu_mul(x).float(), w.float())
-                if name == "down"
-                else F.linear(TORCH_OPS.add_rms_norm(x.float(), None, nw.float(), 1e-5)[0], w.float())
-            )
+            triton_fn, cublas_fn, ref = _gemv_case(name == "down", x, nw, w, ops)
             got = triton_fn()
             entry = {"triton_us": graph_us(triton_fn), "cublas_us": graph_us(cublas_fn),
                      "max_abs_err_vs_fp32": (got.float() - ref).abs().max().item()}  # fmt: skip
