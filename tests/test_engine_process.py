@@ -4,6 +4,7 @@ NOT_SERVING and fails its streams when the engine process dies."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pickle
@@ -400,8 +401,6 @@ def _spawned(pid: int) -> set[int]:
 def test_an_abort_that_crosses_the_finish_keeps_the_finish(tiny: tuple[Path, Path]) -> None:
     """The request finishes in the engine while its abort is on the way: the stream ends with its own finish and
     tokens, as with the engine on a thread. Both sides are driven by hand, so the crossing always happens."""
-    import asyncio
-
     cfg = _config(*tiny)
     engine = LLMEngine.from_config(cfg)
     engine_end, server_end = Pipe()

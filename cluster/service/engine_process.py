@@ -342,10 +342,10 @@ class EngineProcess:
             wanted = fut.set_running_or_notify_cancel()
             if err is not None:
                 self._abort_reasons.pop(handle.request_id, None)
-            elif not wanted:
-                self._outbox.put((ABORT, handle.request_id))  # given up on before the engine took it
-            else:
+            elif wanted:
                 self._book.add(handle)  # an abort already on its way ends it when the child answers
+            elif handle.request_id not in self._abort_reasons:  # (abort() has sent its own)
+                self._outbox.put((ABORT, handle.request_id))  # given up on before the engine took it
         if not wanted:
             return
         if err is not None:
