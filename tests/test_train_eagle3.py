@@ -200,3 +200,19 @@ def test_layouts_the_other_engines_cannot_read_are_refused(
         assert "--head-spec" in err and reason in err
     assert cli(*base[:-2], "--stage", "vocab", "--head", tmp_path / "x") == 2
     assert "--format" in capsys.readouterr().err
+
+
+def test_without_a_spec_an_eagle3_run_trains_the_layout_that_measured_best(target_dir: Path) -> None:
+    """`--format eagle3` with no --head-spec trains one head with EAGLE-3's default layers, the target's frozen
+    final norm and lm_head, and the normed residual; `--format mtp` keeps the MTP head on the last layer."""
+    from cluster.cli.cmd_train import options_from_args
+    from cluster.cli.mtpserve import build_parser
+
+    texts = {}
+    for fmt in ("eagle3", "mtp"):
+        args = build_parser().parse_args(
+            ["train-draft", "--stage", "train", "--format", fmt, "--target", str(target_dir), "--device", "cpu"]
+        )
+        texts[fmt] = [h.text() for h in options_from_args(args).train.heads]
+    assert texts["eagle3"] == ["head:layers=eagle3,vocab=0,lm_head=frozen,residual=normed"]
+    assert texts["mtp"] == ["head:layers=last,vocab=0"]

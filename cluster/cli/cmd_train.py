@@ -313,9 +313,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "layer's MLP width; 0 = the target's), path=W (chains that greedy decoding with the head would run "
         "weigh 1+W in the loss; default 0), decoder=N (decoder layers per draft step, 1-4; default 1), "
         "repeat=W (loss weight of rows whose token repeats an 8-gram earlier in its answer; default 1), --format "
-        "eagle3: lm_head=trained|frozen (its final norm and lm_head), residual=raw|normed (its layer's residual); "
-        "layers=eagle3 is EAGLE-3's 1, L/2-1, L-4; default one head, 'head:layers=last' ('head:layers=eagle3' "
-        "with --format eagle3, whose heads keep decoder=1 and read layers before the last)",
+        "eagle3: lm_head=trained|frozen (its final norm, lm_head), residual=raw|normed (its layer's residual), layers="
+        "eagle3 (EAGLE-3's 1, L/2-1, L-4; layers before the last, decoder=1); default one head, 'head:layers=last' "
+        "(--format eagle3: 'head:layers=eagle3,lm_head=frozen,residual=normed')",
     )
     g.add_argument(
         "--prefer-margin",
@@ -389,7 +389,7 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
     """Map parsed flags onto TrainDraftOptions (devices resolved, default paths filled in)."""
     from modeling.loader import cache_root, resolve_device
     from speculative.train.data import DataConfig
-    from speculative.train.heads import HeadSpec
+    from speculative.train.heads import default_head
     from speculative.train.pipeline import TrainDraftOptions
     from speculative.train.recipes import RecipeSettings
     from speculative.train.trainer import TrainConfig
@@ -439,7 +439,7 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
         pause_after=args.pause_after,
         keep_hidden=args.keep_hidden,
         max_batch_tokens=args.max_batch_tokens,
-        heads=args.head_spec or [HeadSpec(layers="eagle3" if args.format == "eagle3" else "last")],
+        heads=args.head_spec or [default_head(args.format)],
         head_format=args.format,
         prefer_margin=args.prefer_margin,
     )

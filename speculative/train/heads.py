@@ -100,6 +100,15 @@ class HeadSpec:
         return f"{feat}, {vocab}{mlp}{decoder}{eagle3}, {steps}{path}{repeat}"
 
 
+def default_head(head_format: str) -> HeadSpec:
+    """The head a run trains when no spec is given: an MTP head reading the last layer, or for `eagle3`
+    the choices that accepted most on the GPU (frozen final norm and lm_head, normed residual;
+    `speculative/train/GPU_RUN.md`)."""
+    if head_format == "eagle3":
+        return HeadSpec(layers="eagle3", lm_head="frozen", residual="normed")
+    return HeadSpec(layers="last")
+
+
 def parse_head_spec(text: str) -> HeadSpec:
     """`name:layers=fused,vocab=16384,k=3` -> HeadSpec; raises TrainSetupError naming --head-spec."""
     name, _, rest = text.partition(":")
