@@ -7,6 +7,8 @@
 #   bash bench/device_run.sh ray      SmolLM2: Ray TP=1 against in-process (REPEATS, SETUPS), trees against target-only
 #                                     in fp32 (FP32=0 skips them)
 #   bash bench/device_run.sh prof     SmolLM2 shape, random weights: where a target, chain and tree step's time goes
+#   bash bench/device_run.sh tiles    real SmolLM2 + shipped head: matrix-vector tiles timed in the served step at each
+#                                     depth (batch 1), the chosen table's b1 rates against the default tiles
 #   bash bench/device_run.sh serve    SmolLM2: streams over gRPC and HTTP from a `serve` process against the engine
 #                                     alone, target-only and K=3 (target-only also with the engine on a thread),
 #                                     CLIENTS client processes (default 8)
@@ -19,7 +21,7 @@
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, serve, e3a, e3b or e3"}
+PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, tiles, serve, e3a, e3b or e3"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
@@ -74,6 +76,9 @@ case $PHASE in
   prof)
     step profile 150 python3 bench/probes/profile_step.py --device cuda --steps 30 \
       --variants target-graph,mtp1-graph,mtp3-graph,tree4x16-graph --out "$R/profile"
+    ;;
+  tiles)
+    step tiles 520 python3 bench/probes/gemv_tiles.py --model "$M" --out "$R"
     ;;
   serve)
     for spec in "target:--no-speculation" "k3:"; do

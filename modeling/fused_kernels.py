@@ -22,6 +22,8 @@ the same rounding points to the model dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from modeling import pdl
@@ -304,7 +306,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 GEMV_MAX_K = 2048  # widest input row the matrix-vector kernels hold in one tile
 GEMV_MAX_ROWS = pdl.SMALL_STEP_ROWS  # beyond this, cuBLAS wins (bench/gemv_check.py at git 3de923b, on an H200)
-GEMV_BLOCK_N = 8  # output columns per program
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """How the matrix-vector kernels split a step of one padded row count: output columns per program, and
+    warps per program (0: 4 for inputs padded to at most 1,024, else 8)."""
+
+    block_n: int = 8
+    warps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_n < 2 or self.block_n & (self.block_n - 1) or self.warps not in (0, 1, 2, 4, 8, 16):
+            raise ValueError(f"GemvTiles: block_n must be a power of two >= 2 and warps 0-16, got {self}")
+
+    def num_warps(self, block_k: int) -> int:
+        """Warps per program for inputs padded to block_k."""
+        return self.warps or (4 if block_k <= 1024 else 8)
+
+
+GEMV_TILES: dict[int, GemvTiles] = {}  # by padded row count (1, 2, 4); a count absent takes GemvTiles()
+
+
+def gemv_tiles(rows: int) -> GemvTiles:
+    """The tiles the matrix-vector kernels use for `rows` input rows (padded to a power of two)."""
+    return GEMV_TILES.get(1 << max(rows - 1, 0).bit_length(), GemvTiles())
 
 
 def gemv_fits(rows: int, k: int) -> bool:
@@ -323,13 +349,14 @@ def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
     if not gemv_fits(m, k):
         raise ValueError(f"matrix-vector kernels take 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K}, got {m} x {k}")
     block_k = triton.next_power_of_2(k)
+    tiles = gemv_tiles(m)
     meta = {
         "BLOCK_M": triton.next_power_of_2(m),
-        "BLOCK_N": GEMV_BLOCK_N,
+        "BLOCK_N": tiles.block_n,
         "BLOCK_K": block_k,
-        "num_warps": 4 if block_k <= 1024 else 8,
+        "num_warps": tiles.num_warps(block_k),
     }
-    return (triton.cdiv(n, GEMV_BLOCK_N),), meta
+    return (triton.cdiv(n, tiles.block_n),), meta
 
 
 def _rows_and_residual(
@@ -399,12 +426,10 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.T
     return y
 
 
-ROPE_PAIRS = GEMV_BLOCK_N // 2  # rotation pairs per program of norm_qkv_rope (8 output columns)
-
-
 def rope_fits(rows: int, k: int, head_dim: int) -> bool:
-    """Whether `norm_qkv_rope` takes `rows` input rows of width k with this head size."""
-    return gemv_fits(rows, k) and head_dim % (2 * ROPE_PAIRS) == 0
+    """Whether `norm_qkv_rope` takes `rows` input rows of width k with this head size (each program owns
+    `gemv_tiles(rows).block_n` output columns: half as many rotation pairs)."""
+    return gemv_fits(rows, k) and head_dim % gemv_tiles(rows).block_n == 0
 
 
 def norm_qkv_rope(
@@ -420,21 +445,22 @@ def norm_qkv_rope(
     _need_triton()
     m, k = x.shape
     heads, kv_heads, head_dim = kv.heads, kv.kv_heads, kv.head_dim
+    tiles = gemv_tiles(m)
     if not rope_fits(m, k, head_dim):
         raise ValueError(f"norm_qkv_rope takes 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K} and head_dim "
-                         f"divisible by {2 * ROPE_PAIRS}, got {m} x {k}, head_dim {head_dim}")  # fmt: skip
+                         f"divisible by {tiles.block_n}, got {m} x {k}, head_dim {head_dim}")  # fmt: skip
     if weight.shape[0] != (heads + 2 * kv_heads) * head_dim or not gemv_takes(x, weight):
         raise ValueError("norm_qkv_rope needs the fused [q; k; v] weight with contiguous rows, in x's dtype")
     x, r, res = _rows_and_residual(x, residual)
     cos, sin, q = _rope_outputs(kv, m, x)
-    half = head_dim // 2
+    half, pairs = head_dim // 2, tiles.block_n // 2
     block_k = triton.next_power_of_2(k)
     on = pdl.active(x)
-    _norm_qkv_rope[((heads + 2 * kv_heads) * (half // ROPE_PAIRS),)](
+    _norm_qkv_rope[((heads + 2 * kv_heads) * (half // pairs),)](
         x, r, norm_weight, weight, res, cos, sin, kv.slot_mapping, q, kv.k_cache, kv.v_cache,
         m, k, eps, x.stride(0), r.stride(0), weight.stride(0), res.stride(0), cos.stride(0), q.stride(0),
-        HAS_RES=residual is not None, HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=half, PAIRS=ROPE_PAIRS,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8,
+        HAS_RES=residual is not None, HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=half, PAIRS=pairs,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=tiles.num_warps(block_k),
         PDL=on, **pdl.launch_args(on),
     )  # fmt: skip
     return q, res

@@ -169,6 +169,36 @@ def test_linear_matches_reference(rows: int) -> None:
     assert got.shape == ref.shape == (rows, 70) and _close(got, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("tiles", [fused_kernels.GemvTiles(2, 1), fused_kernels.GemvTiles(16, 2)])
+def test_other_tiles_compute_the_same_products(monkeypatch: pytest.MonkeyPatch, tiles: fused_kernels.GemvTiles) -> None:
+    """A row count given other tiles (output columns and warps per program) still matches the torch ops, for
+    every matrix-vector kernel; the other row counts keep theirs; a head size the tiles cannot split into
+    rotation pairs is refused by rope_fits."""
+    monkeypatch.setattr(fused_kernels, "GEMV_TILES", {4: tiles})
+    assert fused_kernels.gemv_tiles(3) == tiles and fused_kernels.gemv_tiles(2) == fused_kernels.GemvTiles()
+    g = torch.Generator().manual_seed(6)
+    x, r = torch.randn(3, 96, generator=g), torch.randn(3, 96, generator=g)
+    nw, w = 1.0 + 0.1 * torch.randn(96, generator=g), 0.1 * torch.randn(50, 96, generator=g)
+    assert _close(fused_kernels.linear(x, w), TORCH_OPS.linear(x, w), torch.float32)
+    got, ref = fused_kernels.norm_linear(x, r, nw, 1e-5, w), TORCH_OPS.norm_linear(x, r, nw, 1e-5, w)
+    assert _close(got[0], ref[0], torch.float32) and _close(got[1], ref[1], torch.float32)
+    gate_up, wd = torch.randn(3, 2 * 48, generator=g), 0.1 * torch.randn(40, 48, generator=g)
+    assert _close(fused_kernels.swiglu_linear(gate_up, wd), TORCH_OPS.swiglu_linear(gate_up, wd), torch.float32)
+    heads, kv_heads, dim = 4, 2, 16
+    wqkv = 0.1 * torch.randn((heads + 2 * kv_heads) * dim, 96, generator=g)
+    cos, sin = Rotary(dim, 10000.0, 64).table(torch.tensor([3, 4, 5]))
+    caches = [[torch.zeros(4, 4, kv_heads, dim) for _ in range(2)] for _ in range(2)]
+    outs = [
+        ops(x, r, nw, 1e-5, wqkv, KVWrite(cos, sin, torch.tensor([1, 2, 3]), *cache, heads, kv_heads, dim))
+        for ops, cache in zip((fused_kernels.norm_qkv_rope, TORCH_OPS.norm_qkv_rope), caches, strict=True)
+    ]
+    assert _close(outs[0][0], outs[1][0], torch.float32)
+    assert all(_close(a, b, torch.float32) for a, b in zip(caches[0], caches[1], strict=True))
+    assert fused_kernels.rope_fits(3, 96, dim) == (dim % tiles.block_n == 0)
+    with pytest.raises(ValueError, match="block_n"):
+        fused_kernels.GemvTiles(6)
+
+
 def test_matrix_vector_kernels_refuse_what_they_cannot_hold() -> None:
     """More rows than a tile, or rows wider than GEMV_MAX_K, raise naming the limits; TritonOps then keeps
     the separate kernels and still matches the reference."""

@@ -20,10 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench.decode import bench_prompts, decode_run, engine_for
+from cluster.bench.decode import add_engine_flags, bench_prompts, decode_run, engine_for
 from cluster.engine.llm_engine import LLMEngine
 from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
-from workers.builders import DEFAULT_HEAD
 
 
 def forced(policy: AdaptiveDepth, kind: StepKind) -> AdaptiveDepth:
@@ -48,8 +47,7 @@ def row(r: dict[str, Any], **extra: Any) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--draft", default=str(DEFAULT_HEAD))
+    add_engine_flags(ap)
     ap.add_argument("--k", type=int, default=3, help="the deepest draft depth (and the tree's depth)")
     ap.add_argument("--tree-budget", type=int, default=0, help="offer a draft tree of this many nodes too (0: none)")
     ap.add_argument("--tree-width", type=int, default=4, help="the tree's children per expanded node")
@@ -58,9 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--num-kv-blocks", type=int, default=2048, help="KV blocks: enough that no run at the largest batch preempts"
     )
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default="out")
     return ap
 

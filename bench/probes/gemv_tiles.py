@@ -1,0 +1,138 @@
+"""Tiles of the matrix-vector kernels, chosen in the served step: for each candidate (output columns and warps
+per program), an adaptive engine at batch 1 times its captured steps at every draft depth; the fastest
+candidate per padded row count (1 row: depth 0; 2: depth 1; 4: depths 2 and 3 together) makes the chosen
+table, which is timed again and decoded against the default tiles: target-only and fixed K=1..k, tok/s.
+
+Usage (on the GPU machine, from the repo root):
+    python3 bench/probes/gemv_tiles.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+Prints the timings and the chosen table, and writes gemv_tiles.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cluster.bench.decode import add_engine_flags, bench_prompts, decode_run, engine_for
+from modeling import fused_kernels
+from modeling.fused_kernels import GemvTiles
+from workers.builders import graph_max_blocks
+from workers.fused_step import FusedDepthSteps, FusedSpecStep
+
+DEPTHS_OF_ROWS = {1: (0,), 2: (1,), 4: (2, 3)}  # padded verify rows -> the batch-1 depths whose steps they run
+
+
+def parse_tiles(text: str) -> GemvTiles:
+    """`8x4` -> GemvTiles(block_n=8, warps=4) (warps 0: the default by input width)."""
+    try:
+        block_n, warps = (int(v) for v in text.lower().split("x"))
+        return GemvTiles(block_n, warps)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--candidates: '{text}' is not BLOCK_NxWARPS ({err})") from None
+
+
+def choose_tiles(times: dict[str, dict[int, float]], candidates: dict[str, GemvTiles]) -> dict[int, str]:
+    """The fastest candidate for each padded row count, from each candidate's ms per step by depth; a row
+    count whose depths were not timed is left out."""
+    chosen = {}
+    for rows, depths in DEPTHS_OF_ROWS.items():
+        timed = [name for name in candidates if all(d in times[name] for d in depths)]
+        if timed:
+            chosen[rows] = min(timed, key=lambda name: sum(times[name][d] for d in depths))
+    return chosen
+
+
+def step_times(args: argparse.Namespace, tiles: dict[int, GemvTiles]) -> dict[int, float]:
+    """ms per batch-1 captured step by depth (0..k) of an adaptive engine using `tiles`."""
+    fused_kernels.GEMV_TILES = dict(tiles)
+    eng = engine_for(args, args.k, True, 1, variant="adaptive")
+    runner: Any = eng.target
+    steps = runner.fused
+    if steps is None:  # off CUDA nothing is captured: the same fixed-buffer steps, run eagerly
+        blocks = graph_max_blocks(eng.cfg, args.k, eng.max_model_len)
+        model, cache, chain, dev = runner.model, runner.cache, eng.draft, runner.device
+        made = {d: FusedSpecStep(model, cache, chain, d, 1, blocks, dev, use_graphs=False) for d in range(args.k + 1)}
+        steps = FusedDepthSteps(made)
+    times = steps.time_steps(args.repeats)
+    del eng, runner, steps
+    release()
+    return {depth: 1e3 * s for (bucket, depth), s in times.items() if bucket == 1}
+
+
+def tok_s(args: argparse.Namespace, tiles: dict[int, GemvTiles]) -> dict[str, Any]:
+    """Batch-1 decode rates with `tiles`: target-only and fixed K=1..k, each with its speedup."""
+    fused_kernels.GEMV_TILES = dict(tiles)
+    out: dict[str, Any] = {}
+    for k in range(args.k + 1):
+        eng = engine_for(args, k, True, 1)
+        prompt = bench_prompts(eng, 1)
+        decode_run(eng, prompt, 8)
+        r = decode_run(eng, prompt, args.max_tokens)
+        out[f"K={k}" if k else "target-only"] = {
+            "tok_s": r["tok_s"], "step_ms": r["step_ms"], "acceptance_length": r["acceptance_length"]
+        }  # fmt: skip
+        del eng
+        release()
+    base = out["target-only"]["tok_s"]
+    for row in out.values():
+        row["speedup"] = row["tok_s"] / base
+    return out
+
+
+def release() -> None:
+    """Free the last engine's memory before the next is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's flags."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(ap)
+    ap.add_argument("--k", type=int, default=3, help="the deepest draft depth")
+    ap.add_argument(
+        "--candidates",
+        type=lambda s: [parse_tiles(t) for t in s.split(",")],
+        default=[parse_tiles(t) for t in ["8x0", "4x0", "16x0", "8x2", "4x2", "4x1", "2x1", "16x8"]],
+        help="BLOCK_NxWARPS,... (output columns and warps per program; warps 0: 4, or 8 past 1,024 inputs)",
+    )
+    ap.add_argument("--repeats", type=int, default=50, help="replays per timed step")
+    ap.add_argument("--max-tokens", type=int, default=256, help="tokens decoded in each rate run")
+    ap.add_argument("--out", default="out")
+    return ap
+
+
+def main() -> int:
+    """Time every candidate, choose, and compare the chosen table with the default tiles."""
+    args = build_parser().parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    candidates = {f"{t.block_n}x{t.warps}": t for t in args.candidates}
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu, "step_ms": {}}
+    for name, tiles in candidates.items():
+        report["step_ms"][name] = step_times(args, {rows: tiles for rows in DEPTHS_OF_ROWS})
+        print(name, " ".join(f"d{d} {ms:.3f}" for d, ms in report["step_ms"][name].items()), flush=True)
+    chosen = choose_tiles(report["step_ms"], candidates)
+    table = {rows: candidates[name] for rows, name in chosen.items()}
+    report["chosen"] = {str(rows): name for rows, name in chosen.items()}
+    report["chosen_step_ms"] = step_times(args, table)
+    print("chosen", report["chosen"], " ".join(f"d{d} {ms:.3f}" for d, ms in report["chosen_step_ms"].items()))
+    report["tok_s"] = {"default": tok_s(args, {}), "chosen": tok_s(args, table)}
+    for label, rows in report["tok_s"].items():
+        print(label, "  ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['speedup']:.2f}x)" for k, r in rows.items()))
+    (out / "gemv_tiles.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
