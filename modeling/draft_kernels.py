@@ -43,6 +43,7 @@ if triton is not None:
         ids_ptr, emb_ptr, enw_ptr, hid_ptr, hnw_ptr, w_ptr, y_ptr, M, N, K, eps,
         stride_e, stride_h, stride_w, stride_y,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        ROW_LOOP: tl.constexpr,
     ):  # fmt: skip
         _, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         w_e = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
@@ -53,10 +54,7 @@ if triton is not None:
         dtype = w_ptr.dtype.element_ty
         e = _normed(emb_ptr, ids * stride_e, valid, enw_ptr, K, eps, ks, dtype)
         h = _normed(hid_ptr, rows.to(tl.int64) * stride_h, valid, hnw_ptr, K, eps, ks, dtype)
-        _store_rows(y_ptr, _matvec(e, w_e) + _matvec(h, w_h), rows, cols, stride_y, M, N)
-
-
-DRAFT_BLOCK_N = 8  # eh_proj output columns per program
+        _store_rows(y_ptr, _matvec(e, w_e, ROW_LOOP) + _matvec(h, w_h, ROW_LOOP), rows, cols, stride_y, M, N)
 
 
 @dataclass(frozen=True)
@@ -104,11 +102,12 @@ def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights
     tokens = tokens.contiguous()
     y = torch.empty(m, n, dtype=w.eh_proj.dtype, device=hidden.device)
     block_k = triton.next_power_of_2(d)
+    tiles = fused_kernels.gemv_tiles(m)
     on = pdl.active(hidden)
-    _draft_input[(triton.cdiv(n, DRAFT_BLOCK_N),)](
+    _draft_input[(triton.cdiv(n, tiles.block_n),)](
         tokens, w.embed, w.enorm, hidden, w.hnorm, w.eh_proj, y, m, n, d, w.eps,
         w.embed.stride(0), hidden.stride(0), w.eh_proj.stride(0), y.stride(0),
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=DRAFT_BLOCK_N, BLOCK_K=block_k,
-        num_warps=4 if block_k <= 1024 else 8, PDL=on, **pdl.launch_args(on),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+        num_warps=tiles.num_warps(block_k), ROW_LOOP=tiles.row_loop, PDL=on, **pdl.launch_args(on),
     )  # fmt: skip
     return y

@@ -14,7 +14,8 @@
 The two projection kernels are matrix-vector products: each program loads its slice of weight rows, the
 input rows and the norm weight at once (one memory round trip) and reduces the products in registers.
 That suits the 1-4 rows of a small-batch step, where latency costs more than arithmetic; larger steps
-keep cuBLAS.
+keep cuBLAS. `GEMV_TILES` sets, per padded row count, the output columns and warps of a program and whether
+it reduces the rows one at a time (`bench/probes/gemv_tiles.py` times candidates in the served step).
 
 Each matches the torch reference in `layer_ops.TorchOps` up to float rounding: the same fp32 math, and
 the same rounding points to the model dtype.
@@ -138,9 +139,18 @@ if triton is not None:
         return tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=mask, other=0.0)
 
     @triton.jit
-    def _matvec(x, w):
-        # rows x [BLOCK_M, BLOCK_K] (fp32) times a weight tile w [BLOCK_N, BLOCK_K], reduced in registers
-        return tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    def _matvec(x, w, ROW_LOOP: tl.constexpr):
+        # rows x [BLOCK_M, BLOCK_K] (fp32) times a weight tile w [BLOCK_N, BLOCK_K], reduced in registers: all
+        # rows in one [BLOCK_M, BLOCK_N, BLOCK_K] product, or with ROW_LOOP one row at a time
+        wf = w.to(tl.float32)
+        if ROW_LOOP:
+            rows = tl.arange(0, x.shape[0])[:, None]
+            y = tl.zeros((x.shape[0], w.shape[0]), tl.float32)
+            for m in tl.static_range(x.shape[0]):
+                xm = tl.sum(tl.where(rows == m, x, 0.0), 0)
+                y = tl.where(rows == m, tl.sum(wf * xm[None, :], 1)[None, :], y)
+            return y
+        return tl.sum(x[:, None, :] * wf[None, :, :], 2)
 
     @triton.jit
     def _store_rows(y_ptr, y, rows, cols, stride_y, M, N):
@@ -154,6 +164,7 @@ if triton is not None:
         stride_x, stride_r, stride_w, stride_y, stride_res,
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        ROW_LOOP: tl.constexpr,
     ):  # fmt: skip
         # every load is issued up front (one memory round trip); the product is reduced in registers
         pid, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
@@ -161,7 +172,7 @@ if triton is not None:
         wait_for_inputs(PDL)
         x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
                      HAS_NORM, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
-        _store_rows(y_ptr, _matvec(x, w), rows, cols, stride_y, M, N)
+        _store_rows(y_ptr, _matvec(x, w, ROW_LOOP), rows, cols, stride_y, M, N)
 
     @triton.jit
     def _norm_qkv_rope(
@@ -169,6 +180,7 @@ if triton is not None:
         M, K, eps, stride_x, stride_r, stride_w, stride_res, stride_cos, stride_q,
         HAS_RES: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
         HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        ROW_LOOP: tl.constexpr,
     ):  # fmt: skip
         # each program owns PAIRS rotation pairs (columns j and j + HALF) of one q, k or v head, so it can
         # rotate its own outputs and store them: q to q_ptr, k and v straight into the paged caches. It
@@ -186,8 +198,8 @@ if triton is not None:
         x = _rows_in(x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
                      True, HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
         dt = q_ptr.dtype.element_ty
-        y1 = _matvec(x, w1).to(dt).to(tl.float32)  # [BLOCK_M, PAIRS]
-        y2 = _matvec(x, w2).to(dt).to(tl.float32)
+        y1 = _matvec(x, w1, ROW_LOOP).to(dt).to(tl.float32)  # [BLOCK_M, PAIRS]
+        y2 = _matvec(x, w2, ROW_LOOP).to(dt).to(tl.float32)
         ok = (rows < M)[:, None] & (j < HALF)[None, :]
         if h < HEADS + KV_HEADS:
             c = tl.load(cos_ptr + rows[:, None] * stride_cos + j[None, :], mask=ok, other=0.0)
@@ -213,7 +225,7 @@ if triton is not None:
         x_ptr, w_ptr, r_ptr, y_ptr, M, N, K,
         stride_x, stride_w, stride_r, stride_y,
         HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, ROW_LOOP: tl.constexpr,
     ):  # fmt: skip
         _, rows, ks, cols = _tile_indices(BLOCK_M, BLOCK_N, BLOCK_K)
         w = _weight_tile(w_ptr, cols, ks, stride_w, N, K)
@@ -223,7 +235,7 @@ if triton is not None:
         u = tl.load(x_ptr + rows[:, None] * stride_x + K + ks[None, :], mask=inside, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)
         a = (act * u).to(w_ptr.dtype.element_ty).to(tl.float32)
-        y = _matvec(a, w)
+        y = _matvec(a, w, ROW_LOOP)
         if HAS_RES:
             # rounded as the projection's output, then added as a separate residual add would
             out = (rows[:, None] < M) & (cols[None, :] < N)
@@ -310,11 +322,13 @@ GEMV_MAX_ROWS = pdl.SMALL_STEP_ROWS  # beyond this, cuBLAS wins (bench/gemv_chec
 
 @dataclass(frozen=True)
 class GemvTiles:
-    """How the matrix-vector kernels split a step of one padded row count: output columns per program, and
-    warps per program (0: 4 for inputs padded to at most 1,024, else 8)."""
+    """How the matrix-vector kernels split a step of one padded row count: output columns per program, warps
+    per program (0: 4 for inputs padded to at most 1,024, else 8), and whether rows are reduced one at a time
+    (fewer registers than one product of every row)."""
 
     block_n: int = 8
     warps: int = 0
+    row_loop: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 2 or self.block_n & (self.block_n - 1) or self.warps not in (0, 1, 2, 4, 8, 16):
@@ -355,6 +369,7 @@ def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
         "BLOCK_N": tiles.block_n,
         "BLOCK_K": block_k,
         "num_warps": tiles.num_warps(block_k),
+        "ROW_LOOP": tiles.row_loop,
     }
     return (triton.cdiv(n, tiles.block_n),), meta
 
@@ -461,6 +476,6 @@ def norm_qkv_rope(
         m, k, eps, x.stride(0), r.stride(0), weight.stride(0), res.stride(0), cos.stride(0), q.stride(0),
         HAS_RES=residual is not None, HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=half, PAIRS=pairs,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=tiles.num_warps(block_k),
-        PDL=on, **pdl.launch_args(on),
+        ROW_LOOP=tiles.row_loop, PDL=on, **pdl.launch_args(on),
     )  # fmt: skip
     return q, res

@@ -282,11 +282,11 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
 
     probe = ROOT / "bench" / "probes" / "gemv_tiles.py"
     cmd = [sys.executable, str(probe), *dummy_flags(model), "--dtype", "float32", "--k", "3",
-           "--candidates", "8x0,4x2", "--repeats", "2", "--max-tokens", "6", "--out", str(tmp_path)]  # fmt: skip
+           "--candidates", "8x0,4x2r", "--repeats", "2", "--max-tokens", "6", "--out", str(tmp_path)]  # fmt: skip
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     doc = json.loads((tmp_path / "gemv_tiles.json").read_text())
-    assert set(doc["step_ms"]) == {"8x0", "4x2"}
+    assert set(doc["step_ms"]) == {"8x0", "4x2r"}
     times = {name: {int(d): ms for d, ms in by_depth.items()} for name, by_depth in doc["step_ms"].items()}
     assert all(set(t) == {0, 1, 2, 3} and min(t.values()) > 0 for t in times.values())
     want = {1: (0,), 2: (1,), 4: (2, 3)}
@@ -295,7 +295,8 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
     for table in doc["tok_s"].values():
         assert set(table) == {"target-only", "K=1", "K=2", "K=3"} and table["target-only"]["speedup"] == 1.0
         assert all(r["tok_s"] > 0 for r in table.values())
-    cands = {"a": parse_tiles("8x0"), "b": parse_tiles("4x2")}
+    cands = {"a": parse_tiles("8x0"), "b": parse_tiles("4x2r")}
+    assert cands["b"].row_loop and not cands["a"].row_loop
     made_up = {"a": {0: 1.0, 1: 2.0, 2: 3.0}, "b": {0: 2.0, 1: 1.0, 2: 1.0}}
     assert choose_tiles(made_up, cands) == {1: "a", 2: "b"}
     made_up["a"][3] = made_up["b"][3] = 1.0

@@ -81,10 +81,14 @@ def test_model_greedy_tokens_match_logits_argmax() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 4])
-def test_draft_input_matches_reference(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "tiles"), [(1, None), (4, None), (3, fused_kernels.GemvTiles(4, 2, row_loop=True))])
+def test_draft_input_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, tiles: fused_kernels.GemvTiles | None
+) -> None:
     """Embedding lookup, both input norms, concat and eh_proj in one launch agree with the five-step
-    reference (width not a power of 2, repeated and far-apart token ids)."""
+    reference (width not a power of 2, repeated and far-apart token ids), also with other tiles."""
+    if tiles is not None:
+        monkeypatch.setattr(fused_kernels, "GEMV_TILES", {4: tiles})
     g = torch.Generator().manual_seed(rows)
     vocab, d = 300, 96
     emb = torch.randn(vocab, d, generator=g).to(dtype)

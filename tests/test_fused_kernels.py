@@ -169,11 +169,13 @@ def test_linear_matches_reference(rows: int) -> None:
     assert got.shape == ref.shape == (rows, 70) and _close(got, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("tiles", [fused_kernels.GemvTiles(2, 1), fused_kernels.GemvTiles(16, 2)])
+@pytest.mark.parametrize(
+    "tiles", [fused_kernels.GemvTiles(2, 1), fused_kernels.GemvTiles(16, 2), fused_kernels.GemvTiles(8, 0, True)]
+)
 def test_other_tiles_compute_the_same_products(monkeypatch: pytest.MonkeyPatch, tiles: fused_kernels.GemvTiles) -> None:
-    """A row count given other tiles (output columns and warps per program) still matches the torch ops, for
-    every matrix-vector kernel; the other row counts keep theirs; a head size the tiles cannot split into
-    rotation pairs is refused by rope_fits."""
+    """A row count given other tiles (output columns and warps per program, rows one at a time) still matches
+    the torch ops in every matrix-vector kernel; the other row counts keep theirs; a head size the tiles
+    cannot split into rotation pairs is refused by rope_fits."""
     monkeypatch.setattr(fused_kernels, "GEMV_TILES", {4: tiles})
     assert fused_kernels.gemv_tiles(3) == tiles and fused_kernels.gemv_tiles(2) == fused_kernels.GemvTiles()
     g = torch.Generator().manual_seed(6)

@@ -31,12 +31,19 @@ DEPTHS_OF_ROWS = {1: (0,), 2: (1,), 4: (2, 3)}  # padded verify rows -> the batc
 
 
 def parse_tiles(text: str) -> GemvTiles:
-    """`8x4` -> GemvTiles(block_n=8, warps=4) (warps 0: the default by input width)."""
+    """`8x4` -> GemvTiles(block_n=8, warps=4) (warps 0: the default by input width); a trailing `r` reduces
+    the rows one at a time (`8x0r`)."""
+    body = text.lower().removesuffix("r")
     try:
-        block_n, warps = (int(v) for v in text.lower().split("x"))
-        return GemvTiles(block_n, warps)
+        block_n, warps = (int(v) for v in body.split("x"))
+        return GemvTiles(block_n, warps, row_loop=body != text.lower())
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"--candidates: '{text}' is not BLOCK_NxWARPS ({err})") from None
+        raise argparse.ArgumentTypeError(f"--candidates: '{text}' is not BLOCK_NxWARPS[r] ({err})") from None
+
+
+def tiles_name(tiles: GemvTiles) -> str:
+    """The candidate's name as --candidates writes it."""
+    return f"{tiles.block_n}x{tiles.warps}{'r' if tiles.row_loop else ''}"
 
 
 def choose_tiles(times: dict[str, dict[int, float]], candidates: dict[str, GemvTiles]) -> dict[int, str]:
@@ -102,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--candidates",
         type=lambda s: [parse_tiles(t) for t in s.split(",")],
-        default=[parse_tiles(t) for t in ["8x0", "4x0", "16x0", "8x2", "4x2", "4x1", "2x1", "16x8"]],
-        help="BLOCK_NxWARPS,... (output columns and warps per program; warps 0: 4, or 8 past 1,024 inputs)",
+        default=[parse_tiles(t) for t in ["8x0", "8x0r", "4x0", "4x0r", "16x0", "8x2", "4x2r", "4x1", "2x1r", "16x8"]],
+        help="BLOCK_NxWARPS[r],... (output columns and warps per program, warps 0: 4, or 8 past 1,024 inputs; r: "
+        "rows reduced one at a time)",
     )
     ap.add_argument("--repeats", type=int, default=50, help="replays per timed step")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens decoded in each rate run")
@@ -116,7 +124,7 @@ def main() -> int:
     args = build_parser().parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    candidates = {f"{t.block_n}x{t.warps}": t for t in args.candidates}
+    candidates = {tiles_name(t): t for t in args.candidates}
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu, "step_ms": {}}
     for name, tiles in candidates.items():
