@@ -23,11 +23,10 @@ the same rounding points to the model dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from modeling import pdl
+from modeling.gemv_tiles import GemvTiles
 from modeling.kv_cache import KVWrite
 
 try:
@@ -320,26 +319,7 @@ GEMV_MAX_K = 2048  # widest input row the matrix-vector kernels hold in one tile
 GEMV_MAX_ROWS = pdl.SMALL_STEP_ROWS  # beyond this, cuBLAS wins (bench/gemv_check.py at git 3de923b, on an H200)
 
 
-@dataclass(frozen=True)
-class GemvTiles:
-    """How the matrix-vector kernels split a step of one padded row count: output columns per program, warps
-    per program (0: 4 for inputs padded to at most 1,024, else 8), and whether rows are reduced one at a time
-    (fewer registers than one product of every row)."""
-
-    block_n: int = 8
-    warps: int = 0
-    row_loop: bool = False
-
-    def __post_init__(self) -> None:
-        if self.block_n < 2 or self.block_n & (self.block_n - 1) or self.warps not in (0, 1, 2, 4, 8, 16):
-            raise ValueError(f"GemvTiles: block_n must be a power of two >= 2 and warps 0-16, got {self}")
-
-    def num_warps(self, block_k: int) -> int:
-        """Warps per program for inputs padded to block_k."""
-        return self.warps or (4 if block_k <= 1024 else 8)
-
-
-GEMV_TILES: dict[int, GemvTiles] = {}  # by padded row count (1, 2, 4); a count absent takes GemvTiles()
+GEMV_TILES: dict[int, GemvTiles] = {}  # by padded row count (1, 2, 4), process-wide; absent: GemvTiles()
 
 
 def gemv_tiles(rows: int) -> GemvTiles:

@@ -278,7 +278,7 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
     tables decode with target-only as the 1.0x base. The choice itself, on made-up timings: each row count
     reads only its own depths, and a row count with an untimed depth is left out."""
     sys.path.insert(0, str(ROOT / "bench" / "probes"))
-    from gemv_tiles import choose_tiles, parse_tiles
+    from gemv_tiles import choose_tiles, parse_candidates
 
     probe = ROOT / "bench" / "probes" / "gemv_tiles.py"
     cmd = [sys.executable, str(probe), *dummy_flags(model), "--dtype", "float32", "--k", "3",
@@ -290,16 +290,16 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
     times = {name: {int(d): ms for d, ms in by_depth.items()} for name, by_depth in doc["step_ms"].items()}
     assert all(set(t) == {0, 1, 2, 3} and min(t.values()) > 0 for t in times.values())
     want = {1: (0,), 2: (1,), 4: (2, 3)}
-    for rows, depths in want.items():
-        assert doc["chosen"][str(rows)] == min(times, key=lambda n: sum(times[n][d] for d in depths))
+    fastest = {rows: min(times, key=lambda n: sum(times[n][d] for d in depths)) for rows, depths in want.items()}
+    assert doc["chosen_table"] == ",".join(f"{rows}={name}" for rows, name in fastest.items())
     for table in doc["tok_s"].values():
         assert set(table) == {"target-only", "K=1", "K=2", "K=3"} and table["target-only"]["speedup"] == 1.0
         assert all(r["tok_s"] > 0 for r in table.values())
-    cands = {"a": parse_tiles("8x0"), "b": parse_tiles("4x2r")}
-    assert cands["b"].row_loop and not cands["a"].row_loop
+    a, b = parse_candidates("8x0,4x2r")
+    cands = {"a": a, "b": b}
     made_up = {"a": {0: 1.0, 1: 2.0, 2: 3.0}, "b": {0: 2.0, 1: 1.0, 2: 1.0}}
     assert choose_tiles(made_up, cands) == {1: "a", 2: "b"}
     made_up["a"][3] = made_up["b"][3] = 1.0
     assert choose_tiles(made_up, cands) == {1: "a", 2: "b", 4: "b"}
-    with pytest.raises(argparse.ArgumentTypeError, match="BLOCK_NxWARPS"):
-        parse_tiles("6x2")
+    with pytest.raises(argparse.ArgumentTypeError, match="--candidates: tiles '8x'"):
+        parse_candidates("4x2,8x")

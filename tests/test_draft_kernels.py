@@ -11,6 +11,7 @@ import torch
 
 from modeling import argmax_kernels, draft_kernels, fused_kernels
 from modeling.attention import ragged_metadata
+from modeling.gemv_tiles import GemvTiles
 from modeling.layer_ops import TORCH_OPS, TritonOps
 from modeling.model import LlamaModel, prepare_for_inference
 from speculative.mtp_head import MTPEagleHead
@@ -81,9 +82,9 @@ def test_model_greedy_tokens_match_logits_argmax() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "tiles"), [(1, None), (4, None), (3, fused_kernels.GemvTiles(4, 2, row_loop=True))])
+@pytest.mark.parametrize(("rows", "tiles"), [(1, None), (4, None), (3, GemvTiles(4, 2, row_loop=True))])
 def test_draft_input_matches_reference(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, tiles: fused_kernels.GemvTiles | None
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, tiles: GemvTiles | None
 ) -> None:
     """Embedding lookup, both input norms, concat and eh_proj in one launch agree with the five-step
     reference (width not a power of 2, repeated and far-apart token ids), also with other tiles."""

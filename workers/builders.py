@@ -14,9 +14,11 @@ from typing import Any, cast
 
 import torch
 
+from modeling import fused_kernels as kernels
 from modeling import pdl
 from modeling.errors import ModelLoadError
 from modeling.families import InPlaceDummy, allocate_on_device, materialize_dummy, model_class, unloaded_parameters
+from modeling.gemv_tiles import resolve as resolve_tiles
 from modeling.kv_cache import KVCache
 from modeling.layer_ops import pick_ops
 from modeling.loader import ModelSource, resolve_model
@@ -77,12 +79,15 @@ def build_target(
     tp: Any = None,
     fused_kernels: bool = True,
     pdl_launch: bool = True,
+    gemv_tiles: str = "auto",
 ) -> LlamaModel:
     """Construct the (sharded) target model on `device` in `dtype`, load its weights straight into it (no
     fp32 copy on the host) and prepare it for inference; for an in-place dummy load, random weights are made
     on the device. `pdl_launch` sets whether this process's small-step kernels launch with PDL
-    (`modeling/pdl.py`)."""
+    (`modeling/pdl.py`), `gemv_tiles` their matrix-vector tiles (`modeling/gemv_tiles.py`)."""
     pdl.set_enabled(pdl_launch)
+    on_cuda = torch.device(device).type == "cuda"
+    kernels.GEMV_TILES = resolve_tiles(gemv_tiles, torch.cuda.get_device_name(device) if on_cuda else None)
     with torch.device("meta"):
         model = model_class(args)(args, tp)
     if isinstance(weights, InPlaceDummy):
@@ -100,8 +105,9 @@ def build_shared(
     cfg: MTPServeConfig, args: LlamaArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str
 ) -> LlamaModel:
     """The target's embedding, final norm and lm_head without its layers, for a draft on another worker."""
+    m = cfg.model
     return build_target(
-        replace(args, num_hidden_layers=0), weights, dtype, device, None, cfg.model.fused_kernels, cfg.model.pdl
+        replace(args, num_hidden_layers=0), weights, dtype, device, None, m.fused_kernels, m.pdl, m.gemv_tiles
     )
 
 

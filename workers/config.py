@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from modeling.gemv_tiles import parse_table
 
 MAX_STEPS_AHEAD = 2  # steps queued on the device ahead of the one being read (host buffers rotate over one more)
 
@@ -67,6 +69,19 @@ class ModelConfig(_Strict):
         description="launch the small-step Triton kernels with programmatic dependent launch (Hopper and newer): "
         "each kernel reads its weights while the previous one finishes; process-wide",
     )
+    gemv_tiles: str = Field(
+        "auto",
+        description="tiles of the small-step matrix-vector kernels by row count: auto (the table measured on this "
+        "GPU model, else the defaults), default, or a table such as 1=8x0,2=8x0r,4=4x2 (output columns x warps "
+        "per program, r: rows reduced one at a time; modeling/gemv_tiles.py); process-wide",
+    )
+
+    @field_validator("gemv_tiles")
+    @classmethod
+    def _tiles_table(cls, value: str) -> str:
+        if value not in ("auto", "default"):
+            parse_table(value)
+        return value
 
     def queued_steps(self, remote: bool) -> int:
         """Steps queued ahead of the one being read: `steps_ahead`, else 2 for Ray ranks and 1 in process."""

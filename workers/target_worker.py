@@ -123,7 +123,8 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         tp = init_tp_group(self.rank, self.world, master, self.device)
         _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
-        model = build_target(args, weights, dtype, self.device, tp, cfg.model.fused_kernels, cfg.model.pdl)
+        m = cfg.model
+        model = build_target(args, weights, dtype, self.device, tp, m.fused_kernels, m.pdl, m.gemv_tiles)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)

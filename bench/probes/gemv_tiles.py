@@ -22,28 +22,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.bench.decode import add_engine_flags, bench_prompts, decode_run, engine_for
-from modeling import fused_kernels
-from modeling.fused_kernels import GemvTiles
+from modeling.gemv_tiles import GemvTiles, table_text
 from workers.builders import graph_max_blocks
 from workers.fused_step import FusedDepthSteps, FusedSpecStep
 
 DEPTHS_OF_ROWS = {1: (0,), 2: (1,), 4: (2, 3)}  # padded verify rows -> the batch-1 depths whose steps they run
 
 
-def parse_tiles(text: str) -> GemvTiles:
-    """`8x4` -> GemvTiles(block_n=8, warps=4) (warps 0: the default by input width); a trailing `r` reduces
-    the rows one at a time (`8x0r`)."""
-    body = text.lower().removesuffix("r")
+def parse_candidates(text: str) -> list[GemvTiles]:
+    """`8x0,4x2r` -> the candidates; argparse's error names the flag and the bad item."""
     try:
-        block_n, warps = (int(v) for v in body.split("x"))
-        return GemvTiles(block_n, warps, row_loop=body != text.lower())
+        return [GemvTiles.parse(t) for t in text.split(",")]
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"--candidates: '{text}' is not BLOCK_NxWARPS[r] ({err})") from None
-
-
-def tiles_name(tiles: GemvTiles) -> str:
-    """The candidate's name as --candidates writes it."""
-    return f"{tiles.block_n}x{tiles.warps}{'r' if tiles.row_loop else ''}"
+        raise argparse.ArgumentTypeError(f"--candidates: {err}") from None
 
 
 def choose_tiles(times: dict[str, dict[int, float]], candidates: dict[str, GemvTiles]) -> dict[int, str]:
@@ -57,10 +48,9 @@ def choose_tiles(times: dict[str, dict[int, float]], candidates: dict[str, GemvT
     return chosen
 
 
-def step_times(args: argparse.Namespace, tiles: dict[int, GemvTiles]) -> dict[int, float]:
-    """ms per batch-1 captured step by depth (0..k) of an adaptive engine using `tiles`."""
-    fused_kernels.GEMV_TILES = dict(tiles)
-    eng = engine_for(args, args.k, True, 1, variant="adaptive")
+def step_times(args: argparse.Namespace, table: str) -> dict[int, float]:
+    """ms per batch-1 captured step by depth (0..k) of an adaptive engine with `model.gemv_tiles` = table."""
+    eng = engine_for(args, args.k, True, 1, variant="adaptive", gemv_tiles=table)
     runner: Any = eng.target
     steps = runner.fused
     if steps is None:  # off CUDA nothing is captured: the same fixed-buffer steps, run eagerly
@@ -74,12 +64,11 @@ def step_times(args: argparse.Namespace, tiles: dict[int, GemvTiles]) -> dict[in
     return {depth: 1e3 * s for (bucket, depth), s in times.items() if bucket == 1}
 
 
-def tok_s(args: argparse.Namespace, tiles: dict[int, GemvTiles]) -> dict[str, Any]:
-    """Batch-1 decode rates with `tiles`: target-only and fixed K=1..k, each with its speedup."""
-    fused_kernels.GEMV_TILES = dict(tiles)
+def tok_s(args: argparse.Namespace, table: str) -> dict[str, Any]:
+    """Batch-1 decode rates with `model.gemv_tiles` = table: target-only and fixed K=1..k, with speedups."""
     out: dict[str, Any] = {}
     for k in range(args.k + 1):
-        eng = engine_for(args, k, True, 1)
+        eng = engine_for(args, k, True, 1, gemv_tiles=table)
         prompt = bench_prompts(eng, 1)
         decode_run(eng, prompt, 8)
         r = decode_run(eng, prompt, args.max_tokens)
@@ -108,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", type=int, default=3, help="the deepest draft depth")
     ap.add_argument(
         "--candidates",
-        type=lambda s: [parse_tiles(t) for t in s.split(",")],
-        default=[parse_tiles(t) for t in ["8x0", "8x0r", "4x0", "4x0r", "16x0", "8x2", "4x2r", "4x1", "2x1r", "16x8"]],
-        help="BLOCK_NxWARPS[r],... (output columns and warps per program, warps 0: 4, or 8 past 1,024 inputs; r: "
-        "rows reduced one at a time)",
+        type=parse_candidates,
+        default=parse_candidates("8x0,8x0r,4x0,4x0r,16x0,8x2,4x2r,4x1,2x1r,16x8"),
+        help="COLUMNSxWARPS[r],... (output columns and warps per program, warps 0: 4, or 8 past 1,024 inputs; r: "
+        "rows reduced one at a time; modeling/gemv_tiles.py)",
     )
     ap.add_argument("--repeats", type=int, default=50, help="replays per timed step")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens decoded in each rate run")
@@ -124,18 +113,18 @@ def main() -> int:
     args = build_parser().parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    candidates = {tiles_name(t): t for t in args.candidates}
+    candidates = {t.text(): t for t in args.candidates}
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu, "step_ms": {}}
     for name, tiles in candidates.items():
-        report["step_ms"][name] = step_times(args, {rows: tiles for rows in DEPTHS_OF_ROWS})
+        report["step_ms"][name] = step_times(args, table_text({rows: tiles for rows in DEPTHS_OF_ROWS}))
         print(name, " ".join(f"d{d} {ms:.3f}" for d, ms in report["step_ms"][name].items()), flush=True)
     chosen = choose_tiles(report["step_ms"], candidates)
-    table = {rows: candidates[name] for rows, name in chosen.items()}
-    report["chosen"] = {str(rows): name for rows, name in chosen.items()}
+    table = table_text({rows: candidates[name] for rows, name in chosen.items()})
+    report["chosen_table"] = table  # what modeling/gemv_tiles.py's TUNED holds for this GPU
     report["chosen_step_ms"] = step_times(args, table)
-    print("chosen", report["chosen"], " ".join(f"d{d} {ms:.3f}" for d, ms in report["chosen_step_ms"].items()))
-    report["tok_s"] = {"default": tok_s(args, {}), "chosen": tok_s(args, table)}
+    print("chosen", table, " ".join(f"d{d} {ms:.3f}" for d, ms in report["chosen_step_ms"].items()))
+    report["tok_s"] = {"default": tok_s(args, "default"), "chosen": tok_s(args, table)}
     for label, rows in report["tok_s"].items():
         print(label, "  ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['speedup']:.2f}x)" for k, r in rows.items()))
     (out / "gemv_tiles.json").write_text(json.dumps(report, indent=2))

@@ -65,10 +65,17 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
 
 
 def engine_for(
-    args: argparse.Namespace, k: int, graphs: bool, max_batch: int, fused: bool = True, variant: str = ""
+    args: argparse.Namespace,
+    k: int,
+    graphs: bool,
+    max_batch: int,
+    fused: bool = True,
+    variant: str = "",
+    gemv_tiles: str = "auto",
 ) -> LLMEngine:
     """An engine of `args` (model, load_format, draft, device, dtype, max_model_len, num_kv_blocks); k=0 is
-    target-only; fused picks the Triton layer kernels; `variant` is one of VARIANTS."""
+    target-only; fused picks the Triton layer kernels; `variant` is one of VARIANTS; `gemv_tiles` is
+    `model.gemv_tiles`."""
     small_rows = TritonOps.small_rows
     if variant == "no-gemv":
         TritonOps.small_rows = 0
@@ -85,6 +92,7 @@ def engine_for(
                     "overlap_speculative": variant != "no-overlap-spec",
                     "fused_kernels": fused,
                     "pdl": variant != "no-pdl",
+                    "gemv_tiles": gemv_tiles,
                     "max_model_len": args.max_model_len,
                 },
                 "scheduler": {

@@ -154,9 +154,8 @@ class LLMEngine:
         with the target's tokens (`speculative/replay.py`), so the output is not the model's."""
         device = resolve_device(cfg.model.device)
         dtype = to_dtype(cfg.model.dtype, device)
-        model = build_target(
-            args, weights, dtype, device, fused_kernels=cfg.model.fused_kernels, pdl_launch=cfg.model.pdl
-        )
+        m = cfg.model
+        model = build_target(args, weights, dtype, device, None, m.fused_kernels, m.pdl, m.gemv_tiles)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
