@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--candidates",
         type=parse_candidates,
-        default=parse_candidates("8x0,8x0r,4x0,4x0r,16x0,8x2,4x2r,4x1,2x1r,16x8"),
+        default=parse_candidates("8x0,8x0r,4x0,4x0r,16x0,4x2r,2x1r,16x8"),
         help="COLUMNSxWARPS[r],... (output columns and warps per program, warps 0: 4, or 8 past 1,024 inputs; r: "
         "rows reduced one at a time; modeling/gemv_tiles.py)",
     )
@@ -115,19 +115,25 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     candidates = {t.text(): t for t in args.candidates}
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu, "step_ms": {}}
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu, "step_ms": {}, "tok_s": {}}
+
+    def save() -> None:  # after every stage, so a run cut short keeps what finished
+        (out / "gemv_tiles.json").write_text(json.dumps(report, indent=2))
+
     for name, tiles in candidates.items():
         report["step_ms"][name] = step_times(args, table_text({rows: tiles for rows in DEPTHS_OF_ROWS}))
         print(name, " ".join(f"d{d} {ms:.3f}" for d, ms in report["step_ms"][name].items()), flush=True)
+        save()
     chosen = choose_tiles(report["step_ms"], candidates)
     table = table_text({rows: candidates[name] for rows, name in chosen.items()})
     report["chosen_table"] = table  # what modeling/gemv_tiles.py's TUNED holds for this GPU
     report["chosen_step_ms"] = step_times(args, table)
-    print("chosen", table, " ".join(f"d{d} {ms:.3f}" for d, ms in report["chosen_step_ms"].items()))
-    report["tok_s"] = {"default": tok_s(args, "default"), "chosen": tok_s(args, table)}
-    for label, rows in report["tok_s"].items():
+    print("chosen", table, " ".join(f"d{d} {ms:.3f}" for d, ms in report["chosen_step_ms"].items()), flush=True)
+    save()
+    for label, setting in (("chosen", table), ("default", "default")):
+        rows = report["tok_s"][label] = tok_s(args, setting)
         print(label, "  ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['speedup']:.2f}x)" for k, r in rows.items()))
-    (out / "gemv_tiles.json").write_text(json.dumps(report, indent=2))
+        save()
     return 0
 
 

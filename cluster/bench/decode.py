@@ -62,6 +62,11 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument(
+        "--gemv-tiles",
+        default="auto",
+        help="model.gemv_tiles: auto (the table measured on this GPU model), default, or a table like 4=4x2r",
+    )
 
 
 def engine_for(
@@ -71,11 +76,11 @@ def engine_for(
     max_batch: int,
     fused: bool = True,
     variant: str = "",
-    gemv_tiles: str = "auto",
+    gemv_tiles: str | None = None,
 ) -> LLMEngine:
     """An engine of `args` (model, load_format, draft, device, dtype, max_model_len, num_kv_blocks); k=0 is
     target-only; fused picks the Triton layer kernels; `variant` is one of VARIANTS; `gemv_tiles` is
-    `model.gemv_tiles`."""
+    `model.gemv_tiles` (default: args.gemv_tiles, else auto)."""
     small_rows = TritonOps.small_rows
     if variant == "no-gemv":
         TritonOps.small_rows = 0
@@ -92,7 +97,7 @@ def engine_for(
                     "overlap_speculative": variant != "no-overlap-spec",
                     "fused_kernels": fused,
                     "pdl": variant != "no-pdl",
-                    "gemv_tiles": gemv_tiles,
+                    "gemv_tiles": gemv_tiles or getattr(args, "gemv_tiles", "auto"),
                     "max_model_len": args.max_model_len,
                 },
                 "scheduler": {
