@@ -3,10 +3,13 @@ model's kernels use it (the kernels' results with other tiles are in test_fused_
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from pydantic import ValidationError
 
+from cluster.cli.common import add_engine_flags, config_from_args
 from modeling import fused_kernels, gemv_tiles
 from modeling.gemv_tiles import GemvTiles, parse_table, resolve, table_text
 from workers.builders import build_target
@@ -48,12 +51,21 @@ def test_auto_takes_the_table_measured_on_this_gpu_model(monkeypatch: pytest.Mon
     assert resolve("1=4x1", "NVIDIA H100 80GB HBM3") == {1: GemvTiles(4, 1)}
 
 
-def test_the_config_names_the_field_and_the_model_build_applies_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bad `model.gemv_tiles` fails validation naming the field; building a target sets the process's
-    tiles from it (so every later launch uses them), and `default` puts the defaults back."""
+def test_the_config_names_the_field_and_the_model_build_applies_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad `model.gemv_tiles` (in a config or from `--gemv-tiles`) is refused naming the field; building a
+    target sets the process's tiles from it (so every later launch uses them), and `default` puts the
+    defaults back."""
     with pytest.raises(ValidationError, match=r"model\.gemv_tiles"):
         MTPServeConfig.from_dict({"model": {"gemv_tiles": "2=8x"}})
-    assert MTPServeConfig.from_dict({"model": {"gemv_tiles": "4=4x2r"}}).model.gemv_tiles == "4=4x2r"
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert config_from_args(p.parse_args(["--gemv-tiles", "4=4x2r"])).model.gemv_tiles == "4=4x2r"
+    assert config_from_args(p.parse_args([])).model.gemv_tiles == "auto"
+    with pytest.raises(SystemExit):
+        config_from_args(p.parse_args(["--gemv-tiles", "5=8x0"]))
+    assert "model.gemv_tiles" in capsys.readouterr().err
     monkeypatch.setattr(fused_kernels, "GEMV_TILES", {})
     args = tiny_args()
     build_target(args, tiny_weights(args), torch.float32, "cpu", gemv_tiles="4=4x2r")

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench.decode import add_engine_flags, bench_prompts, decode_run, engine_for
+from cluster.bench.decode import add_probe_flags, bench_prompts, decode_run, engine_for
 from cluster.engine.llm_engine import LLMEngine
 from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
 
@@ -47,7 +47,7 @@ def row(r: dict[str, Any], **extra: Any) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_flags(ap)
+    add_probe_flags(ap)
     ap.add_argument("--k", type=int, default=3, help="the deepest draft depth (and the tree's depth)")
     ap.add_argument("--tree-budget", type=int, default=0, help="offer a draft tree of this many nodes too (0: none)")
     ap.add_argument("--tree-width", type=int, default=4, help="the tree's children per expanded node")

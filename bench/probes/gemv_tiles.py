@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench.decode import add_engine_flags, bench_prompts, decode_run, engine_for
+from cluster.bench.decode import add_probe_flags, bench_prompts, decode_run, engine_for
 from modeling.gemv_tiles import GemvTiles, table_text
 from workers.builders import graph_max_blocks
 from workers.fused_step import FusedDepthSteps, FusedSpecStep
@@ -93,7 +93,7 @@ def release() -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_flags(ap)
+    add_probe_flags(ap)
     ap.add_argument("--k", type=int, default=3, help="the deepest draft depth")
     ap.add_argument(
         "--candidates",

@@ -54,7 +54,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def add_engine_flags(ap: argparse.ArgumentParser) -> None:
+def add_probe_flags(ap: argparse.ArgumentParser) -> None:
     """The flags `engine_for` reads: the model, its load format, the draft head, device, dtype and length."""
     ap.add_argument("--model", required=True)
     ap.add_argument("--load-format", default="auto")

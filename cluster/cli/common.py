@@ -51,6 +51,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="launch the small-step kernels without programmatic dependent launch (Hopper and newer; for debugging)",
     )
     g.add_argument(
+        "--gemv-tiles",
+        help="tiles of the small-step matrix-vector kernels: auto (default: the table measured on this GPU model, "
+        "else the built-in tiles), default, or a table such as 1=8x0,2=8x0r,4=4x2 (output columns x warps per "
+        "program by row count, r: rows reduced one at a time; modeling/gemv_tiles.py)",
+    )
+    g.add_argument(
         "--draft",
         help="draft head: 'default' (shipped head, or the checkpoint's MTP modules), 'native' (the checkpoint's "
         "MTP modules), 'random' (untrained, explicit), a .safetensors path, or an EAGLE-3 checkpoint directory "
@@ -113,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "model.cuda_graphs": False if a.get("enforce_eager") else None,
         "model.fused_kernels": False if a.get("no_fused_kernels") else None,
         "model.pdl": False if a.get("no_pdl") else None,
+        "model.gemv_tiles": a.get("gemv_tiles"),
         "model.prefill_graphs": False if a.get("no_prefill_graphs") else None,
         "model.overlap_steps": False if a.get("no_overlap") else None,
         "model.overlap_speculative": False if a.get("no_overlap_speculative") else None,
