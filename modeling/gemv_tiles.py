@@ -6,6 +6,11 @@ A table reads `1=8x0,2=8x0r,4=4x2`: for steps of 1, 2 and 3-4 rows, the output c
 time instead of in one product of every row (fewer registers). A row count the table leaves out keeps the
 default, `8x0`. `model.gemv_tiles` picks `auto` (the table measured on this GPU model, else the defaults),
 `default`, or a table of its own.
+
+Tiles change the order in which a program sums a row's products. Where a verify step's rows are summed in
+another order than a one-row decode step's, they round differently, and bf16 speculation may then emit
+other greedy tokens than target-only decoding (`docs/design-notes.md`: the row loop did so once). So a table
+enters TUNED only where the probe found the greedy tokens unchanged (`chosen_keeps_greedy_tokens`).
 """
 
 from __future__ import annotations

@@ -294,7 +294,9 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
     assert doc["chosen_table"] == ",".join(f"{rows}={name}" for rows, name in fastest.items())
     for table in doc["tok_s"].values():
         assert set(table) == {"target-only", "K=1", "K=2", "K=3"} and table["target-only"]["speedup"] == 1.0
-        assert all(r["tok_s"] > 0 for r in table.values())
+        assert all(r["tok_s"] > 0 for r in table.values()) and table["target-only"]["greedy_equal"]
+    assert doc["chosen_keeps_greedy_tokens"] == all(r["greedy_equal"] for r in doc["tok_s"]["chosen"].values())
+    assert all(r["greedy_equal"] for r in doc["tok_s"]["default"].values()), "fp32 on CPU: speculation is exact"
     a, b = parse_candidates("8x0,4x2r")
     cands = {"a": a, "b": b}
     made_up = {"a": {0: 1.0, 1: 2.0, 2: 3.0}, "b": {0: 2.0, 1: 1.0, 2: 1.0}}

@@ -1,7 +1,9 @@
 """Tiles of the matrix-vector kernels, chosen in the served step: for each candidate (output columns and warps
 per program), an adaptive engine at batch 1 times its captured steps at every draft depth; the fastest
 candidate per padded row count (1 row: depth 0; 2: depth 1; 4: depths 2 and 3 together) makes the chosen
-table, which is timed again and decoded against the default tiles: target-only and fixed K=1..k, tok/s.
+table, which is timed again and decoded against the default tiles: target-only and fixed K=1..k, tok/s, and
+whether speculation's greedy tokens still equal target-only's (`chosen_keeps_greedy_tokens`; a table that
+does not keep them must not be recorded in modeling/gemv_tiles.py).
 
 Usage (on the GPU machine, from the repo root):
     python3 bench/probes/gemv_tiles.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
@@ -65,21 +67,24 @@ def step_times(args: argparse.Namespace, table: str) -> dict[int, float]:
 
 
 def tok_s(args: argparse.Namespace, table: str) -> dict[str, Any]:
-    """Batch-1 decode rates with `model.gemv_tiles` = table: target-only and fixed K=1..k, with speedups."""
+    """Batch-1 decode rates with `model.gemv_tiles` = table: target-only and fixed K=1..k, with speedups, and
+    whether each K's greedy tokens equal target-only's (tiles that round verify rows unlike decode rows
+    break that)."""
     out: dict[str, Any] = {}
+    tokens: dict[str, list[int]] = {}
     for k in range(args.k + 1):
         eng = engine_for(args, k, True, 1, gemv_tiles=table)
         prompt = bench_prompts(eng, 1)
         decode_run(eng, prompt, 8)
         r = decode_run(eng, prompt, args.max_tokens)
-        out[f"K={k}" if k else "target-only"] = {
-            "tok_s": r["tok_s"], "step_ms": r["step_ms"], "acceptance_length": r["acceptance_length"]
-        }  # fmt: skip
+        name = f"K={k}" if k else "target-only"
+        out[name] = {"tok_s": r["tok_s"], "step_ms": r["step_ms"], "acceptance_length": r["acceptance_length"]}
+        tokens[name] = r["outputs"][0]
         del eng
         release()
-    base = out["target-only"]["tok_s"]
-    for row in out.values():
-        row["speedup"] = row["tok_s"] / base
+    for name, row in out.items():
+        row["speedup"] = row["tok_s"] / out["target-only"]["tok_s"]
+        row["greedy_equal"] = tokens[name] == tokens["target-only"]
     return out
 
 
@@ -134,6 +139,9 @@ def main() -> int:
         rows = report["tok_s"][label] = tok_s(args, setting)
         print(label, "  ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['speedup']:.2f}x)" for k, r in rows.items()))
         save()
+    report["chosen_keeps_greedy_tokens"] = all(r["greedy_equal"] for r in report["tok_s"]["chosen"].values())
+    print("chosen table keeps target-only's greedy tokens:", report["chosen_keeps_greedy_tokens"])
+    save()
     return 0
 
 
