@@ -80,7 +80,7 @@ case $PHASE in
     ;;
   tiles)
     step tiles 420 python3 bench/probes/gemv_tiles.py --model "$M" --out "$R"
-    table=$(python3 -c "import json; print(json.load(open('$R/gemv_tiles.json'))['chosen_table'])" 2>/dev/null)
+    table=$(python3 -c "import json; print(json.load(open('$R/gemv_tiles.json')).get('chosen_table', ''))" 2>/dev/null)
     [ -n "$table" ] && step adaptive 150 python3 bench/probes/adaptive_depths.py --model "$M" --gemv-tiles "$table" \
       --tree-budget 16 --tree-width 4 --batches 1,8,64 --out "$R"
     ;;

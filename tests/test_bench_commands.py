@@ -291,12 +291,15 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
     assert all(set(t) == {0, 1, 2, 3} and min(t.values()) > 0 for t in times.values())
     want = {1: (0,), 2: (1,), 4: (2, 3)}
     fastest = {rows: min(times, key=lambda n: sum(times[n][d] for d in depths)) for rows, depths in want.items()}
-    assert doc["chosen_table"] == ",".join(f"{rows}={name}" for rows, name in fastest.items())
+    assert doc["tables"]["per_rows"] == ",".join(f"{rows}={name}" for rows, name in fastest.items())
+    uniform = min(times, key=lambda n: sum(times[n].values()))
+    assert doc["tables"]["uniform"] == f"1={uniform},2={uniform},4={uniform}"
+    assert set(doc["tok_s"]) == {"per_rows", "default"}, "the uniform table runs only if the first loses tokens"
+    assert doc["chosen_table"] == doc["tables"]["per_rows"]
     for table in doc["tok_s"].values():
         assert set(table) == {"target-only", "K=1", "K=2", "K=3"} and table["target-only"]["speedup"] == 1.0
         assert all(r["tok_s"] > 0 for r in table.values()) and table["target-only"]["greedy_equal"]
-    assert doc["chosen_keeps_greedy_tokens"] == all(r["greedy_equal"] for r in doc["tok_s"]["chosen"].values())
-    assert all(r["greedy_equal"] for r in doc["tok_s"]["default"].values()), "fp32 on CPU: speculation is exact"
+        assert all(r["greedy_equal"] for r in table.values()), "fp32 on CPU: speculation is exact"
     a, b = parse_candidates("8x0,4x2r")
     cands = {"a": a, "b": b}
     made_up = {"a": {0: 1.0, 1: 2.0, 2: 3.0}, "b": {0: 2.0, 1: 1.0, 2: 1.0}}

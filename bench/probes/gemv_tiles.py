@@ -1,9 +1,11 @@
 """Tiles of the matrix-vector kernels, chosen in the served step: for each candidate (output columns and warps
 per program), an adaptive engine at batch 1 times its captured steps at every draft depth; the fastest
-candidate per padded row count (1 row: depth 0; 2: depth 1; 4: depths 2 and 3 together) makes the chosen
-table, which is timed again and decoded against the default tiles: target-only and fixed K=1..k, tok/s, and
-whether speculation's greedy tokens still equal target-only's (`chosen_keeps_greedy_tokens`; a table that
-does not keep them must not be recorded in modeling/gemv_tiles.py).
+candidate per padded row count (1 row: depth 0; 2: depth 1; 4: depths 2 and 3 together) makes one table, and
+the candidate fastest over all depths, used for every row count, another. Each is timed again and decoded
+against the default tiles (target-only and fixed K=1..k, tok/s), with a check that speculation's greedy
+tokens still equal target-only's: tiles that sum a verify row in another order than a decode row round it
+differently. `chosen_table` is the first table that keeps them (the uniform one is tried only when the
+per-row-count one does not): the line modeling/gemv_tiles.py's TUNED may record for this GPU.
 
 Usage (on the GPU machine, from the repo root):
     python3 bench/probes/gemv_tiles.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
@@ -103,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--candidates",
         type=parse_candidates,
-        default=parse_candidates("8x0,8x0r,4x0,4x0r,16x0,4x2r,2x1r,16x8"),
+        default=parse_candidates("8x0,8x0r,2x0,4x0,4x8,8x16,2x1r,4x2r"),
         help="COLUMNSxWARPS[r],... (output columns and warps per program, warps 0: 4, or 8 past 1,024 inputs; r: "
         "rows reduced one at a time; modeling/gemv_tiles.py)",
     )
@@ -129,19 +131,28 @@ def main() -> int:
         report["step_ms"][name] = step_times(args, table_text({rows: tiles for rows in DEPTHS_OF_ROWS}))
         print(name, " ".join(f"d{d} {ms:.3f}" for d, ms in report["step_ms"][name].items()), flush=True)
         save()
-    chosen = choose_tiles(report["step_ms"], candidates)
-    table = table_text({rows: candidates[name] for rows, name in chosen.items()})
-    report["chosen_table"] = table  # what modeling/gemv_tiles.py's TUNED holds for this GPU
-    report["chosen_step_ms"] = step_times(args, table)
-    print("chosen", table, " ".join(f"d{d} {ms:.3f}" for d, ms in report["chosen_step_ms"].items()), flush=True)
+    per_rows = choose_tiles(report["step_ms"], candidates)
+    uniform = candidates[min(candidates, key=lambda name: sum(report["step_ms"][name].values()))]
+    tables = report["tables"] = {
+        "per_rows": table_text({rows: candidates[name] for rows, name in per_rows.items()}),
+        "uniform": table_text({rows: uniform for rows in per_rows}),  # one reduction order for every row count
+    }
+    report["per_rows_step_ms"] = step_times(args, tables["per_rows"])
+    print("per rows", tables["per_rows"], " ".join(f"d{d} {ms:.3f}" for d, ms in report["per_rows_step_ms"].items()))
     save()
-    for label, setting in (("chosen", table), ("default", "default")):
+    report["chosen_table"] = ""  # the first table that keeps the greedy tokens: what TUNED may record
+    for label in ("per_rows", "uniform", "default"):
+        setting = tables.get(label, "default")
+        if label == "uniform" and (report["chosen_table"] or setting == tables["per_rows"]):
+            continue
         rows = report["tok_s"][label] = tok_s(args, setting)
-        print(label, "  ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['speedup']:.2f}x)" for k, r in rows.items()))
+        keeps = all(r["greedy_equal"] for r in rows.values())
+        if keeps and label != "default" and not report["chosen_table"]:
+            report["chosen_table"] = setting
+        rates = "  ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['speedup']:.2f}x)" for k, r in rows.items())
+        print(label, setting, f"greedy tokens kept: {keeps};", rates, flush=True)
         save()
-    report["chosen_keeps_greedy_tokens"] = all(r["greedy_equal"] for r in report["tok_s"]["chosen"].values())
-    print("chosen table keeps target-only's greedy tokens:", report["chosen_keeps_greedy_tokens"])
-    save()
+    print("chosen table:", report["chosen_table"] or "none keeps the greedy tokens")
     return 0
 
 
