@@ -320,11 +320,12 @@ GEMV_MAX_ROWS = pdl.SMALL_STEP_ROWS  # beyond this, cuBLAS wins (bench/gemv_chec
 
 
 GEMV_TILES: dict[int, GemvTiles] = {}  # by padded row count (1, 2, 4), process-wide; absent: GemvTiles()
+_DEFAULT_TILES = GemvTiles()
 
 
 def gemv_tiles(rows: int) -> GemvTiles:
     """The tiles the matrix-vector kernels use for `rows` input rows (padded to a power of two)."""
-    return GEMV_TILES.get(1 << max(rows - 1, 0).bit_length(), GemvTiles())
+    return GEMV_TILES.get(1 << max(rows - 1, 0).bit_length(), _DEFAULT_TILES)
 
 
 def gemv_fits(rows: int, k: int) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.probes.gemv_tiles import choose_tiles, parse_candidates
 from cluster.bench import report as bench_report
 from cluster.cli.mtpserve import main
 
@@ -277,9 +278,6 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
     timed at every depth, each padded row count whose depths ran gets the candidate fastest there, and both
     tables decode with target-only as the 1.0x base. The choice itself, on made-up timings: each row count
     reads only its own depths, and a row count with an untimed depth is left out."""
-    sys.path.insert(0, str(ROOT / "bench" / "probes"))
-    from gemv_tiles import choose_tiles, parse_candidates
-
     probe = ROOT / "bench" / "probes" / "gemv_tiles.py"
     cmd = [sys.executable, str(probe), *dummy_flags(model), "--dtype", "float32", "--k", "3",
            "--candidates", "8x0,4x2r", "--repeats", "2", "--max-tokens", "6", "--out", str(tmp_path)]  # fmt: skip

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from cluster.bench import report as bench_report
 from cluster.engine.llm_engine import LLMEngine
 from modeling.layer_ops import TritonOps
 from speculative.sampling import SamplingMode
-from workers.builders import DEFAULT_HEAD, build_chain_graphs
+from workers.builders import build_chain_graphs
 from workers.config import MTPServeConfig
 
 WEIGHT_FLOOR_MS = 0.063  # SmolLM2-135M bf16: its weights read once at the H200's 4.8 TB/s
@@ -55,13 +56,8 @@ def sync() -> None:
 
 
 def add_probe_flags(ap: argparse.ArgumentParser) -> None:
-    """The flags `engine_for` reads: the model, its load format, the draft head, device, dtype and length."""
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--draft", default=str(DEFAULT_HEAD))
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    """The flags `engine_for` reads: the benchmarks' target flags (on CUDA by default) and --gemv-tiles."""
+    bench_report.add_target_flags(ap, "cuda", need_model=True)
     ap.add_argument(
         "--gemv-tiles",
         default="auto",

@@ -161,14 +161,23 @@ def add_command(kinds: argparse._SubParsersAction, name: str, summary: str, doc:
     )
 
 
-def add_model_flags(p: argparse.ArgumentParser, device: str = "auto") -> None:
-    """The target, draft and output flags of the benchmarks that build their own engines per configuration."""
-    p.add_argument("--model", help="GGUF file, HF Llama directory, or (with --load-format dummy) a config.json folder")
+def add_target_flags(p: argparse.ArgumentParser, device: str = "auto", need_model: bool = False) -> None:
+    """The target and draft flags of the benchmarks and probes that build their own engines per configuration."""
+    p.add_argument(
+        "--model",
+        required=need_model,
+        help="GGUF file, HF Llama directory, or (with --load-format dummy) a config.json folder",
+    )
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     p.add_argument("--draft", default="default", help="draft head: 'default' (the shipped one), 'random', or a path")
     p.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=2048, help="cap on prompt + output tokens")
+
+
+def add_model_flags(p: argparse.ArgumentParser, device: str = "auto") -> None:
+    """`add_target_flags` and the output flags of the benchmarks that build their own engines."""
+    add_target_flags(p, device)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", metavar="OUT", help="write the report (command, environment, settings, results)")
     p.add_argument("--plot", metavar="OUT.png", help="plot the results")
