@@ -46,6 +46,18 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $R/NAME.
   tail -n 25 "$R/$name.log"
 }
 
+e3_native() {  # $1: folder, $2 and $3: seconds for the data and the training. The dataset, then the native head
+  OUT=$1 bash speculative/train/gpu_run.sh data "$2"
+  HEAD_SPECS="native:layers=fused" OUT=$1 bash speculative/train/gpu_run.sh train "$3"
+  rm -f "$1"/*.safetensors  # the head stays in /root/heads; only figures come back
+}
+
+e3_eagle3() {  # $1: folder, $2: E3_SPECS, $3: seconds for the training. The native head's acceptance, then the
+  # EAGLE-3 heads on the same dataset and theirs
+  OUT=$1 bash speculative/train/gpu_run.sh eval
+  E3_SPECS="$2" E3_SPEED=0 OUT=$1 bash speculative/train/gpu_run.sh eagle3 "$3"
+}
+
 case $PHASE in
   8b)
     step profile 150 python3 bench/probes/profile_step.py --device cuda --steps 20 --shape "$L8B" --draft-vocab "$V" \
@@ -97,24 +109,18 @@ case $PHASE in
     done
     ;;
   e3a)  # STEPS and MIX as exported; the dataset and heads stay on the warm machine for e3b
-    OUT=$R/out bash speculative/train/gpu_run.sh data "${DATA_S:-240}"
-    HEAD_SPECS="native:layers=fused" OUT=$R/out bash speculative/train/gpu_run.sh train "${TRAIN_S:-300}"
-    rm -f "$R"/out/*.safetensors  # the head stays in /root/heads; only figures come back
+    e3_native "$R/out" "${DATA_S:-240}" "${TRAIN_S:-300}"
     ;;
   e3b)
-    OUT=$R/out bash speculative/train/gpu_run.sh eval
-    E3_SPECS="${E3_SPECS:-e3:layers=eagle3}" E3_SPEED=0 OUT=$R/out bash speculative/train/gpu_run.sh eagle3 "${TRAIN_S:-300}"
+    e3_eagle3 "$R/out" "${E3_SPECS:-e3:layers=eagle3}" "${TRAIN_S:-300}"
     ;;
   e3)
     pack() { echo "== $1 at $(($(date +%s) - start))s"; tar czf "$OUT/.$BASHPID" -C /tmp/res e3 && mv "$OUT/.$BASHPID" "$OUT/e3.tgz"; }
     (while sleep 15; do pack running > /dev/null; done) &  # a run cut short still returns what finished
     export MIX=${MIX:-chat=4,steered=1,magpie=1,math=2,code=2,multi=2,seed=1} STEPS=${STEPS:-800}
-    OUT=$R bash speculative/train/gpu_run.sh data "${DATA_S:-110}" > "$R/stage-data.log" 2>&1; pack data
-    HEAD_SPECS="native:layers=fused" OUT=$R bash speculative/train/gpu_run.sh train 170 > "$R/stage-train.log" 2>&1
-    rm -f "$R"/*.safetensors; tail -c 600 "$R/stage-train.log"; pack native
-    OUT=$R bash speculative/train/gpu_run.sh eval > "$R/stage-eval.log" 2>&1; tail -n 8 "$R/stage-eval.log"; pack eval
-    E3_SPECS="${E3_SPECS:-e3f:layers=eagle3,lm_head=frozen e3fn:layers=eagle3,lm_head=frozen,residual=normed}" E3_SPEED=0 \
-      OUT=$R bash speculative/train/gpu_run.sh eagle3 260 > "$R/stage-eagle3.log" 2>&1
+    e3_native "$R" "${DATA_S:-110}" 170 > "$R/stage-native.log" 2>&1; tail -c 600 "$R/stage-native.log"; pack native
+    e3_eagle3 "$R" "${E3_SPECS:-e3f:layers=eagle3,lm_head=frozen e3fn:layers=eagle3,lm_head=frozen,residual=normed}" 260 \
+      > "$R/stage-eagle3.log" 2>&1
     tail -n 30 "$R/stage-eagle3.log"
     kill %1
     ;;
