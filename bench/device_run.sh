@@ -8,7 +8,8 @@
 #                                     in fp32 (FP32=0 skips them)
 #   bash bench/device_run.sh prof     SmolLM2 shape, random weights: where a target, chain and tree step's time goes
 #   bash bench/device_run.sh tiles    real SmolLM2 + shipped head: matrix-vector tiles timed in the served step at each
-#                                     depth (batch 1), the chosen table's b1 rates against the default tiles, then
+#                                     depth and a 15-node tree (batch 1; tensor-core tiles for the tree's 16 rows),
+#                                     the chosen table's b1 rates against the default tiles, then
 #                                     adaptive speculation with the chosen table at batch 1, 8, 64
 #   bash bench/device_run.sh serve    SmolLM2: streams over gRPC and HTTP from a `serve` process against the engine
 #                                     alone, target-only and K=3 (target-only also with the engine on a thread),
@@ -91,10 +92,10 @@ case $PHASE in
       --variants target-graph,mtp1-graph,mtp3-graph,tree4x16-graph --out "$R/profile"
     ;;
   tiles)
-    step tiles 420 python3 bench/probes/gemv_tiles.py --model "$M" --out "$R"
+    step tiles 420 python3 bench/probes/gemv_tiles.py --model "$M" --tree-budget 15 --out "$R"
     table=$(python3 -c "import json; print(json.load(open('$R/gemv_tiles.json')).get('chosen_table', ''))" 2>/dev/null)
     [ -n "$table" ] && step adaptive 150 python3 bench/probes/adaptive_depths.py --model "$M" --gemv-tiles "$table" \
-      --tree-budget 16 --tree-width 4 --batches 1,8,64 --out "$R"
+      --tree-budget 15 --tree-width 4 --batches 1,8,64 --out "$R"
     ;;
   serve)
     for spec in "target:--no-speculation" "k3:"; do

@@ -70,15 +70,16 @@ class DraftInputWeights:
 
 
 def draft_input_fits(tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights) -> bool:
-    """Whether `draft_input` takes these rows: one token per hidden row, as many and as narrow as
-    `fused_kernels.gemv_fits` takes, with unit column strides and one dtype for the embedding table, eh_proj and the
+    """Whether `draft_input` takes these rows: one token per hidden row, at most `fused_kernels.GEMV_MAX_ROWS` of at
+    most `GEMV_MAX_K` columns, with unit column strides and one dtype for the embedding table, eh_proj and the
     output."""
     d = w.embed.shape[1]
     return (
         tokens.dim() == 1
         and hidden.dim() == 2
         and tokens.shape[0] == hidden.shape[0]
-        and fused_kernels.gemv_fits(tokens.shape[0], d)
+        and 0 < tokens.shape[0] <= fused_kernels.GEMV_MAX_ROWS
+        and d <= fused_kernels.GEMV_MAX_K
         and w.eh_proj.shape[1] == 2 * d
         and hidden.shape[1] == d
         and w.embed.stride(-1) == w.eh_proj.stride(-1) == 1
@@ -104,10 +105,11 @@ def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, w: DraftInputWeights
     block_k = triton.next_power_of_2(d)
     tiles = fused_kernels.gemv_tiles(m)
     on = pdl.active(hidden)
-    _draft_input[(triton.cdiv(n, tiles.block_n),)](
+    block_m = tiles.rows_per_program(m)
+    _draft_input[(triton.cdiv(n, tiles.block_n), triton.cdiv(m, block_m))](
         tokens, w.embed, w.enorm, hidden, w.hnorm, w.eh_proj, y, m, n, d, w.eps,
         w.embed.stride(0), hidden.stride(0), w.eh_proj.stride(0), y.stride(0),
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         num_warps=tiles.num_warps(block_k), ROW_LOOP=tiles.row_loop, PDL=on, **pdl.launch_args(on),
     )  # fmt: skip
     return y

@@ -14,8 +14,10 @@
 The two projection kernels are matrix-vector products: each program loads its slice of weight rows, the
 input rows and the norm weight at once (one memory round trip) and reduces the products in registers.
 That suits the 1-4 rows of a small-batch step, where latency costs more than arithmetic; larger steps
-keep cuBLAS. `GEMV_TILES` sets, per padded row count, the output columns and warps of a program and whether
-it reduces the rows one at a time (`bench/probes/gemv_tiles.py` times candidates in the served step).
+keep cuBLAS. `GEMV_TILES` sets, per padded row count, the output columns and warps of a program, whether
+it reduces the rows one at a time, and how many rows one program holds: a step's rows split into groups
+(the grid's second axis) lets steps of 5-32 rows, such as a tree's verify, take the kernels in 1-4-row
+programs (`bench/probes/gemv_tiles.py` times candidates in the served step).
 
 Each matches the torch reference in `layer_ops.TorchOps` up to float rounding: the same fp32 math, and
 the same rounding points to the model dtype.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from modeling import pdl
-from modeling.gemv_tiles import GemvTiles
+from modeling.gemv_tiles import ROW_COUNTS, GemvTiles
 from modeling.kv_cache import KVWrite
 
 try:
@@ -107,9 +109,9 @@ if triton is not None:
         x_ptr, r_ptr, nw_ptr, res_ptr, w_ptr, pid, M, K, eps, stride_x, stride_r, stride_res,
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # input rows [BLOCK_M, BLOCK_K] in fp32: x (+ residual, stored once by program 0), RMS-normed and
-        # rounded to the weight's dtype as the separate kernels round them
-        rows = tl.arange(0, BLOCK_M)
+        # this program's group of input rows [BLOCK_M, BLOCK_K] in fp32: x (+ residual, stored once by the
+        # group's program 0), RMS-normed and rounded to the weight's dtype as the separate kernels round them
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         inside = (rows[:, None] < M) & (ks[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=inside, other=0.0).to(tl.float32)
@@ -127,9 +129,10 @@ if triton is not None:
 
     @triton.jit
     def _tile_indices(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # (program, input rows, input columns, this program's output columns) of a matrix-vector kernel
+        # (program, its group of input rows, input columns, its output columns) of a matrix-vector kernel
         pid = tl.program_id(0)
-        return pid, tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K), pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        return pid, rows, tl.arange(0, BLOCK_K), pid * BLOCK_N + tl.arange(0, BLOCK_N)
 
     @triton.jit
     def _weight_tile(w_ptr, cols, ks, stride_w, N, K):
@@ -187,7 +190,7 @@ if triton is not None:
         pid = tl.program_id(0)
         h = pid // (HALF // PAIRS)
         j = (pid % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
-        rows = tl.arange(0, BLOCK_M)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         c1 = h * DIM + j
         n = (HEADS + 2 * KV_HEADS) * DIM
@@ -317,9 +320,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 GEMV_MAX_K = 2048  # widest input row the matrix-vector kernels hold in one tile
 GEMV_MAX_ROWS = pdl.SMALL_STEP_ROWS  # beyond this, cuBLAS wins (bench/gemv_check.py at git 3de923b, on an H200)
+GEMV_ROWS_CAP = ROW_COUNTS[-1]  # the most rows a tiles table can give the kernels (in groups)
 
 
-GEMV_TILES: dict[int, GemvTiles] = {}  # by padded row count (1, 2, 4), process-wide; absent: GemvTiles()
+GEMV_TILES: dict[int, GemvTiles] = {}  # by padded row count (gemv_tiles.ROW_COUNTS), process-wide
 _DEFAULT_TILES = GemvTiles()
 
 
@@ -328,9 +332,15 @@ def gemv_tiles(rows: int) -> GemvTiles:
     return GEMV_TILES.get(1 << max(rows - 1, 0).bit_length(), _DEFAULT_TILES)
 
 
+def gemv_max_rows() -> int:
+    """The most rows the matrix-vector kernels take: GEMV_MAX_ROWS, or a larger padded row count the tiles
+    table splits into groups."""
+    return max([GEMV_MAX_ROWS, *(rows for rows, tiles in GEMV_TILES.items() if tiles.group)])
+
+
 def gemv_fits(rows: int, k: int) -> bool:
     """Whether the matrix-vector kernels take `rows` input rows of width k."""
-    return 0 < rows <= GEMV_MAX_ROWS and k <= GEMV_MAX_K
+    return 0 < rows <= gemv_max_rows() and k <= GEMV_MAX_K
 
 
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -340,19 +350,20 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return gemv_fits(x.shape[0], weight.shape[1]) and weight.stride(-1) == 1 and weight.dtype == x.dtype
 
 
-def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
+def _gemv_launch(m: int, n: int, k: int) -> tuple[tuple[int, int], dict[str, int]]:
     if not gemv_fits(m, k):
-        raise ValueError(f"matrix-vector kernels take 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K}, got {m} x {k}")
+        raise ValueError(f"matrix-vector kernels take 1-{gemv_max_rows()} rows of width <= {GEMV_MAX_K}, got {m} x {k}")
     block_k = triton.next_power_of_2(k)
     tiles = gemv_tiles(m)
+    block_m = tiles.rows_per_program(m)
     meta = {
-        "BLOCK_M": triton.next_power_of_2(m),
+        "BLOCK_M": block_m,
         "BLOCK_N": tiles.block_n,
         "BLOCK_K": block_k,
         "num_warps": tiles.num_warps(block_k),
         "ROW_LOOP": tiles.row_loop,
     }
-    return (triton.cdiv(n, tiles.block_n),), meta
+    return (triton.cdiv(n, tiles.block_n), triton.cdiv(m, block_m)), meta
 
 
 def _rows_and_residual(
@@ -390,7 +401,7 @@ def _norm_linear_call(
     grid, meta = _gemv_launch(m, n, k)
     x, r, res = _rows_and_residual(x, residual)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    on = pdl.active(x)
+    on = pdl.active(x, gemv_max_rows())
     _norm_linear[grid](
         x, r, weight if norm_weight is None else norm_weight, weight, y, res, m, n, k, eps,
         x.stride(0), r.stride(0), weight.stride(0), y.stride(0), res.stride(0),
@@ -414,7 +425,7 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.T
     if residual is not None and (residual.shape != y.shape or residual.dtype != y.dtype):
         raise ValueError(f"swiglu_linear's residual must be [{m}, {n}] in {y.dtype}, got {tuple(residual.shape)}")
     r = y if residual is None else residual if residual.stride(-1) == 1 else residual.contiguous()
-    on = pdl.active(gate_up)
+    on = pdl.active(gate_up, gemv_max_rows())
     _swiglu_linear[grid](
         gate_up, weight, r, y, m, n, k, gate_up.stride(0), weight.stride(0), r.stride(0), y.stride(0),
         HAS_RES=residual is not None, PDL=on, **meta, **pdl.launch_args(on),
@@ -443,20 +454,20 @@ def norm_qkv_rope(
     heads, kv_heads, head_dim = kv.heads, kv.kv_heads, kv.head_dim
     tiles = gemv_tiles(m)
     if not rope_fits(m, k, head_dim):
-        raise ValueError(f"norm_qkv_rope takes 1-{GEMV_MAX_ROWS} rows of width <= {GEMV_MAX_K} and head_dim "
+        raise ValueError(f"norm_qkv_rope takes 1-{gemv_max_rows()} rows of width <= {GEMV_MAX_K} and head_dim "
                          f"divisible by {tiles.block_n}, got {m} x {k}, head_dim {head_dim}")  # fmt: skip
     if weight.shape[0] != (heads + 2 * kv_heads) * head_dim or not gemv_takes(x, weight):
         raise ValueError("norm_qkv_rope needs the fused [q; k; v] weight with contiguous rows, in x's dtype")
     x, r, res = _rows_and_residual(x, residual)
     cos, sin, q = _rope_outputs(kv, m, x)
     half, pairs = head_dim // 2, tiles.block_n // 2
-    block_k = triton.next_power_of_2(k)
-    on = pdl.active(x)
-    _norm_qkv_rope[((heads + 2 * kv_heads) * (half // pairs),)](
+    block_k, block_m = triton.next_power_of_2(k), tiles.rows_per_program(m)
+    on = pdl.active(x, gemv_max_rows())
+    _norm_qkv_rope[((heads + 2 * kv_heads) * (half // pairs), triton.cdiv(m, block_m))](
         x, r, norm_weight, weight, res, cos, sin, kv.slot_mapping, q, kv.k_cache, kv.v_cache,
         m, k, eps, x.stride(0), r.stride(0), weight.stride(0), res.stride(0), cos.stride(0), q.stride(0),
         HAS_RES=residual is not None, HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim, HALF=half, PAIRS=pairs,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=tiles.num_warps(block_k),
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=tiles.num_warps(block_k),
         ROW_LOOP=tiles.row_loop, PDL=on, **pdl.launch_args(on),
     )  # fmt: skip
     return q, res

@@ -113,11 +113,11 @@ class TorchOps:
 
 
 class TritonOps(TorchOps):
-    """The same steps as fused Triton kernels (one launch each); steps of at most `small_rows` rows also
-    fold the norm or SwiGLU into the projection after it."""
+    """The same steps as fused Triton kernels (one launch each); steps the matrix-vector kernels take (at most
+    `small_rows` rows, and `fused_kernels.gemv_fits`) also fold the norm or SwiGLU into the projection after it."""
 
     name = "triton"
-    small_rows = fused_kernels.GEMV_MAX_ROWS  # 0 turns off the matrix-vector, greedy-token and MTP-input kernels
+    small_rows = fused_kernels.GEMV_ROWS_CAP  # 0 turns off the matrix-vector, greedy-token and MTP-input kernels
 
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether rows x go through a matrix-vector kernel against `weight`."""

@@ -14,8 +14,9 @@ predecessor ends, as always. CUDA graphs keep the launch attribute.
 
 The switch is process-wide (`set_enabled`, from `model.pdl` when a model is built); on CPU, under Triton's
 interpreter and before compute capability 9.0 it is always off. The matrix-vector and greedy-token
-kernels use it in steps of at most `SMALL_STEP_ROWS` rows (`active`): larger steps run their projections
-through cuBLAS, which never releases the next kernel early. Uniform attention and the RoPE kernel before
+kernels use it in steps of at most `SMALL_STEP_ROWS` rows (`active`), and the matrix-vector kernels in the larger
+steps a tiles table splits into row groups: other large steps run their projections through cuBLAS, which
+never releases the next kernel early. Uniform attention and the RoPE kernel before
 it use it up to `ATTENTION_STEP_ROWS` rows, so that in those larger steps too the attention reads its
 cached keys while RoPE runs.
 """

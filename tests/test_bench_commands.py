@@ -274,13 +274,16 @@ def test_grpc_stream_cost_probe_reports_both_servers(tmp_path: Path) -> None:
 
 
 def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Path, tmp_path: Path) -> None:
-    """`bench/probes/gemv_tiles.py` off CUDA (the fixed-buffer steps run eagerly): every candidate's steps are
-    timed at every depth, each padded row count whose depths ran gets the candidate fastest there, and both
-    tables decode with target-only as the 1.0x base. The choice itself, on made-up timings: each row count
-    reads only its own depths, and a row count with an untimed depth is left out."""
+    """`bench/probes/gemv_tiles.py` off CUDA (the fixed-buffer steps run eagerly, the tree's step is not
+    captured and so not timed): every candidate's steps are timed at every depth, each padded row count whose
+    depths ran gets the candidate fastest there, and both tables decode (the tree too) with target-only as
+    the 1.0x base. The choice itself, on made-up timings: each row count
+    reads only its own depths, a row count with an untimed depth is left out, and the tree's rows take only
+    tiles with row groups."""
     probe = ROOT / "bench" / "probes" / "gemv_tiles.py"
     cmd = [sys.executable, str(probe), *dummy_flags(model), "--dtype", "float32", "--k", "3",
-           "--candidates", "8x0,4x2r", "--repeats", "2", "--max-tokens", "6", "--out", str(tmp_path)]  # fmt: skip
+           "--candidates", "8x0,4x2r", "--repeats", "2", "--max-tokens", "6", "--tree-budget", "7",
+           "--out", str(tmp_path)]  # fmt: skip
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     doc = json.loads((tmp_path / "gemv_tiles.json").read_text())
@@ -295,7 +298,7 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
     assert set(doc["tok_s"]) == {"per_rows", "default"}, "the uniform table runs only if the first loses tokens"
     assert doc["chosen_table"] == doc["tables"]["per_rows"]
     for table in doc["tok_s"].values():
-        assert set(table) == {"target-only", "K=1", "K=2", "K=3"} and table["target-only"]["speedup"] == 1.0
+        assert set(table) == {"target-only", "K=1", "K=2", "K=3", "tree7"} and table["target-only"]["speedup"] == 1.0
         assert all(r["tok_s"] > 0 for r in table.values()) and table["target-only"]["greedy_equal"]
         assert all(r["greedy_equal"] for r in table.values()), "fp32 on CPU: speculation is exact"
     a, b = parse_candidates("8x0,4x2r")
@@ -304,5 +307,8 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
     assert choose_tiles(made_up, cands) == {1: "a", 2: "b"}
     made_up["a"][3] = made_up["b"][3] = 1.0
     assert choose_tiles(made_up, cands) == {1: "a", 2: "b", 4: "b"}
+    cands["c"] = parse_candidates("8x0g2")[0]  # a 15-node tree verifies 16 rows: tiles with groups only
+    made_up["a"]["tree"], made_up["c"] = 0.5, {0: 3.0, 1: 3.0, 2: 3.0, 3: 3.0, "tree": 0.9}
+    assert choose_tiles(made_up, cands, tree_budget=15) == {1: "a", 2: "b", 4: "b", 16: "c"}
     with pytest.raises(argparse.ArgumentTypeError, match="--candidates: tiles '8x'"):
         parse_candidates("4x2,8x")

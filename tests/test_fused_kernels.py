@@ -8,7 +8,7 @@ import torch
 
 from modeling import fused_kernels
 from modeling.attention import AttentionMetadata, RaggedMetadata, UniformMetadata
-from modeling.gemv_tiles import GemvTiles
+from modeling.gemv_tiles import GemvTiles, parse_table
 from modeling.kv_cache import KVWrite
 from modeling.layer_ops import TORCH_OPS, TritonOps, pick_ops
 from modeling.model import LlamaModel, Rotary
@@ -170,7 +170,16 @@ def test_linear_matches_reference(rows: int) -> None:
     assert got.shape == ref.shape == (rows, 70) and _close(got, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("tiles", [GemvTiles(2, 1), GemvTiles(16, 2), GemvTiles(8, 0, True)])
+TILE_CASES = [
+    GemvTiles(2, 1),
+    GemvTiles(16, 2),
+    GemvTiles(8, 0, True),
+    GemvTiles(8, 0, group=1),
+    GemvTiles(4, 2, group=2),
+]
+
+
+@pytest.mark.parametrize("tiles", TILE_CASES)
 def test_other_tiles_compute_the_same_products(monkeypatch: pytest.MonkeyPatch, tiles: GemvTiles) -> None:
     """A row count given other tiles (output columns and warps per program, rows one at a time) still matches
     the torch ops in every matrix-vector kernel; the other row counts keep theirs; a head size the tiles
@@ -213,8 +222,8 @@ def test_matrix_vector_kernels_refuse_what_they_cannot_hold() -> None:
 
 
 def test_small_steps_take_the_matrix_vector_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TritonOps folds the norm and SwiGLU into the projections up to `small_rows` rows, and keeps the
-    separate kernels (cuBLAS projections) above it."""
+    """TritonOps folds the norm and SwiGLU into the projections up to the rows the kernels take (4 without
+    grouped tiles), and keeps the separate kernels (cuBLAS projections) above them."""
     calls: list[str] = []
     for name in ("norm_linear", "swiglu_linear", "linear", "add_rms_norm", "silu_mul"):
         real = getattr(fused_kernels, name)
@@ -223,7 +232,7 @@ def test_small_steps_take_the_matrix_vector_kernels(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(TritonOps, "add_rms_norm", staticmethod(fused_kernels.add_rms_norm))
     monkeypatch.setattr(TritonOps, "silu_mul", staticmethod(fused_kernels.silu_mul))
     w, nw = torch.randn(16, 32), torch.ones(32)
-    for rows in (ops.small_rows, ops.small_rows + 1):
+    for rows in (fused_kernels.gemv_max_rows(), fused_kernels.gemv_max_rows() + 1):
         x = torch.randn(rows, 32)
         ops.norm_linear(x, None, nw, 1e-5, w)
         ops.swiglu_linear(x, w[:, :16])
@@ -239,10 +248,14 @@ def _model(ops: object) -> LlamaModel:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("small_rows", [0, 4])
-def test_model_with_fused_kernels_matches_torch_ops(small_rows: int) -> None:
+@pytest.mark.parametrize(("small_rows", "table"), [(0, ""), (4, ""), (32, "4=8x0g2,8=4x0g4")])
+def test_model_with_fused_kernels_matches_torch_ops(
+    monkeypatch: pytest.MonkeyPatch, small_rows: int, table: str
+) -> None:
     """A mixed prefill/decode batch (masked SDPA vs the ragged Triton kernel) and a uniform verify step give
-    the same hidden states and caches, with the matrix-vector kernels (4-row verify) and without them."""
+    the same hidden states and caches, with the matrix-vector kernels (4-row verify), without them, and with
+    their rows in groups (the 8-row batch too)."""
+    monkeypatch.setattr(fused_kernels, "GEMV_TILES", parse_table(table))
     ops = TritonOps()
     ops.small_rows = small_rows
     ref_model, fused_model = _model(TORCH_OPS), _model(ops)

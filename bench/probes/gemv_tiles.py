@@ -1,14 +1,17 @@
 """Tiles of the matrix-vector kernels, chosen in the served step: for each candidate (output columns and warps
-per program), an adaptive engine at batch 1 times its captured steps at every draft depth; the fastest
-candidate per padded row count (1 row: depth 0; 2: depth 1; 4: depths 2 and 3 together) makes one table, and
-the candidate fastest over all depths, used for every row count, another. Each is timed again and decoded
-against the default tiles (target-only and fixed K=1..k, tok/s), with a check that speculation's greedy
-tokens still equal target-only's: tiles that sum a verify row in another order than a decode row round it
-differently. `chosen_table` is the first table that keeps them (the uniform one is tried only when the
-per-row-count one does not): the line modeling/gemv_tiles.py's TUNED may record for this GPU.
+per program, rows one at a time, rows per program), an adaptive engine at batch 1 times its captured steps at
+every draft depth, and with --tree-budget its draft tree's step (candidates that split the rows into groups
+only: a tree verifies more than 4 rows). The fastest candidate per padded row count (1 row: depth 0; 2: depth
+1; 4: depths 2 and 3 together; the tree's rows: the tree step) makes one table, and the candidate fastest over
+the chain depths, used for every row count, another. Each is timed again and decoded against the default
+tiles (target-only, fixed K=1..k and the tree, tok/s), with a check that speculation's greedy tokens still
+equal target-only's: tiles that sum a verify row in another order than a decode row round it differently.
+`chosen_table` is the first table that keeps them (the uniform one is tried only when the per-row-count one
+does not, then the fastest one-row-group candidate for every row count, which sums every row as a decode step
+does): the line modeling/gemv_tiles.py's TUNED may record for this GPU.
 
 Usage (on the GPU machine, from the repo root):
-    python3 bench/probes/gemv_tiles.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+    python3 bench/probes/gemv_tiles.py --model /root/model/SmolLM2-135M-Instruct.Q4_1.gguf --tree-budget 15 --out $OUT
 Prints the timings and the chosen table, and writes gemv_tiles.json under --out.
 """
 
@@ -26,11 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.bench.decode import add_probe_flags, bench_prompts, decode_run, engine_for
-from modeling.gemv_tiles import GemvTiles, table_text
+from modeling.gemv_tiles import GROUPED_ONLY, GemvTiles, table_text
 from workers.builders import graph_max_blocks
 from workers.fused_step import FusedDepthSteps, FusedSpecStep
 
-DEPTHS_OF_ROWS = {1: (0,), 2: (1,), 4: (2, 3)}  # padded verify rows -> the batch-1 depths whose steps they run
+DEPTHS_OF_ROWS: dict[int, tuple[int | str, ...]] = {1: (0,), 2: (1,), 4: (2, 3)}  # padded verify rows -> the
+# batch-1 steps they run (chain depths); the tree's padded rows run the step keyed TREE
+TREE = "tree"
 
 
 def parse_candidates(text: str) -> list[GemvTiles]:
@@ -41,45 +46,66 @@ def parse_candidates(text: str) -> list[GemvTiles]:
         raise argparse.ArgumentTypeError(f"--candidates: {err}") from None
 
 
-def choose_tiles(times: dict[str, dict[int, float]], candidates: dict[str, GemvTiles]) -> dict[int, str]:
-    """The fastest candidate for each padded row count, from each candidate's ms per step by depth; a row
-    count whose depths were not timed is left out."""
+def steps_of_rows(tree_budget: int) -> dict[int, tuple[int | str, ...]]:
+    """Padded verify rows -> the batch-1 steps they run: the chain depths, and the tree step (its budget plus
+    the root, padded) with a tree."""
+    if not tree_budget:
+        return DEPTHS_OF_ROWS
+    return {**DEPTHS_OF_ROWS, 1 << tree_budget.bit_length(): (TREE,)}
+
+
+def candidate_table(tiles: GemvTiles, rows: list[int]) -> str:
+    """The table giving `tiles` to every row count of `rows` they can take (past 4 rows, tiles with groups)."""
+    return table_text({r: tiles for r in rows if tiles.group or r < GROUPED_ONLY})
+
+
+def choose_tiles(
+    times: dict[str, dict[int | str, float]], candidates: dict[str, GemvTiles], tree_budget: int = 0
+) -> dict[int, str]:
+    """The fastest candidate for each padded row count, from each candidate's ms per step by depth (and tree);
+    a row count whose steps were not timed is left out."""
     chosen = {}
-    for rows, depths in DEPTHS_OF_ROWS.items():
-        timed = [name for name in candidates if all(d in times[name] for d in depths)]
+    for rows, keys in steps_of_rows(tree_budget).items():
+        able = [name for name in candidates if candidates[name].group or rows < GROUPED_ONLY]
+        timed = [name for name in able if all(d in times[name] for d in keys)]
         if timed:
-            chosen[rows] = min(timed, key=lambda name: sum(times[name][d] for d in depths))
+            chosen[rows] = min(timed, key=lambda name: sum(times[name][d] for d in keys))
     return chosen
 
 
-def step_times(args: argparse.Namespace, table: str) -> dict[int, float]:
-    """ms per batch-1 captured step by depth (0..k) of an adaptive engine with `model.gemv_tiles` = table."""
+def step_times(args: argparse.Namespace, table: str) -> dict[int | str, float]:
+    """ms per batch-1 captured step by depth (0..k), and of the draft tree where one is captured, of an
+    adaptive engine with `model.gemv_tiles` = table."""
     eng = engine_for(args, args.k, True, 1, variant="adaptive", gemv_tiles=table)
     runner: Any = eng.target
     steps = runner.fused
     if steps is None:  # off CUDA nothing is captured: the same fixed-buffer steps, run eagerly
         blocks = graph_max_blocks(eng.cfg, args.k, eng.max_model_len)
         model, cache, chain, dev = runner.model, runner.cache, eng.draft, runner.device
+        chain = getattr(chain, "chain", chain)  # a tree drafter's chain steps
         made = {d: FusedSpecStep(model, cache, chain, d, 1, blocks, dev, use_graphs=False) for d in range(args.k + 1)}
         steps = FusedDepthSteps(made)
-    times = steps.time_steps(args.repeats)
+    times: dict[int | str, float] = {d: 1e3 * s for (b, d), s in steps.time_steps(args.repeats).items() if b == 1}
+    if runner.tree_step is not None:
+        times[TREE] = 1e3 * runner.tree_step.time_steps(args.repeats)[1]
     del eng, runner, steps
     release()
-    return {depth: 1e3 * s for (bucket, depth), s in times.items() if bucket == 1}
+    return times
 
 
 def tok_s(args: argparse.Namespace, table: str) -> dict[str, Any]:
-    """Batch-1 decode rates with `model.gemv_tiles` = table: target-only and fixed K=1..k, with speedups, and
-    whether each K's greedy tokens equal target-only's (tiles that round verify rows unlike decode rows
-    break that)."""
+    """Batch-1 decode rates with `model.gemv_tiles` = table: target-only, fixed K=1..k and the tree (with
+    --tree-budget), with speedups, and whether each one's greedy tokens equal target-only's (tiles that round
+    verify rows unlike decode rows break that)."""
     out: dict[str, Any] = {}
     tokens: dict[str, list[int]] = {}
-    for k in range(args.k + 1):
-        eng = engine_for(args, k, True, 1, gemv_tiles=table)
+    runs = [(k, False) for k in range(args.k + 1)] + ([(args.k, True)] if args.tree_budget else [])
+    for k, tree in runs:
+        eng = engine_for(args, k, True, 1, gemv_tiles=table, tree=tree)
         prompt = bench_prompts(eng, 1)
         decode_run(eng, prompt, 8)
         r = decode_run(eng, prompt, args.max_tokens)
-        name = f"K={k}" if k else "target-only"
+        name = f"tree{args.tree_budget}" if tree else f"K={k}" if k else "target-only"
         out[name] = {"tok_s": r["tok_s"], "step_ms": r["step_ms"], "acceptance_length": r["acceptance_length"]}
         tokens[name] = r["outputs"][0]
         del eng
@@ -101,13 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
     """The probe's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_probe_flags(ap)
-    ap.add_argument("--k", type=int, default=3, help="the deepest draft depth")
+    ap.add_argument("--k", type=int, default=3, help="the deepest draft depth (and the tree's depth)")
+    ap.add_argument(
+        "--tree-budget", type=int, default=0, help="also time and decode a draft tree of this many nodes (0: none)"
+    )
+    ap.add_argument("--tree-width", type=int, default=4, help="the tree's children per expanded node")
     ap.add_argument(
         "--candidates",
         type=parse_candidates,
-        default=parse_candidates("8x0,8x0r,2x0,4x0,4x8,8x16,2x1r,4x2r"),
-        help="COLUMNSxWARPS[r],... (output columns and warps per program, warps 0: 4, or 8 past 1,024 inputs; r: "
-        "rows reduced one at a time; modeling/gemv_tiles.py)",
+        default=parse_candidates("8x0,8x0r,4x0,2x1r,4x2r,8x0g1,4x0g1,8x0g2,8x0g4"),
+        help="COLUMNSxWARPS[r][gN],... (output columns and warps per program, warps 0: 4, or 8 past 1,024 inputs; "
+        "r: rows reduced one at a time; gN: N rows per program, which alone take the tree's rows; "
+        "modeling/gemv_tiles.py)",
     )
     ap.add_argument("--repeats", type=int, default=50, help="replays per timed step")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens decoded in each rate run")
@@ -127,23 +158,35 @@ def main() -> int:
     def save() -> None:  # after every stage, so a run cut short keeps what finished
         (out / "gemv_tiles.json").write_text(json.dumps(report, indent=2))
 
+    rows_all = list(steps_of_rows(args.tree_budget))
+
+    def line(times: dict[int | str, float]) -> str:
+        return " ".join(f"{d if d == TREE else f'd{d}'} {ms:.3f}" for d, ms in times.items())
+
     for name, tiles in candidates.items():
-        report["step_ms"][name] = step_times(args, table_text({rows: tiles for rows in DEPTHS_OF_ROWS}))
-        print(name, " ".join(f"d{d} {ms:.3f}" for d, ms in report["step_ms"][name].items()), flush=True)
+        report["step_ms"][name] = step_times(args, candidate_table(tiles, rows_all))
+        print(name, line(report["step_ms"][name]), flush=True)
         save()
-    per_rows = choose_tiles(report["step_ms"], candidates)
-    uniform = candidates[min(candidates, key=lambda name: sum(report["step_ms"][name].values()))]
+    per_rows = choose_tiles(report["step_ms"], candidates, args.tree_budget)
+    chain_ms = {name: sum(ms for d, ms in report["step_ms"][name].items() if d != TREE) for name in candidates}
+    uniform = candidates[min(candidates, key=chain_ms.__getitem__)]
     tables = report["tables"] = {
         "per_rows": table_text({rows: candidates[name] for rows, name in per_rows.items()}),
-        "uniform": table_text({rows: uniform for rows in per_rows}),  # one reduction order for every row count
+        # one reduction order for every row count
+        "uniform": candidate_table(uniform, [r for r in rows_all if r in per_rows]),
     }
+    singles = [name for name in candidates if candidates[name].group == 1]
+    if singles:  # one row per program everywhere: verify rows sum as decode rows, trees included
+        fastest = min(singles, key=lambda n: sum(report["step_ms"][n].values()))
+        tables["rows1"] = candidate_table(candidates[fastest], rows_all)
     report["per_rows_step_ms"] = step_times(args, tables["per_rows"])
-    print("per rows", tables["per_rows"], " ".join(f"d{d} {ms:.3f}" for d, ms in report["per_rows_step_ms"].items()))
+    print("per rows", tables["per_rows"], line(report["per_rows_step_ms"]))
     save()
     report["chosen_table"] = ""  # the first table that keeps the greedy tokens: what TUNED may record
-    for label in ("per_rows", "uniform", "default"):
+    for label in ("per_rows", "uniform", "rows1", "default"):
         setting = tables.get(label, "default")
-        if label == "uniform" and (report["chosen_table"] or setting == tables["per_rows"]):
+        tried = [tables[t] for t in report["tok_s"] if t in tables]
+        if label in ("uniform", "rows1") and (label not in tables or report["chosen_table"] or setting in tried):
             continue
         rows = report["tok_s"][label] = tok_s(args, setting)
         keeps = all(r["greedy_equal"] for r in rows.values())

@@ -5,8 +5,9 @@
 - the MTP head's input (`draft_kernels.draft_input`) against embedding + two norms + concat + cuBLAS;
 - uniform paged attention at batch 1, 8 and 64, Q = 1 and 4, for several context lengths, with and
   without split key ranges, against float64;
-- the matrix-vector kernels (`fused_kernels.norm_linear`, `swiglu_linear`) at 1-16 rows against RMSNorm +
-  cuBLAS, for the decoder layer's projections (rows past `GEMV_MAX_ROWS` lift that limit for the probe);
+- the matrix-vector kernels (`fused_kernels.norm_linear`, `swiglu_linear`) at 1-32 rows, with the default
+  and with tensor-core tiles (`dot_kernels`), against RMSNorm + cuBLAS, for the decoder layer's projections
+  (rows past `GEMV_MAX_ROWS` lift that limit for the probe);
 - the tree step's kernels: per-level top-k log-probabilities (`topk_kernels.top_logprobs`) against torch's
   cast, top-k and logsumexp at 32k, 49k and 128k vocabularies, and the greedy walk with its KV moves
   (`tree_kernels.greedy_walk_moves`) against `greedy_walk` on random trees.
@@ -32,12 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from modeling import argmax_kernels, draft_kernels, fused_kernels, topk_kernels, triton_attention
 from modeling.attention import uniform_paged_attention
+from modeling.gemv_tiles import GemvTiles
 from modeling.layer_ops import TORCH_OPS, TritonOps
 from speculative.tree import greedy_walk
 from workers.tree_kernels import greedy_walk_moves
 
 VOCAB, D, HEADS, KV_HEADS, HEAD_DIM, BLOCK, MLP = 49152, 576, 9, 3, 64, 16, 1536
 REPS = 50
+GROUP_TILES = {"g2": GemvTiles(8, 0, group=2), "g4": GemvTiles(8, 0, group=4)}  # timed beside the defaults
 
 
 def graph_us(fn: Callable[[], object]) -> float:
@@ -246,20 +249,27 @@ def _gemv_case(
 
 
 def gemv_report(dev: str, g: torch.Generator) -> dict[str, object]:
-    """Matrix-vector kernels against RMSNorm + cuBLAS per row count, at the layer's projection shapes."""
+    """Matrix-vector kernels (default tiles, and rows in groups: g2_us, g4_us) against RMSNorm + cuBLAS per row
+    count, at the layer's projection shapes."""
     ops = TritonOps()
-    built_rows, fused_kernels.GEMV_MAX_ROWS = fused_kernels.GEMV_MAX_ROWS, 16
+    built_rows, fused_kernels.GEMV_MAX_ROWS = fused_kernels.GEMV_MAX_ROWS, 32
     nw = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(torch.bfloat16)
     shapes = {"qkv": (D, (HEADS + 2 * KV_HEADS) * HEAD_DIM), "gate_up": (D, 2 * MLP), "down": (MLP, D)}
     out: dict[str, object] = {}
     for name, (k, n) in shapes.items():
         w = (0.05 * torch.randn(n, k, device=dev, generator=g)).to(torch.bfloat16)
-        for rows in (1, 2, 4, 8, 16):
+        for rows in (1, 2, 4, 8, 16, 32):
             x = torch.randn(rows, 2 * k if name == "down" else k, device=dev, generator=g).to(torch.bfloat16)
             triton_fn, cublas_fn, ref = _gemv_case(name == "down", x, nw, w, ops)
             got = triton_fn()
             entry = {"triton_us": graph_us(triton_fn), "cublas_us": graph_us(cublas_fn),
                      "max_abs_err_vs_fp32": (got.float() - ref).abs().max().item()}  # fmt: skip
+            built_tiles = fused_kernels.GEMV_TILES
+            for label, tiles in GROUP_TILES.items():
+                fused_kernels.GEMV_TILES = {rows: tiles}
+                entry[f"{label}_us"] = graph_us(triton_fn)
+                entry[f"{label}_max_abs_err_vs_fp32"] = (triton_fn().float() - ref).abs().max().item()
+            fused_kernels.GEMV_TILES = built_tiles
             out[f"{name}_{rows}"] = entry
             print("gemv", name, rows, json.dumps(entry), flush=True)
     fused_kernels.GEMV_MAX_ROWS = built_rows  # the later groups see the kernels as built

@@ -73,10 +73,12 @@ def engine_for(
     fused: bool = True,
     variant: str = "",
     gemv_tiles: str | None = None,
+    tree: bool = False,
 ) -> LLMEngine:
-    """An engine of `args` (model, load_format, draft, device, dtype, max_model_len, num_kv_blocks); k=0 is
-    target-only; fused picks the Triton layer kernels; `variant` is one of VARIANTS; `gemv_tiles` is
-    `model.gemv_tiles` (default: args.gemv_tiles, else auto)."""
+    """An engine of `args` (model, load_format, draft, device, dtype, max_model_len, num_kv_blocks, tree_budget,
+    tree_width); k=0 is target-only; fused picks the Triton layer kernels; `variant` is one of VARIANTS;
+    `gemv_tiles` is `model.gemv_tiles` (default: args.gemv_tiles, else auto); `tree` drafts a tree of depth k
+    (the adaptive variant offers it among the chain depths)."""
     small_rows = TritonOps.small_rows
     if variant == "no-gemv":
         TritonOps.small_rows = 0
@@ -109,7 +111,7 @@ def engine_for(
                     "num_draft_tokens": max(k, 1),
                     "adaptive": variant == "adaptive" and k > 0,
                     # adaptive over a draft tree too, where the caller asks for one
-                    "tree_budget": getattr(args, "tree_budget", 0) if variant == "adaptive" and k > 0 else 0,
+                    "tree_budget": getattr(args, "tree_budget", 0) if (variant == "adaptive" or tree) and k > 0 else 0,
                     "tree_width": getattr(args, "tree_width", 4),
                 },
             }
