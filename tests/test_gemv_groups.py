@@ -4,6 +4,8 @@ summed alike whatever its step's size, which steps take the kernels, and the tab
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,7 +13,9 @@ from modeling import fused_kernels
 from modeling.gemv_tiles import GemvTiles, parse_table
 from modeling.kv_cache import KVWrite
 from modeling.layer_ops import TORCH_OPS, TritonOps
-from modeling.model import Rotary
+from modeling.model import Rotary, prepare_for_inference
+
+from tiny import mimic_head, mimic_target, random_prompts, tiny_engine
 
 pytestmark = pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
 HEADS, KV_HEADS, DIM, WIDTH = 4, 2, 16, 80
@@ -104,3 +108,28 @@ def test_steps_past_four_rows_take_the_kernels_only_in_groups(monkeypatch: pytes
     assert tiles == GemvTiles(4, 2, True, 2) and tiles.text() == "4x2rg2"
     assert [tiles.rows_per_program(m) for m in (1, 3, 9)] == [1, 2, 2]
     assert [GemvTiles().rows_per_program(m) for m in (1, 3, 4)] == [1, 4, 4]
+
+
+@torch.no_grad()
+def test_a_tree_verified_in_row_groups_keeps_target_only_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft-tree engine whose target runs every step through the matrix-vector kernels in one-row groups
+    (its 18-row verify of two trees included; Triton interpreted, fp32) emits target-only's greedy tokens and accepts
+    drafts."""
+    args, w = mimic_target()
+    prompts = random_prompts(2, args.vocab_size, [9, 14], seed=5)
+    want = [c.token_ids for c in tiny_engine(args, w).generate(prompts, {"max_tokens": 10})]
+    spec = {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3}
+    eng = tiny_engine(args, w, mimic_head(args, w), scheduler={"max_num_batched_tokens": 128}, speculative=spec)
+    runner: Any = eng.target
+    prepare_for_inference(runner.model, TritonOps())
+    # after the builds, which set the process's tiles from model.gemv_tiles
+    monkeypatch.setattr(
+        fused_kernels, "GEMV_TILES", parse_table("1=16x0g1,2=16x0g1,4=16x0g1,8=16x0g1,16=16x0g1,32=16x0g1")
+    )
+    calls: list[int] = []
+    real = fused_kernels.norm_linear
+    monkeypatch.setattr(fused_kernels, "norm_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    got = [c.token_ids for c in eng.generate(prompts, {"max_tokens": 10})]
+    assert got == want
+    assert max(calls) > 4, "a tree verify went through the grouped kernels"
+    assert eng.totals.accepted > 0
