@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--candidates",
         type=parse_candidates,
-        default=parse_candidates("8x0,8x0r,4x0,2x1r,4x2r,8x0g1,4x0g1,8x0g2,8x0g4"),
+        default=parse_candidates("8x0,8x0r,4x2r,8x0g1,8x0g2,8x0rg2,8x0g4"),
         help="COLUMNSxWARPS[r][gN],... (output columns and warps per program, warps 0: 4, or 8 past 1,024 inputs; "
         "r: rows reduced one at a time; gN: N rows per program, which alone take the tree's rows; "
         "modeling/gemv_tiles.py)",
