@@ -334,8 +334,8 @@ def gemv_tiles(rows: int) -> GemvTiles:
 
 def gemv_max_rows() -> int:
     """The most rows the matrix-vector kernels take: GEMV_MAX_ROWS, or a larger padded row count the tiles
-    table splits into groups."""
-    return max([GEMV_MAX_ROWS, *(rows for rows, tiles in GEMV_TILES.items() if tiles.group)])
+    table gives tiles (`gemv_tiles.parse_table` lets those only split the rows into groups)."""
+    return max(GEMV_MAX_ROWS, max(GEMV_TILES, default=0))
 
 
 def gemv_fits(rows: int, k: int) -> bool:
