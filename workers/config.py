@@ -72,8 +72,9 @@ class ModelConfig(_Strict):
     gemv_tiles: str = Field(
         "auto",
         description="tiles of the small-step matrix-vector kernels by row count: auto (the table measured on this "
-        "GPU model, else the defaults), default, or a table such as 1=8x0,2=8x0r,4=4x2 (output columns x warps "
-        "per program, r: rows reduced one at a time; modeling/gemv_tiles.py); process-wide",
+        "GPU model, else the defaults), default, or a table such as 1=8x0,2=8x0r,4=4x2g2,16=8x0g4 (output "
+        "columns x warps per program, r: rows reduced one at a time, gN: N rows per program, which lets steps of "
+        "8-32 rows take the kernels; modeling/gemv_tiles.py); process-wide",
     )
 
     @field_validator("gemv_tiles")

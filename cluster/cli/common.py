@@ -53,8 +53,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gemv-tiles",
         help="tiles of the small-step matrix-vector kernels: auto (default: the table measured on this GPU model, "
-        "else the built-in tiles), default, or a table such as 1=8x0,2=8x0r,4=4x2 (output columns x warps per "
-        "program by row count, r: rows reduced one at a time; modeling/gemv_tiles.py)",
+        "else the built-in tiles), default, or a table such as 1=8x0,2=8x0r,4=4x2g2,16=8x0g4 (output columns x "
+        "warps per program by row count, r: rows reduced one at a time, gN: N rows per program, which lets steps "
+        "of 8-32 rows such as a tree's verify take the kernels; modeling/gemv_tiles.py)",
     )
     g.add_argument(
         "--draft",
