@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from modeling import pdl
-from modeling.gemv_tiles import ROW_COUNTS, GemvTiles
+from modeling.gemv_tiles import ROW_COUNTS, GemvTiles, padded_rows
 from modeling.kv_cache import KVWrite
 
 try:
@@ -329,7 +329,7 @@ _DEFAULT_TILES = GemvTiles()
 
 def gemv_tiles(rows: int) -> GemvTiles:
     """The tiles the matrix-vector kernels use for `rows` input rows (padded to a power of two)."""
-    return GEMV_TILES.get(1 << max(rows - 1, 0).bit_length(), _DEFAULT_TILES)
+    return GEMV_TILES.get(padded_rows(rows), _DEFAULT_TILES)
 
 
 def gemv_max_rows() -> int:

@@ -29,6 +29,11 @@ GROUPED_ONLY = 8  # from this padded row count on, a table's tiles must split th
 TUNED: dict[str, str] = {}
 
 
+def padded_rows(rows: int) -> int:
+    """A step's row count rounded up to a power of two: the row count a table's tiles are keyed by."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
 @dataclass(frozen=True)
 class GemvTiles:
     """How the matrix-vector kernels split a step of one padded row count: output columns per program, warps
@@ -64,7 +69,7 @@ class GemvTiles:
 
     def rows_per_program(self, rows: int) -> int:
         """Rows one program holds in a step of `rows` rows (padded to a power of two)."""
-        padded = 1 << max(rows - 1, 0).bit_length()
+        padded = padded_rows(rows)
         return min(self.group, padded) if self.group else padded
 
     def num_warps(self, block_k: int) -> int:

@@ -277,9 +277,8 @@ def test_gemv_tiles_probe_times_every_candidate_and_keeps_the_fastest(model: Pat
     """`bench/probes/gemv_tiles.py` off CUDA (the fixed-buffer steps run eagerly, the tree's step is not
     captured and so not timed): every candidate's steps are timed at every depth, each padded row count whose
     depths ran gets the candidate fastest there, and both tables decode (the tree too) with target-only as
-    the 1.0x base. The choice itself, on made-up timings: each row count
-    reads only its own depths, a row count with an untimed depth is left out, and the tree's rows take only
-    tiles with row groups."""
+    the 1.0x base. The choice itself, on made-up timings: each row count reads only its own depths, a row
+    count with an untimed depth is left out, and the tree's rows take only tiles with row groups."""
     probe = ROOT / "bench" / "probes" / "gemv_tiles.py"
     cmd = [sys.executable, str(probe), *dummy_flags(model), "--dtype", "float32", "--k", "3",
            "--candidates", "8x0,4x2r", "--repeats", "2", "--max-tokens", "6", "--tree-budget", "7",

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from modeling import fused_kernels
-from modeling.gemv_tiles import GemvTiles, parse_table
+from modeling.gemv_tiles import ROW_COUNTS, GemvTiles, parse_table
 from modeling.kv_cache import KVWrite
-from modeling.layer_ops import TORCH_OPS, TritonOps
+from modeling.layer_ops import TORCH_OPS, TorchOps, TritonOps
 from modeling.model import Rotary, prepare_for_inference
 
 from tiny import mimic_head, mimic_target, random_prompts, tiny_engine
@@ -22,7 +22,7 @@ HEADS, KV_HEADS, DIM, WIDTH = 4, 2, 16, 80
 
 
 def _grouped(tiles: GemvTiles) -> dict[int, GemvTiles]:
-    return dict.fromkeys((1, 2, 4, 8, 16, 32), tiles)
+    return dict.fromkeys(ROW_COUNTS, tiles)
 
 
 def _inputs(m: int, seed: int) -> dict[str, torch.Tensor]:
@@ -40,19 +40,19 @@ def _inputs(m: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _all_outputs(ops: TritonOps | type[TORCH_OPS] | object, t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def _all_outputs(ops: TorchOps, t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Every projection kernel's outputs for the rows in t: linear, norm_linear (output, residual),
     swiglu_linear (with and without residual), norm_qkv_rope (q, new residual, both caches)."""
     m = t["x"].shape[0]
     cos, sin = Rotary(DIM, 10000.0, 64).table(t["pos"])
     caches = [torch.zeros(m, 1, KV_HEADS, DIM) for _ in range(2)]
     kv = KVWrite(cos, sin, torch.arange(m), *caches, HEADS, KV_HEADS, DIM)
-    q, res = ops.norm_qkv_rope(t["x"], t["r"], t["nw"], 1e-5, t["wqkv"], kv)  # type: ignore[attr-defined]
+    q, res = ops.norm_qkv_rope(t["x"], t["r"], t["nw"], 1e-5, t["wqkv"], kv)
     return [
-        ops.linear(t["x"], t["w"]),  # type: ignore[attr-defined]
-        *ops.norm_linear(t["x"], t["r"], t["nw"], 1e-5, t["w"]),  # type: ignore[attr-defined]
-        ops.swiglu_linear(t["gate_up"], t["wd"]),  # type: ignore[attr-defined]
-        ops.swiglu_linear(t["gate_up"], t["wd"], t["rd"]),  # type: ignore[attr-defined]
+        ops.linear(t["x"], t["w"]),
+        *ops.norm_linear(t["x"], t["r"], t["nw"], 1e-5, t["w"]),
+        ops.swiglu_linear(t["gate_up"], t["wd"]),
+        ops.swiglu_linear(t["gate_up"], t["wd"], t["rd"]),
         q.reshape(m, -1),
         res,
         *(c.reshape(m, -1) for c in caches),

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.bench.decode import add_probe_flags, bench_prompts, decode_run, engine_for
-from modeling.gemv_tiles import GROUPED_ONLY, GemvTiles, table_text
+from modeling.gemv_tiles import GROUPED_ONLY, GemvTiles, padded_rows, table_text
 from workers.builders import graph_max_blocks
 from workers.fused_step import FusedDepthSteps, FusedSpecStep
 
@@ -51,7 +51,7 @@ def steps_of_rows(tree_budget: int) -> dict[int, tuple[int | str, ...]]:
     the root, padded) with a tree."""
     if not tree_budget:
         return DEPTHS_OF_ROWS
-    return {**DEPTHS_OF_ROWS, 1 << tree_budget.bit_length(): (TREE,)}
+    return {**DEPTHS_OF_ROWS, padded_rows(tree_budget + 1): (TREE,)}
 
 
 def candidate_table(tiles: GemvTiles, rows: list[int]) -> str:

@@ -6,8 +6,8 @@
 - uniform paged attention at batch 1, 8 and 64, Q = 1 and 4, for several context lengths, with and
   without split key ranges, against float64;
 - the matrix-vector kernels (`fused_kernels.norm_linear`, `swiglu_linear`) at 1-32 rows, with the default
-  and with tensor-core tiles (`dot_kernels`), against RMSNorm + cuBLAS, for the decoder layer's projections
-  (rows past `GEMV_MAX_ROWS` lift that limit for the probe);
+  tiles and with the rows in groups of 2 and 4 per program (`GROUP_TILES`), against RMSNorm + cuBLAS, for the
+  decoder layer's projections (rows past `GEMV_MAX_ROWS` lift that limit for the probe);
 - the tree step's kernels: per-level top-k log-probabilities (`topk_kernels.top_logprobs`) against torch's
   cast, top-k and logsumexp at 32k, 49k and 128k vocabularies, and the greedy walk with its KV moves
   (`tree_kernels.greedy_walk_moves`) against `greedy_walk` on random trees.
