@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(PY) -m cluster.cli.demo
+	$(PY) -m mtpserve.cluster.cli.demo
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15
@@ -30,7 +30,7 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy cluster workers speculative modeling proto deploy
+	$(VENV)/bin/mypy mtpserve
 	$(VENV)/bin/lint-imports
 
 bench-cpu: install

@@ -63,28 +63,28 @@ case $PHASE in
   8b)
     step profile 150 python3 bench/probes/profile_step.py --device cuda --steps 20 --shape "$L8B" --draft-vocab "$V" \
       --variants target-graph,mtp3-graph,tree4x16-graph --out "$R/profile"
-    step replay 260 python3 -m cluster bench replay --acceptance bench/results/replay_recording_smollm2.json \
+    step replay 260 python3 -m mtpserve bench replay --acceptance bench/results/replay_recording_smollm2.json \
       --model "$L8B" --load-format dummy --device cuda --draft-vocab "$V" --batches 1,8,64 --max-tokens 128 \
       --json "$R/replay_8b$SUFFIX.json"
     step graph_launch 110 python3 bench/probes/graph_launch.py --shape "$L8B" --pdl on \
       --steps target,chain3,tree4x16,tree4x16-torch --repeats 10 --out "$R"
     ;;
   ray8b)
-    step distributed 400 python3 -m cluster bench distributed --device cuda --shape "$L8B" \
+    step distributed 400 python3 -m mtpserve bench distributed --device cuda --shape "$L8B" \
       --setups "$SETUPS" --batches 1,16 --ks 0,3 --steps 24 --json "$R/distributed_8b.json"
     ;;
   smollm2)
     step kernels 60 python3 bench/probes/kernel_check.py --groups tree --out "$R"
-    step trees 150 python3 -m cluster bench trees --model "$M" --batches 1,8 --json "$R/trees.json" \
+    step trees 150 python3 -m mtpserve bench trees --model "$M" --batches 1,8 --json "$R/trees.json" \
       --configs "target-only,chain K=1,chain K=3,tree K=3 N=8 w=3,tree K=4 N=16 w=4"
     step adaptive 150 python3 bench/probes/adaptive_depths.py --model "$M" --tree-budget 16 --tree-width 4 \
       --batches 1,8,64 --out "$R"
     ;;
   ray)
-    step distributed 400 python3 -m cluster bench distributed --device cuda --shape smollm2 --model "$M" \
+    step distributed 400 python3 -m mtpserve bench distributed --device cuda --shape smollm2 --model "$M" \
       --setups "$SETUPS" --batches 1,16 --ks 0,3 --steps 48 --repeats "${REPEATS:-3}" \
       --json "$R/distributed_smollm2.json"
-    [ "${FP32:-1}" = 0 ] || step trees_fp32 120 python3 -m cluster bench trees --model "$M" --dtype float32 --batches 1,8 \
+    [ "${FP32:-1}" = 0 ] || step trees_fp32 120 python3 -m mtpserve bench trees --model "$M" --dtype float32 --batches 1,8 \
       --configs "target-only,chain K=3,tree K=4 N=16 w=4" --json "$R/trees_fp32.json"
     ;;
   prof)
@@ -100,11 +100,11 @@ case $PHASE in
   serve)
     for spec in "target:--no-speculation" "k3:"; do
       name=${spec%%:*} flags=${spec#*:}
-      step "engine_$name" 120 python3 -m cluster bench throughput --model "$M" --device cuda $flags --batch-sizes 1,64 \
+      step "engine_$name" 120 python3 -m mtpserve bench throughput --model "$M" --device cuda $flags --batch-sizes 1,64 \
         --prompt-len 128 --output-len 128 --max-num-requests 64 --json "$R/engine_$name.json"
-      step "streams_$name" 240 python3 -m cluster bench http-vs-grpc --model "$M" --device cuda $flags \
+      step "streams_$name" 240 python3 -m mtpserve bench http-vs-grpc --model "$M" --device cuda $flags \
         --batch-sizes 1,64 --client-procs "${CLIENTS:-8}" --json "$R/http_vs_grpc_$name.json"
-      [ "$name" = target ] && step "streams_thread_$name" 240 python3 -m cluster bench http-vs-grpc --model "$M" --device cuda $flags \
+      [ "$name" = target ] && step "streams_thread_$name" 240 python3 -m mtpserve bench http-vs-grpc --model "$M" --device cuda $flags \
         --serve-args "--no-engine-process" --batch-sizes 1,64 --client-procs "${CLIENTS:-8}" \
         --json "$R/http_vs_grpc_thread_$name.json"
     done

@@ -32,16 +32,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.bench import decode as bench_decode
-from cluster.bench import distributed as bench_distributed
-from cluster.bench import replay as bench_replay
-from cluster.bench import report as bench_report
-from cluster.bench import trees as bench_trees
-from cluster.bench import ttft as bench_ttft
-from cluster.bench.report import depth_list, int_list
-from cluster.cli.mtpserve import main as mtpserve
-from cluster.distributed.build import build_engine
-from workers.builders import DEFAULT_HEAD
+from mtpserve.cluster.bench import decode as bench_decode
+from mtpserve.cluster.bench import distributed as bench_distributed
+from mtpserve.cluster.bench import replay as bench_replay
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench import trees as bench_trees
+from mtpserve.cluster.bench import ttft as bench_ttft
+from mtpserve.cluster.bench.report import depth_list, int_list
+from mtpserve.cluster.cli.mtpserve import main as mtpserve
+from mtpserve.cluster.distributed.build import build_engine
+from mtpserve.workers.builders import DEFAULT_HEAD
 
 GROUPS = ("decode", "ttft", "trees", "llama8b", "replay", "prefix", "load", "distributed")
 LLAMA_8B = {  # Llama-3-8B's config.json shape fields; weights are random (--load-format dummy)
@@ -110,8 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def attention_check() -> dict[str, Any]:
     """Triton paged attention in bf16 against a float64 reference (max abs error), uniform and ragged."""
-    from modeling.attention import AttentionMetadata, RaggedMetadata, uniform_paged_attention
-    from modeling.triton_attention import triton_uniform_attention
+    from mtpserve.modeling.attention import AttentionMetadata, RaggedMetadata, uniform_paged_attention
+    from mtpserve.modeling.triton_attention import triton_uniform_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     res = {}

@@ -1,5 +1,5 @@
-"""`cluster.client.MTPServeClient`, the public import path of the Python client (`cluster/service/client.py`)."""
+"""`mtpserve.cluster.client.MTPServeClient`, also `mtpserve.MTPServeClient`: the Python client (`service/client.py`)."""
 
-from cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.client import MTPServeClient
 
 __all__ = ["MTPServeClient"]

@@ -1,8 +1,8 @@
-"""`python -m cluster.job`, the Ray job entry point the manifests name (`cluster/cli/job.py`)."""
+"""`python -m mtpserve.cluster.job`, the Ray job entry point the manifests name (`cluster/cli/job.py`)."""
 
 import sys
 
-from cluster.cli.job import main
+from mtpserve.cluster.cli.job import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from deploy.dockerfile import ImageFacts
-from deploy.manifest import REPO_ROOT, json_path, pod_templates
-from deploy.render import Doc
+from mtpserve.deploy.dockerfile import ImageFacts
+from mtpserve.deploy.manifest import REPO_ROOT, json_path, pod_templates
+from mtpserve.deploy.render import Doc
 
 IMAGE = "ghcr.io/mtpserve/mtpserve:0.1.0"
 DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile"
@@ -69,7 +69,7 @@ def _label(doc: Doc) -> str:
 
 def load_service_config(docs: list[Doc]) -> tuple[Any, Doc]:
     """(MTPServeConfig, ConfigMap) of the one ConfigMap that carries config.yaml."""
-    from workers.config import MTPServeConfig
+    from mtpserve.workers.config import MTPServeConfig
 
     maps = [d for d in _by_kind(docs, "ConfigMap") if CONFIG_KEY in (d.get("data") or {})]
     if len(maps) != 1:

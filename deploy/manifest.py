@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from deploy.render import Doc
+from mtpserve.deploy.render import Doc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

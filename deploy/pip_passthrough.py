@@ -1,7 +1,7 @@
 """This machine's pip settings as image build arguments, plus the local files they name, to mount read-only.
 
 An image build runs pip inside the image, where the machine's pip.conf and PIP_* variables do not reach.
-`python -m deploy.pip_passthrough` prints what `buildah bud` (or `docker build`) needs so that `pip install`
+`python -m mtpserve.deploy.pip_passthrough` prints what `buildah bud` (or `docker build`) needs so that `pip install`
 in the image sees the same indexes, wheel folders, constraints and CA bundle as `pip install` here: one
 `--build-arg=PIP_NAME=value` per setting that pip has here, and one `--volume=PATH:PATH:ro` per local folder
 or file those settings point at (file:// indexes, find-links folders, the constraints file, the CA bundle).

@@ -230,10 +230,10 @@ def dump(docs: list[Doc]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m deploy.render DIR`` prints the rendered manifests."""
+    """CLI: ``python -m mtpserve.deploy.render DIR`` prints the rendered manifests."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m deploy.render KUSTOMIZATION_DIR", file=sys.stderr)
+        print("usage: python -m mtpserve.deploy.render KUSTOMIZATION_DIR", file=sys.stderr)
         return 2
     try:
         sys.stdout.write(dump(render(args[0])))

@@ -7,9 +7,9 @@
   bundled with ``kubernetes-validate`` (strict mode). It reports one error per object.
 - PodMonitor: a minimal structural check; the Prometheus Operator CRD is not vendored.
 
-CLI: ``python -m deploy.validate deploy/k8s/overlays/gpu [more dirs or files]`` validates the
+CLI: ``python -m mtpserve.deploy.validate deploy/k8s/overlays/gpu [more dirs or files]`` validates the
 rendered objects and, for a kustomization, checks them against each other
-(deploy.consistency). The exit status is 1 when anything is wrong.
+(mtpserve.deploy.consistency). The exit status is 1 when anything is wrong.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 import jsonschema
 import yaml
 
-from deploy.consistency import DOCKERFILE, check_consistency
-from deploy.manifest import REPO_ROOT, json_path, pod_templates
-from deploy.render import Doc, RenderError, find_kustomization, load_docs, render
+from mtpserve.deploy.consistency import DOCKERFILE, check_consistency
+from mtpserve.deploy.manifest import REPO_ROOT, json_path, pod_templates
+from mtpserve.deploy.render import Doc, RenderError, find_kustomization, load_docs, render
 
 CRD_ENV = "MTPSERVE_KUBERAY_CRDS"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints errors and returns 1 if there are any."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("usage: python -m deploy.validate DIR_OR_FILE [...]", file=sys.stderr)
+        print("usage: python -m mtpserve.deploy.validate DIR_OR_FILE [...]", file=sys.stderr)
         return 2
     failed = False
     for target in args:

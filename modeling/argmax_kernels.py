@@ -16,15 +16,15 @@ import logging
 
 import torch
 
-from modeling import pdl
-from modeling.fused_kernels import GEMV_MAX_K, _need_triton
+from mtpserve.modeling import pdl
+from mtpserve.modeling.fused_kernels import GEMV_MAX_K, _need_triton
 
 try:
     import triton
     import triton.language as tl
     from triton.runtime.errors import OutOfResources
 
-    from modeling.pdl import wait_for_inputs
+    from mtpserve.modeling.pdl import wait_for_inputs
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from modeling import triton_attention
+from mtpserve.modeling import triton_attention
 
 SCORE_ELEMENTS = 1 << 26  # fp32 attention scores one pass of one-KV-head attention may hold (256 MB)
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modeling.attention import Metadata
-from modeling.deepseek_config import DeepseekV3Args, ScaledRotary
-from modeling.deepseek_weights import load_deepseek
-from modeling.kv_cache import KVCache
-from modeling.mla import LatentAttention, LatentCache
-from modeling.model import MLP, DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, Rotary
-from modeling.moe import MoE
-from modeling.parallel import TPContext
+from mtpserve.modeling.attention import Metadata
+from mtpserve.modeling.deepseek_config import DeepseekV3Args, ScaledRotary
+from mtpserve.modeling.deepseek_weights import load_deepseek
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.mla import LatentAttention, LatentCache
+from mtpserve.modeling.model import MLP, DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, Rotary
+from mtpserve.modeling.moe import MoE
+from mtpserve.modeling.parallel import TPContext
 
 
 def deepseek_args(args: LlamaArgs) -> DeepseekV3Args:

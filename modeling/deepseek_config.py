@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from modeling.model import DRAFT_POSITIONS, LlamaArgs, Rotary
+from mtpserve.modeling.model import DRAFT_POSITIONS, LlamaArgs, Rotary
 
 MODEL_TYPES = frozenset({"deepseek_v3"})
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # RoPE tables that do not change with the length

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from modeling.deepseek_config import DeepseekV3Args, deinterleave_rows
-from modeling.mla import LatentAttention
-from modeling.model import MLP
-from modeling.moe import MoE
+from mtpserve.modeling.deepseek_config import DeepseekV3Args, deinterleave_rows
+from mtpserve.modeling.mla import LatentAttention
+from mtpserve.modeling.model import MLP
+from mtpserve.modeling.moe import MoE
 
 Take = Callable[[str], torch.Tensor]
 

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling import fused_kernels, pdl
-from modeling.fused_kernels import _need_triton
+from mtpserve.modeling import fused_kernels, pdl
+from mtpserve.modeling.fused_kernels import _need_triton
 
 try:
     import triton
     import triton.language as tl
 
-    from modeling.fused_kernels import _matvec, _store_rows, _tile_indices, _weight_tile
-    from modeling.pdl import wait_for_inputs
+    from mtpserve.modeling.fused_kernels import _matvec, _store_rows, _tile_indices, _weight_tile
+    from mtpserve.modeling.pdl import wait_for_inputs
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 

@@ -8,14 +8,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from modeling.deepseek import DeepseekV3Model
-from modeling.deepseek_config import MODEL_TYPES as DEEPSEEK_TYPES
-from modeling.deepseek_config import DeepseekV3Args
-from modeling.deepseek_weights import init_dummy_, random_deepseek_weights
-from modeling.errors import ModelLoadError
-from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
-from modeling.qwen import MODEL_TYPES as QWEN_TYPES
-from modeling.qwen import QwenArgs, QwenModel, is_qwen_style, random_qwen_weights
+from mtpserve.modeling.deepseek import DeepseekV3Model
+from mtpserve.modeling.deepseek_config import MODEL_TYPES as DEEPSEEK_TYPES
+from mtpserve.modeling.deepseek_config import DeepseekV3Args
+from mtpserve.modeling.deepseek_weights import init_dummy_, random_deepseek_weights
+from mtpserve.modeling.errors import ModelLoadError
+from mtpserve.modeling.model import LlamaArgs, LlamaModel, random_llama_weights
+from mtpserve.modeling.qwen import MODEL_TYPES as QWEN_TYPES
+from mtpserve.modeling.qwen import QwenArgs, QwenModel, is_qwen_style, random_qwen_weights
 
 LLAMA_TYPES = frozenset({"llama", "mistral"})
 

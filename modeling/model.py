@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modeling.attention import Metadata
-from modeling.kv_cache import KVCache, KVWrite
-from modeling.layer_ops import TORCH_OPS, TorchOps
-from modeling.parallel import TPContext
-from modeling.rope_scaling import rope_frequencies, rope_scaling_of
+from mtpserve.modeling.attention import Metadata
+from mtpserve.modeling.kv_cache import KVCache, KVWrite
+from mtpserve.modeling.layer_ops import TORCH_OPS, TorchOps
+from mtpserve.modeling.parallel import TPContext
+from mtpserve.modeling.rope_scaling import rope_frequencies, rope_scaling_of
 
 
 @dataclass

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modeling.deepseek_config import DeepseekV3Args
-from modeling.layer_ops import TORCH_OPS, TorchOps
-from modeling.model import MLP
-from modeling.parallel import TPContext
+from mtpserve.modeling.deepseek_config import DeepseekV3Args
+from mtpserve.modeling.layer_ops import TORCH_OPS, TorchOps
+from mtpserve.modeling.model import MLP
+from mtpserve.modeling.parallel import TPContext
 
 
 class Router(nn.Module):

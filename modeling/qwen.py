@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from modeling.attention import Metadata
-from modeling.kv_cache import KVWrite
-from modeling.model import Attention, DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, load_sharded
-from modeling.model import random_llama_weights as _llama_weights
-from modeling.parallel import TPContext
+from mtpserve.modeling.attention import Metadata
+from mtpserve.modeling.kv_cache import KVWrite
+from mtpserve.modeling.model import Attention, DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, load_sharded
+from mtpserve.modeling.model import random_llama_weights as _llama_weights
+from mtpserve.modeling.parallel import TPContext
 
 MODEL_TYPES = frozenset({"qwen2", "qwen3"})
 

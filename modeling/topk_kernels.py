@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from modeling.fused_kernels import _need_triton
+from mtpserve.modeling.fused_kernels import _need_triton
 
 try:
     import triton

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from modeling import pdl
+from mtpserve.modeling import pdl
 
 try:
     import triton
@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 
 
 if triton is not None:
-    from modeling.pdl import wait_for_inputs
+    from mtpserve.modeling.pdl import wait_for_inputs
 
     @triton.jit
     def _tile_addr(tables_ptr, b, kvh, kpos, inside, stride_kb, stride_ks, stride_kh, stride_bt, BLOCK: tl.constexpr):

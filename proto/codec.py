@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
 
 _TO_NAME = {
     torch.float32: "FP32",

@@ -5,7 +5,7 @@
 #   proto/gen.sh OUT_DIR    write under OUT_DIR/mtpserve/v1 instead (the freshness test compares the two)
 #
 # PYTHON picks the interpreter (default: the repo's .venv, else python3); it needs grpcio-tools.
-# protoc emits `from mtpserve.v1 import x_pb2`; we rewrite that to `from proto.mtpserve.v1 import x_pb2`
+# protoc emits `from mtpserve.v1 import x_pb2`; we rewrite that to `from mtpserve.proto.mtpserve.v1 import x_pb2`
 # so the generated modules import as a package from the repository root. The stubs' GRPC_GENERATED_VERSION (the
 # oldest grpcio they import under) is stamped with pyproject.toml's grpcio floor, not the generator's own
 # version, so that a newer grpcio-tools writes the same files.
@@ -25,6 +25,6 @@ mkdir -p "$out"
   proto/mtpserve/v1/*.proto
 for f in "$out"/mtpserve/v1/*_pb2*.py "$out"/mtpserve/v1/*_pb2.pyi; do
   [[ -e "$f" ]] || continue
-  sed -i -E 's/^from mtpserve\.v1 import /from proto.mtpserve.v1 import /; s/^import mtpserve\.v1\./import proto.mtpserve.v1./' "$f"
+  sed -i -E 's/^from mtpserve\.v1 import /from mtpserve.proto.mtpserve.v1 import /; s/^import mtpserve\.v1\./import mtpserve.proto.mtpserve.v1./' "$f"
   sed -i -E "s/^GRPC_GENERATED_VERSION = '[0-9.]+'$/GRPC_GENERATED_VERSION = '$floor'/" "$f"
 done

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from modeling.attention import Metadata
-from modeling.kv_cache import KVCache
-from modeling.model import LlamaArgs, LlamaModel, Rope, Rotary
+from mtpserve.modeling.attention import Metadata
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.model import LlamaArgs, LlamaModel, Rope, Rotary
 
 
 class DraftHead(nn.Module, metaclass=ABCMeta):

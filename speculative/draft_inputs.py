@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from speculative.lookahead import INVALID_TOKEN
+from mtpserve.speculative.lookahead import INVALID_TOKEN
 
 
 def last_rows(seq_lens: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from itertools import count
 
-from speculative.adaptive import StepKind
+from mtpserve.speculative.adaptive import StepKind
 
 
 def first_branch(tokens: list[int], parents: list[int]) -> list[int]:

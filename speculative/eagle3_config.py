@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from modeling.model import LlamaArgs
+from mtpserve.modeling.model import LlamaArgs
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3Speculator", "Eagle3LlamaForCausalLM")
 NESTED_LAYERS = "eagle_config.eagle_aux_hidden_state_layer_ids"

@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from modeling.attention import Metadata
-from modeling.kv_cache import KVCache, KVWrite
-from modeling.model import MLP, Attention, LlamaArgs, LlamaModel, RMSNorm, Rope
-from modeling.parallel import TPContext
-from speculative import eagle3_config as fmt
-from speculative.draft_head import DraftHead
-from speculative.mtp_head import check_vocab_ids
+from mtpserve.modeling.attention import Metadata
+from mtpserve.modeling.kv_cache import KVCache, KVWrite
+from mtpserve.modeling.model import MLP, Attention, LlamaArgs, LlamaModel, RMSNorm, Rope
+from mtpserve.modeling.parallel import TPContext
+from mtpserve.speculative import eagle3_config as fmt
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.mtp_head import check_vocab_ids
 
 
 def layer_args_for(target: LlamaArgs) -> LlamaArgs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from speculative.messages import DraftInputs, DraftOutputs
+from mtpserve.speculative.messages import DraftInputs, DraftOutputs
 
 
 class DraftMethod(ABC):

@@ -6,14 +6,14 @@ from typing import Any
 
 import torch
 
-from modeling.attention import UniformMetadata, ragged_metadata
-from modeling.kv_cache import KVCache
-from modeling.model import LlamaModel
-from speculative.draft_head import DraftHead
-from speculative.draft_inputs import draft_input_tokens, last_rows
-from speculative.lookahead import LookaheadBuffer
-from speculative.messages import DraftInputs, DraftOutputs
-from speculative.methods import DraftMethod
+from mtpserve.modeling.attention import UniformMetadata, ragged_metadata
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.draft_inputs import draft_input_tokens, last_rows
+from mtpserve.speculative.lookahead import LookaheadBuffer
+from mtpserve.speculative.messages import DraftInputs, DraftOutputs
+from mtpserve.speculative.methods import DraftMethod
 
 
 def propose_from_rows(

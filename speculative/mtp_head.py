@@ -32,13 +32,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from modeling.attention import Metadata
-from modeling.draft_kernels import DraftInputWeights
-from modeling.families import model_class
-from modeling.kv_cache import KVCache
-from modeling.model import LlamaArgs, LlamaModel, RMSNorm, Rope
-from modeling.parallel import TPContext
-from speculative.draft_head import DraftHead
+from mtpserve.modeling.attention import Metadata
+from mtpserve.modeling.draft_kernels import DraftInputWeights
+from mtpserve.modeling.families import model_class
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.model import LlamaArgs, LlamaModel, RMSNorm, Rope
+from mtpserve.modeling.parallel import TPContext
+from mtpserve.speculative.draft_head import DraftHead
 
 PREFIX = "mtp."
 FEATURE_LAYERS_KEY = "feature_layers"

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from modeling.deepseek_config import DeepseekV3Args
-from modeling.deepseek_weights import load_layer, put, taker
-from modeling.errors import ModelLoadError
-from modeling.families import InPlaceDummy
-from modeling.model import LlamaArgs
-from speculative.mtp_head import MTPEagleHead
+from mtpserve.modeling.deepseek_config import DeepseekV3Args
+from mtpserve.modeling.deepseek_weights import load_layer, put, taker
+from mtpserve.modeling.errors import ModelLoadError
+from mtpserve.modeling.families import InPlaceDummy
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.mtp_head import MTPEagleHead
 
 
 def num_native_modules(args: LlamaArgs) -> int:

@@ -23,11 +23,11 @@ from collections.abc import Callable
 
 import torch
 
-from modeling.attention import Metadata, ragged_metadata
-from speculative.draft_inputs import last_rows
-from speculative.messages import DraftInputs, DraftOutputs
-from speculative.methods import DraftMethod
-from speculative.mtp_chain import MTPEagleChain
+from mtpserve.modeling.attention import Metadata, ragged_metadata
+from mtpserve.speculative.draft_inputs import last_rows
+from mtpserve.speculative.messages import DraftInputs, DraftOutputs
+from mtpserve.speculative.methods import DraftMethod
+from mtpserve.speculative.mtp_chain import MTPEagleChain
 
 
 def tree_candidates(width: int, depth: int) -> int:

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.attention import ragged_metadata
-from modeling.kv_cache import KVCache
-from modeling.model import LlamaModel
-from speculative.draft_inputs import draft_input_tokens
-from speculative.lookahead import LookaheadBuffer
-from speculative.messages import DraftInputs, DraftOutputs
-from speculative.methods import DraftMethod
-from speculative.mtp_head import MTPEagleHead
+from mtpserve.modeling.attention import ragged_metadata
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.draft_inputs import draft_input_tokens
+from mtpserve.speculative.lookahead import LookaheadBuffer
+from mtpserve.speculative.messages import DraftInputs, DraftOutputs
+from mtpserve.speculative.methods import DraftMethod
+from mtpserve.speculative.mtp_head import MTPEagleHead
 
 
 @dataclass

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from speculative.messages import SeqPlan, SeqResult
+from mtpserve.speculative.messages import SeqPlan, SeqResult
 
 
 class ReplayAcceptance:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.sampling import sample_from_uniform
+from mtpserve.speculative.sampling import sample_from_uniform
 
 
 @dataclass

@@ -18,8 +18,8 @@ from typing import Protocol
 
 import torch
 
-from speculative.replay import forced_chain
-from speculative.sampling import processed_probs, sample_from_uniform
+from mtpserve.speculative.replay import forced_chain
+from mtpserve.speculative.sampling import processed_probs, sample_from_uniform
 
 
 def verify(

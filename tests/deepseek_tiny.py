@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from modeling.deepseek_config import DeepseekV3Args
-from modeling.deepseek_weights import random_deepseek_weights
+from mtpserve.modeling.deepseek_config import DeepseekV3Args
+from mtpserve.modeling.deepseek_weights import random_deepseek_weights
 
 from tiny import save_model_dir
 

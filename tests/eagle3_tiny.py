@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from modeling.model import LlamaArgs
+from mtpserve.modeling.model import LlamaArgs
 
 HEADS = 4  # the draft layer's query heads and KV heads (its own choice, independent of the target's)
 

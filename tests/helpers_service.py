@@ -53,7 +53,7 @@ def write_dummy_model(directory: Path, vocab_size: int = 256) -> Path:
 
 def default_tokenizer_dir() -> Path:
     """The converted default model's directory (holds SmolLM2's tokenizer and chat template)."""
-    from modeling.loader import convert_gguf, default_gguf_path
+    from mtpserve.modeling.loader import convert_gguf, default_gguf_path
 
     return convert_gguf(default_gguf_path())
 
@@ -98,10 +98,10 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class ServeProcess:
-    """`python -m cluster serve ... --port 0 --metrics-port 0` in a subprocess; parses the bound ports."""
+    """`python -m mtpserve serve ... --port 0 --metrics-port 0` in a subprocess; parses the bound ports."""
 
     def __init__(self, args: list[str], startup_timeout: float = 120.0) -> None:
-        self.cmd = [sys.executable, "-m", "cluster", "serve", "--host", "127.0.0.1", "--port", "0"]
+        self.cmd = [sys.executable, "-m", "mtpserve", "serve", "--host", "127.0.0.1", "--port", "0"]
         self.cmd += ["--metrics-port", "0", *args]
         self.startup_timeout = startup_timeout
         self.lines: list[str] = []
@@ -192,7 +192,7 @@ def rpc_error(fn: Any) -> grpc.RpcError:
 def dummy_server_config(model: Path, num_draft_tokens: int = 3) -> Any:
     """The config of an in-process MTPServer on a dummy-weight model: a random draft head, 64 KV blocks, 4 requests,
     gRPC on a free loopback port."""
-    from workers.config import MTPServeConfig
+    from mtpserve.workers.config import MTPServeConfig
 
     return MTPServeConfig.from_dict(
         {

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from modeling.families import model_class
-from modeling.loader import resolve_model
-from modeling.model import LlamaModel
+from mtpserve.modeling.families import model_class
+from mtpserve.modeling.loader import resolve_model
+from mtpserve.modeling.model import LlamaModel
 
 SHAPE: dict[str, Any] = dict(
     vocab_size=96,

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from cluster.engine.llm_engine import LLMEngine
-from modeling.loader import ModelSource, resolve_model
-from modeling.model import LlamaArgs
-from speculative.mtp_head import MTPEagleHead
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.loader import ModelSource, resolve_model
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.mtp_head import MTPEagleHead
 
 from tiny import engine_config
 

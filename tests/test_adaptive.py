@@ -10,14 +10,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cluster.cli.common import add_engine_flags, config_from_args
-from cluster.engine.llm_engine import LLMEngine
-from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
-from speculative.mtp_chain import MTPEagleChain
-from workers.config import SpeculativeConfig
-from workers.fused_step import FusedDepthSteps, FusedSpecStep
-from workers.prefill_step import CapturedPrefill
-from workers.runner import TargetRunner
+from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
+from mtpserve.speculative.mtp_chain import MTPEagleChain
+from mtpserve.workers.config import SpeculativeConfig
+from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
+from mtpserve.workers.prefill_step import CapturedPrefill
+from mtpserve.workers.runner import TargetRunner
 
 from tiny import draft_kv, mimic_head, mimic_target, random_prompts, same_distribution_pvalue, tiny_engine
 
@@ -325,10 +325,10 @@ def test_adaptive_config_and_flag() -> None:
 def test_scheduler_cuts_or_pads_the_stored_drafts_to_the_step_depth() -> None:
     """A step deeper than the drafts its request holds pads them with the last token, and the padding is
     left out of the acceptance counts; a shallower step keeps the first drafts."""
-    from cluster.engine.request import Request, SamplingParams
-    from cluster.engine.scheduler import Scheduler
-    from speculative.messages import DraftOutputs, SeqResult, TargetOutput
-    from workers.config import SchedulerConfig
+    from mtpserve.cluster.engine.request import Request, SamplingParams
+    from mtpserve.cluster.engine.scheduler import Scheduler
+    from mtpserve.speculative.messages import DraftOutputs, SeqResult, TargetOutput
+    from mtpserve.workers.config import SchedulerConfig
 
     policy = forced_policy({1: 1})
     sched = Scheduler(SchedulerConfig(block_size=4), 64, K, [], 256, depth=policy)
@@ -353,7 +353,7 @@ def test_scheduler_cuts_or_pads_the_stored_drafts_to_the_step_depth() -> None:
 
 def test_prometheus_counts_steps_per_depth() -> None:
     """The per-depth step counters follow the policy's running totals; the gauge shows its depth."""
-    from cluster.service.metrics import ServerMetrics
+    from mtpserve.cluster.service.metrics import ServerMetrics
 
     m = ServerMetrics()
     m.observe_depths({"0": 3, "1": 0, "2": 5}, 2)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind, TreeAcceptance
-from speculative.draft_shapes import chain_as_tree, first_branch, fit_drafts
-from speculative.tree import DraftTree
+from mtpserve.speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind, TreeAcceptance
+from mtpserve.speculative.draft_shapes import chain_as_tree, first_branch, fit_drafts
+from mtpserve.speculative.tree import DraftTree
 
 K = 3
 TREE = StepKind.tree(3, 16, 4)

@@ -10,14 +10,14 @@ import pytest
 import torch
 from test_adaptive import PARAMS, run, staggered, token_counts
 
-from cluster.engine.llm_engine import LLMEngine
-from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
-from speculative.mtp_tree import MTPEagleTree
-from workers.builders import tree_kind
-from workers.fused_step import FusedDepthSteps, FusedSpecStep
-from workers.prefill_step import CapturedPrefill
-from workers.runner import TargetRunner
-from workers.tree_step import FusedTreeStep
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
+from mtpserve.speculative.mtp_tree import MTPEagleTree
+from mtpserve.workers.builders import tree_kind
+from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
+from mtpserve.workers.prefill_step import CapturedPrefill
+from mtpserve.workers.runner import TargetRunner
+from mtpserve.workers.tree_step import FusedTreeStep
 
 from tiny import draft_kv, mimic_head, mimic_target, random_prompts, same_distribution_pvalue, tiny_engine
 
@@ -209,7 +209,7 @@ def test_online_costs_cover_the_tree() -> None:
 def test_timed_tree_costs_join_the_depth_costs() -> None:
     """With fixed-buffer steps the policy's costs are timed per bucket for every depth and for the tree, and
     all stay as timed while the engine runs them (tree steps are queued ahead as chain steps are)."""
-    from workers.builders import depth_policy
+    from mtpserve.workers.builders import depth_policy
 
     eng = tree_adaptive_engine(fused=True)
     runner = eng.target
@@ -233,10 +233,10 @@ def test_scheduler_reshapes_stored_drafts_between_kinds() -> None:
     """A chain proposal verified by a tree step becomes the first branch of a padded tree, the row counting
     only the chain's drafts and leaving the tree's acceptance alone; a tree proposal verified by a chain step
     gives its first branch."""
-    from cluster.engine.request import Request, SamplingParams
-    from cluster.engine.scheduler import Scheduler
-    from speculative.messages import DraftOutputs, SeqResult, TargetOutput
-    from workers.config import SchedulerConfig
+    from mtpserve.cluster.engine.request import Request, SamplingParams
+    from mtpserve.cluster.engine.scheduler import Scheduler
+    from mtpserve.speculative.messages import DraftOutputs, SeqResult, TargetOutput
+    from mtpserve.workers.config import SchedulerConfig
 
     tree = StepKind.tree(3, 6, 2)
     costs = StepCosts([1], K, online=False, trees=[tree])

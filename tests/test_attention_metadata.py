@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from modeling.attention import AttentionMetadata
+from mtpserve.modeling.attention import AttentionMetadata
 
 H, HKV, D = 4, 2, 8
 

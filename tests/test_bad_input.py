@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.errors import InvalidRequestError, QueueFullError
+from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError
 
 from tiny import tiny_args, tiny_engine, tiny_weights
 

@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster.bench import acceptance as bench_acceptance
-from cluster.bench import report as bench_report
-from cluster.bench import throughput as bench_throughput
-from cluster.cli.mtpserve import main
-from cluster.engine.llm_engine import LLMEngine
-from speculative.train.openers import OPENERS
-from speculative.train.seed_prompts import SEED_PROMPTS
-from workers.config import MTPServeConfig
+from mtpserve.cluster.bench import acceptance as bench_acceptance
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench import throughput as bench_throughput
+from mtpserve.cluster.cli.mtpserve import main
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.train.openers import OPENERS
+from mtpserve.speculative.train.seed_prompts import SEED_PROMPTS
+from mtpserve.workers.config import MTPServeConfig
 
 from tiny import engine_config, mimic_head, mimic_target, random_prompts
 
@@ -238,7 +238,7 @@ def test_dev_prompts_never_overlap_the_training_seed_prompts(name: str) -> None:
 
 def training_templates() -> list[str]:
     """The prompt beginnings and templates the draft-data recipes use, placeholders dropped."""
-    from speculative.train import prompt_parts as pp
+    from mtpserve.speculative.train import prompt_parts as pp
 
     forms = (*pp.CHAT_STARTS, *pp.TASK_FORMS, *pp.LONG_STARTS, *OPENERS)
     starts = [s for s in forms if len(s.split()) >= 4]  # shorter: plain English
@@ -348,7 +348,7 @@ def test_process_tree_figures_count_the_engine_process() -> None:
     import os
     import subprocess
 
-    from cluster.bench.procs import process_tree, tree_cpu_s, tree_rss_mb
+    from mtpserve.cluster.bench.procs import process_tree, tree_cpu_s, tree_rss_mb
 
     from helpers_service import wait_for
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from bench.probes.gemv_tiles import choose_tiles, parse_candidates
-from cluster.bench import report as bench_report
-from cluster.cli.mtpserve import main
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.cli.mtpserve import main
 
 from helpers_service import ROOT, child_env, write_dummy_model
 
@@ -136,7 +136,7 @@ def test_distributed_in_process_report(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_distributed_ray_path_reports_its_timeline(tmp_path: Path) -> None:
-    from cluster.bench.distributed import SEGMENTS
+    from mtpserve.cluster.bench.distributed import SEGMENTS
 
     out = tmp_path / "distributed.json"
     argv = ["bench", "distributed", "--device", "cpu", "--shape", "tiny", "--setups", "in-process,ray-tp1-sync"]

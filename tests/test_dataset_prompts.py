@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bench.probes.dataset_prompts import main, prompt_records
-from cluster.bench.acceptance import encode_texts, load_prompt_records
-from speculative.train.data import TokenDataset, chat_prompt_ids
+from mtpserve.cluster.bench.acceptance import encode_texts, load_prompt_records
+from mtpserve.speculative.train.data import TokenDataset, chat_prompt_ids
 
 from smol import smollm2
 

@@ -12,10 +12,10 @@ import torch
 from test_head_layouts import check_step_paths_agree, fused_head, layered_target
 
 from bench.probes.grow_head import main as grow_main
-from modeling.attention import AttentionMetadata
-from modeling.model import LlamaArgs, LlamaModel
-from speculative.mtp_head import MTPEagleHead
-from speculative.train.dense import head_unrolled, target_features
+from mtpserve.modeling.attention import AttentionMetadata
+from mtpserve.modeling.model import LlamaArgs, LlamaModel
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.speculative.train.dense import head_unrolled, target_features
 
 from tiny import draft_kv, random_prompts, save_model_dir, tiny_engine
 

@@ -14,15 +14,15 @@ import torch
 from deepseek_tiny import mimic_deepseek_args, tiny_deepseek_args, tiny_deepseek_weights, write_tiny_deepseek
 from safetensors.torch import load_file, save_file
 
-from cluster.engine.errors import ModelLoadError
-from cluster.engine.llm_engine import LLMEngine
-from modeling.attention import AttentionMetadata
-from modeling.deepseek import DeepseekV3Model
-from modeling.families import InPlaceDummy, args_from_config
-from modeling.loader import resolve_model
-from modeling.mla import LatentCache
-from speculative.mtp_native import native_heads
-from speculative.mtp_vanilla import VanillaMTPChain
+from mtpserve.cluster.engine.errors import ModelLoadError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.attention import AttentionMetadata
+from mtpserve.modeling.deepseek import DeepseekV3Model
+from mtpserve.modeling.families import InPlaceDummy, args_from_config
+from mtpserve.modeling.loader import resolve_model
+from mtpserve.modeling.mla import LatentCache
+from mtpserve.speculative.mtp_native import native_heads
+from mtpserve.speculative.mtp_vanilla import VanillaMTPChain
 
 from tiny import engine_config, random_prompts, same_distribution_pvalue, second_token_counts, slots_of
 
@@ -275,7 +275,7 @@ def test_stacked_and_per_expert_checkpoints_load_the_same(tmp_path: Path) -> Non
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cluster", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "mtpserve", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
 
 
@@ -376,7 +376,7 @@ def test_unservable_configs_and_empty_checkpoints_are_refused(tmp_path: Path) ->
     save_file({}, str(d / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="hold no tensors"):
         resolve_model(str(d)).weights()
-    from workers.builders import draft_source
+    from mtpserve.workers.builders import draft_source
 
     llama = engine_config(speculative={"method": "mtp_vanilla", "draft": "random"})
     from tiny import tiny_args
@@ -388,7 +388,7 @@ def test_unservable_configs_and_empty_checkpoints_are_refused(tmp_path: Path) ->
 def test_one_kv_head_attention_matches_sdpa_and_tiles_long_queries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Latent attention's one shared key head: equal to SDPA over keys copied to every head, also when the
     queries go in slices to bound the score memory."""
-    from modeling import attention
+    from mtpserve.modeling import attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (

@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from deploy import consistency, manifest, render, validate  # noqa: E402
-from workers.config import MTPServeConfig  # noqa: E402
+from mtpserve.deploy import consistency, manifest, render, validate  # noqa: E402
+from mtpserve.workers.config import MTPServeConfig  # noqa: E402
 
 K8S = REPO / "deploy" / "k8s"
 BASE = K8S / "base"
@@ -247,7 +247,7 @@ def _mutations() -> list[tuple[str, Any, str]]:
         one(docs, "Service")["spec"]["selector"]["ray.io/node-type"] = "worker"
 
     def config_path(docs: list[dict[str, Any]]) -> None:
-        one(docs, "RayJob")["spec"]["entrypoint"] = "python -m cluster.job --config /etc/other.yaml"
+        one(docs, "RayJob")["spec"]["entrypoint"] = "python -m mtpserve.cluster.job --config /etc/other.yaml"
 
     def token_unmounted(docs: list[dict[str, Any]]) -> None:
         spec = one(docs, "RayJob")["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
@@ -328,7 +328,7 @@ def test_head_probes_grpc_health_and_http_health_and_has_no_gpus() -> None:
     # Gated on the driver's port, the head is Ready only after the job runs; only SidecarMode
     # submits before that (KubeRay waits for a Ready cluster in the other modes).
     assert job["spec"]["submissionMode"] == "SidecarMode"
-    assert job["spec"]["entrypoint"] == "python -m cluster.job --config /etc/mtpserve/config.yaml"
+    assert job["spec"]["entrypoint"] == "python -m mtpserve.cluster.job --config /etc/mtpserve/config.yaml"
 
 
 def test_service_ports_and_token_auth() -> None:

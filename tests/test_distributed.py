@@ -16,12 +16,12 @@ import grpc
 import pytest
 import torch
 
-from cluster.distributed.build import build_engine
-from cluster.engine.errors import WorkerUnavailableError
-from cluster.engine.llm_engine import LLMEngine
-from cluster.service.client import MTPServeClient
-from cluster.service.server import MTPServer
-from workers.config import MTPServeConfig
+from mtpserve.cluster.distributed.build import build_engine
+from mtpserve.cluster.engine.errors import WorkerUnavailableError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.server import MTPServer
+from mtpserve.workers.config import MTPServeConfig
 
 from helpers_service import free_port
 from tiny import mimic_target, random_prompts, save_mimic, tiny_engine
@@ -259,7 +259,7 @@ def test_config_dir_exists(model) -> None:
 def test_scheduler_actor_serves_grpc_and_http(ray_local, model, split: bool) -> None:
     """The scheduler actor serves gRPC and, from the same engine, the HTTP API, with its front ends in a child
     process or in the actor itself; both give the reference tokens."""
-    from cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
+    from mtpserve.cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     cfg = dist_config(model, chunk_size=6)
     server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "http_port": 0, "engine_process": split}
@@ -292,7 +292,7 @@ def test_crashed_scheduler_actor_comes_back_on_the_same_port(ray_local, model, v
     """The scheduler actor's process, or its front ends' process, dies mid-stream: the streams end with UNAVAILABLE
     within 5 s, and within 60 s the same address is SERVING again, giving the reference tokens: a new actor with new
     workers, or new front ends over the same actor and workers."""
-    from cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
+    from mtpserve.cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     cfg = dist_config(model, "colocated", chunk_size=6)
     port = free_port()
@@ -341,8 +341,8 @@ def live_groups(ray: Any) -> int:
 
 def test_too_few_gpus_is_a_clear_error_not_a_hang(ray_local, model) -> None:
     """Asking for GPU workers the cluster lacks fails at once, naming the settings to change."""
-    from cluster.distributed.actors import WorkerGroup
-    from cluster.engine.errors import PlacementError
+    from mtpserve.cluster.distributed.actors import WorkerGroup
+    from mtpserve.cluster.engine.errors import PlacementError
 
     cfg = dist_config(model, "separate")
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": "cuda"})})
@@ -357,8 +357,8 @@ def test_too_few_gpus_is_a_clear_error_not_a_hang(ray_local, model) -> None:
 
 def test_gpu_check_counts_per_node() -> None:
     """Workers are packed on one node: GPUs spread over nodes do not add up."""
-    from cluster.distributed.actors import check_gpus, node_gpus
-    from cluster.engine.errors import PlacementError
+    from mtpserve.cluster.distributed.actors import check_gpus, node_gpus
+    from mtpserve.cluster.engine.errors import PlacementError
 
     nodes = [{"Alive": True, "Resources": {"GPU": 2.0}}, {"Alive": True, "Resources": {"GPU": 2.0}},
              {"Alive": False, "Resources": {"GPU": 8.0}}, {"Alive": True, "Resources": {"CPU": 4.0}}]  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_distributed import dist_config
 
-from cluster.distributed.build import build_engine
+from mtpserve.cluster.distributed.build import build_engine
 
 from tiny import draft_kv, mimic_head, mimic_target, random_prompts, save_mimic, tiny_engine
 
@@ -56,7 +56,7 @@ def target_only(prompts: list[list[int]], params: list[dict[str, Any]]) -> list[
 def test_adaptive_depths_through_actors(ray_local, model, placement: str) -> None:
     """Adaptive speculation over Ray: depth 0 at three or more requests (the draft worker only writes its KV),
     1 at two and 3 alone, the depth travelling in each plan; same tokens as target-only, drafts accepted."""
-    from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
+    from mtpserve.speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts
 
     prompts = random_prompts(4, 96, [15, 4, 30, 9], seed=16)
     params = [{"max_tokens": m} for m in (24, 6, 12, 18)]
@@ -101,7 +101,7 @@ def test_adaptive_trees_through_actors(ray_local, model, placement: str) -> None
     """Adaptive over chains and an 8-node tree over Ray: the tree alone and at three or four requests, depth 1
     at two; the step's draft count tells rank 0's drafter (or the draft worker) which kind to propose, and the
     rows carry their trees; same tokens as target-only, both kinds run."""
-    from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
+    from mtpserve.speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
 
     prompts = random_prompts(4, 96, [15, 4, 30, 9], seed=16)
     params = [{"max_tokens": m} for m in (24, 6, 12, 18)]

@@ -21,7 +21,7 @@ from unittest import mock
 
 import pytest
 
-from cluster.cli.mtpserve import build_parser
+from mtpserve.cluster.cli.mtpserve import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP_DIRS = {".git", ".venv", "build", "node_modules", "__pycache__"}
@@ -98,7 +98,7 @@ def benchmark_command(tokens: list[str]) -> tuple[str, list[str]] | None:
     """(program, arguments) when the tokens run a benchmark, else None."""
     prog, rest = Path(tokens[0]).name, tokens[1:]
     if re.fullmatch(r"python3?(\.\d+)?", prog):
-        if rest[:2] == ["-m", "cluster"]:
+        if rest[:2] == ["-m", "mtpserve"]:
             prog, rest = "mtpserve", rest[2:]
         elif rest and re.fullmatch(r"bench/(gpu|probes/\w+)\.py", rest[0]):
             return rest[0], rest[1:]
@@ -196,7 +196,7 @@ def test_a_stale_flag_is_found_and_named(tmp_path: Path) -> None:
         "mtpserve bench ttft --lengths 16 --json $OUT/t.json     # fine\n"
         "cd x && python3 bench/gpu.py --groups decode \\\n"
         "    --no-such-flag 3 --out ${OUT}\n"
-        "SEED=1 python3 -m cluster bench trees --configs 'chain K=9'\n"
+        "SEED=1 python3 -m mtpserve bench trees --configs 'chain K=9'\n"
         "python3 bench/probes/kernel_check.py --out $OUT | tee log\n"
         "mtpserve generate --prompt 'hi'\n"
         "mtpserve bench ttft --length 16\n"

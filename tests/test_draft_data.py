@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.cli.train_generator import EngineGenerator
-from modeling.model import LlamaArgs
-from speculative.train.batches import epoch_batches
-from speculative.train.data import DataConfig, build_parts, load_dataset, part_path
-from speculative.train.errors import TrainSetupError
-from speculative.train.heads import HeadSpec, frequent_vocab, parse_head_spec, response_token_counts
-from speculative.train.recipes import RecipeSettings, completion_prompt, documented_functions
-from speculative.train.trainer import TrainConfig, Trainer
+from mtpserve.cluster.cli.train_generator import EngineGenerator
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.train.batches import epoch_batches
+from mtpserve.speculative.train.data import DataConfig, build_parts, load_dataset, part_path
+from mtpserve.speculative.train.errors import TrainSetupError
+from mtpserve.speculative.train.heads import HeadSpec, frequent_vocab, parse_head_spec, response_token_counts
+from mtpserve.speculative.train.recipes import RecipeSettings, completion_prompt, documented_functions
+from mtpserve.speculative.train.trainer import TrainConfig, Trainer
 
 from tiny import tiny_args, tiny_weights
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling import argmax_kernels, draft_kernels, fused_kernels
-from modeling.attention import ragged_metadata
-from modeling.gemv_tiles import GemvTiles
-from modeling.layer_ops import TORCH_OPS, TritonOps
-from modeling.model import LlamaModel, prepare_for_inference
-from speculative.mtp_head import MTPEagleHead
+from mtpserve.modeling import argmax_kernels, draft_kernels, fused_kernels
+from mtpserve.modeling.attention import ragged_metadata
+from mtpserve.modeling.gemv_tiles import GemvTiles
+from mtpserve.modeling.layer_ops import TORCH_OPS, TritonOps
+from mtpserve.modeling.model import LlamaModel, prepare_for_inference
+from mtpserve.speculative.mtp_head import MTPEagleHead
 
 from tiny import tiny_args, tiny_weights
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 from test_head_layouts import check_step_paths_agree
 
-from cluster.engine.llm_engine import LLMEngine
-from modeling.errors import ModelLoadError
-from modeling.loader import resolve_model
-from modeling.model import DRAFT_POSITIONS, LlamaArgs
-from speculative.eagle3_head import Eagle3Head
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.errors import ModelLoadError
+from mtpserve.modeling.loader import resolve_model
+from mtpserve.modeling.model import DRAFT_POSITIONS, LlamaArgs
+from mtpserve.speculative.eagle3_head import Eagle3Head
+from mtpserve.workers.config import MTPServeConfig
 
 from eagle3_tiny import mimic_tensors, reference_draft, write_eagle3_dir
 from hf_tiny import write_hf_target
@@ -259,7 +259,7 @@ def test_method_and_source_must_agree(built: Callable[[str], Setup], tmp_path: P
     with pytest.raises(ModelLoadError, match=r"speculative\.draft: speculative\.method 'eagle3' needs an EAGLE-3"):
         LLMEngine.from_config(cfg, load_tokenizer=False)
     head = str(tmp_path / "mtp.safetensors")
-    from speculative.mtp_head import MTPEagleHead
+    from mtpserve.speculative.mtp_head import MTPEagleHead
 
     MTPEagleHead(s.args).save(head)
     cfg.speculative.draft = head
@@ -286,7 +286,7 @@ def test_the_readme_command_serves_an_eagle3_head(tmp_path: Path) -> None:
     base = ["generate", "--local", "--model", target, "--device", "cpu", "--prompt", "Tell me about ships", "--json"]
 
     def run(*extra: str) -> dict[str, Any]:
-        cmd = [sys.executable, "-m", "cluster", *base, "--max-tokens", "16", *extra]
+        cmd = [sys.executable, "-m", "mtpserve", *base, "--max-tokens", "16", *extra]
         done = subprocess.run(cmd, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)

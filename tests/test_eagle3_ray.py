@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.distributed.build import build_engine
-from cluster.engine.llm_engine import LLMEngine
-from modeling.loader import resolve_model
-from workers.config import MTPServeConfig
+from mtpserve.cluster.distributed.build import build_engine
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.loader import resolve_model
+from mtpserve.workers.config import MTPServeConfig
 
 from eagle3_tiny import mimic_tensors, write_eagle3_dir
 from hf_tiny import write_hf_target

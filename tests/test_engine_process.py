@@ -20,13 +20,13 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.bench.procs import process_tree
-from cluster.engine.errors import InvalidRequestError, ModelLoadError, MTPServeError
-from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import SamplingParams
-from cluster.engine.scheduler import RequestOutput
-from cluster.service.client import MTPServeClient
-from cluster.service.engine_child import (
+from mtpserve.cluster.bench.procs import process_tree
+from mtpserve.cluster.engine.errors import InvalidRequestError, ModelLoadError, MTPServeError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.engine_child import (
     ABORT,
     ADD,
     ADDED,
@@ -41,12 +41,12 @@ from cluster.service.engine_child import (
     send_ready,
     unpack_outputs,
 )
-from cluster.service.engine_process import EngineProcess
-from cluster.service.front_end_process import FrontEndProcess
-from cluster.service.request_book import EngineFailure
-from cluster.service.server import MTPServer
-from speculative.stats import SpecStats
-from workers.config import MTPServeConfig
+from mtpserve.cluster.service.engine_process import EngineProcess
+from mtpserve.cluster.service.front_end_process import FrontEndProcess
+from mtpserve.cluster.service.request_book import EngineFailure
+from mtpserve.cluster.service.server import MTPServer
+from mtpserve.speculative.stats import SpecStats
+from mtpserve.workers.config import MTPServeConfig
 
 from helpers_service import ServeProcess, rpc_error, wait_for, write_tiny_model
 

@@ -13,14 +13,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import SamplingParams
-from cluster.engine.scheduler import RequestOutput
-from cluster.service.client import MTPServeClient
-from cluster.service.engine_stream import EngineStream, LoopWaker, merged
-from cluster.service.metrics import GRPC
-from cluster.service.request_book import EngineFailure, RequestHandle
-from cluster.service.server import MTPServer
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.engine_stream import EngineStream, LoopWaker, merged
+from mtpserve.cluster.service.metrics import GRPC
+from mtpserve.cluster.service.request_book import EngineFailure, RequestHandle
+from mtpserve.cluster.service.server import MTPServer
 
 from helpers_service import dummy_server_config, wait_for, write_dummy_model, write_tiny_model
 

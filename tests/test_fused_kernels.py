@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling import fused_kernels
-from modeling.attention import AttentionMetadata, RaggedMetadata, UniformMetadata
-from modeling.gemv_tiles import GemvTiles, parse_table
-from modeling.kv_cache import KVWrite
-from modeling.layer_ops import TORCH_OPS, TritonOps, pick_ops
-from modeling.model import LlamaModel, Rotary
+from mtpserve.modeling import fused_kernels
+from mtpserve.modeling.attention import AttentionMetadata, RaggedMetadata, UniformMetadata
+from mtpserve.modeling.gemv_tiles import GemvTiles, parse_table
+from mtpserve.modeling.kv_cache import KVWrite
+from mtpserve.modeling.layer_ops import TORCH_OPS, TritonOps, pick_ops
+from mtpserve.modeling.model import LlamaModel, Rotary
 
 from tiny import tiny_args, tiny_weights
 

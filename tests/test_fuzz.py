@@ -18,13 +18,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from cluster.engine.llm_engine import LLMEngine
-from cluster.service.client import MTPServeClient
-from cluster.service.server import MTPServer
-from proto.codec import decode_tensor, encode_tensor
-from proto.mtpserve.v1 import inference_pb2 as pb
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.server import MTPServer
+from mtpserve.proto.codec import decode_tensor, encode_tensor
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.workers.config import MTPServeConfig
 
 from helpers_service import write_tiny_model
 

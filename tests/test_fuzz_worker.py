@@ -17,13 +17,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto.codec import encode_tensor
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
-from workers.config import MTPServeConfig
-from workers.draft_worker import DraftWorker
-from workers.grpc_util import channel_options
-from workers.target_worker import TargetWorker
+from mtpserve.proto.codec import encode_tensor
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.draft_worker import DraftWorker
+from mtpserve.workers.grpc_util import channel_options
+from mtpserve.workers.target_worker import TargetWorker
 
 from tiny import save_mimic
 
@@ -243,7 +243,7 @@ def test_the_valid_messages_run(target: wpb_grpc.TargetWorkerStub, draft: wpb_gr
 
 
 def test_limits_follow_the_worker_build() -> None:
-    from workers.target_worker import step_limits
+    from mtpserve.workers.target_worker import step_limits
 
     cfg = MTPServeConfig.from_dict({"scheduler": {"block_size": 4, "max_num_requests": 3}})
     lim = step_limits(cfg, 100, 32, 10, 77, 2)

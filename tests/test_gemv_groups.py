@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from modeling import fused_kernels
-from modeling.gemv_tiles import ROW_COUNTS, GemvTiles, parse_table
-from modeling.kv_cache import KVWrite
-from modeling.layer_ops import TORCH_OPS, TorchOps, TritonOps
-from modeling.model import Rotary, prepare_for_inference
+from mtpserve.modeling import fused_kernels
+from mtpserve.modeling.gemv_tiles import ROW_COUNTS, GemvTiles, parse_table
+from mtpserve.modeling.kv_cache import KVWrite
+from mtpserve.modeling.layer_ops import TORCH_OPS, TorchOps, TritonOps
+from mtpserve.modeling.model import Rotary, prepare_for_inference
 
 from tiny import mimic_head, mimic_target, random_prompts, tiny_engine
 

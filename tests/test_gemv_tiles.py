@@ -9,11 +9,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cluster.cli.common import add_engine_flags, config_from_args
-from modeling import fused_kernels, gemv_tiles
-from modeling.gemv_tiles import GemvTiles, parse_table, resolve, table_text
-from workers.builders import build_target
-from workers.config import MTPServeConfig
+from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
+from mtpserve.modeling import fused_kernels, gemv_tiles
+from mtpserve.modeling.gemv_tiles import GemvTiles, parse_table, resolve, table_text
+from mtpserve.workers.builders import build_target
+from mtpserve.workers.config import MTPServeConfig
 
 from tiny import tiny_args, tiny_weights
 

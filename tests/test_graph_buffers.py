@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.engine.llm_engine import LLMEngine
-from speculative.sampling import SamplingMode
-from workers.graph_runner import CapturedSteps, pick_bucket
-from workers.step_buffers import StepBuffers
-from workers.uniform_step import UniformTargetStep
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.sampling import SamplingMode
+from mtpserve.workers.graph_runner import CapturedSteps, pick_bucket
+from mtpserve.workers.step_buffers import StepBuffers
+from mtpserve.workers.uniform_step import UniformTargetStep
 
 from tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_uniform
 
@@ -104,7 +104,7 @@ def test_uniform_step_matches_eager_and_keeps_addresses(k: int) -> None:
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_fused_greedy_step_matches_unfused(k: int) -> None:
-    from workers.fused_step import FusedSpecStep
+    from mtpserve.workers.fused_step import FusedSpecStep
 
     args, w = mimic_target()
     prompts = random_prompts(6, args.vocab_size, [21, 1, 9, 13, 30, 4], seed=8)
@@ -164,7 +164,7 @@ def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool, mode: str) -> N
     """Sampling and greedy requests batched together take the fixed-buffer step of their sampling mode
     (sampling parameters and uniforms copied into fixed buffers) and emit exactly the eager path's tokens
     for the same seeds: with top-k/top-p, and with temperature only (no sort over the vocabulary)."""
-    from workers.fused_step import FusedSpecStep
+    from mtpserve.workers.fused_step import FusedSpecStep
 
     args, w = mimic_target()
     prompts = random_prompts(5, args.vocab_size, [21, 1, 9, 13, 30], seed=9)
@@ -206,7 +206,7 @@ def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool, mode: str) -> N
 def test_uniform_chain_step_matches_eager_chain(k: int) -> None:
     """The captured chain (separate draft worker / TP rank 0) proposes exactly what the eager chain does:
     same tokens, same acceptance, greedy and sampling requests, with fixed buffer addresses."""
-    from workers.chain_step import UniformChainStep
+    from mtpserve.workers.chain_step import UniformChainStep
 
     args, w = mimic_target()
     prompts = random_prompts(5, args.vocab_size, [21, 1, 9, 13, 30], seed=10)
@@ -248,7 +248,7 @@ def test_advance_kernel_matches_the_torch_reference(k: int) -> None:
     """The one-launch input advance of an overlapped speculative step writes the same tokens, positions,
     KV slots and lengths as the torch reference, for sequences pointing at arbitrary rows of the previous
     results (accepted counts 0..K, block-crossing positions)."""
-    from workers import step_kernels
+    from mtpserve.workers import step_kernels
 
     q, m, bs = k + 1, 5, 4
     g = torch.Generator().manual_seed(k)

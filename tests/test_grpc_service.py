@@ -20,13 +20,13 @@ import yaml
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.engine.errors import WorkerUnavailableError
-from cluster.engine.llm_engine import LLMEngine
-from cluster.service.client import MTPServeClient
-from cluster.service.detokenizer import IncrementalDetokenizer
-from cluster.service.server import MTPServer
-from proto.mtpserve.v1 import inference_pb2 as pb
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.errors import WorkerUnavailableError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.detokenizer import IncrementalDetokenizer
+from mtpserve.cluster.service.server import MTPServer
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.workers.config import MTPServeConfig
 
 from helpers_service import (
     ROOT,
@@ -358,7 +358,12 @@ def test_prefix_cache_hits_show_in_get_stats_and_metrics(client: MTPServeClient,
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cluster", *args], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "mtpserve", *args],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

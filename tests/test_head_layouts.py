@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling.attention import ragged_metadata
-from modeling.layer_ops import TritonOps
-from modeling.model import LlamaArgs
-from speculative.mtp_head import MTPEagleHead, head_layout
-from speculative.train.dense import target_features
-from workers.chain_step import UniformChainStep
-from workers.fused_step import FusedSpecStep
-from workers.runner import TargetRunner
+from mtpserve.modeling.attention import ragged_metadata
+from mtpserve.modeling.layer_ops import TritonOps
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.mtp_head import MTPEagleHead, head_layout
+from mtpserve.speculative.train.dense import target_features
+from mtpserve.workers.chain_step import UniformChainStep
+from mtpserve.workers.fused_step import FusedSpecStep
+from mtpserve.workers.runner import TargetRunner
 
 from tiny import draft_kv, mimic_target, random_prompts, tiny_engine
 

@@ -20,10 +20,10 @@ import openai
 import pytest
 import yaml
 
-from cluster.engine.llm_engine import LLMEngine
-from cluster.service.client import MTPServeClient
-from cluster.service.server import MTPServer
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.server import MTPServer
+from mtpserve.workers.config import MTPServeConfig
 
 from helpers_service import ROOT, ServeProcess, child_env, wait_for, write_dummy_model, write_tiny_model
 
@@ -190,7 +190,7 @@ def test_text_completion_whole_and_streamed(client: openai.OpenAI, tokenizer: An
 
 def _generate_local(tiny: tuple[Path, Path], *args: str) -> dict[str, Any]:
     model, head = tiny
-    cmd = [sys.executable, "-m", "cluster", "generate", "--local", "--model", str(model), "--draft", str(head)]
+    cmd = [sys.executable, "-m", "mtpserve", "generate", "--local", "--model", str(model), "--draft", str(head)]
     cmd += ["--device", "cpu", "--dtype", "float32", "--json", *args]
     out = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -373,7 +373,7 @@ def test_serve_refuses_a_taken_http_port_and_a_clash(tmp_path: Path) -> None:
     """An HTTP port already in use stops `serve` with exit code 2 naming it; the same number as the gRPC port
     is refused by the config, naming server.http_port."""
     model = write_dummy_model(tmp_path / "dummy")
-    base = [sys.executable, "-m", "cluster", "serve", "--model", str(model), "--load-format", "dummy"]
+    base = [sys.executable, "-m", "mtpserve", "serve", "--model", str(model), "--load-format", "dummy"]
     base += ["--device", "cpu", "--port", "0", "--metrics-port", "0"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import openai
 import pytest
 import yaml
 
-from cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.client import MTPServeClient
 
 from helpers_service import ServeProcess, wait_for, write_tiny_model
 

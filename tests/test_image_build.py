@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.service.client import MTPServeClient
-from deploy import consistency, render
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.deploy import consistency, render
 
 from helpers_service import SERVING_LINE, child_env, free_port
 
@@ -127,7 +127,7 @@ def test_the_image_runs_as_uid_1000_with_the_model_baked_in(built: Built) -> Non
     probe = (
         "import glob, json, os\n"
         "before = sorted(glob.glob(os.environ['MTPSERVE_CACHE'] + '/*/.complete'))\n"
-        "from modeling.loader import resolve_model\n"
+        "from mtpserve.modeling.loader import resolve_model\n"
         "path = str(resolve_model(None).directory)\n"
         "owners = {os.stat(os.path.join(path, f)).st_uid for f in os.listdir(path)}\n"
         "print(json.dumps({'before': before, 'path': path, 'owners': sorted(owners)}))\n"
@@ -176,7 +176,7 @@ def test_the_image_serves_the_same_greedy_tokens_as_a_local_engine(
             proc.kill()
             proc.wait()
     local = subprocess.run(
-        [sys.executable, "-m", "cluster", "generate", "--local", "--json", "--prompt", PROMPT,
+        [sys.executable, "-m", "mtpserve", "generate", "--local", "--json", "--prompt", PROMPT,
          "--max-tokens", str(MAX_TOKENS), "--temperature", "0"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from deploy import consistency, pip_passthrough, render
-from deploy.dockerfile import ImageFacts, instructions, labels
+from mtpserve.deploy import consistency, pip_passthrough, render
+from mtpserve.deploy.dockerfile import ImageFacts, instructions, labels
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE_TEXT = consistency.DOCKERFILE.read_text()

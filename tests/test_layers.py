@@ -32,10 +32,11 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    """A copy of pyproject.toml and the packages' Python files."""
+    """A copy of pyproject.toml, the packages' Python files and the `mtpserve` package that links them."""
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
+    shutil.copytree(ROOT / "mtpserve", tmp_path / "mtpserve", symlinks=True)  # links to the copies above
     return tmp_path
 
 
@@ -52,72 +53,72 @@ def test_contracts_hold(tree: Path) -> None:
 def test_upward_import_fails(tree: Path) -> None:
     add_line(
         tree / "speculative" / "verify.py",
-        "from cluster.engine import llm_engine  # upward: the algorithm reaching the cluster",
+        "from mtpserve.cluster.engine import llm_engine  # upward: the algorithm reaching the cluster",
     )
     res = lint_imports(tree)
     assert res.returncode != 0
     assert f"{LAYERS} BROKEN" in res.stdout
-    assert "speculative is not allowed to import cluster" in res.stdout
-    assert "speculative.verify -> cluster.engine.llm_engine" in res.stdout
+    assert "mtpserve.speculative is not allowed to import mtpserve.cluster" in res.stdout
+    assert "mtpserve.speculative.verify -> mtpserve.cluster.engine.llm_engine" in res.stdout
 
 
 def test_model_layer_cannot_import_runtimes(tree: Path) -> None:
-    add_line(tree / "modeling" / "kv_cache.py", "import workers.runner")
+    add_line(tree / "modeling" / "kv_cache.py", "import mtpserve.workers.runner")
     res = lint_imports(tree)
     assert res.returncode != 0
-    assert "modeling is not allowed to import workers" in res.stdout
+    assert "mtpserve.modeling is not allowed to import mtpserve.workers" in res.stdout
 
 
 def test_proto_imports_no_project_package(tree: Path) -> None:
-    add_line(tree / "proto" / "codec.py", "import speculative.messages")
+    add_line(tree / "proto" / "codec.py", "import mtpserve.speculative.messages")
     res = lint_imports(tree)
     assert res.returncode != 0
-    assert "proto is not allowed to import speculative" in res.stdout
+    assert "mtpserve.proto is not allowed to import mtpserve.speculative" in res.stdout
 
 
 def test_circle_between_two_modules_fails(tree: Path) -> None:
-    add_line(tree / "cluster" / "service" / "client.py", "import cluster.cli.cmd_generate")
+    add_line(tree / "cluster" / "service" / "client.py", "import mtpserve.cluster.cli.cmd_generate")
     res = lint_imports(tree)
     assert res.returncode != 0
     assert f"{NO_CYCLES} BROKEN" in res.stdout
 
 
 def test_service_never_imports_deploy(tree: Path) -> None:
-    add_line(tree / "cluster" / "cli" / "mtpserve.py", "import deploy.render")
+    add_line(tree / "cluster" / "cli" / "mtpserve.py", "import mtpserve.deploy.render")
     res = lint_imports(tree)
     assert res.returncode != 0
     assert "The service does not import deploy BROKEN" in res.stdout
 
 
 def test_engine_core_cannot_import_the_service(tree: Path) -> None:
-    add_line(tree / "cluster" / "engine" / "scheduler.py", "from cluster.service import metrics")
+    add_line(tree / "cluster" / "engine" / "scheduler.py", "from mtpserve.cluster.service import metrics")
     res = lint_imports(tree)
     assert res.returncode != 0
     assert f"{FLOORS} BROKEN" in res.stdout
-    assert "cluster.engine is not allowed to import cluster.service" in res.stdout
-    assert "cluster.engine.scheduler -> cluster.service.metrics" in res.stdout
+    assert "mtpserve.cluster.engine is not allowed to import mtpserve.cluster.service" in res.stdout
+    assert "mtpserve.cluster.engine.scheduler -> mtpserve.cluster.service.metrics" in res.stdout
 
 
 def test_engine_core_cannot_import_the_ray_actors(tree: Path) -> None:
-    add_line(tree / "cluster" / "engine" / "llm_engine.py", "import cluster.distributed.actors")
+    add_line(tree / "cluster" / "engine" / "llm_engine.py", "import mtpserve.cluster.distributed.actors")
     res = lint_imports(tree)
     assert res.returncode != 0
-    assert "cluster.engine is not allowed to import cluster.distributed" in res.stdout
+    assert "mtpserve.cluster.engine is not allowed to import mtpserve.cluster.distributed" in res.stdout
 
 
 def test_service_cannot_import_the_ray_actors(tree: Path) -> None:
-    add_line(tree / "cluster" / "service" / "server.py", "from cluster.distributed import build")
+    add_line(tree / "cluster" / "service" / "server.py", "from mtpserve.cluster.distributed import build")
     res = lint_imports(tree)
     assert res.returncode != 0
-    assert "cluster.service is not allowed to import cluster.distributed" in res.stdout
+    assert "mtpserve.cluster.service is not allowed to import mtpserve.cluster.distributed" in res.stdout
 
 
 def test_benchmarks_and_ray_actors_stay_apart(tree: Path) -> None:
-    add_line(tree / "cluster" / "bench" / "trees.py", "import cluster.distributed.build")
+    add_line(tree / "cluster" / "bench" / "trees.py", "import mtpserve.cluster.distributed.build")
     res = lint_imports(tree)
     assert res.returncode != 0
     assert f"{FLOORS} BROKEN" in res.stdout
-    assert "cluster.bench is not allowed to import cluster.distributed" in res.stdout
+    assert "mtpserve.cluster.bench is not allowed to import mtpserve.cluster.distributed" in res.stdout
 
 
 def test_engine_core_imports_no_ray_library(tree: Path) -> None:
@@ -125,7 +126,7 @@ def test_engine_core_imports_no_ray_library(tree: Path) -> None:
     res = lint_imports(tree)
     assert res.returncode != 0
     assert f"{ENGINE_CORE} BROKEN" in res.stdout
-    assert "cluster.engine.block_manager -> ray" in res.stdout
+    assert "mtpserve.cluster.engine.block_manager -> ray" in res.stdout
 
 
 def test_no_source_file_over_limit() -> None:

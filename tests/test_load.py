@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.service.client import MTPServeClient
-from cluster.service.server import MTPServer
-from proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.server import MTPServer
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 
 from helpers_service import wait_for
 from tiny import random_prompts, tiny_args, tiny_engine, tiny_head, tiny_weights

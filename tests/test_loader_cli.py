@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engine.errors import ModelLoadError
-from cluster.engine.llm_engine import LLMEngine
-from modeling.loader import convert_gguf, file_key, resolve_model
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.errors import ModelLoadError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.loader import convert_gguf, file_key, resolve_model
+from mtpserve.workers.config import MTPServeConfig
 
 from helpers_service import write_tiny_model
 from tiny import save_model_dir, tiny_args, tiny_weights
@@ -78,7 +78,7 @@ def test_hf_directory_loads_and_generates(tmp_path: Path) -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cluster", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "mtpserve", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
 
 
@@ -117,7 +117,7 @@ def test_cli_errors_name_the_field(tmp_path: Path) -> None:
 def test_weights_load_straight_onto_the_device_and_unfilled_ones_are_refused() -> None:
     """The target is laid out on the meta device and loaded in place (tied embeddings stay one tensor); a
     parameter the checkpoint leaves unset, or sets to NaN, is refused by name."""
-    from workers.builders import build_target
+    from mtpserve.workers.builders import build_target
 
     args = tiny_args(tie_word_embeddings=True)
     w = tiny_weights(args)
@@ -137,9 +137,9 @@ def test_large_dummy_models_get_their_random_weights_on_the_device(
 ) -> None:
     """A dummy load of a Llama past the host limit (Llama-3-8B's shape) makes no host weights; a model built
     from it gets finite random weights in place, and one under the limit still gets seeded host weights."""
-    import modeling.loader as loader
-    from modeling.families import InPlaceDummy, approx_parameters
-    from workers.builders import build_target
+    import mtpserve.modeling.loader as loader
+    from mtpserve.modeling.families import InPlaceDummy, approx_parameters
+    from mtpserve.workers.builders import build_target
 
     big = tmp_path / "big"
     big.mkdir()
@@ -168,7 +168,7 @@ def test_large_dummy_models_get_their_random_weights_on_the_device(
 def test_the_default_draft_follows_the_model_wherever_it_is_read_from() -> None:
     """`speculative.draft: default` gives SmolLM2-135M the shipped head also when the model is named by path
     (a staged GGUF, a converted directory); another shape by path gets no draft (with a warning)."""
-    from workers.builders import DEFAULT_HEAD, draft_source
+    from mtpserve.workers.builders import DEFAULT_HEAD, draft_source
 
     from tiny import engine_config, tiny_args
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.request import Request, SamplingParams
-from cluster.engine.scheduler import Scheduler
-from speculative.draft_inputs import draft_input_tokens
-from speculative.lookahead import INVALID_TOKEN, LookaheadBuffer, lookahead_for_chunk
-from workers.config import SchedulerConfig
+from mtpserve.cluster.engine.request import Request, SamplingParams
+from mtpserve.cluster.engine.scheduler import Scheduler
+from mtpserve.speculative.draft_inputs import draft_input_tokens
+from mtpserve.speculative.lookahead import INVALID_TOKEN, LookaheadBuffer, lookahead_for_chunk
+from mtpserve.workers.config import SchedulerConfig
 
 
 def select(tokens: list[list[int]], ctx: list[bool], lookahead: list[int], sampled: list[int], source: str = "prompt"):
@@ -103,7 +103,7 @@ def test_scheduler_derives_lookahead_from_cursor_not_prompt_length() -> None:
     plans = [sched.schedule() for _ in range(1)]
     s = plans[0].seqs[0]
     assert (s.start, s.end, s.is_final_chunk, s.lookahead_token) == (0, 4, False, 4)
-    from speculative.messages import SeqResult, TargetOutput
+    from mtpserve.speculative.messages import SeqResult, TargetOutput
 
     sched.update(plans[0], TargetOutput(1, [SeqResult("a", [])]), None)
     s2 = sched.schedule().seqs[0]

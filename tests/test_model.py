@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling.attention import AttentionMetadata
-from modeling.model import LlamaModel
+from mtpserve.modeling.attention import AttentionMetadata
+from mtpserve.modeling.model import LlamaModel
 
 from tiny import random_prompts, slots_of, tiny_args, tiny_engine, tiny_weights
 

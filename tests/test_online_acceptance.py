@@ -10,16 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.llm_engine import encode_text
-from modeling.model import LlamaArgs
-from speculative.mtp_head import MTPEagleHead
-from speculative.train.batches import HiddenStore
-from speculative.train.data import TokenDataset
-from speculative.train.dense import head_unrolled
-from speculative.train.eval import accepted_runs, evaluate, online_chains, path_bases
-from speculative.train.loss import decoding_path_mask, target_rows, unrolled_loss
-from speculative.train.trainer import build_shared
-from workers.builders import DEFAULT_HEAD
+from mtpserve.cluster.engine.llm_engine import encode_text
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.speculative.train.batches import HiddenStore
+from mtpserve.speculative.train.data import TokenDataset
+from mtpserve.speculative.train.dense import head_unrolled
+from mtpserve.speculative.train.eval import accepted_runs, evaluate, online_chains, path_bases
+from mtpserve.speculative.train.loss import decoding_path_mask, target_rows, unrolled_loss
+from mtpserve.speculative.train.trainer import build_shared
+from mtpserve.workers.builders import DEFAULT_HEAD
 
 from smol import CHAT_PROMPTS, smollm2
 from tiny import mimic_head, mimic_target, random_prompts, tiny_engine

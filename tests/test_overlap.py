@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.engine.llm_engine import LLMEngine
-from speculative.mtp_chain import MTPEagleChain
-from speculative.mtp_head import MTPEagleHead
-from workers.config import MTPServeConfig
-from workers.fused_step import FusedSpecStep
-from workers.runner import TargetRunner
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.mtp_chain import MTPEagleChain
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.fused_step import FusedSpecStep
+from mtpserve.workers.runner import TargetRunner
 
 from tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_uniform
 
@@ -242,7 +242,7 @@ def test_overlap_flags_map_onto_the_config() -> None:
     default both are on."""
     import argparse
 
-    from cluster.cli.common import add_engine_flags, config_from_args
+    from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_flags(p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling.loader import default_gguf_path
+from mtpserve.modeling.loader import default_gguf_path
 
 from smol import CHAT_PROMPTS, smollm2_engine
 

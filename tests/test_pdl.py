@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.cli.common import add_engine_flags, config_from_args
-from modeling import fused_kernels, pdl
-from workers.config import MTPServeConfig
+from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
+from mtpserve.modeling import fused_kernels, pdl
+from mtpserve.workers.config import MTPServeConfig
 
 pytestmark = pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
 
@@ -128,8 +128,8 @@ def test_model_pdl_flag_reaches_the_process_switch() -> None:
     the default turns it back on."""
     import argparse
 
+    from mtpserve.workers.builders import build_target
     from tests.tiny import tiny_args, tiny_weights
-    from workers.builders import build_target
 
     p = argparse.ArgumentParser()
     add_engine_flags(p)

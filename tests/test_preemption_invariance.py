@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.llm_engine import LLMEngine
 
 from tiny import draft_kv, mimic_head, mimic_target, random_prompts, tiny_engine
 

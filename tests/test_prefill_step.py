@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.engine.llm_engine import LLMEngine
-from speculative.messages import SeqPlan, StepPlan
-from speculative.sampling import SamplingMode
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.messages import SeqPlan, StepPlan
+from mtpserve.speculative.sampling import SamplingMode
+from mtpserve.workers.builders import build_prefill
+from mtpserve.workers.prefill_step import CapturedPrefill, prefill_sizes
 from tests.tiny import mimic_head, mimic_target, random_prompts, slots_of, tiny_engine
-from workers.builders import build_prefill
-from workers.prefill_step import CapturedPrefill, prefill_sizes
 
 CHUNK = 20  # buckets 16 and 20: a 3-token prompt pads 13 rows, a 45-token one takes chunks of 20, 20, 5
 LENGTHS = [3, 17, 45, 20, 1]

@@ -15,11 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import cluster.engine.scheduler as scheduler_module
-from cluster.engine.block_manager import BlockManager
-from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.prefix_keys import ROOT_KEY, block_key, extend_keys, num_keyable_blocks
-from workers.config import MTPServeConfig
+import mtpserve.cluster.engine.scheduler as scheduler_module
+from mtpserve.cluster.engine.block_manager import BlockManager
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.prefix_keys import ROOT_KEY, block_key, extend_keys, num_keyable_blocks
+from mtpserve.workers.config import MTPServeConfig
 
 from tiny import draft_kv, mimic_head, mimic_target, random_prompts, tiny_engine
 

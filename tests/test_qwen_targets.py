@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling.attention import AttentionMetadata
-from modeling.errors import ModelLoadError
-from modeling.loader import resolve_model
-from modeling.qwen import QwenArgs, QwenModel
-from speculative.train.dense import target_features
+from mtpserve.modeling.attention import AttentionMetadata
+from mtpserve.modeling.errors import ModelLoadError
+from mtpserve.modeling.loader import resolve_model
+from mtpserve.modeling.qwen import QwenArgs, QwenModel
+from mtpserve.speculative.train.dense import target_features
 
 from hf_tiny import KINDS, load_ours, write_hf_target
 from tiny import engine_config, random_prompts
@@ -65,7 +65,7 @@ def test_engine_greedy_matches_hf_generate(tmp_path: Path) -> None:
     path, hf = write_hf_target(tmp_path / "q3", "qwen3")
     cfg = engine_config(speculative={"enabled": False})
     cfg.model.path = path
-    from cluster.engine.llm_engine import LLMEngine
+    from mtpserve.cluster.engine.llm_engine import LLMEngine
 
     eng = LLMEngine.from_config(cfg, load_tokenizer=False)
     prompt = random_prompts(1, 96, [13], seed=4)[0]
@@ -96,7 +96,7 @@ def test_unservable_configs_are_refused_naming_the_field(tmp_path: Path, change:
 def test_fused_kernel_ops_serve_biases_and_head_norms(tmp_path: Path) -> None:
     """The Triton layer ops (interpreted on CPU) around the Qwen-style projection: large and small steps."""
     pytest.importorskip("triton")
-    from modeling.layer_ops import TritonOps
+    from mtpserve.modeling.layer_ops import TritonOps
 
     path, hf = write_hf_target(tmp_path / "q3", "qwen3", num_hidden_layers=1, head_dim=32, attention_bias=True)
     model = load_ours(path).prepare_for_inference(TritonOps())

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.client import MTPServeClient
+from mtpserve.cluster.client import MTPServeClient
 
 from helpers_service import ROOT, child_env, free_port, rpc_error, wait_for, write_dummy_model
 
@@ -125,7 +125,7 @@ def test_ray_job_serves_grpc_and_stops_cleanly(ray_head: RayHead, tmp_path: Path
 
     ray_head.ray(
         "job", "submit", *address, "--working-dir", ".", "--submission-id", job_id, "--no-wait", "--",
-        "python", "-m", "cluster.job", "--model", str(model), "--load-format", "dummy", "--device", "cpu",
+        "python", "-m", "mtpserve.cluster.job", "--model", str(model), "--load-format", "dummy", "--device", "cpu",
         "--draft", "random", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
     )  # fmt: skip
     try:

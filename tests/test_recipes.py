@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli.train_generator import EngineGenerator
-from speculative.train import prompt_parts
-from speculative.train.data import DataConfig, build_parts, load_dataset
-from speculative.train.openers import OPENERS
-from speculative.train.recipes import RecipeSettings
-from speculative.train.seed_prompts import SEED_PROMPTS
+from mtpserve.cluster.cli.train_generator import EngineGenerator
+from mtpserve.speculative.train import prompt_parts
+from mtpserve.speculative.train.data import DataConfig, build_parts, load_dataset
+from mtpserve.speculative.train.openers import OPENERS
+from mtpserve.speculative.train.recipes import RecipeSettings
+from mtpserve.speculative.train.seed_prompts import SEED_PROMPTS
 
 from smol import smollm2
 

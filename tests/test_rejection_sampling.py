@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from speculative.verify import verify, verify_greedy
+from mtpserve.speculative.verify import verify, verify_greedy
 
 V = 6
 TRIALS = 40_000

@@ -9,10 +9,10 @@ from test_online_acceptance import mimic_batch
 
 from bench.probes.answer_length import main as answer_length_main
 from bench.probes.answer_length import measure
-from speculative.train.batches import HiddenStore, pad_ids
-from speculative.train.eval import evaluate
-from speculative.train.loss import repeated_tokens, target_rows, unrolled_loss
-from speculative.train.trainer import build_shared
+from mtpserve.speculative.train.batches import HiddenStore, pad_ids
+from mtpserve.speculative.train.eval import evaluate
+from mtpserve.speculative.train.loss import repeated_tokens, target_rows, unrolled_loss
+from mtpserve.speculative.train.trainer import build_shared
 
 
 def token_view(seqs: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,18 +15,24 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.bench.replay import shapes
-from cluster.bench.replay_record import AcceptanceRecorder, RecordedSet, Recording, load_recording, record_engine
-from cluster.bench.report import BenchError
-from cluster.cli.mtpserve import main
-from cluster.engine.llm_engine import LLMEngine
-from speculative.mtp_head import MTPEagleHead
-from speculative.replay import ReplayAcceptance, forced_chain, forced_walk
-from speculative.tree import greedy_walk
-from speculative.verify import verify_greedy
-from workers.fused_step import FusedSpecStep
-from workers.tree_step import FusedTreeStep
-from workers.uniform_step import UniformTargetStep
+from mtpserve.cluster.bench.replay import shapes
+from mtpserve.cluster.bench.replay_record import (
+    AcceptanceRecorder,
+    RecordedSet,
+    Recording,
+    load_recording,
+    record_engine,
+)
+from mtpserve.cluster.bench.report import BenchError
+from mtpserve.cluster.cli.mtpserve import main
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.speculative.replay import ReplayAcceptance, forced_chain, forced_walk
+from mtpserve.speculative.tree import greedy_walk
+from mtpserve.speculative.verify import verify_greedy
+from mtpserve.workers.fused_step import FusedSpecStep
+from mtpserve.workers.tree_step import FusedTreeStep
+from mtpserve.workers.uniform_step import UniformTargetStep
 
 from helpers_service import ROOT, child_env, write_dummy_model
 from tiny import engine_config, mimic_head, mimic_target, random_prompts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from speculative.sampling import processed_probs, sample_from_uniform
+from mtpserve.speculative.sampling import processed_probs, sample_from_uniform
 
 from tiny import random_prompts, tiny_args, tiny_engine, tiny_weights
 
@@ -62,7 +62,7 @@ def test_temperature_only_mode_skips_filtering_and_matches_the_sorted_path() -> 
     cheapest variant that serves every request of a step."""
     from types import SimpleNamespace
 
-    from speculative.sampling import SamplingMode, sampling_mode
+    from mtpserve.speculative.sampling import SamplingMode, sampling_mode
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     t = torch.tensor([0.7, 0.0, 1.3])

@@ -26,11 +26,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from pydantic import ValidationError
 
-from cluster.engine.errors import ConfigError
-from cluster.engine.llm_engine import LLMEngine
-from cluster.service.client import MTPServeClient
-from cluster.service.server import MTPServer
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.errors import ConfigError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.server import MTPServer
+from mtpserve.workers.config import MTPServeConfig
 
 from helpers_service import ROOT, child_env, rpc_error, write_dummy_model
 
@@ -213,7 +213,7 @@ def test_generate_cli_sends_the_token(token_server: MTPServer, pki: dict[str, Pa
     """`mtpserve generate --server` without a token exits 1 naming UNAUTHENTICATED; with --auth-token-file or
     $MTPSERVE_AUTH_TOKEN the call reaches the engine; a missing token file exits 2."""
     addr = f"127.0.0.1:{token_server.port}"
-    base = [sys.executable, "-m", "cluster", "generate", "--server", addr, "--prompt", "hi", "--raw"]
+    base = [sys.executable, "-m", "mtpserve", "generate", "--server", addr, "--prompt", "hi", "--raw"]
     env = child_env()
     env.pop("MTPSERVE_AUTH_TOKEN", None)
 
@@ -349,12 +349,12 @@ def test_unreadable_credentials_fail_before_serving(model_dir: Path, tmp_path: P
     for path, why in ((tmp_path / "absent", "cannot read"), (empty, "is empty")):
         with pytest.raises(ConfigError, match=f"server.auth_token_file: .*{why}"):
             start_server(model_dir, {"auth_token_file": str(path)})
-    serve = [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--load-format", "dummy"]
+    serve = [sys.executable, "-m", "mtpserve", "serve", "--model", str(model_dir), "--load-format", "dummy"]
     serve += ["--device", "cpu", "--port", "0", "--host", "0.0.0.0", "--auth-token-file", str(tmp_path / "absent")]
     proc = subprocess.run(serve, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "server.auth_token_file" in proc.stderr and "cannot read" in proc.stderr
     open_bind = subprocess.run(
-        [sys.executable, "-m", "cluster", "serve", "--host", "0.0.0.0", "--print-config"],
+        [sys.executable, "-m", "mtpserve", "serve", "--host", "0.0.0.0", "--print-config"],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.llm_engine import LLMEngine
-from speculative.messages import StepPlan
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.messages import StepPlan
+from mtpserve.workers.fused_step import FusedSpecStep
+from mtpserve.workers.prefill_step import CapturedPrefill
+from mtpserve.workers.uniform_step import UniformTargetStep
 from tests.tiny import mimic_head, mimic_target, random_prompts, tiny_engine
-from workers.fused_step import FusedSpecStep
-from workers.prefill_step import CapturedPrefill
-from workers.uniform_step import UniformTargetStep
 
 CHUNK = 20
 

@@ -14,19 +14,19 @@ from typing import Any
 import pytest
 from test_overlap import PARAMS, drive
 
-from cluster.distributed.actors import RemoteTarget, engine_over
-from cluster.engine.errors import WorkerUnavailableError
-from cluster.engine.llm_engine import LLMEngine
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from speculative.mtp_chain import MTPEagleChain
-from speculative.mtp_tree import MTPEagleTree
-from workers.config import MTPServeConfig
-from workers.fused_step import FusedSpecStep
-from workers.runner import LaunchSpec
-from workers.step_link import FrameSocket, StepLink, connect, socket_link
-from workers.target_worker import TargetWorker
-from workers.tree_step import FusedTreeStep
-from workers.uniform_step import UniformTargetStep
+from mtpserve.cluster.distributed.actors import RemoteTarget, engine_over
+from mtpserve.cluster.engine.errors import WorkerUnavailableError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.speculative.mtp_chain import MTPEagleChain
+from mtpserve.speculative.mtp_tree import MTPEagleTree
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.fused_step import FusedSpecStep
+from mtpserve.workers.runner import LaunchSpec
+from mtpserve.workers.step_link import FrameSocket, StepLink, connect, socket_link
+from mtpserve.workers.target_worker import TargetWorker
+from mtpserve.workers.tree_step import FusedTreeStep
+from mtpserve.workers.uniform_step import UniformTargetStep
 
 from tiny import mimic_target, random_prompts, save_mimic
 
@@ -152,7 +152,7 @@ def test_tree_steps_queue_ahead_on_a_rank_drafting_in_process(model: tuple[str, 
         assert [s.request_id for s in plan.seqs] == [rid]
         assert plan.num_draft_tokens == 8 and plan.seqs[0].draft_parents is not None
         r.links[0].close()
-        from workers.convert import plan_to_proto
+        from mtpserve.workers.convert import plan_to_proto
 
         link = socket_link(r.worker.endpoint()[1])
         first = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan))
@@ -240,7 +240,7 @@ def test_launched_steps_are_answered_in_order_and_early_when_finished(
     steps past `unanswered`, oldest first). When the device has finished such a step by the time a LAUNCH
     arrives, the rank answers it before queueing the new step (the scheduler plans meanwhile); while the
     device still runs it, the new step is queued first. Both orders give the same replies."""
-    from workers.step_session import StepSession
+    from mtpserve.workers.step_session import StepSession
 
     for k in (0, K):
         r = LocalRank(config(model, k, steps_ahead=ahead), "socket")
@@ -293,7 +293,7 @@ def test_a_bad_message_gets_invalid_argument_and_the_rank_serves_on(model: tuple
 def test_a_stalled_link_times_out_and_a_closed_one_fails() -> None:
     """No reply within the timeout raises TimeoutError; the other end closing raises LinkClosed (which
     RemoteTarget reports as an unavailable worker)."""
-    from workers.step_link import LinkClosed
+    from mtpserve.workers.step_link import LinkClosed
 
     a, b = socket.socketpair()
     ends = FrameSocket(a), FrameSocket(b)
@@ -373,7 +373,7 @@ def test_out_of_order_messages_are_refused(model: tuple[str, str]) -> None:
         eng.step()
         plan = eng._launched[-1].plan
         r.links[0].close()
-        from workers.convert import plan_to_proto
+        from mtpserve.workers.convert import plan_to_proto
 
         for pending, row, code in ((False, 0, "FAILED_PRECONDITION"), (True, 5, "INVALID_ARGUMENT")):
             link = socket_link(name)
@@ -400,7 +400,7 @@ def test_out_of_order_messages_are_refused(model: tuple[str, str]) -> None:
 
 def test_a_closed_listener_accepts_no_more_connections() -> None:
     """After close, connecting to the listener's name fails."""
-    from workers.step_link import FrameListener
+    from mtpserve.workers.step_link import FrameListener
 
     listener = FrameListener(wpb.StepRequest.FromString, lambda requests: iter(()))
     socket_link(listener.name).close()

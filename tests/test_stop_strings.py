@@ -8,7 +8,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.service.stop_strings import StopStrings
+from mtpserve.cluster.service.stop_strings import StopStrings
 
 ALPHABET = "ab c\n"
 

@@ -9,11 +9,11 @@ import torch
 import torch.multiprocessing as mp
 from deepseek_tiny import tiny_deepseek_args, tiny_deepseek_weights
 
-from modeling.attention import AttentionMetadata
-from modeling.families import model_class
-from modeling.model import LlamaArgs
-from modeling.parallel import TPContext, split_evenly
-from workers.distributed import free_port, init_tp_group
+from mtpserve.modeling.attention import AttentionMetadata
+from mtpserve.modeling.families import model_class
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.modeling.parallel import TPContext, split_evenly
+from mtpserve.workers.distributed import free_port, init_tp_group
 
 from tiny import random_prompts, tiny_args, tiny_weights
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling import argmax_kernels, fused_kernels, topk_kernels
-from modeling.layer_ops import TORCH_OPS, TritonOps
+from mtpserve.modeling import argmax_kernels, fused_kernels, topk_kernels
+from mtpserve.modeling.layer_ops import TORCH_OPS, TritonOps
 
 pytestmark = pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
 

@@ -19,20 +19,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cluster.cli.cmd_train import DEFAULTS, _mix
-from cluster.cli.mtpserve import main
-from cluster.cli.train_generator import EngineGenerator
-from modeling.attention import AttentionMetadata
-from modeling.model import LlamaArgs, LlamaModel, random_llama_weights
-from speculative.mtp_head import MTPEagleHead
-from speculative.train.batches import HiddenStore
-from speculative.train.data import DataConfig, load_dataset
-from speculative.train.dense import head_unrolled, target_hidden, unroll_mask
-from speculative.train.eval import evaluate
-from speculative.train.generators import GenSettings, HFGenerator
-from speculative.train.pipeline import TrainDraftOptions
-from speculative.train.recipes import RecipeSettings
-from speculative.train.trainer import TrainConfig, build_shared, next_replan
+from mtpserve.cluster.cli.cmd_train import DEFAULTS, _mix
+from mtpserve.cluster.cli.mtpserve import main
+from mtpserve.cluster.cli.train_generator import EngineGenerator
+from mtpserve.modeling.attention import AttentionMetadata
+from mtpserve.modeling.model import LlamaArgs, LlamaModel, random_llama_weights
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.speculative.train.batches import HiddenStore
+from mtpserve.speculative.train.data import DataConfig, load_dataset
+from mtpserve.speculative.train.dense import head_unrolled, target_hidden, unroll_mask
+from mtpserve.speculative.train.eval import evaluate
+from mtpserve.speculative.train.generators import GenSettings, HFGenerator
+from mtpserve.speculative.train.pipeline import TrainDraftOptions
+from mtpserve.speculative.train.recipes import RecipeSettings
+from mtpserve.speculative.train.trainer import TrainConfig, build_shared, next_replan
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -407,7 +407,7 @@ def test_hf_generator_matches_engine_greedy() -> None:
 
 def test_padding_to_a_width_multiple_leaves_the_loss_unchanged(data_dir: Path) -> None:
     """CUDA rounds batch widths up to a multiple of 64; the extra right padding must not change the loss."""
-    from speculative.train.loss import unrolled_loss
+    from mtpserve.speculative.train.loss import unrolled_loss
 
     shared = build_shared(ARGS, tiny_weights(), "cpu", torch.float32)
     ds = load_dataset(data_dir)

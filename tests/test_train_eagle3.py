@@ -12,10 +12,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cluster.cli.mtpserve import main
-from cluster.engine.llm_engine import LLMEngine
-from modeling.qwen import QwenArgs, random_qwen_weights
-from speculative.eagle3_head import Eagle3Head
+from mtpserve.cluster.cli.mtpserve import main
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.qwen import QwenArgs, random_qwen_weights
+from mtpserve.speculative.eagle3_head import Eagle3Head
 
 from tiny import engine_config, random_prompts
 
@@ -205,8 +205,8 @@ def test_layouts_the_other_engines_cannot_read_are_refused(
 def test_without_a_spec_an_eagle3_run_trains_the_layout_that_measured_best(target_dir: Path) -> None:
     """`--format eagle3` with no --head-spec trains one head with EAGLE-3's default layers, the target's frozen
     final norm and lm_head, and the normed residual; `--format mtp` keeps the MTP head on the last layer."""
-    from cluster.cli.cmd_train import options_from_args
-    from cluster.cli.mtpserve import build_parser
+    from mtpserve.cluster.cli.cmd_train import options_from_args
+    from mtpserve.cluster.cli.mtpserve import build_parser
 
     texts = {}
     for fmt in ("eagle3", "mtp"):

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from modeling.model import DecoderLayer, LlamaModel
-from speculative.train.dense import decoder_layer
-from speculative.tree import (
+from mtpserve.modeling.model import DecoderLayer, LlamaModel
+from mtpserve.speculative.train.dense import decoder_layer
+from mtpserve.speculative.tree import (
     DraftTree,
     expand_topk,
     greedy_accept,
@@ -355,7 +355,7 @@ def test_batched_sampling_walk_keeps_the_target_distribution(kids: list[int], se
 def test_prune_keeps_what_a_stable_sort_keeps() -> None:
     """`prune` (element-wise ranks, no sort) keeps, orders and renumbers the nodes a stable sort by score
     would, ties to the earlier node, on random trees with many tied scores."""
-    from speculative.mtp_tree import prune
+    from mtpserve.speculative.mtp_tree import prune
 
     def by_sorting(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, budget: int) -> tuple:
         order = torch.sort(-scores, dim=1, stable=True).indices[:, :budget]

@@ -10,18 +10,18 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cluster.engine.llm_engine import LLMEngine
-from modeling import fused_kernels
-from modeling.attention import ragged_metadata
-from modeling.layer_ops import TORCH_OPS, TritonOps
-from speculative.mtp_head import MTPEagleHead
-from speculative.mtp_tree import MTPEagleTree
-from speculative.tree import DraftTree
-from workers import tree_step
-from workers.builders import DEFAULT_HEAD
-from workers.config import MTPServeConfig
-from workers.tree_inputs import TreeBuffers
-from workers.tree_step import FusedTreeStep
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling import fused_kernels
+from mtpserve.modeling.attention import ragged_metadata
+from mtpserve.modeling.layer_ops import TORCH_OPS, TritonOps
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.speculative.mtp_tree import MTPEagleTree
+from mtpserve.speculative.tree import DraftTree
+from mtpserve.workers import tree_step
+from mtpserve.workers.builders import DEFAULT_HEAD
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.tree_inputs import TreeBuffers
+from mtpserve.workers.tree_step import FusedTreeStep
 
 from smol import CHAT_PROMPTS, smollm2, smollm2_engine
 from tiny import (
@@ -290,7 +290,7 @@ def test_tree_buffers_hold_each_trees_depths_and_ancestors() -> None:
 def test_a_random_draft_with_a_reduced_vocabulary_scores_only_those_tokens(tmp_path: Path) -> None:
     """`speculative.draft_vocab` restricts a random head's lm_head to the first N ids (every drafted token is
     one of them) and greedy output stays the target's; it is refused for trained heads and past the vocabulary."""
-    from cluster.engine.errors import ModelLoadError
+    from mtpserve.cluster.engine.errors import ModelLoadError
 
     from tiny import save_model_dir, tiny_args, tiny_weights
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling import fused_kernels
-from speculative.tree import greedy_walk
-from workers.tree_kernels import greedy_walk_moves
+from mtpserve.modeling import fused_kernels
+from mtpserve.speculative.tree import greedy_walk
+from mtpserve.workers.tree_kernels import greedy_walk_moves
 
 pytestmark = pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
 
@@ -65,8 +65,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from modeling import topk_kernels
-from workers import tree_kernels
+from mtpserve.modeling import topk_kernels
+from mtpserve.workers import tree_kernels
 
 I64 = "*i64"
 CASES = [

@@ -10,11 +10,11 @@ import pytest
 import torch
 from test_overlap import drive as overlap_drive
 
-from cluster.engine.llm_engine import LLMEngine
-from speculative.mtp_tree import MTPEagleTree
-from workers.message_checks import StepLimits, check_plan
-from workers.runner import TargetRunner
-from workers.tree_step import FusedTreeStep
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.mtp_tree import MTPEagleTree
+from mtpserve.workers.message_checks import StepLimits, check_plan
+from mtpserve.workers.runner import TargetRunner
+from mtpserve.workers.tree_step import FusedTreeStep
 
 from tiny import draft_kv, mimic_head, mimic_target, random_prompts, tiny_engine
 
@@ -82,8 +82,8 @@ def test_greedy_trees_queued_ahead_emit_the_same_tokens(
     ahead (one or two), and every KV block returned; with `kernels`, the queued steps' walks and inputs go
     through the tree step's Triton kernels (as on CUDA; interpreted here) and the torch ones never run."""
     if kernels:
-        from modeling import fused_kernels
-        from workers import tree_step
+        from mtpserve.modeling import fused_kernels
+        from mtpserve.workers import tree_step
 
         if not fused_kernels.available():
             pytest.skip("triton is not installed")
@@ -188,10 +188,10 @@ def test_the_device_advance_writes_what_the_host_fill_writes(kernel: bool) -> No
     CUDA runs, here interpreted) leaves the same tokens, positions, KV slots, lengths, parents, depths and
     ancestor masks as filling the buffers on the host from the trees and positions those rows hold; padding
     rows stay as the host padded them."""
-    from modeling import fused_kernels
-    from workers import tree_inputs, tree_kernels
-    from workers.step_buffers import StepBuffers
-    from workers.tree_inputs import ResultColumns, TreeBuffers
+    from mtpserve.modeling import fused_kernels
+    from mtpserve.workers import tree_inputs, tree_kernels
+    from mtpserve.workers.step_buffers import StepBuffers
+    from mtpserve.workers.tree_inputs import ResultColumns, TreeBuffers
 
     if kernel and not fused_kernels.available():
         pytest.skip("triton is not installed")

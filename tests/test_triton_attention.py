@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from modeling import triton_attention
-from modeling.attention import AttentionMetadata, RaggedMetadata, ragged_metadata, uniform_paged_attention
+from mtpserve.modeling import triton_attention
+from mtpserve.modeling.attention import AttentionMetadata, RaggedMetadata, ragged_metadata, uniform_paged_attention
 
 pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from cluster.engine.llm_engine import LLMEngine
-from modeling.model import LlamaArgs, random_llama_weights
-from speculative.draft_head import DraftHead
-from speculative.mtp_head import MTPEagleHead
-from workers.config import MTPServeConfig
-from workers.uniform_step import UniformTargetStep
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.model import LlamaArgs, random_llama_weights
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.uniform_step import UniformTargetStep
 
 
 def tiny_args(**overrides: Any) -> LlamaArgs:

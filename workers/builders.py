@@ -14,36 +14,42 @@ from typing import Any, cast
 
 import torch
 
-from modeling import fused_kernels as kernels
-from modeling import pdl
-from modeling.errors import ModelLoadError
-from modeling.families import InPlaceDummy, allocate_on_device, materialize_dummy, model_class, unloaded_parameters
-from modeling.gemv_tiles import resolve as resolve_tiles
-from modeling.kv_cache import KVCache
-from modeling.layer_ops import pick_ops
-from modeling.loader import ModelSource, resolve_model
-from modeling.model import LlamaArgs, LlamaModel, cast_keeping_fp32, prepare_for_inference
-from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
-from speculative.draft_head import DraftHead
-from speculative.eagle3_config import default_feature_layers as eagle3_layers
-from speculative.eagle3_config import is_eagle3_dir
-from speculative.eagle3_head import Eagle3Head
-from speculative.lookahead import LookaheadBuffer
-from speculative.methods import DraftMethod
-from speculative.mtp_chain import MTPEagleChain
-from speculative.mtp_head import MTPEagleHead
-from speculative.mtp_native import native_heads, num_native_modules
-from speculative.mtp_tree import MTPEagleTree
-from speculative.mtp_vanilla import VanillaMTPChain
-from speculative.replay import ReplayAcceptance
-from workers.chain_step import UniformChainStep
-from workers.config import MTPServeConfig
-from workers.fused_step import FusedDepthSteps, FusedSpecStep
-from workers.graph_runner import capture_sizes
-from workers.prefill_step import CapturedPrefill
-from workers.runner import TargetRunner
-from workers.tree_step import FusedTreeStep
-from workers.uniform_step import UniformTargetStep
+from mtpserve.modeling import fused_kernels as kernels
+from mtpserve.modeling import pdl
+from mtpserve.modeling.errors import ModelLoadError
+from mtpserve.modeling.families import (
+    InPlaceDummy,
+    allocate_on_device,
+    materialize_dummy,
+    model_class,
+    unloaded_parameters,
+)
+from mtpserve.modeling.gemv_tiles import resolve as resolve_tiles
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.layer_ops import pick_ops
+from mtpserve.modeling.loader import ModelSource, resolve_model
+from mtpserve.modeling.model import LlamaArgs, LlamaModel, cast_keeping_fp32, prepare_for_inference
+from mtpserve.speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.eagle3_config import default_feature_layers as eagle3_layers
+from mtpserve.speculative.eagle3_config import is_eagle3_dir
+from mtpserve.speculative.eagle3_head import Eagle3Head
+from mtpserve.speculative.lookahead import LookaheadBuffer
+from mtpserve.speculative.methods import DraftMethod
+from mtpserve.speculative.mtp_chain import MTPEagleChain
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.speculative.mtp_native import native_heads, num_native_modules
+from mtpserve.speculative.mtp_tree import MTPEagleTree
+from mtpserve.speculative.mtp_vanilla import VanillaMTPChain
+from mtpserve.speculative.replay import ReplayAcceptance
+from mtpserve.workers.chain_step import UniformChainStep
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
+from mtpserve.workers.graph_runner import capture_sizes
+from mtpserve.workers.prefill_step import CapturedPrefill
+from mtpserve.workers.runner import TargetRunner
+from mtpserve.workers.tree_step import FusedTreeStep
+from mtpserve.workers.uniform_step import UniformTargetStep
 
 log = logging.getLogger(__name__)
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from modeling.attention import UniformMetadata
-from speculative.messages import DraftInputs
-from speculative.mtp_chain import MTPEagleChain, propose_from_rows
-from workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
-from workers.step_buffers import StepBuffers
+from mtpserve.modeling.attention import UniformMetadata
+from mtpserve.speculative.messages import DraftInputs
+from mtpserve.speculative.mtp_chain import MTPEagleChain, propose_from_rows
+from mtpserve.workers.graph_runner import CapturedSteps, capture_sizes, pick_bucket
+from mtpserve.workers.step_buffers import StepBuffers
 
 
 class UniformChainStep:

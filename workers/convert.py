@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from proto.codec import decode_tensor, encode_tensor
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from mtpserve.proto.codec import decode_tensor, encode_tensor
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 
 TIMELINE = ("decode_s", "worker_s", "t_received", "t_queued", "t_done", "t_replied")  # StepTiming's rank-0 figures
 

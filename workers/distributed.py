@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from modeling.parallel import TPContext
+from mtpserve.modeling.parallel import TPContext
 
 
 def free_port() -> int:

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from modeling.loader import to_dtype
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
-from speculative.methods import DraftMethod
-from workers.builders import (
+from mtpserve.modeling.loader import to_dtype
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
+from mtpserve.speculative.methods import DraftMethod
+from mtpserve.workers.builders import (
     build_chain_graphs,
     build_draft,
     build_shared,
@@ -23,13 +23,13 @@ from workers.builders import (
     max_model_len,
     num_blocks_for,
 )
-from workers.config import MTPServeConfig
-from workers.convert import draft_inputs_from_proto, draft_outputs_to_proto
-from workers.grpc_util import node_ip, start_server
-from workers.message_checks import StepLimits, check_draft_inputs
-from workers.step_link import draft_listener
-from workers.step_session import StepFailure
-from workers.target_worker import step_limits, worker_device
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.convert import draft_inputs_from_proto, draft_outputs_to_proto
+from mtpserve.workers.grpc_util import node_ip, start_server
+from mtpserve.workers.message_checks import StepLimits, check_draft_inputs
+from mtpserve.workers.step_link import draft_listener
+from mtpserve.workers.step_session import StepFailure
+from mtpserve.workers.target_worker import step_limits, worker_device
 
 
 class DraftWorker(wpb_grpc.DraftWorkerServicer):

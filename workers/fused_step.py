@@ -20,19 +20,19 @@ from functools import partial
 
 import torch
 
-from modeling import fused_kernels
-from modeling.attention import UniformMetadata
-from modeling.kv_cache import KVCache
-from modeling.model import LlamaModel
-from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
-from speculative.mtp_chain import MTPEagleChain, propose_from_rows
-from speculative.replay import ReplayAcceptance
-from speculative.sampling import SamplingMode
-from speculative.verify import verify_step
-from workers import step_kernels
-from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
-from workers.step_buffers import ForcedRows, StepBuffers
-from workers.uniform_step import fill_step
+from mtpserve.modeling import fused_kernels
+from mtpserve.modeling.attention import UniformMetadata
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
+from mtpserve.speculative.mtp_chain import MTPEagleChain, propose_from_rows
+from mtpserve.speculative.replay import ReplayAcceptance
+from mtpserve.speculative.sampling import SamplingMode
+from mtpserve.speculative.verify import verify_step
+from mtpserve.workers import step_kernels
+from mtpserve.workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
+from mtpserve.workers.step_buffers import ForcedRows, StepBuffers
+from mtpserve.workers.uniform_step import fill_step
 
 
 class FusedSpecStep:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from speculative.messages import StepPlan
-from speculative.sampling import SamplingMode
+from mtpserve.speculative.messages import StepPlan
+from mtpserve.speculative.sampling import SamplingMode
 
 log = logging.getLogger(__name__)
 CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)

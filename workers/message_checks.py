@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.messages import DraftInputs, SeqPlan, StepPlan
+from mtpserve.speculative.messages import DraftInputs, SeqPlan, StepPlan
 
 MAX_REQUEST_ID_CHARS = 1024
 LOOKAHEAD_SOURCES = ("prompt", "sampled")

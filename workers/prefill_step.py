@@ -34,14 +34,14 @@ from functools import partial
 import numpy as np
 import torch
 
-from modeling.attention import RaggedMetadata
-from modeling.kv_cache import KVCache
-from modeling.model import LlamaModel
-from speculative.draft_inputs import draft_input_tokens
-from speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
-from speculative.mtp_chain import MTPEagleChain, chain_from
-from speculative.sampling import SamplingMode, processed_probs, sample_from_uniform, sampling_mode
-from workers.graph_runner import CapturedSteps, GreedyAndSampledSteps, pick_bucket
+from mtpserve.modeling.attention import RaggedMetadata
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.draft_inputs import draft_input_tokens
+from mtpserve.speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from mtpserve.speculative.mtp_chain import MTPEagleChain, chain_from
+from mtpserve.speculative.sampling import SamplingMode, processed_probs, sample_from_uniform, sampling_mode
+from mtpserve.workers.graph_runner import CapturedSteps, GreedyAndSampledSteps, pick_bucket
 
 SMALLEST_BUCKET = 16  # the ragged kernel's query tile
 

@@ -8,24 +8,24 @@ from typing import Any
 
 import torch
 
-from modeling.attention import ragged_metadata
-from modeling.kv_cache import KVCache
-from modeling.model import LlamaModel
-from speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
-from speculative.replay import ReplayAcceptance, forced_chain, forced_walk
-from speculative.sampling import (
+from mtpserve.modeling.attention import ragged_metadata
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from mtpserve.speculative.replay import ReplayAcceptance, forced_chain, forced_walk
+from mtpserve.speculative.sampling import (
     SamplingMode,
     processed_probs,
     request_generator,
     sample_from_uniform,
     sampling_mode,
 )
-from speculative.tree import DraftTree
-from speculative.verify import verify, verify_greedy
-from workers.graph_runner import uniform_bucket
-from workers.step_buffers import HOST_TWINS
-from workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
-from workers.uniform_step import UniformTargetStep, pack_verified, read_verified, token_results
+from mtpserve.speculative.tree import DraftTree
+from mtpserve.speculative.verify import verify, verify_greedy
+from mtpserve.workers.graph_runner import uniform_bucket
+from mtpserve.workers.step_buffers import HOST_TWINS
+from mtpserve.workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
+from mtpserve.workers.uniform_step import UniformTargetStep, pack_verified, read_verified, token_results
 
 
 def _sub_plan(plan: StepPlan, seqs: list[SeqPlan]) -> StepPlan:

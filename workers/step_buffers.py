@@ -9,9 +9,9 @@ from itertools import chain
 import numpy as np
 import torch
 
-from speculative.messages import SeqPlan
-from speculative.replay import ReplayAcceptance
-from workers.config import MAX_STEPS_AHEAD
+from mtpserve.speculative.messages import SeqPlan
+from mtpserve.speculative.replay import ReplayAcceptance
+from mtpserve.workers.config import MAX_STEPS_AHEAD
 
 HOST_TWINS = MAX_STEPS_AHEAD + 1  # a step's host copy is refilled only once the step is read
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from modeling.fused_kernels import _need_triton
-from workers.step_buffers import StepBuffers
+from mtpserve.modeling.fused_kernels import _need_triton
+from mtpserve.workers.step_buffers import StepBuffers
 
 try:
     import triton

@@ -22,9 +22,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
-from workers.grpc_util import channel_options
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
+from mtpserve.workers.grpc_util import channel_options
 
 _HEADER = struct.Struct("<I")
 

@@ -16,12 +16,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from speculative.messages import StepPlan, TargetOutput
-from workers.config import MAX_STEPS_AHEAD
-from workers.convert import plan_from_proto, target_output_to_proto
-from workers.message_checks import StepLimits, check_plan
-from workers.runner import LaunchedStep, TargetRunner
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.speculative.messages import StepPlan, TargetOutput
+from mtpserve.workers.config import MAX_STEPS_AHEAD
+from mtpserve.workers.convert import plan_from_proto, target_output_to_proto
+from mtpserve.workers.message_checks import StepLimits, check_plan
+from mtpserve.workers.runner import LaunchedStep, TargetRunner
 
 Kind = wpb.StepRequest.Kind
 

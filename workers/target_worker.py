@@ -16,13 +16,13 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from modeling.loader import resolve_device, to_dtype
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
-from speculative.messages import TargetOutput
-from speculative.methods import DraftMethod
-from speculative.mtp_tree import MTPEagleTree
-from workers.builders import (
+from mtpserve.modeling.loader import resolve_device, to_dtype
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
+from mtpserve.speculative.messages import TargetOutput
+from mtpserve.speculative.methods import DraftMethod
+from mtpserve.speculative.mtp_tree import MTPEagleTree
+from mtpserve.workers.builders import (
     bind_features,
     build_chain_graphs,
     build_draft,
@@ -35,15 +35,15 @@ from workers.builders import (
     max_model_len,
     num_blocks_for,
 )
-from workers.config import MTPServeConfig
-from workers.convert import draft_inputs_to_proto, draft_outputs_from_proto, target_output_to_proto
-from workers.distributed import free_port, init_tp_group
-from workers.fused_step import FusedDepthSteps
-from workers.grpc_util import channel_options, node_ip, start_server
-from workers.message_checks import StepLimits
-from workers.runner import LaunchSpec, TargetRunner
-from workers.step_link import FrameLink, LinkClosed, draft_link, step_listener
-from workers.step_session import StepFailure, StepSession, decode_plan
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.convert import draft_inputs_to_proto, draft_outputs_from_proto, target_output_to_proto
+from mtpserve.workers.distributed import free_port, init_tp_group
+from mtpserve.workers.fused_step import FusedDepthSteps
+from mtpserve.workers.grpc_util import channel_options, node_ip, start_server
+from mtpserve.workers.message_checks import StepLimits
+from mtpserve.workers.runner import LaunchSpec, TargetRunner
+from mtpserve.workers.step_link import FrameLink, LinkClosed, draft_link, step_listener
+from mtpserve.workers.step_session import StepFailure, StepSession, decode_plan
 
 
 def step_limits(

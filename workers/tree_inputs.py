@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.step_buffers import HOST_TWINS, StepBuffers
+from mtpserve.workers.step_buffers import HOST_TWINS, StepBuffers
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The tree step's bookkeeping in single Triton launches (CUDA; CPU tests via TRITON_INTERPRET).
 
-- `greedy_walk_moves`: `speculative.tree.greedy_walk` takes about nine small torch kernels per tree level,
+- `greedy_walk_moves`: `mtpserve.speculative.tree.greedy_walk` takes about nine small torch kernels per tree level,
   and the accepted branch's KV source and destination slots a few more; in a captured step each is a graph
   node that costs launch latency far above its work. Here one program per tree walks from the root, level
   by level: the child whose token is the target's argmax at the current node (the lowest such node, as
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from modeling.fused_kernels import _need_triton
-from workers.step_buffers import StepBuffers
-from workers.tree_inputs import ResultColumns, TreeBuffers
+from mtpserve.modeling.fused_kernels import _need_triton
+from mtpserve.workers.step_buffers import StepBuffers
+from mtpserve.workers.tree_inputs import ResultColumns, TreeBuffers
 
 try:
     import triton

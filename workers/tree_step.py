@@ -28,20 +28,20 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from modeling import fused_kernels
-from modeling.attention import Metadata, UniformMetadata
-from modeling.kv_cache import KVCache
-from modeling.model import LlamaModel
-from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
-from speculative.mtp_chain import chain_slots
-from speculative.mtp_tree import MetaFor, MTPEagleTree
-from speculative.replay import ReplayAcceptance, forced_walk
-from speculative.sampling import SamplingMode, processed_probs, sampling_mode
-from speculative.tree import greedy_walk, sample_walk, walk_uniforms
-from workers import tree_kernels
-from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
-from workers.step_buffers import ForcedRows, StepBuffers
-from workers.tree_inputs import ResultColumns, TreeBuffers, advance_trees
+from mtpserve.modeling import fused_kernels
+from mtpserve.modeling.attention import Metadata, UniformMetadata
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
+from mtpserve.speculative.mtp_chain import chain_slots
+from mtpserve.speculative.mtp_tree import MetaFor, MTPEagleTree
+from mtpserve.speculative.replay import ReplayAcceptance, forced_walk
+from mtpserve.speculative.sampling import SamplingMode, processed_probs, sampling_mode
+from mtpserve.speculative.tree import greedy_walk, sample_walk, walk_uniforms
+from mtpserve.workers import tree_kernels
+from mtpserve.workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
+from mtpserve.workers.step_buffers import ForcedRows, StepBuffers
+from mtpserve.workers.tree_inputs import ResultColumns, TreeBuffers, advance_trees
 
 
 def tree_kernels_apply(t: torch.Tensor) -> bool:

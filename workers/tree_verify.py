@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from modeling.kv_cache import KVCache
-from speculative.messages import SeqPlan
-from speculative.tree import DraftTree, greedy_accept, sample_accept_candidates
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.speculative.messages import SeqPlan
+from mtpserve.speculative.tree import DraftTree, greedy_accept, sample_accept_candidates
 
 
 def plan_trees(seqs: list[SeqPlan]) -> list[DraftTree | None]:

@@ -7,15 +7,15 @@ from collections.abc import Iterable
 
 import torch
 
-from modeling.attention import UniformMetadata
-from modeling.kv_cache import KVCache
-from modeling.model import LlamaModel
-from speculative.messages import SeqResult, StepPlan, TargetOutput
-from speculative.replay import ReplayAcceptance
-from speculative.sampling import SamplingMode, sampling_mode
-from speculative.verify import verify_step
-from workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
-from workers.step_buffers import ForcedRows, StepBuffers
+from mtpserve.modeling.attention import UniformMetadata
+from mtpserve.modeling.kv_cache import KVCache
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.messages import SeqResult, StepPlan, TargetOutput
+from mtpserve.speculative.replay import ReplayAcceptance
+from mtpserve.speculative.sampling import SamplingMode, sampling_mode
+from mtpserve.speculative.verify import verify_step
+from mtpserve.workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
+from mtpserve.workers.step_buffers import ForcedRows, StepBuffers
 
 
 class UniformTargetStep:

@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench.decode import add_probe_flags, bench_prompts, decode_run, engine_for
-from cluster.engine.llm_engine import LLMEngine
-from speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
+from mtpserve.cluster.bench.decode import add_probe_flags, bench_prompts, decode_run, engine_for
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
 
 
 def forced(policy: AdaptiveDepth, kind: StepKind) -> AdaptiveDepth:

@@ -22,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-from modeling.loader import resolve_model
-from speculative.mtp_head import MTPEagleHead
-from speculative.train.batches import HiddenStore, pad_ids
-from speculative.train.data import TokenDataset, load_dataset
-from speculative.train.eval import evaluate
-from speculative.train.loss import repeated_tokens
-from speculative.train.trainer import build_shared
+from mtpserve.modeling.loader import resolve_model
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.speculative.train.batches import HiddenStore, pad_ids
+from mtpserve.speculative.train.data import TokenDataset, load_dataset
+from mtpserve.speculative.train.eval import evaluate
+from mtpserve.speculative.train.loss import repeated_tokens
+from mtpserve.speculative.train.trainer import build_shared
 
 
 def cut_answers(data: TokenDataset, cut: int) -> TokenDataset:

@@ -23,10 +23,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from modeling.errors import ModelLoadError
-from modeling.loader import resolve_model
-from speculative.train.data import TokenDataset, chat_prompt_ids, load_dataset
-from speculative.train.errors import TrainSetupError
+from mtpserve.modeling.errors import ModelLoadError
+from mtpserve.modeling.loader import resolve_model
+from mtpserve.speculative.train.data import TokenDataset, chat_prompt_ids, load_dataset
+from mtpserve.speculative.train.errors import TrainSetupError
 
 _MARK = "\u2063PROMPT\u2063"
 

@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench.throughput import measure_batch, random_token_prompts, warm_up
-from cluster.engine.llm_engine import LLMEngine
-from modeling.moe import grouped_linear
-from workers.config import MTPServeConfig
+from mtpserve.cluster.bench.throughput import measure_batch, random_token_prompts, warm_up
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.moe import grouped_linear
+from mtpserve.workers.config import MTPServeConfig
 
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"],

@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench.decode import add_probe_flags, bench_prompts, decode_run, engine_for
-from modeling.gemv_tiles import GROUPED_ONLY, GemvTiles, padded_rows, table_text
-from workers.builders import graph_max_blocks
-from workers.fused_step import FusedDepthSteps, FusedSpecStep
+from mtpserve.cluster.bench.decode import add_probe_flags, bench_prompts, decode_run, engine_for
+from mtpserve.modeling.gemv_tiles import GROUPED_ONLY, GemvTiles, padded_rows, table_text
+from mtpserve.workers.builders import graph_max_blocks
+from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
 
 DEPTHS_OF_ROWS: dict[int, tuple[int | str, ...]] = {1: (0,), 2: (1,), 4: (2, 3)}  # padded verify rows -> the
 # batch-1 steps they run (chain depths); the tree's padded rows run the step keyed TREE

@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.engine.llm_engine import LLMEngine
-from modeling.layer_ops import TorchOps, TritonOps
-from speculative.sampling import SamplingMode
-from workers import tree_step
-from workers.config import MTPServeConfig
-from workers.graph_runner import CapturedSteps
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.layer_ops import TorchOps, TritonOps
+from mtpserve.speculative.sampling import SamplingMode
+from mtpserve.workers import tree_step
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.graph_runner import CapturedSteps
 
 STEPS = {  # name: (K, tree budget, tree width)
     "target": (0, 0, 4),

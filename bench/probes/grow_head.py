@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from safetensors import safe_open
 
-from modeling.loader import resolve_model
-from speculative.mtp_head import MAX_LAYERS, MTPEagleHead
+from mtpserve.modeling.loader import resolve_model
+from mtpserve.speculative.mtp_head import MAX_LAYERS, MTPEagleHead
 
 
 def grow(head: MTPEagleHead, decoder: int, mlp: int | None) -> MTPEagleHead:

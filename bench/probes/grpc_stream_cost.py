@@ -22,9 +22,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.bench.stream_clients import Job, run_job
-from proto.mtpserve.v1 import inference_pb2 as pb
-from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from mtpserve.cluster.bench.stream_clients import Job, run_job
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 
 KINDS = ("sync", "aio")
 

@@ -31,12 +31,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from modeling import argmax_kernels, draft_kernels, fused_kernels, topk_kernels, triton_attention
-from modeling.attention import uniform_paged_attention
-from modeling.gemv_tiles import GemvTiles
-from modeling.layer_ops import TORCH_OPS, TritonOps
-from speculative.tree import greedy_walk
-from workers.tree_kernels import greedy_walk_moves
+from mtpserve.modeling import argmax_kernels, draft_kernels, fused_kernels, topk_kernels, triton_attention
+from mtpserve.modeling.attention import uniform_paged_attention
+from mtpserve.modeling.gemv_tiles import GemvTiles
+from mtpserve.modeling.layer_ops import TORCH_OPS, TritonOps
+from mtpserve.speculative.tree import greedy_walk
+from mtpserve.workers.tree_kernels import greedy_walk_moves
 
 VOCAB, D, HEADS, KV_HEADS, HEAD_DIM, BLOCK, MLP = 49152, 576, 9, 3, 64, 16, 1536
 REPS = 50

@@ -18,9 +18,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from cluster.bench import acceptance as bench_acceptance  # noqa: E402
-from cluster.bench import report as bench_report  # noqa: E402
-from cluster.engine.llm_engine import LLMEngine  # noqa: E402
+from mtpserve.cluster.bench import acceptance as bench_acceptance  # noqa: E402
+from mtpserve.cluster.bench import report as bench_report  # noqa: E402
+from mtpserve.cluster.engine.llm_engine import LLMEngine  # noqa: E402
 
 from tiny import engine_config, mimic_head, mimic_target, random_prompts  # noqa: E402
 

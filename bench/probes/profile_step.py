@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.engine.llm_engine import LLMEngine
-from modeling import fused_kernels
-from modeling.layer_ops import TritonOps
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling import fused_kernels
+from mtpserve.modeling.layer_ops import TritonOps
+from mtpserve.workers.config import MTPServeConfig
 
 SMOLLM2 = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
@@ -97,9 +97,9 @@ class HostTimer:
 def host_split(engine: LLMEngine, steps: int) -> dict[str, float]:
     """Mean host ms per served step inside scheduling, launching (buffer fill, graph replay), waiting for
     the GPU, reading results and applying them."""
-    import workers.fused_step
-    import workers.graph_runner
-    import workers.uniform_step
+    import mtpserve.workers.fused_step
+    import mtpserve.workers.graph_runner
+    import mtpserve.workers.uniform_step
 
     timer = HostTimer()
     runner = engine.target
@@ -109,9 +109,9 @@ def host_split(engine: LLMEngine, steps: int) -> dict[str, float]:
     timer.wrap(runner, "launch", "launch")
     timer.wrap(runner, "collect", "collect")
     timer.wrap(runner, "execute", "execute")
-    timer.wrap(workers.fused_step, "fill_step", "fill_step")
-    timer.wrap(workers.uniform_step, "fill_step", "fill_step")
-    timer.wrap(workers.graph_runner.GreedyAndSampledSteps, "run", "graph_replay")
+    timer.wrap(mtpserve.workers.fused_step, "fill_step", "fill_step")
+    timer.wrap(mtpserve.workers.uniform_step, "fill_step", "fill_step")
+    timer.wrap(mtpserve.workers.graph_runner.GreedyAndSampledSteps, "run", "graph_replay")
     if torch.cuda.is_available():
         timer.wrap(torch.cuda.Event, "synchronize", "wait_gpu")
     try:

@@ -2,7 +2,7 @@
 
 Prompts run one at a time (so chunk boundaries fall exactly every `chunk_size` tokens, whatever the token
 budget), greedy, and the per-request speculation counters are summed. Engines come from an
-`EngineFactory` (the CLI passes `cluster.distributed.build.build_engine`; tests pass tiny in-memory models).
+`EngineFactory` (the CLI passes `mtpserve.cluster.distributed.build.build_engine`; tests pass tiny in-memory models).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.report import BenchError, EngineFactory, environment, model_info, table, with_sections
-from cluster.engine.llm_engine import encode_text
-from modeling.model import LlamaArgs
-from speculative.stats import SpecStats
-from workers.config import MTPServeConfig
+from mtpserve.cluster.bench.report import BenchError, EngineFactory, environment, model_info, table, with_sections
+from mtpserve.cluster.engine.llm_engine import encode_text
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.stats import SpecStats
+from mtpserve.workers.config import MTPServeConfig
 
 PROMPT_FIELDS = ("prompt", "turns", "question", "text")
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from cluster.bench import report as bench_report
-from cluster.engine.llm_engine import LLMEngine
-from modeling.layer_ops import TritonOps
-from speculative.sampling import SamplingMode
-from workers.builders import build_chain_graphs
-from workers.config import MTPServeConfig
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.layer_ops import TritonOps
+from mtpserve.speculative.sampling import SamplingMode
+from mtpserve.workers.builders import build_chain_graphs
+from mtpserve.workers.config import MTPServeConfig
 
 WEIGHT_FLOOR_MS = 0.063  # SmolLM2-135M bf16: its weights read once at the H200's 4.8 TB/s
 

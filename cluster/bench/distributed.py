@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.bench import report as bench_report
-from cluster.engine.llm_engine import LLMEngine
-from workers.builders import DEFAULT_HEAD
-from workers.config import MTPServeConfig
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.workers.builders import DEFAULT_HEAD
+from mtpserve.workers.config import MTPServeConfig
 
 PROMPT = "Write a few sentences about why the ocean is salty."
 TINY = {

@@ -31,12 +31,12 @@ from typing import Any
 
 import yaml
 
-import cluster
-from cluster.bench import report as bench_report
-from cluster.bench.load import served_vocab, settle
-from cluster.bench.procs import tree_cpu_s
-from cluster.bench.stream_clients import Clients
-from workers.config import MTPServeConfig
+from mtpserve import cluster
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench.load import served_vocab, settle
+from mtpserve.cluster.bench.procs import tree_cpu_s
+from mtpserve.cluster.bench.stream_clients import Clients
+from mtpserve.workers.config import MTPServeConfig
 
 ROOT = Path(cluster.__file__).resolve().parent.parent  # the checkout the server subprocess imports from
 SERVING = re.compile(r"serving gRPC on (?P<grpc>\S+), metrics on :\d+, HTTP on (?P<http>\S+)")
@@ -138,8 +138,8 @@ def server_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve_command(args: argparse.Namespace, config: Path, model: str | None) -> list[str]:
-    """`python -m cluster serve` on loopback, every port chosen by the system, HTTP on."""
-    cmd = [sys.executable, "-m", "cluster", "serve", "--config", str(config), "--host", "127.0.0.1"]
+    """`python -m mtpserve serve` on loopback, every port chosen by the system, HTTP on."""
+    cmd = [sys.executable, "-m", "mtpserve", "serve", "--config", str(config), "--host", "127.0.0.1"]
     cmd += ["--port", "0", "--http-port", "0", "--metrics-port", "0", "--device", args.device, "--dtype", args.dtype]
     if model:
         cmd += ["--model", model]

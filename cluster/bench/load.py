@@ -32,12 +32,12 @@ from typing import Any
 import grpc
 import yaml
 
-import cluster
-from cluster.bench import report as bench_report
-from cluster.bench.procs import tree_gpu_mb, tree_rss_mb
-from proto.mtpserve.v1 import inference_pb2 as pb
-from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
-from workers.config import MTPServeConfig
+from mtpserve import cluster
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench.procs import tree_gpu_mb, tree_rss_mb
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from mtpserve.workers.config import MTPServeConfig
 
 ROOT = Path(cluster.__file__).resolve().parent.parent  # the checkout the server subprocess imports from
 
@@ -212,8 +212,8 @@ def check(specs: list[Spec], outcomes: list[Outcome]) -> dict[str, Any]:
 
 
 def start_server(args: argparse.Namespace, config: Path) -> tuple[subprocess.Popen[str], str, list[str]]:
-    """`python -m cluster serve` in a subprocess; its address once it serves."""
-    cmd = [sys.executable, "-m", "cluster", "serve", "--config", str(config), "--host", "127.0.0.1", "--port", "0"]
+    """`python -m mtpserve serve` in a subprocess; its address once it serves."""
+    cmd = [sys.executable, "-m", "mtpserve", "serve", "--config", str(config), "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--metrics-port", "0", "--device", args.device, "--dtype", args.dtype]
     if args.model:
         cmd += ["--model", args.model]

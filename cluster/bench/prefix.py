@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from cluster.bench import report as bench_report
-from cluster.bench.report import BenchError, EngineFactory, environment, model_info, table, with_sections
-from cluster.engine.llm_engine import LLMEngine
-from workers.config import MTPServeConfig
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench.report import BenchError, EngineFactory, environment, model_info, table, with_sections
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.workers.config import MTPServeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "architecture.md")

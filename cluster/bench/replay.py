@@ -28,16 +28,16 @@ from typing import Any
 
 import torch
 
-import cluster
-from cluster.bench import report as bench_report
-from cluster.bench import trees as bench_trees
-from cluster.bench.decode import decode_run
-from cluster.bench.replay_record import AcceptanceRecorder, Recording, Shape, load_recording, record
-from cluster.engine.errors import MTPServeError
-from cluster.engine.llm_engine import LLMEngine
-from speculative.replay import ReplayAcceptance
-from workers.builders import DEFAULT_HEAD
-from workers.config import MTPServeConfig
+from mtpserve import cluster
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench import trees as bench_trees
+from mtpserve.cluster.bench.decode import decode_run
+from mtpserve.cluster.bench.replay_record import AcceptanceRecorder, Recording, Shape, load_recording, record
+from mtpserve.cluster.engine.errors import MTPServeError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.replay import ReplayAcceptance
+from mtpserve.workers.builders import DEFAULT_HEAD
+from mtpserve.workers.config import MTPServeConfig
 
 DEFAULT_CONFIGS = "target-only,chain K=1,chain K=3,tree K=4 N=16 w=4"
 HELDOUT = ("chat", "code", "math")

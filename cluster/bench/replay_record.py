@@ -33,10 +33,10 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.report import BenchError
-from cluster.engine.llm_engine import LLMEngine, encode_text
-from speculative.messages import SeqPlan, SeqResult
-from speculative.replay import accepted_path
+from mtpserve.cluster.bench.report import BenchError
+from mtpserve.cluster.engine.llm_engine import LLMEngine, encode_text
+from mtpserve.speculative.messages import SeqPlan, SeqResult
+from mtpserve.speculative.replay import accepted_path
 
 FORMAT = "mtpserve-acceptance-recording/1"
 
@@ -164,7 +164,7 @@ def record(
 ) -> Recording:
     """Record every configuration (`build(name)` gives an engine on the real model) over every prompt file;
     `labels` are the (model, draft) the file names."""
-    from cluster.bench.acceptance import load_prompt_records
+    from mtpserve.cluster.bench.acceptance import load_prompt_records
 
     records = {Path(f).stem: (str(f), load_prompt_records(f, num_prompts)) for f in prompt_files}
     sets: dict[str, RecordedSet] = {}

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from cluster.engine.errors import MTPServeError
-from cluster.engine.llm_engine import LLMEngine
-from modeling.families import family_of, model_class
-from modeling.loader import resolve_device, to_dtype
-from modeling.model import LlamaArgs
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.errors import MTPServeError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.families import family_of, model_class
+from mtpserve.modeling.loader import resolve_device, to_dtype
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.workers.config import MTPServeConfig
 
 EngineFactory = Callable[[MTPServeConfig], LLMEngine]
 

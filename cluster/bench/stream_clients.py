@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import aiohttp
 import grpc
 
-from proto.mtpserve.v1 import inference_pb2 as pb
-from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 
 START_DELAY_S = 0.5  # client processes start their streams together, this long after the round is handed out
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from cluster.bench.report import BenchError, environment, model_info, table, with_sections
-from cluster.engine.llm_engine import LLMEngine
-from modeling.loader import resolve_device
-from speculative.stats import SpecStats
-from workers.builders import num_blocks_for
-from workers.config import MTPServeConfig
+from mtpserve.cluster.bench.report import BenchError, environment, model_info, table, with_sections
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.loader import resolve_device
+from mtpserve.speculative.stats import SpecStats
+from mtpserve.workers.builders import num_blocks_for
+from mtpserve.workers.config import MTPServeConfig
 
 
 @dataclass

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from cluster.bench import report as bench_report
-from cluster.bench.decode import bench_prompts, decode_run
-from cluster.engine.llm_engine import LLMEngine
-from workers.config import MTPServeConfig
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench.decode import bench_prompts, decode_run
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.workers.config import MTPServeConfig
 
 CONFIGS = {  # name: speculative settings (None: target-only)
     "target-only": None,

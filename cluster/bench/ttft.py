@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from cluster.bench import report as bench_report
-from cluster.bench.decode import sync
-from cluster.engine.llm_engine import LLMEngine
-from workers.config import MTPServeConfig, SchedulerConfig
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench.decode import sync
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.workers.config import MTPServeConfig, SchedulerConfig
 
 BUSY_PROMPT = 32  # tokens in each busy request's prompt
 

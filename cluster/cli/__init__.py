@@ -1,3 +1,1 @@
-"""The `mtpserve` command line and `python -m cluster.job`: the sub-commands, their shared flags, `make demo`."""
-
-from cluster.cli.mtpserve import main as main  # `cluster.cli:main`, the console script of earlier installs
+"""The `mtpserve` command line and `python -m mtpserve.cluster.job`: sub-commands, shared flags, `make demo`."""

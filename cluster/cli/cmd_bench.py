@@ -13,20 +13,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster.bench import acceptance as bench_acceptance
-from cluster.bench import distributed as bench_distributed
-from cluster.bench import http_vs_grpc as bench_http_vs_grpc
-from cluster.bench import load as bench_load
-from cluster.bench import prefix as bench_prefix
-from cluster.bench import replay as bench_replay
-from cluster.bench import report as bench_report
-from cluster.bench import throughput as bench_throughput
-from cluster.bench import trees as bench_trees
-from cluster.bench import ttft as bench_ttft
-from cluster.cli.common import add_engine_flags, config_from_args
-from cluster.engine.errors import MTPServeError
-from cluster.engine.llm_engine import LLMEngine
-from workers.config import MTPServeConfig
+from mtpserve.cluster.bench import acceptance as bench_acceptance
+from mtpserve.cluster.bench import distributed as bench_distributed
+from mtpserve.cluster.bench import http_vs_grpc as bench_http_vs_grpc
+from mtpserve.cluster.bench import load as bench_load
+from mtpserve.cluster.bench import prefix as bench_prefix
+from mtpserve.cluster.bench import replay as bench_replay
+from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench import throughput as bench_throughput
+from mtpserve.cluster.bench import trees as bench_trees
+from mtpserve.cluster.bench import ttft as bench_ttft
+from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
+from mtpserve.cluster.engine.errors import MTPServeError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.workers.config import MTPServeConfig
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -139,14 +139,14 @@ def ray_running() -> bool:
 
 def build_engine(cfg: MTPServeConfig) -> LLMEngine:
     """An engine of `cfg`, through Ray actors where it asks for them (Ray is imported only then)."""
-    from cluster.distributed.build import build_engine as build
+    from mtpserve.cluster.distributed.build import build_engine as build
 
     return build(cfg)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
     """`mtpserve bench throughput`."""
-    from cluster.distributed.build import build_engine
+    from mtpserve.cluster.distributed.build import build_engine
 
     _set_threads(args.threads)
     cfg = bench_throughput.throughput_config(
@@ -197,8 +197,8 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 def run_acceptance(args: argparse.Namespace) -> int:
     """`mtpserve bench acceptance`."""
-    from cluster.distributed.build import build_engine
-    from modeling.loader import resolve_model
+    from mtpserve.cluster.distributed.build import build_engine
+    from mtpserve.modeling.loader import resolve_model
 
     if args.no_speculation:
         print("mtpserve: bench acceptance measures the draft head; drop --no-speculation", file=sys.stderr)
@@ -258,8 +258,8 @@ def run_acceptance(args: argparse.Namespace) -> int:
 
 def run_prefix_cache(args: argparse.Namespace) -> int:
     """`mtpserve bench prefix-cache`."""
-    from cluster.distributed.build import build_engine
-    from modeling.loader import resolve_model
+    from mtpserve.cluster.distributed.build import build_engine
+    from mtpserve.modeling.loader import resolve_model
 
     _set_threads(args.threads)
     cfg = config_from_args(args)

@@ -9,11 +9,11 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from cluster.cli.common import add_engine_flags, config_from_args
-from cluster.engine.errors import MTPServeError
+from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
+from mtpserve.cluster.engine.errors import MTPServeError
 
 if TYPE_CHECKING:
-    from cluster.service.client import MTPServeClient
+    from mtpserve.cluster.service.client import MTPServeClient
 
 TOKEN_ENV = "MTPSERVE_AUTH_TOKEN"
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.server:
         return run_remote(args)
     cfg = config_from_args(args)
-    from cluster.distributed.build import build_engine
+    from mtpserve.cluster.distributed.build import build_engine
 
     try:
         engine = build_engine(cfg)
@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
 def client_for(args: argparse.Namespace) -> MTPServeClient:
     """The client that the --server and security flags describe; ConfigError/OSError for unusable files."""
-    from cluster.service.auth import read_secret
-    from cluster.service.client import MTPServeClient
+    from mtpserve.cluster.service.auth import read_secret
+    from mtpserve.cluster.service.client import MTPServeClient
 
     token = os.environ.get(TOKEN_ENV) or None
     if args.auth_token_file:

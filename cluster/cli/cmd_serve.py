@@ -12,15 +12,15 @@ from types import FrameType
 
 import yaml
 
-from cluster.cli.common import add_engine_flags, config_from_args
-from cluster.engine.errors import MTPServeError
-from workers.config import MTPServeConfig
+from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
+from mtpserve.cluster.engine.errors import MTPServeError
+from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    """Server flags plus the shared engine flags (also used by `python -m cluster.job`)."""
+    """Server flags plus the shared engine flags (also used by `python -m mtpserve.cluster.job`)."""
     g = p.add_argument_group("server")
     g.add_argument(
         "--host",
@@ -96,9 +96,9 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     With Ray (tp_size > 1, --distributed or --address) the scheduler runs in a scheduler actor on this node, which
     starts the worker actors and the front ends' process; this process only waits.
     """
-    from cluster.distributed.build import build_engine, uses_ray
-    from cluster.service.auth import check_server_files
-    from cluster.service.server import MTPServer
+    from mtpserve.cluster.distributed.build import build_engine, uses_ray
+    from mtpserve.cluster.service.auth import check_server_files
+    from mtpserve.cluster.service.server import MTPServer
 
     try:
         check_server_files(cfg.server)
@@ -152,7 +152,7 @@ def serving_line(grpc_address: str, metrics_port: int | None, http_address: str 
 
 def serve_with_actor(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     """Serve from a scheduler actor until `stop` is set."""
-    from cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
+    from mtpserve.cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
     try:
         actor, address, metrics_port, http_address = start_scheduler_actor(cfg)

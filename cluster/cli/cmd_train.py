@@ -9,11 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.engine.errors import MTPServeError
-from speculative.train.errors import TrainSetupError
+from mtpserve.cluster.engine.errors import MTPServeError
+from mtpserve.speculative.train.errors import TrainSetupError
 
 if TYPE_CHECKING:
-    from speculative.train.pipeline import TrainDraftOptions
+    from mtpserve.speculative.train.pipeline import TrainDraftOptions
 
 # Flag defaults (kept literal so `mtpserve --help` does not import torch); they mirror DataConfig/TrainConfig
 # (and TrainDraftOptions).
@@ -136,7 +136,7 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def _head_spec(text: str) -> Any:
-    from speculative.train.heads import parse_head_spec
+    from mtpserve.speculative.train.heads import parse_head_spec
 
     try:
         return parse_head_spec(text)
@@ -387,19 +387,19 @@ def _flag_text(value: Any) -> str:
 
 def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
     """Map parsed flags onto TrainDraftOptions (devices resolved, default paths filled in)."""
-    from modeling.loader import cache_root, resolve_device
-    from speculative.train.data import DataConfig
-    from speculative.train.heads import default_head
-    from speculative.train.pipeline import TrainDraftOptions
-    from speculative.train.recipes import RecipeSettings
-    from speculative.train.trainer import TrainConfig
+    from mtpserve.modeling.loader import cache_root, resolve_device
+    from mtpserve.speculative.train.data import DataConfig
+    from mtpserve.speculative.train.heads import default_head
+    from mtpserve.speculative.train.pipeline import TrainDraftOptions
+    from mtpserve.speculative.train.recipes import RecipeSettings
+    from mtpserve.speculative.train.trainer import TrainConfig
 
     device = resolve_device(args.device)
     name = Path(args.target).stem if args.target else "smollm2-135m-instruct"
     data_dir = args.data_dir or str(cache_root() / "draft-data" / name)
     out = args.out or ("eagle3-head" if args.format == "eagle3" else None)
     if out is None and args.target is None:
-        from workers.builders import DEFAULT_HEAD
+        from mtpserve.workers.builders import DEFAULT_HEAD
 
         out = str(DEFAULT_HEAD)
     out = out or "mtp-head.safetensors"
@@ -467,8 +467,8 @@ def options_from_args(args: argparse.Namespace) -> TrainDraftOptions:
 
 def run(args: argparse.Namespace) -> int:
     """Run train-draft; setup errors print `mtpserve: train-draft: FIELD: reason` and return 2."""
-    from cluster.cli.train_generator import EngineGenerator
-    from speculative.train.pipeline import run_train_draft
+    from mtpserve.cluster.cli.train_generator import EngineGenerator
+    from mtpserve.speculative.train.pipeline import run_train_draft
 
     if args.step_weights is not None and len(args.step_weights) != args.num_draft_tokens:
         args.train_parser.error(

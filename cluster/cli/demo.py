@@ -1,4 +1,4 @@
-"""`python -m cluster.cli.demo`: start `mtpserve serve` on the default model, send one request, stop."""
+"""`python -m mtpserve.cluster.cli.demo`: start `mtpserve serve` on the default model, send one request, stop."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.client import MTPServeClient
 
 PROMPT = "Give me three tips for writing clear Python code."
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("serve_args", nargs="*", help="extra flags for `mtpserve serve` (after --)")
     args = parser.parse_args(argv)
-    cmd = [sys.executable, "-m", "cluster", "serve", "--port", "0", "--metrics-port", "0", *args.serve_args]
+    cmd = [sys.executable, "-m", "mtpserve", "serve", "--port", "0", "--metrics-port", "0", *args.serve_args]
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env={**os.environ})
     try:

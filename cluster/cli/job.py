@@ -1,4 +1,4 @@
-"""Ray job entrypoint: `ray job submit --working-dir . -- python -m cluster.job [serve flags]`.
+"""Ray job entrypoint: `ray job submit --working-dir . -- python -m mtpserve.cluster.job [serve flags]`.
 
 It joins the Ray cluster the job runs in (the job supervisor sets RAY_ADDRESS), serves the gRPC API
 exactly as `mtpserve serve` does, and exits cleanly on the SIGTERM that `ray job stop` sends.
@@ -11,11 +11,11 @@ import logging
 import os
 import sys
 
-from cluster.cli.cmd_serve import add_serve_flags, print_config, serve
-from cluster.cli.common import config_from_args
-from workers.config import MTPServeConfig
+from mtpserve.cluster.cli.cmd_serve import add_serve_flags, print_config, serve
+from mtpserve.cluster.cli.common import config_from_args
+from mtpserve.workers.config import MTPServeConfig
 
-log = logging.getLogger("cluster.job")
+log = logging.getLogger("mtpserve.cluster.job")
 JOB_ENV_VARS = ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")
 
 
@@ -46,7 +46,7 @@ def connect_ray(cfg: MTPServeConfig) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The job's flags: the same as `mtpserve serve`."""
     p = argparse.ArgumentParser(
-        prog="python -m cluster.job",
+        prog="python -m mtpserve.cluster.job",
         description="Ray job entrypoint: serve mtpserve's gRPC API inside the job's Ray cluster until `ray job stop`.",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")

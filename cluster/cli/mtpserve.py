@@ -8,10 +8,10 @@ import logging
 import sys
 
 COMMANDS = {
-    "serve": "cluster.cli.cmd_serve",
-    "generate": "cluster.cli.cmd_generate",
-    "bench": "cluster.cli.cmd_bench",
-    "train-draft": "cluster.cli.cmd_train",
+    "serve": "mtpserve.cluster.cli.cmd_serve",
+    "generate": "mtpserve.cluster.cli.cmd_generate",
+    "bench": "mtpserve.cluster.cli.cmd_bench",
+    "train-draft": "mtpserve.cluster.cli.cmd_train",
 }
 
 

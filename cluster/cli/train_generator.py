@@ -11,10 +11,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from cluster.engine.llm_engine import LLMEngine
-from modeling.model import LlamaArgs
-from speculative.train.generators import GenResult, GenSettings
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.train.generators import GenResult, GenSettings
+from mtpserve.workers.config import MTPServeConfig
 
 
 class EngineGenerator:

@@ -13,19 +13,19 @@ from typing import Any
 
 import grpc
 
-from cluster.engine.errors import PlacementError, WorkerUnavailableError
-from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.scheduler import Scheduler
-from modeling.loader import resolve_model
-from proto.mtpserve.v1 import worker_pb2 as wpb
-from proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
-from speculative.messages import StepPlan, TargetOutput
-from workers.builders import config_tree_kind, depth_policy, draft_source, max_model_len, num_blocks_for
-from workers.config import MTPServeConfig
-from workers.convert import TIMELINE, plan_to_proto, target_output_from_proto
-from workers.grpc_util import channel_options, node_ip
-from workers.runner import LaunchSpec
-from workers.step_link import LinkClosed, StepLink, connect
+from mtpserve.cluster.engine.errors import PlacementError, WorkerUnavailableError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.scheduler import Scheduler
+from mtpserve.modeling.loader import resolve_model
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
+from mtpserve.speculative.messages import StepPlan, TargetOutput
+from mtpserve.workers.builders import config_tree_kind, depth_policy, draft_source, max_model_len, num_blocks_for
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.convert import TIMELINE, plan_to_proto, target_output_from_proto
+from mtpserve.workers.grpc_util import channel_options, node_ip
+from mtpserve.workers.runner import LaunchSpec
+from mtpserve.workers.step_link import LinkClosed, StepLink, connect
 
 Kind = wpb.StepRequest.Kind
 
@@ -66,8 +66,8 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from workers.draft_worker import DraftWorker
-        from workers.target_worker import TargetWorker
+        from mtpserve.workers.draft_worker import DraftWorker
+        from mtpserve.workers.target_worker import TargetWorker
 
         self.cfg = cfg
         tp = cfg.parallel.tp_size

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from cluster.engine.llm_engine import LLMEngine
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.workers.config import MTPServeConfig
 
 
 def build_engine(cfg: MTPServeConfig) -> LLMEngine:
     """An LLMEngine whose target/draft executors match cfg.parallel: Ray actors when tp_size > 1,
     `distributed` is set or a Ray address is given; otherwise everything runs in this process."""
     if uses_ray(cfg):
-        from cluster.distributed.actors import build_distributed_engine
+        from mtpserve.cluster.distributed.actors import build_distributed_engine
 
         return build_distributed_engine(cfg)
     return LLMEngine.from_config(cfg)

@@ -9,9 +9,9 @@ import logging
 import os
 from typing import Any
 
-from cluster.service.front_end_process import FrontEndProcess
-from cluster.service.server import MTPServer
-from workers.config import MTPServeConfig
+from mtpserve.cluster.service.front_end_process import FrontEndProcess
+from mtpserve.cluster.service.server import MTPServer
+from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 RESTARTS = 3  # Ray restarts a crashed scheduler actor this often; it rebuilds its workers and rebinds its port
@@ -23,7 +23,7 @@ class SchedulerActor:
     def __init__(self, cfg_json: str) -> None:
         import ray
 
-        from cluster.distributed.actors import build_distributed_engine
+        from mtpserve.cluster.distributed.actors import build_distributed_engine
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self.cfg = MTPServeConfig.model_validate_json(cfg_json)
@@ -77,7 +77,7 @@ def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None, st
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from cluster.distributed.actors import connect_ray
+    from mtpserve.cluster.distributed.actors import connect_ray
 
     connect_ray(cfg.parallel.ray_address)
     here = ray.get_runtime_context().get_node_id()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from modeling.errors import ModelLoadError, MTPServeError
+from mtpserve.modeling.errors import ModelLoadError, MTPServeError
 
 __all__ = [
     "ConfigError",

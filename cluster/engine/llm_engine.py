@@ -12,18 +12,18 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from cluster.engine.errors import InvalidRequestError, ModelLoadError, QueueFullError
-from cluster.engine.request import Request, SamplingParams, sampling_params
-from cluster.engine.scheduler import RequestOutput, Scheduler
-from modeling.loader import resolve_device, to_dtype
-from modeling.model import LlamaArgs
-from speculative.draft_head import DraftHead
-from speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
-from speculative.mtp_chain import MTPEagleChain
-from speculative.mtp_tree import MTPEagleTree
-from speculative.replay import ReplayAcceptance
-from speculative.stats import SpecStats
-from workers.builders import (
+from mtpserve.cluster.engine.errors import InvalidRequestError, ModelLoadError, QueueFullError
+from mtpserve.cluster.engine.request import Request, SamplingParams, sampling_params
+from mtpserve.cluster.engine.scheduler import RequestOutput, Scheduler
+from mtpserve.modeling.loader import resolve_device, to_dtype
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
+from mtpserve.speculative.mtp_chain import MTPEagleChain
+from mtpserve.speculative.mtp_tree import MTPEagleTree
+from mtpserve.speculative.replay import ReplayAcceptance
+from mtpserve.speculative.stats import SpecStats
+from mtpserve.workers.builders import (
     bind_features,
     build_draft,
     build_runner,
@@ -36,7 +36,7 @@ from workers.builders import (
     num_blocks_for,
     tree_kind,
 )
-from workers.config import MTPServeConfig
+from mtpserve.workers.config import MTPServeConfig
 
 
 class TargetExecutor(Protocol):

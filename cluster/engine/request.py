@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cluster.engine.errors import invalid_field
-from speculative.stats import SpecStats
+from mtpserve.cluster.engine.errors import invalid_field
+from mtpserve.speculative.stats import SpecStats
 
 
 class SamplingParams(BaseModel):

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from cluster.engine.block_manager import BlockManager
-from cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
-from cluster.engine.request import Request, RequestStatus
-from speculative.adaptive import AdaptiveDepth, StepKind
-from speculative.draft_shapes import chain_as_tree, fit_drafts
-from speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
-from speculative.stats import SpecStats
-from workers.config import SchedulerConfig
+from mtpserve.cluster.engine.block_manager import BlockManager
+from mtpserve.cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
+from mtpserve.cluster.engine.request import Request, RequestStatus
+from mtpserve.speculative.adaptive import AdaptiveDepth, StepKind
+from mtpserve.speculative.draft_shapes import chain_as_tree, fit_drafts
+from mtpserve.speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from mtpserve.speculative.stats import SpecStats
+from mtpserve.workers.config import SchedulerConfig
 
 
 @dataclass

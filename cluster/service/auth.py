@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
-from cluster.engine.errors import ConfigError
-from workers.config import ServerConfig, TLSConfig
+from mtpserve.cluster.engine.errors import ConfigError
+from mtpserve.workers.config import ServerConfig, TLSConfig
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 AUTH_HEADER = "authorization"

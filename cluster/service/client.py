@@ -10,8 +10,8 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.mtpserve.v1 import inference_pb2 as pb
-from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 
 FINISH_NAMES = {
     pb.FINISH_REASON_UNSPECIFIED: None,

@@ -18,13 +18,13 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from cluster.engine.errors import MTPServeError
-from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.scheduler import RequestOutput
-from cluster.service.model_info import model_info
-from cluster.service.request_book import EngineFailure, engine_load, step_error
-from speculative.stats import SpecStats
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.errors import MTPServeError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.service.model_info import model_info
+from mtpserve.cluster.service.request_book import EngineFailure, engine_load, step_error
+from mtpserve.speculative.stats import SpecStats
+from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 

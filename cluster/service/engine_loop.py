@@ -15,13 +15,13 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.engine.errors import WorkerUnavailableError
-from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import SamplingParams
-from cluster.engine.scheduler import RequestOutput
-from cluster.service.metrics import GRPC, ServerMetrics
-from cluster.service.model_info import model_info
-from cluster.service.request_book import (
+from mtpserve.cluster.engine.errors import WorkerUnavailableError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
+from mtpserve.cluster.service.model_info import model_info
+from mtpserve.cluster.service.request_book import (
     LoopSnapshot,
     RequestBook,
     RequestHandle,
@@ -30,7 +30,7 @@ from cluster.service.request_book import (
     engine_load,
     step_error,
 )
-from proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
 

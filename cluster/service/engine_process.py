@@ -27,9 +27,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from cluster.engine.errors import ModelLoadError, WorkerUnavailableError
-from cluster.engine.request import SamplingParams
-from cluster.service.engine_child import (
+from mtpserve.cluster.engine.errors import ModelLoadError, WorkerUnavailableError
+from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.service.engine_child import (
     ABORT,
     ABORTED,
     ADD,
@@ -46,8 +46,8 @@ from cluster.service.engine_child import (
     run_engine_process,
     unpack_outputs,
 )
-from cluster.service.metrics import GRPC, ServerMetrics
-from cluster.service.request_book import (
+from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
+from mtpserve.cluster.service.request_book import (
     EngineFailure,
     EngineLoad,
     LoopSnapshot,
@@ -56,8 +56,8 @@ from cluster.service.request_book import (
     ServerShuttingDown,
     WorkerHealth,
 )
-from proto.mtpserve.v1 import inference_pb2 as pb
-from workers.config import MTPServeConfig
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 MESSAGES_PER_WAKE = 16

@@ -15,13 +15,13 @@ from concurrent import futures
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cluster.engine.request import SamplingParams
-from cluster.engine.scheduler import RequestOutput
-from cluster.service.detokenizer import IncrementalDetokenizer
-from cluster.service.metrics import HTTP
-from cluster.service.request_book import EngineCore, RequestHandle, ServerShuttingDown
-from cluster.service.stop_strings import StopStrings
-from speculative.stats import SpecStats
+from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.service.detokenizer import IncrementalDetokenizer
+from mtpserve.cluster.service.metrics import HTTP
+from mtpserve.cluster.service.request_book import EngineCore, RequestHandle, ServerShuttingDown
+from mtpserve.cluster.service.stop_strings import StopStrings
+from mtpserve.speculative.stats import SpecStats
 
 SUBMIT_POLL_S = 1.0  # how often a pending submission re-checks that the engine loop still runs
 

@@ -14,11 +14,11 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from cluster.engine.errors import MTPServeError
-from cluster.engine.llm_engine import LLMEngine
-from cluster.service.engine_child import ERROR, PipedEngine, kill_at_exit, portable, send_ready, serve_as_child
-from cluster.service.server import MTPServer
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.errors import MTPServeError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.service.engine_child import ERROR, PipedEngine, kill_at_exit, portable, send_ready, serve_as_child
+from mtpserve.cluster.service.server import MTPServer
+from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 SERVING, STOP_SERVING = "serving", "stop-serving"

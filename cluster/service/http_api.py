@@ -21,14 +21,14 @@ from typing import Any
 
 from aiohttp import web
 
-from cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
-from cluster.engine.llm_engine import encode_chat, encode_text, has_chat_template
-from cluster.engine.request import sampling_params
-from cluster.service.auth import bearer
-from cluster.service.detokenizer import Tokenizers
-from cluster.service.engine_stream import EngineStream
-from cluster.service.metrics import HTTP, ServerMetrics
-from cluster.service.openai_schema import (
+from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
+from mtpserve.cluster.engine.llm_engine import encode_chat, encode_text, has_chat_template
+from mtpserve.cluster.engine.request import sampling_params
+from mtpserve.cluster.service.auth import bearer
+from mtpserve.cluster.service.detokenizer import Tokenizers
+from mtpserve.cluster.service.engine_stream import EngineStream
+from mtpserve.cluster.service.metrics import HTTP, ServerMetrics
+from mtpserve.cluster.service.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     choice_body,
@@ -37,7 +37,7 @@ from cluster.service.openai_schema import (
     parse,
     usage_body,
 )
-from cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
+from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

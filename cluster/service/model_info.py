@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.engine.llm_engine import LLMEngine
-from proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from cluster.engine.errors import InvalidRequestError, invalid_field
-from speculative.stats import SpecStats
+from mtpserve.cluster.engine.errors import InvalidRequestError, invalid_field
+from mtpserve.speculative.stats import SpecStats
 
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1

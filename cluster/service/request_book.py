@@ -11,13 +11,13 @@ from concurrent import futures
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from cluster.engine.errors import WorkerUnavailableError
-from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import SamplingParams
-from cluster.engine.scheduler import RequestOutput
-from cluster.service.metrics import GRPC, ServerMetrics
-from proto.mtpserve.v1 import inference_pb2 as pb
-from speculative.stats import SpecStats
+from mtpserve.cluster.engine.errors import WorkerUnavailableError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.speculative.stats import SpecStats
 
 
 class EngineFailure(Exception):

@@ -12,18 +12,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.engine.llm_engine import LLMEngine
-from cluster.service.auth import BearerTokenInterceptor, read_secret, server_credentials, ssl_context
-from cluster.service.engine_loop import EngineLoop
-from cluster.service.engine_process import EngineProcess
-from cluster.service.front_end_thread import FrontEndThread, HTTPSite
-from cluster.service.health import LiveHealth
-from cluster.service.http_api import OpenAIAPI
-from cluster.service.metrics import GRPC, ServerMetrics
-from cluster.service.request_book import EngineCore
-from cluster.service.servicer import SERVICE_NAME, InferenceServicer
-from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
-from workers.config import MTPServeConfig
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.service.auth import BearerTokenInterceptor, read_secret, server_credentials, ssl_context
+from mtpserve.cluster.service.engine_loop import EngineLoop
+from mtpserve.cluster.service.engine_process import EngineProcess
+from mtpserve.cluster.service.front_end_thread import FrontEndThread, HTTPSite
+from mtpserve.cluster.service.health import LiveHealth
+from mtpserve.cluster.service.http_api import OpenAIAPI
+from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
+from mtpserve.cluster.service.request_book import EngineCore
+from mtpserve.cluster.service.servicer import SERVICE_NAME, InferenceServicer
+from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,16 +14,16 @@ from typing import Any, NoReturn
 
 import grpc
 
-from cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
-from cluster.engine.llm_engine import encode_text
-from cluster.engine.request import SamplingParams, sampling_params
-from cluster.service.detokenizer import Tokenizers
-from cluster.service.engine_stream import EngineStream, Piece
-from cluster.service.metrics import GRPC
-from cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
-from proto.mtpserve.v1 import inference_pb2 as pb
-from proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
-from speculative.stats import SpecStats
+from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
+from mtpserve.cluster.engine.llm_engine import encode_text
+from mtpserve.cluster.engine.request import SamplingParams, sampling_params
+from mtpserve.cluster.service.detokenizer import Tokenizers
+from mtpserve.cluster.service.engine_stream import EngineStream, Piece
+from mtpserve.cluster.service.metrics import GRPC
+from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from mtpserve.speculative.stats import SpecStats
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 FINISH_REASONS = {

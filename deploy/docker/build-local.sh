@@ -65,7 +65,7 @@ if ! "${BUILDAH[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
 fi
 
 # 3. The project's Dockerfile on it, with this machine's pip settings.
-mapfile -t PIP_ARGS < <("$PYTHON" -m deploy.pip_passthrough)
+mapfile -t PIP_ARGS < <("$PYTHON" -m mtpserve.deploy.pip_passthrough)
 echo "build-local.sh: building $TAG on $BASE (torch: $TORCH_SPEC${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL})"
 "${BUILDAH[@]}" bud --isolation chroot -f deploy/docker/Dockerfile \
     --build-arg BASE_IMAGE="$BASE" --build-arg TORCH_SPEC="$TORCH_SPEC" --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" \

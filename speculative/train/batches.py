@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from modeling.model import LlamaModel
-from speculative.train.data import TokenDataset
-from speculative.train.dense import target_features
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.train.data import TokenDataset
+from mtpserve.speculative.train.dense import target_features
 
 
 @dataclass

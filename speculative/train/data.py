@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from modeling.model import LlamaArgs
-from speculative.train.errors import TrainSetupError
-from speculative.train.generators import Generator
-from speculative.train.recipes import RecipeContext, RecipeSettings, Sample, make_recipe
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.train.errors import TrainSetupError
+from mtpserve.speculative.train.generators import Generator
+from mtpserve.speculative.train.recipes import RecipeContext, RecipeSettings, Sample, make_recipe
 
 log = logging.getLogger(__name__)
 FORMAT = "mtpserve-draft-data/2"

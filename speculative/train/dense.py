@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from modeling import layer_ops
-from modeling.model import Attention, DecoderLayer, LlamaModel, Rotary
-from modeling.qwen import QwenAttention
-from speculative.draft_head import DraftHead
-from speculative.eagle3_head import Eagle3Head
-from speculative.mtp_head import MTPEagleHead
+from mtpserve.modeling import layer_ops
+from mtpserve.modeling.model import Attention, DecoderLayer, LlamaModel, Rotary
+from mtpserve.modeling.qwen import QwenAttention
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.eagle3_head import Eagle3Head
+from mtpserve.speculative.mtp_head import MTPEagleHead
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

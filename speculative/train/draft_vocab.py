@@ -14,11 +14,11 @@ from typing import Any
 
 from safetensors import safe_open
 
-from modeling.model import LlamaArgs
-from speculative.mtp_head import MTPEagleHead
-from speculative.train.data import TokenDataset
-from speculative.train.errors import TrainSetupError
-from speculative.train.heads import frequent_vocab, response_token_counts
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.mtp_head import MTPEagleHead
+from mtpserve.speculative.train.data import TokenDataset
+from mtpserve.speculative.train.errors import TrainSetupError
+from mtpserve.speculative.train.heads import frequent_vocab, response_token_counts
 
 DRAFT_VOCAB_KEY = "draft_vocab_coverage"
 

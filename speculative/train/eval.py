@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from modeling.model import LlamaModel
-from speculative.draft_head import DraftHead
-from speculative.train.batches import Batch, HiddenStore, autocast_ctx
-from speculative.train.dense import head_unrolled
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.train.batches import Batch, HiddenStore, autocast_ctx
+from mtpserve.speculative.train.dense import head_unrolled
 
 FIRST_TOKENS = 128  # the window of `first_acceptance_length` (the held-apart benchmark's --max-tokens)
 

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
-from modeling.model import LlamaArgs
+from mtpserve.modeling.model import LlamaArgs
 
 
 @dataclass

@@ -31,9 +31,9 @@ start=$(date +%s)
 left() { echo $(($1 - ($(date +%s) - start))); }
 
 data() {  # $1: seconds for this step
-  python3 -c "from modeling.loader import resolve_model; resolve_model('$MODEL', 'auto').weights()" || return 1
+  python3 -c "from mtpserve.modeling.loader import resolve_model; resolve_model('$MODEL', 'auto').weights()" || return 1
   for w in $(seq 0 $((SHARDS - 1))); do
-    python3 -m cluster train-draft --stage data --device cuda --target "$MODEL" --data-dir "$DATA" --mix "$MIX" \
+    python3 -m mtpserve train-draft --stage data --device cuda --target "$MODEL" --data-dir "$DATA" --mix "$MIX" \
       --part-size 2048 --gen-batch-size 256 --seed "$SEED" --shard "$w/$SHARDS" --time-budget "$(left "$1")" \
       > "$OUT/data-$w.log" 2>&1 &
   done
@@ -56,7 +56,7 @@ PY
 train() {  # $1: seconds for this step
   [ -f "$DATA/meta.json" ] || data $(($1 / 3))
   [ -f "$DATA/meta.json" ] || { echo "dataset unfinished"; return 1; }
-  python3 -m cluster train-draft --stage train --device cuda --target "$MODEL" --data-dir "$DATA" --seed 0 \
+  python3 -m mtpserve train-draft --stage train --device cuda --target "$MODEL" --data-dir "$DATA" --seed 0 \
     --holdout-source seed --dev-fraction 0.006 --batch-size 64 --max-batch-tokens 24576 --lr "$LR" \
     --warmup-steps "$WARMUP" ${INIT_HEAD:+--init-head "$INIT_HEAD"} --steps "$STEPS" --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 --ckpt-every 0 \
     $(for s in $HEAD_SPECS; do printf -- '--head-spec %s ' "$s"; done) \
@@ -77,7 +77,7 @@ SETS=(--prompts bench/prompts/heldout/chat.jsonl --prompts bench/prompts/heldout
 evaluate() {  # heads: the trained ones and any given
   for h in "$HEADS"/*.safetensors "$@"; do
     name=$(basename "$(dirname "$h")")-$(basename "$h" .safetensors)
-    python3 -m cluster bench acceptance --device cuda --model "$MODEL" --draft "$h" --num-draft-tokens 3 \
+    python3 -m mtpserve bench acceptance --device cuda --model "$MODEL" --draft "$h" --num-draft-tokens 3 \
       --max-tokens 128 "${SETS[@]}" --quiet --json "$OUT/acc-$name.json" > "$OUT/acc-$name.log" 2>&1
     tail -n 8 "$OUT/acc-$name.log"
   done
@@ -87,7 +87,7 @@ eagle3() {  # $1: seconds for the training; EAGLE-3 heads on the finished datase
   # under $HEADS (they stay on the warm machine); $OUT gets at most six JSON files (results, acceptance, speed)
   [ -f "$DATA/meta.json" ] || { echo "dataset unfinished: run the data step first"; return 1; }
   specs=${E3_SPECS:-"e3:layers=eagle3 e3-v16k:layers=eagle3,vocab=16384"}
-  python3 -m cluster train-draft --stage train --format eagle3 --device cuda --target "$MODEL" --data-dir "$DATA" \
+  python3 -m mtpserve train-draft --stage train --format eagle3 --device cuda --target "$MODEL" --data-dir "$DATA" \
     --seed 0 --holdout-source seed --dev-fraction 0.006 --batch-size 64 --max-batch-tokens 24576 --lr "$LR" \
     --warmup-steps "$WARMUP" --steps "$STEPS" --time-budget "$(left "$1")" --eval-every 0 --eval-batch-size 16 \
     --ckpt-every 0 $(for s in $specs; do printf -- '--head-spec %s ' "$s"; done) \
@@ -99,13 +99,13 @@ eagle3() {  # $1: seconds for the training; EAGLE-3 heads on the finished datase
   [ -d "${dirs[0]}" ] || dirs=("$HEADS/smollm2-135m-eagle3/")
   for d in "${dirs[@]}"; do
     name=$(basename "$d")
-    python3 -m cluster bench acceptance --device cuda --model "$MODEL" --spec-method eagle3 --draft "$d" \
+    python3 -m mtpserve bench acceptance --device cuda --model "$MODEL" --spec-method eagle3 --draft "$d" \
       --num-draft-tokens 3 --max-tokens 128 "${SETS[@]}" --quiet --json "$OUT/acc-$name.json" > "/tmp/acc-$name.log" 2>&1
     tail -n 8 "/tmp/acc-$name.log"
   done
   [ "$E3_SPEED" = 0 ] && return $status
   for k in 1 3; do
-    python3 -m cluster bench throughput --device cuda --model "$MODEL" --spec-method eagle3 \
+    python3 -m mtpserve bench throughput --device cuda --model "$MODEL" --spec-method eagle3 \
       --draft "$HEADS/smollm2-135m-eagle3" --num-draft-tokens "$k" --batch-sizes 1,8,64 --output-len 128 \
       --json "$OUT/tput-eagle3-k$k.json" > "/tmp/tput-eagle3-k$k.log" 2>&1
     tail -n 6 "/tmp/tput-eagle3-k$k.log"
@@ -116,7 +116,7 @@ eagle3() {  # $1: seconds for the training; EAGLE-3 heads on the finished datase
 vocab() {  # $1: seconds for the data; $2: comma-separated draft-vocabulary sizes
   [ -f "$DATA/meta.json" ] || data "$1"
   for n in ${2//,/ }; do
-    python3 -m cluster train-draft --stage vocab --device cuda --target "$MODEL" --data-dir "$DATA" --seed 0 \
+    python3 -m mtpserve train-draft --stage vocab --device cuda --target "$MODEL" --data-dir "$DATA" --seed 0 \
       --holdout-source seed --dev-fraction 0.006 --head "$SHIPPED" --draft-vocab "$n" \
       --out "$HEADS/smollm2-135m-mtp-v$n.safetensors" 2>&1 | tail -n 2
   done

@@ -28,19 +28,19 @@ from pathlib import Path
 
 import torch
 
-from modeling.model import LlamaArgs
-from speculative import eagle3_config
-from speculative.draft_head import DraftHead
-from speculative.eagle3_head import Eagle3Head
-from speculative.mtp_head import (
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative import eagle3_config
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.eagle3_head import Eagle3Head
+from mtpserve.speculative.mtp_head import (
     MAX_LAYERS,
     MTPEagleHead,
     check_feature_layers,
     default_feature_layers,
     fused_feature_layers,
 )
-from speculative.train.data import TokenDataset
-from speculative.train.errors import TrainSetupError
+from mtpserve.speculative.train.data import TokenDataset
+from mtpserve.speculative.train.errors import TrainSetupError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 HEAD_FORMATS = ("mtp", "eagle3")

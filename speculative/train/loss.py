@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.model import LlamaModel
-from speculative.draft_head import DraftHead
-from speculative.train.batches import Batch
-from speculative.train.dense import head_unrolled
-from speculative.train.eval import path_bases
+from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.train.batches import Batch
+from mtpserve.speculative.train.dense import head_unrolled
+from mtpserve.speculative.train.eval import path_bases
 
 REPEAT_NGRAM = 8  # a response token is a repeat when the 8-gram ending at it occurred earlier in the response
 

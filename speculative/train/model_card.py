@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from speculative.train.eval import FIRST_TOKENS
+from mtpserve.speculative.train.eval import FIRST_TOKENS
 
 LAYOUTS = {  # what the head is, by train-draft's --format
     "mtp": [

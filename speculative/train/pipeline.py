@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from modeling.families import family_of
-from modeling.model import LlamaArgs
-from speculative.train.data import DataConfig, TokenDataset, build_parts, load_dataset
-from speculative.train.errors import TrainSetupError
-from speculative.train.generators import Generator, HFGenerator
-from speculative.train.model_card import write_model_card
-from speculative.train.trainer import TrainConfig, Trainer, build_shared
+from mtpserve.modeling.families import family_of
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.train.data import DataConfig, TokenDataset, build_parts, load_dataset
+from mtpserve.speculative.train.errors import TrainSetupError
+from mtpserve.speculative.train.generators import Generator, HFGenerator
+from mtpserve.speculative.train.model_card import write_model_card
+from mtpserve.speculative.train.trainer import TrainConfig, Trainer, build_shared
 
 log = logging.getLogger(__name__)
 FORMAT_TAGS = {"mtp": "mtpserve-mtp-eagle/1", "eagle3": "mtpserve-eagle3/1"}  # by TrainConfig.head_format
@@ -72,7 +72,7 @@ class LoadedTarget:
 
 def _target_source(opts: TrainDraftOptions) -> Any:
     """The `--target` model source; a missing path raises TrainSetupError naming --target."""
-    from modeling.loader import resolve_model
+    from mtpserve.modeling.loader import resolve_model
 
     if opts.target is not None and not Path(opts.target).expanduser().exists():
         raise TrainSetupError(
@@ -186,9 +186,9 @@ def _shape(args: LlamaArgs) -> str:
 
 def run_eval_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDataset) -> dict[str, Any]:
     """Score an existing head on the dev split (same split rule as training)."""
-    from speculative.train.batches import HiddenStore
-    from speculative.train.eval import evaluate
-    from speculative.train.heads import load_head_file
+    from mtpserve.speculative.train.batches import HiddenStore
+    from mtpserve.speculative.train.eval import evaluate
+    from mtpserve.speculative.train.heads import load_head_file
 
     path = Path(opts.head or opts.out)
     if not path.exists():
@@ -207,7 +207,7 @@ def run_eval_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDat
 def run_vocab_stage(opts: TrainDraftOptions) -> dict[str, Any]:
     """Restrict `--head`'s draft vocabulary to the training split's most frequent response tokens (reads
     the target's shape only, not its weights)."""
-    from speculative.train.draft_vocab import restrict_vocab
+    from mtpserve.speculative.train.draft_vocab import restrict_vocab
 
     if opts.head is None:
         raise TrainSetupError("--head", "--stage vocab needs the head to restrict")

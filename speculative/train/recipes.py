@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from modeling.model import LlamaArgs
-from speculative.train import prompt_parts as pp
-from speculative.train.generators import Generator, GenSettings
-from speculative.train.openers import OPENERS
-from speculative.train.seed_prompts import SEED_PROMPTS
+from mtpserve.modeling.model import LlamaArgs
+from mtpserve.speculative.train import prompt_parts as pp
+from mtpserve.speculative.train.generators import Generator, GenSettings
+from mtpserve.speculative.train.openers import OPENERS
+from mtpserve.speculative.train.seed_prompts import SEED_PROMPTS
 
 
 @dataclass

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from modeling.families import model_class
-from modeling.model import LlamaArgs, LlamaModel
-from speculative.draft_head import DraftHead
-from speculative.train.batches import HiddenStore, autocast_ctx, epoch_batches
-from speculative.train.data import TokenDataset
-from speculative.train.errors import TrainSetupError
-from speculative.train.eval import evaluate_heads
-from speculative.train.heads import (
+from mtpserve.modeling.families import model_class
+from mtpserve.modeling.model import LlamaArgs, LlamaModel
+from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.train.batches import HiddenStore, autocast_ctx, epoch_batches
+from mtpserve.speculative.train.data import TokenDataset
+from mtpserve.speculative.train.errors import TrainSetupError
+from mtpserve.speculative.train.eval import evaluate_heads
+from mtpserve.speculative.train.heads import (
     HeadSpec,
     check_specs,
     choose_head,
@@ -39,7 +39,7 @@ from speculative.train.heads import (
     new_head,
     response_token_counts,
 )
-from speculative.train.loss import default_step_weights, target_rows, unrolled_loss
+from mtpserve.speculative.train.loss import default_step_weights, target_rows, unrolled_loss
 
 log = logging.getLogger(__name__)
 CKPT_NAME = "latest.pt"

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.mtpserve.v1 import worker_pb2 as mtpserve_dot_v1_dot_worker__pb2
+from mtpserve.proto.mtpserve.v1 import worker_pb2 as mtpserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

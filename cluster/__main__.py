@@ -1,7 +1,0 @@
-"""`python -m cluster` runs the mtpserve CLI."""
-
-import sys
-
-from cluster.cli.mtpserve import main
-
-sys.exit(main())
