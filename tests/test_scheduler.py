@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.request import Request, SamplingParams
-from cluster.engine.scheduler import Scheduler
-from speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
-from workers.config import SchedulerConfig
+from mtpserve.cluster.engine.request import Request, SamplingParams
+from mtpserve.cluster.engine.scheduler import Scheduler
+from mtpserve.speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
+from mtpserve.workers.config import SchedulerConfig
 
 from tiny import random_prompts, tiny_args, tiny_engine, tiny_weights
 
@@ -267,3 +267,31 @@ def test_multi_token_steps_stop_where_token_by_token_would(seed: int) -> None:
             reason = o.finish_reason
             plan = sched.schedule()
         assert reason is not None and sched.blocks.num_free == 64, "the request finished and gave its blocks back"
+
+
+def test_default_budget_fits_a_full_decode_batch_with_its_drafts_and_a_prompt_chunk() -> None:
+    """Unset, the token budget is max_num_requests x (K + 1) + chunk_size: 255 requests at K=3 decode together
+    in one step, and a new prompt still gets a whole chunk beside them."""
+    from mtpserve.workers.config import MTPServeConfig
+
+    cfg = MTPServeConfig(scheduler={"max_num_requests": 256})
+    assert cfg.scheduler.max_num_batched_tokens == 256 * 4 + 512
+    assert MTPServeConfig(speculative={"enabled": False}).scheduler.max_num_batched_tokens == 64 + 512
+    assert MTPServeConfig(speculative={"tree_budget": 15}).scheduler.max_num_batched_tokens == 64 * 16 + 512
+    assert MTPServeConfig(scheduler={"max_num_batched_tokens": 300}).scheduler.max_num_batched_tokens == 300
+
+    torch = pytest.importorskip("torch")
+    sched = Scheduler(cfg.scheduler, 4096, 3, eos_token_ids=[], max_model_len=4096)
+    fake = FakeTarget()
+    ids = [f"r{i}" for i in range(255)]  # and one slot left for a prompt
+    for rid in ids:
+        sched.add(Request(rid, [7, 8, 9], SamplingParams(max_tokens=100, ignore_eos=True)))
+    plan = sched.schedule()
+    assert len(plan.seqs) == 255  # every prompt in one step
+    sched.update(plan, fake.execute(plan), DraftOutputs(plan.step_id, ids, torch.ones(255, 3, dtype=torch.long)))
+    sched.add(Request("long", list(range(1, 2001)), SamplingParams(max_tokens=4)))
+    plan = sched.schedule()
+    gen = [s for s in plan.seqs if not s.is_context]
+    ctx = [s for s in plan.seqs if s.is_context]
+    assert len(gen) == 255 and all(len(s.token_ids) == 4 for s in gen)
+    assert [len(s.token_ids) for s in ctx] == [512]

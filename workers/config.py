@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from modeling.gemv_tiles import parse_table
+from mtpserve.modeling.gemv_tiles import parse_table
 
 MAX_STEPS_AHEAD = 2  # steps queued on the device ahead of the one being read (host buffers rotate over one more)
 
@@ -181,7 +181,13 @@ class SpeculativeConfig(_Strict):
 class SchedulerConfig(_Strict):
     """Context-chunk scheduling and KV-cache limits."""
 
-    max_num_batched_tokens: int = Field(512, gt=0)
+    max_num_batched_tokens: int = Field(
+        768,
+        gt=0,
+        description="rows one step computes: decode rows with their drafts first, prompt chunks in what is left. "
+        "Unset, it is sized so that a full decode batch never starves: max_num_requests x (draft tokens + 1) + "
+        "chunk_size (768 for 64 requests at K=3)",
+    )
     chunk_size: int = Field(512, gt=0, description="max prompt tokens one request computes per step")
     max_num_requests: int = Field(64, gt=0, description="concurrent running requests (slots)")
     block_size: int = Field(16, gt=0)
@@ -287,6 +293,10 @@ class MTPServeConfig(_Strict):
     @model_validator(mode="after")
     def _check_budget(self) -> MTPServeConfig:
         k = self.speculative.proposed_tokens if self.speculative.enabled else 0
+        sched = self.scheduler
+        if "max_num_batched_tokens" not in sched.model_fields_set:
+            sched.max_num_batched_tokens = sched.max_num_requests * (k + 1) + sched.chunk_size
+            sched.model_fields_set.discard("max_num_batched_tokens")  # still derived: a re-validation sizes it again
         if self.scheduler.max_num_batched_tokens < k + 1:
             what = "tree_budget" if self.speculative.tree_budget else "num_draft_tokens"
             raise ValueError(f"scheduler.max_num_batched_tokens must be at least speculative.{what} + 1")

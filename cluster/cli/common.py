@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workers.config import MTPServeConfig
+from mtpserve.workers.config import MTPServeConfig
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -93,7 +93,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="'sampled' reproduces the pre-fix bug (ablation)",
     )
     g.add_argument("--chunk-size", type=int, help="max prompt tokens per request per step")
-    g.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="token budget per step (default: max-num-requests x (draft tokens + 1) + chunk size, so a full "
+        "decode batch always fits and prompts take what is left)",
+    )
     g.add_argument("--max-num-requests", type=int, help="concurrent running requests")
     g.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: sized from max-num-requests)")
     g.add_argument(
