@@ -6,6 +6,8 @@ layer above reads it as well.
 
 from __future__ import annotations
 
+import copy
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -268,6 +270,22 @@ class ServerConfig(_Strict):
         "of `mtpserve serve`, with Ray the front ends in a child of the scheduler actor; false: one process",
     )
 
+    frontends: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="front-end processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each tokenizing, "
+        "detokenizing and streaming its own requests, beside the engine's process; None: one per 4 cores, at most "
+        "4 (applies without Ray, with engine_process)",
+    )
+
+    @property
+    def num_frontends(self) -> int:
+        """Front-end processes to run: `frontends`, or one per 4 cores (1 to 4)."""
+        if self.frontends is not None:
+            return self.frontends
+        return max(1, min(4, (os.cpu_count() or 1) // 4))
+
     @model_validator(mode="after")
     def _check_exposure(self) -> ServerConfig:
         if self.http_port and self.http_port in (self.port, self.metrics_port):
@@ -325,10 +343,13 @@ class MTPServeConfig(_Strict):
     @classmethod
     def from_dict(cls, data: dict[str, Any], overrides: dict[str, Any] | None = None) -> MTPServeConfig:
         """Build from nested dicts plus dotted-key overrides (None values are skipped)."""
-        merged: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+        merged: dict[str, Any] = copy.deepcopy(data)
         for dotted, value in (overrides or {}).items():
             if value is None:
                 continue
-            section, _, key = dotted.partition(".")
-            merged.setdefault(section, {})[key] = value
+            *path, key = dotted.split(".")
+            node = merged
+            for part in path:  # nested sections too: server.tls.cert_file
+                node = node.setdefault(part, {})
+            node[key] = value
         return cls.model_validate(merged)

@@ -44,6 +44,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "child process, with Ray the front ends run in a child of the scheduler actor; --no-engine-process keeps "
         "both in one process)",
     )
+    g.add_argument(
+        "--frontends",
+        type=int,
+        help="front-end processes serving gRPC and HTTP on the same ports beside the engine's process, each "
+        "tokenizing, detokenizing and streaming its own requests (default: one per 4 cores, at most 4; without Ray)",
+    )
     g.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
     g = p.add_argument_group("security (docs: README, 'Security')")
     g.add_argument("--auth-token-file", help="file with the bearer token that every Inference call must carry")
@@ -108,6 +114,8 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     if uses_ray(cfg):
         return serve_with_actor(cfg, stop)
 
+    if cfg.server.engine_process and cfg.server.num_frontends > 1:
+        return serve_pooled(cfg, stop)
     engine, rc = None, 0
     try:
         if cfg.server.engine_process:
@@ -139,6 +147,38 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
         server.stop()
         if engine is not None:
             engine.shutdown()
+        log.info("stopped")
+    print("mtpserve: stopped", flush=True)
+    return rc
+
+
+def serve_pooled(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
+    """`serve` with several front-end processes (FrontEndPool); exit status 1 when the engine stops on its own."""
+    from mtpserve.cluster.service.front_end_pool import FrontEndPool
+
+    try:
+        pool = FrontEndPool(cfg, cfg.server.num_frontends)
+    except MTPServeError as exc:
+        print(f"mtpserve: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as exc:  # a port that cannot be bound
+        sc = cfg.server
+        ports = f"port {sc.port}, http_port {sc.http_port}, metrics_port {sc.metrics_port}"
+        print(f"mtpserve: cannot serve on {sc.host} ({ports}): {exc}", file=sys.stderr)
+        return 2
+    if stop is None:
+        stop = threading.Event()
+        install_stop_signals(stop)
+    rc = 0
+    print(f"mtpserve: {serving_line(pool.address, pool.metrics_port, pool.http_address)}", flush=True)
+    try:
+        while not stop.wait(0.5):
+            if not pool.engine_running:
+                print("mtpserve: the engine stopped (see the log above); exiting", file=sys.stderr, flush=True)
+                rc = 1
+                break
+    finally:
+        pool.stop()
         log.info("stopped")
     print("mtpserve: stopped", flush=True)
     return rc

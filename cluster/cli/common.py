@@ -156,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "server.auth_token_file": a.get("auth_token_file"),
         "server.allow_insecure": True if a.get("allow_insecure") else None,
         "server.engine_process": a.get("engine_process"),
+        "server.frontends": a.get("frontends"),
     }
     try:
         if a.get("config"):

@@ -8,13 +8,17 @@ pipe. With Ray the scheduler actor keeps the engine and serves the pipe from a t
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing as mp
 import os
 import pickle
 import signal
 import threading
 import time
-from multiprocessing.connection import Connection
+from dataclasses import dataclass, field
+from multiprocessing import connection as mp_connection
+from multiprocessing.connection import Connection, Listener
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -35,6 +39,7 @@ READY, ERROR, ADDED, OUT, FAIL, STOPPED, HEALTH = "ready", "error", "added", "ou
 ABORTED = "aborted"
 
 PARENT_CHECK_S = 1.0
+STATE_EVERY_S = 0.1  # a peer without outputs in a step still hears the engine state this often
 
 PackedOutput = tuple[str, list[int], bool, str | None, int, int, tuple[int, int, int, list[int], list[int]]]
 
@@ -78,9 +83,16 @@ def portable(exc: BaseException) -> BaseException:
         return EngineFailure(f"{type(exc).__name__}: {exc}")
 
 
-def run_engine_process(cfg: MTPServeConfig, conn: Connection, parent_pid: int, log_level: int = logging.INFO) -> None:
+def run_engine_process(
+    cfg: MTPServeConfig,
+    conn: Connection,
+    parent_pid: int,
+    log_level: int = logging.INFO,
+    listen: tuple[str, bytes] | None = None,
+) -> None:
     """Entry point of the engine process: send READY (model info, tokenizer, scheduler state) or ERROR, then serve
-    until STOP or until the parent is gone."""
+    until STOP or until the parent is gone. With `listen` (a Unix socket path and its key), the parent only
+    controls the engine, and front ends connect on that socket to serve it."""
     serve_as_child(parent_pid, log_level, "engine")
     try:
         engine = LLMEngine.from_config(cfg)
@@ -90,8 +102,9 @@ def run_engine_process(cfg: MTPServeConfig, conn: Connection, parent_pid: int, l
         conn.send((ERROR, portable(exc)))
         return
     try:
+        listener = None if listen is None else Listener(listen[0], family="AF_UNIX", authkey=listen[1])
         send_ready(engine, conn)
-        PipedEngine(engine, conn).run()
+        PipedEngine(engine, conn, streams=listener is None, listener=listener).run()
     finally:
         engine.shutdown()
 
@@ -126,93 +139,228 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-class PipedEngine:
-    """Drives an engine for the peer at the other end of `conn` (the server's process, or a front-end process):
-    applies its commands between steps and sends every step's results, and worker outages as HEALTH."""
+@dataclass(eq=False)
+class Peer:
+    """One process at the other end of a pipe to the engine. A `streams` peer (a front end) sends adds and aborts
+    and hears its requests' outputs; any peer hears health and failures. When the `primary` peer stops (or its
+    pipe closes), the engine stops; any other peer that leaves takes only its own requests with it."""
 
-    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+    conn: Connection
+    streams: bool = True
+    primary: bool = True
+    live: set[str] = field(default_factory=set)  # its requests added and not yet ended
+    heard_at: float = 0.0  # when it was last sent the engine state
+    stale: bool = False  # the engine state changed since
+
+
+class PipedEngine:
+    """Drives an engine for the peers at the other end of pipes: the server's process, or front-end processes
+    (one or several). Applies their commands between steps and sends every step's results, each request's to the
+    peer that added it, and worker outages as HEALTH to all. With `listener`, front ends may connect at any time
+    (front_end_pool.py): each gets READY, then serves beside the others."""
+
+    def __init__(
+        self, engine: LLMEngine, conn: Connection, streams: bool = True, listener: Listener | None = None
+    ) -> None:
         self.engine = engine
-        self.conn = conn
-        self.live: set[str] = set()  # requests added and not yet ended
+        self.peers = [Peer(conn, streams=streams)]
+        self.owner: dict[str, Peer] = {}
         self.peer_gone = False
         self._send_lock = threading.Lock()  # health listeners may call from the workers' restart thread
+        self._joining: list[Connection] = []
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._listener = listener
+        if listener is not None:
+            threading.Thread(target=self._accept, args=(listener,), name="mtpserve-engine-accept", daemon=True).start()
         engine.on_tokens = self._send_outputs
         engine.health_listeners.append(self._send_health)
 
     def run(self) -> None:
-        """Serve until STOP or until the peer's end of the pipe closes."""
+        """Serve until the primary peer sends STOP or its end of the pipe closes."""
         try:
-            while not self.peer_gone and self._apply_commands(block=not self.engine.has_unfinished()):
+            while not self.peer_gone:
+                idle = not self.engine.has_unfinished()
+                if idle:
+                    self._send_state()  # before waiting: every peer sees the engine at rest
+                if not self._apply_commands(block=idle):
+                    break
                 if self.engine.has_unfinished():
                     self._step()
-            for rid in list(self.live):
+            for rid in list(self.owner):
                 self.engine.abort(rid)
-            self._send((STOPPED, engine_load(self.engine)))
+            self.owner.clear()
+            load = engine_load(self.engine)
+            for peer in self.peers:
+                self._send_to(peer, (STOPPED, load))
         finally:
+            if self._listener is not None:
+                with contextlib.suppress(OSError):
+                    self._listener.close()
             self.engine.health_listeners.remove(self._send_health)
             if self.engine.on_tokens == self._send_outputs:
                 self.engine.on_tokens = None  # another peer may drive the engine next
 
+    # ---- peers joining and leaving ----------------------------------------------------------------
+    def _accept(self, listener: Listener) -> None:
+        """Take front ends that connect, until the listener closes; the engine's thread adopts them."""
+        while True:
+            try:
+                conn = listener.accept()
+            except (OSError, EOFError):
+                return
+            except Exception:  # a bad handshake (wrong key): refuse that one, keep listening
+                log.warning("refused a connection to the engine", exc_info=True)
+                continue
+            with self._send_lock:
+                self._joining.append(conn)
+            with contextlib.suppress(OSError):
+                self._wake_w.send_bytes(b"j")
+
+    def _adopt(self) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            while self._wake_r.poll():
+                self._wake_r.recv_bytes()
+        with self._send_lock:
+            joining, self._joining = self._joining, []
+        for conn in joining:
+            peer = Peer(conn, streams=True, primary=False)
+            try:
+                send_ready(self.engine, conn)
+            except OSError:
+                conn.close()
+                continue
+            self.peers.append(peer)
+            log.info("a front end joined (%d peers)", len(self.peers))
+
+    def _leave(self, peer: Peer, answer: bool) -> None:
+        """A peer other than the primary left: abort its requests (their KV blocks are freed now)."""
+        for rid in peer.live:
+            self.owner.pop(rid, None)
+            self.engine.abort(rid)
+        peer.live.clear()
+        if answer:
+            self._send_to(peer, (STOPPED, engine_load(self.engine)))
+        self.peers.remove(peer)
+        for other in self.peers:
+            other.stale = True  # its requests' blocks are free now
+        with contextlib.suppress(OSError):
+            peer.conn.close()
+        log.info("a front end left (%d peers)", len(self.peers))
+
+    # ---- commands -----------------------------------------------------------------------------------
     def _apply_commands(self, block: bool) -> bool:
-        """Apply every queued command (waiting for one when `block`); False on STOP or a closed pipe."""
-        try:
-            if block:
-                self.conn.poll(None)
-            while self.conn.poll():
-                msg = self.conn.recv()
-                for cmd in msg[1] if msg[0] == BATCH else [msg]:
-                    if cmd[0] == STOP:
-                        return False
-                    self._apply(cmd)
-        except (EOFError, OSError):
-            self.peer_gone = True
-            return False
+        """Apply every queued command (waiting for one when `block`); False when the primary peer stops or its
+        pipe closes."""
+        ready = mp_connection.wait([p.conn for p in self.peers] + [self._wake_r], None if block else 0)
+        if self._wake_r in ready:
+            self._adopt()
+        for peer in list(self.peers):
+            if peer.conn not in ready:
+                continue
+            try:
+                while peer.conn.poll():
+                    msg = peer.conn.recv()
+                    for cmd in msg[1] if msg[0] == BATCH else [msg]:
+                        if cmd[0] == STOP:
+                            if peer.primary:
+                                return False
+                            self._leave(peer, answer=True)
+                            break
+                        self._apply(peer, cmd)
+                    else:
+                        continue
+                    break
+            except (EOFError, OSError):
+                if peer.primary:
+                    self.peer_gone = True
+                    return False
+                self._leave(peer, answer=False)
         return True
 
-    def _apply(self, msg: tuple[Any, ...]) -> None:
+    def _apply(self, peer: Peer, msg: tuple[Any, ...]) -> None:
         if msg[0] == ABORT:
-            self.live.discard(msg[1])
-            self.engine.abort(msg[1])
-            self._send((ABORTED, msg[1], engine_load(self.engine)))  # the freed blocks show before the next step
+            rid = msg[1]
+            if self.owner.get(rid) is peer:
+                del self.owner[rid]
+                peer.live.discard(rid)
+                self.engine.abort(rid)
+            self._send_to(peer, (ABORTED, rid, engine_load(self.engine)))  # the freed blocks show before the next step
+            for other in self.peers:
+                other.stale = other.stale or other is not peer
             return
         _, seq, rid, ids, params = msg
         try:
             self.engine.add_request(ids, params, rid)
         except Exception as exc:
-            self._send((ADDED, seq, portable(exc)))
+            self._send_to(peer, (ADDED, seq, portable(exc)))
             return
-        self.live.add(rid)
-        self._send((ADDED, seq, None))
+        self.owner[rid] = peer
+        peer.live.add(rid)
+        self._send_to(peer, (ADDED, seq, None))
 
+    # ---- steps and what they send -----------------------------------------------------------------
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as exc:
             err = step_error(exc)
-            log.exception("engine step failed; failing %d in-flight requests", len(self.live))
-            for rid in list(self.live):
+            log.exception("engine step failed; failing %d in-flight requests", len(self.owner))
+            for rid in list(self.owner):
                 try:
                     self.engine.abort(rid)
                 except Exception:  # the engine may be broken; keep ending the rest
                     log.exception("abort of %s after an engine failure raised", rid)
-            self.live.clear()
+            self.owner.clear()
+            for peer in self.peers:
+                peer.live.clear()
             self.engine.scheduler.forget_cached()  # the KV those keys point at may be gone
-            self._send((FAIL, portable(err), engine_load(self.engine)))
+            msg = (FAIL, portable(err), engine_load(self.engine))
+            for peer in list(self.peers):
+                self._send_to(peer, msg)
             return
         self._send_outputs(outputs)
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Each peer its requests' outputs with the engine state: a primary front end every step, other peers when
+        they have outputs or have not heard for STATE_EVERY_S."""
+        mine: dict[int, list[RequestOutput]] = {}
+        first = self.peers[0] if self.peers and self.peers[0].primary and self.peers[0].streams else None
         for o in outputs:
+            peer = self.owner.get(o.request_id)
+            if peer is None:
+                continue
             if o.finished:
-                self.live.discard(o.request_id)
-        self._send((OUT, pack_outputs(outputs), engine_load(self.engine)))
+                del self.owner[o.request_id]
+                peer.live.discard(o.request_id)
+            mine.setdefault(id(peer), []).append(o)
+        load = engine_load(self.engine)
+        now = time.monotonic()
+        for peer in list(self.peers):
+            own = mine.get(id(peer))
+            if own is None and peer is not first and now - peer.heard_at < STATE_EVERY_S:
+                peer.stale = True
+                continue
+            peer.heard_at, peer.stale = now, False
+            self._send_to(peer, (OUT, pack_outputs(own or []), load))
+
+    def _send_state(self) -> None:
+        """The engine state to every peer that has not heard it since it changed."""
+        stale = [p for p in self.peers if p.stale]
+        if not stale:
+            return
+        load = engine_load(self.engine)
+        for peer in stale:
+            peer.heard_at, peer.stale = time.monotonic(), False
+            self._send_to(peer, (OUT, [], load))
 
     def _send_health(self, ok: bool) -> None:
-        self._send((HEALTH, ok))
+        for peer in list(self.peers):
+            self._send_to(peer, (HEALTH, ok))
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def _send_to(self, peer: Peer, msg: tuple[Any, ...]) -> None:
         try:
             with self._send_lock:
-                self.conn.send(msg)
+                peer.conn.send(msg)
         except OSError:
-            self.peer_gone = True
+            if peer.primary:
+                self.peer_gone = True

@@ -12,7 +12,9 @@ import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 from mtpserve.cluster.engine.errors import MTPServeError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
@@ -76,15 +78,7 @@ class FrontEndProcess:
         return self._proc.pid
 
     def _wait_serving(self) -> tuple[str, int | None, str | None]:
-        try:
-            if not self._control.poll(START_TIMEOUT_S):
-                raise FrontEndError(f"the front-end process did not start within {START_TIMEOUT_S:.0f} s")
-            msg = self._control.recv()
-        except (EOFError, OSError):
-            self._proc.join(5.0)
-            raise FrontEndError(f"the front-end process exited with code {self._proc.exitcode}") from None
-        if msg[0] == ERROR:
-            raise msg[1]
+        msg = wait_serving(self._control, self._proc, "the front-end process")
         return msg[1], msg[2], msg[3]
 
     def _serve_engine(self) -> None:
@@ -121,19 +115,47 @@ class FrontEndProcess:
         self._close()
 
 
-def run_front_ends(
-    cfg: MTPServeConfig, engine_pipe: Connection, control: Connection, parent_pid: int, log_level: int
-) -> None:
-    """Entry point of the front-end process: serve over `engine_pipe` until told to stop on `control` (or until
-    the parent or the engine is gone); the bound endpoints, or the error, go back on `control`."""
-    serve_as_child(parent_pid, log_level, "front ends")
+def wait_serving(control: Connection, proc: BaseProcess, name: str) -> tuple[Any, ...]:
+    """The SERVING message a front-end process sends on `control` once it serves; FrontEndError (or the child's
+    own error) when it cannot start."""
     try:
-        server = MTPServer(None, cfg, engine_pipe=engine_pipe)
+        if not control.poll(START_TIMEOUT_S):
+            raise FrontEndError(f"{name} did not start within {START_TIMEOUT_S:.0f} s")
+        msg = control.recv()
+    except (EOFError, OSError):
+        proc.join(5.0)
+        raise FrontEndError(f"{name} exited with code {proc.exitcode}") from None
+    if msg[0] == ERROR:
+        raise msg[1]
+    return msg
+
+
+def run_front_ends(
+    cfg: MTPServeConfig,
+    engine_pipe: Connection | tuple[str, bytes],
+    control: Connection,
+    parent_pid: int,
+    log_level: int,
+    tag: str = "front ends",
+) -> None:
+    """Entry point of a front-end process: serve over `engine_pipe` until told to stop on `control` (or until
+    the parent or the engine is gone); the bound endpoints, or the error, go back on `control`.
+
+    Given a Unix socket path and key instead of a pipe, it is one of several front ends of a FrontEndPool: it
+    connects to the engine there, shares the configured ports with the others and serves no metrics port (the
+    pool serves one view of all)."""
+    serve_as_child(parent_pid, log_level, tag)
+    try:
+        if isinstance(engine_pipe, tuple):
+            conn = Client(engine_pipe[0], family="AF_UNIX", authkey=engine_pipe[1])
+            server = MTPServer(None, cfg, metrics=False, engine_pipe=conn, engine_metrics=False, reuse_port=True)
+        else:
+            server = MTPServer(None, cfg, engine_pipe=engine_pipe)
         server.start()
     except BaseException as exc:
         control.send((ERROR, portable(exc)))
         return
-    control.send((SERVING, server.address, server.metrics_port, server.http_address))
+    control.send((SERVING, server.address, server.metrics_port, server.http_address, server.port, server.http_port))
     try:
         while server.loop.running and not control.poll(0.5):
             pass

@@ -82,6 +82,7 @@ class HTTPSite:
         ssl_context: ssl.SSLContext | None = None,
         backlog: int = 1024,
         grace: float = 1.0,
+        reuse_port: bool = False,
     ) -> None:
         self._make_app = make_app
         self.host = host
@@ -89,6 +90,7 @@ class HTTPSite:
         self._ssl = ssl_context
         self._backlog = backlog
         self._grace = grace
+        self._reuse_port = reuse_port
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
@@ -97,7 +99,14 @@ class HTTPSite:
             self._make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=self._grace
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl, backlog=self._backlog)
+        site = web.TCPSite(
+            self._runner,
+            self.host,
+            self.port,
+            ssl_context=self._ssl,
+            backlog=self._backlog,
+            reuse_port=self._reuse_port or None,
+        )
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         return self.port

@@ -20,9 +20,12 @@ HTTP = "http"
 
 
 class ServerMetrics:
-    """Counters, gauges and histograms of one server; several servers in a process do not collide."""
+    """Counters, gauges and histograms of one server; several servers in a process do not collide.
 
-    def __init__(self, prefix: str = "mtpserve") -> None:
+    With `engine_wide` False the server records only its own requests' metrics: a front end among several, whose
+    engine-wide figures one place records for all (`EngineMetrics`, front_end_pool.py)."""
+
+    def __init__(self, prefix: str = "mtpserve", engine_wide: bool = True) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._http: Any = None
         self._thread: threading.Thread | None = None
@@ -57,20 +60,6 @@ class ServerMetrics:
             ["frontend", "reason"],
             registry=r,
         )
-        self.queue_depth = Gauge(f"{prefix}_queue_depth", "Requests waiting for a slot", registry=r)
-        self.running = Gauge(f"{prefix}_requests_running", "Requests holding a slot", registry=r)
-        self.kv_usage = Gauge(f"{prefix}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
-        self.kv_blocks_used = Gauge(f"{prefix}_kv_blocks_used", "KV-cache blocks in use", registry=r)
-        self.kv_blocks_cached = Gauge(
-            f"{prefix}_kv_blocks_cached", "KV-cache blocks nobody holds, kept for prefix reuse", registry=r
-        )
-        self.prefix_query_tokens = Counter(
-            f"{prefix}_prefix_cache_query_tokens", "Sequence tokens of admitted requests looked up", registry=r
-        )
-        self.prefix_hit_tokens = Counter(
-            f"{prefix}_prefix_cache_hit_tokens", "Looked-up tokens whose KV came from the prefix cache", registry=r
-        )
-        self._prefix_seen = (0, 0)
         self.drafted = Counter(f"{prefix}_spec_drafted_tokens", "Draft tokens proposed and verified", registry=r)
         self.accepted = Counter(f"{prefix}_spec_accepted_tokens", "Draft tokens accepted by the target", registry=r)
         self.verify_steps = Counter(f"{prefix}_spec_verify_steps", "Target verify passes", registry=r)
@@ -86,27 +75,22 @@ class ServerMetrics:
             ["position"],
             registry=r,
         )
+        self.engine = EngineMetrics(r, prefix) if engine_wide else None
 
-        self.steps_per_depth = Counter(
-            f"{prefix}_spec_steps_per_depth",
-            "Scheduled steps by kind (adaptive speculation): a chain depth (0 = the draft only keeps its KV), "
-            "or tree<N> for a draft tree of N nodes",
-            ["depth"],
-            registry=r,
-        )
-        self.depth = Gauge(
-            f"{prefix}_spec_depth", "Draft depth the adaptive policy would choose now (a tree's depth)", registry=r
-        )
-        self._kinds_seen: dict[str, int] = {}
+    def observe_load(self, running: int, waiting: int, blocks_used: int, blocks_total: int) -> None:
+        """Set the load gauges (engine-wide metrics only)."""
+        if self.engine is not None:
+            self.engine.observe_load(running, waiting, blocks_used, blocks_total)
+
+    def observe_prefix_cache(self, query_tokens: int, hit_tokens: int, blocks_cached: int) -> None:
+        """Bring the prefix-cache metrics up to the scheduler's totals (engine-wide metrics only)."""
+        if self.engine is not None:
+            self.engine.observe_prefix_cache(query_tokens, hit_tokens, blocks_cached)
 
     def observe_depths(self, steps_per_kind: dict[str, int], current: int) -> None:
-        """Bring the per-kind step counters (keyed '0'..'K' and 'tree<N>') up to the policy's running totals,
-        and set the depth gauge."""
-        for kind, total in steps_per_kind.items():
-            before = self._kinds_seen.get(kind, 0)
-            self.steps_per_depth.labels(depth=kind).inc(max(0, total - before))
-            self._kinds_seen[kind] = max(total, before)
-        self.depth.set(current)
+        """Bring the per-kind step counters up to the policy's totals (engine-wide metrics only)."""
+        if self.engine is not None:
+            self.engine.observe_depths(steps_per_kind, current)
 
     def start_http(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics on `port` (0 picks a free one); returns the bound port."""
@@ -120,21 +104,6 @@ class ServerMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
-
-    def observe_load(self, running: int, waiting: int, blocks_used: int, blocks_total: int) -> None:
-        """Set the load gauges."""
-        self.running.set(running)
-        self.queue_depth.set(waiting)
-        self.kv_blocks_used.set(blocks_used)
-        self.kv_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
-
-    def observe_prefix_cache(self, query_tokens: int, hit_tokens: int, blocks_cached: int) -> None:
-        """Bring the prefix-cache counters up to the scheduler's running totals, and set the cached gauge."""
-        seen_q, seen_h = self._prefix_seen
-        self.prefix_query_tokens.inc(max(0, query_tokens - seen_q))
-        self.prefix_hit_tokens.inc(max(0, hit_tokens - seen_h))
-        self._prefix_seen = (max(seen_q, query_tokens), max(seen_h, hit_tokens))
-        self.kv_blocks_cached.set(blocks_cached)
 
     def observe_finish(
         self,
@@ -157,3 +126,60 @@ class ServerMetrics:
         for k, (d, a) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position, strict=True)):
             self.drafted_per_position.labels(position=str(k)).inc(d)
             self.accepted_per_position.labels(position=str(k)).inc(a)
+
+
+class EngineMetrics:
+    """The engine-wide metrics (load, KV blocks, prefix cache, speculation kinds), brought up to date from the
+    scheduler's state after a step, in `registry`."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = "mtpserve") -> None:
+        r = registry
+        self.queue_depth = Gauge(f"{prefix}_queue_depth", "Requests waiting for a slot", registry=r)
+        self.running = Gauge(f"{prefix}_requests_running", "Requests holding a slot", registry=r)
+        self.kv_usage = Gauge(f"{prefix}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
+        self.kv_blocks_used = Gauge(f"{prefix}_kv_blocks_used", "KV-cache blocks in use", registry=r)
+        self.kv_blocks_cached = Gauge(
+            f"{prefix}_kv_blocks_cached", "KV-cache blocks nobody holds, kept for prefix reuse", registry=r
+        )
+        self.prefix_query_tokens = Counter(
+            f"{prefix}_prefix_cache_query_tokens", "Sequence tokens of admitted requests looked up", registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            f"{prefix}_prefix_cache_hit_tokens", "Looked-up tokens whose KV came from the prefix cache", registry=r
+        )
+        self._prefix_seen = (0, 0)
+        self.steps_per_depth = Counter(
+            f"{prefix}_spec_steps_per_depth",
+            "Scheduled steps by kind (adaptive speculation): a chain depth (0 = the draft only keeps its KV), "
+            "or tree<N> for a draft tree of N nodes",
+            ["depth"],
+            registry=r,
+        )
+        self.depth = Gauge(
+            f"{prefix}_spec_depth", "Draft depth the adaptive policy would choose now (a tree's depth)", registry=r
+        )
+        self._kinds_seen: dict[str, int] = {}
+
+    def observe_depths(self, steps_per_kind: dict[str, int], current: int) -> None:
+        """Bring the per-kind step counters (keyed '0'..'K' and 'tree<N>') up to the policy's running totals,
+        and set the depth gauge."""
+        for kind, total in steps_per_kind.items():
+            before = self._kinds_seen.get(kind, 0)
+            self.steps_per_depth.labels(depth=kind).inc(max(0, total - before))
+            self._kinds_seen[kind] = max(total, before)
+        self.depth.set(current)
+
+    def observe_load(self, running: int, waiting: int, blocks_used: int, blocks_total: int) -> None:
+        """Set the load gauges."""
+        self.running.set(running)
+        self.queue_depth.set(waiting)
+        self.kv_blocks_used.set(blocks_used)
+        self.kv_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
+
+    def observe_prefix_cache(self, query_tokens: int, hit_tokens: int, blocks_cached: int) -> None:
+        """Bring the prefix-cache counters up to the scheduler's running totals, and set the cached gauge."""
+        seen_q, seen_h = self._prefix_seen
+        self.prefix_query_tokens.inc(max(0, query_tokens - seen_q))
+        self.prefix_hit_tokens.inc(max(0, hit_tokens - seen_h))
+        self._prefix_seen = (max(seen_q, query_tokens), max(seen_h, hit_tokens))
+        self.kv_blocks_cached.set(blocks_cached)

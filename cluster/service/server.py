@@ -28,7 +28,7 @@ from mtpserve.workers.config import MTPServeConfig
 log = logging.getLogger(__name__)
 
 
-def _host_port(host: str, port: int) -> str:
+def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -38,7 +38,8 @@ class MTPServer:
 
     Given an engine, the server drives it from a thread of this process (EngineLoop). Given none, it builds the
     engine from `cfg` in a process of its own (EngineProcess; the build's errors, such as ModelLoadError, are
-    raised here), or, given `engine_pipe`, drives the engine at the other end of that pipe."""
+    raised here), or, given `engine_pipe`, drives the engine at the other end of that pipe. One of several front
+    ends on the same ports takes `reuse_port`, and `engine_metrics` False (another process records those)."""
 
     def __init__(
         self,
@@ -46,13 +47,16 @@ class MTPServer:
         cfg: MTPServeConfig | None = None,
         metrics: bool = True,
         engine_pipe: Connection | None = None,
+        engine_metrics: bool = True,
+        reuse_port: bool = False,
     ) -> None:
         if cfg is None:
             assert engine is not None, "give an engine or a config"
             cfg = engine.cfg
         self.cfg = cfg
         self.engine = engine  # None when the engine runs in a process of its own
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine_wide=engine_metrics)
+        self._reuse_port = reuse_port  # other processes serve the same ports
         self._metrics_on = metrics
         self._serving = True
         self.front_end = FrontEndThread()
@@ -84,12 +88,12 @@ class MTPServer:
     @property
     def address(self) -> str:
         """host:port the gRPC server is bound to."""
-        return _host_port(self.cfg.server.host, self.port)
+        return host_port(self.cfg.server.host, self.port)
 
     @property
     def http_address(self) -> str | None:
         """host:port the HTTP API is bound to; None when it is off."""
-        return None if self.http_port is None else _host_port(self.cfg.server.host, self.http_port)
+        return None if self.http_port is None else host_port(self.cfg.server.host, self.http_port)
 
     def accepting(self) -> bool:
         """Whether Generate takes new requests: not stopped, set_serving(False) not in force, loop alive.
@@ -144,7 +148,7 @@ class MTPServer:
             options=[
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(self._reuse_port)),
             ],
             maximum_concurrent_rpcs=min(sched.max_num_requests + sched.max_queue, 1024) + 16,
             interceptors=interceptors,
@@ -155,7 +159,7 @@ class MTPServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-        bind = _host_port(sc.host, sc.port)
+        bind = host_port(sc.host, sc.port)
         self.port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
         await server.start()
         self._grpc = server
@@ -174,7 +178,7 @@ class MTPServer:
             max_body_bytes=sc.http_max_body_mb * 1024 * 1024,
         )
         tls = ssl_context(sc.tls) if sc.tls.enabled else None
-        self._http = HTTPSite(api.app, sc.host, sc.http_port, tls)
+        self._http = HTTPSite(api.app, sc.host, sc.http_port, tls, reuse_port=self._reuse_port)
         self.http_port = self.front_end.call(self._http.start)
 
     def stop(self, grace: float = 1.0) -> None:

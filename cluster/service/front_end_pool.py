@@ -1,0 +1,260 @@
+"""Several front-end processes serving one engine: what `mtpserve serve --frontends N` runs (N > 1, no Ray).
+
+One Python process caps how many tokens it can tokenize, detokenize and frame per second, well below what the
+engine computes at 64 streams and more. So the engine runs in a process of its own (engine_child.py, listening
+on a Unix socket), and N front-end processes (front_end_process.run_front_ends) connect to it, each with the
+gRPC and HTTP APIs bound to the same ports (SO_REUSEPORT: the kernel spreads new connections over them). Each
+front end adds and streams only its own requests; the engine sends each step's outputs to the front end that
+owns them. This process supervises: it starts the engine and the front ends, starts a new front end in place of
+one that dies (the engine aborts the dead one's requests, freeing their KV blocks), serves one /metrics view
+of all (the front ends write Prometheus's multiprocess files; the engine-wide gauges come from the engine's
+state, sent here), and stops everything in order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from multiprocessing import connection as mp_connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+from mtpserve.cluster.engine.errors import ModelLoadError
+from mtpserve.cluster.service.engine_child import (
+    ERROR,
+    FAIL,
+    HEALTH,
+    OUT,
+    READY,
+    STOP,
+    STOPPED,
+    kill_at_exit,
+    run_engine_process,
+)
+from mtpserve.cluster.service.front_end_process import STOP_SERVING, run_front_ends, wait_serving
+from mtpserve.cluster.service.metrics import EngineMetrics
+from mtpserve.cluster.service.request_book import EngineLoad
+from mtpserve.cluster.service.server import host_port
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.workers.config import MTPServeConfig
+
+log = logging.getLogger(__name__)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class FrontEnd:
+    """One front-end process of the pool, and the pipe it reports on."""
+
+    def __init__(self, cfg: MTPServeConfig, engine: tuple[str, bytes], index: int, metrics_dir: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.index = index
+        self.control, child_control = ctx.Pipe()
+        self.proc: BaseProcess = ctx.Process(
+            target=run_front_ends,
+            args=(
+                cfg,
+                engine,
+                child_control,
+                os.getpid(),
+                logging.getLogger().getEffectiveLevel(),
+                f"front end {index}",
+            ),
+            name=f"mtpserve-front-end-{index}",
+            daemon=True,
+        )
+        with _environ(MULTIPROC_ENV, metrics_dir):  # the child's metrics go to the shared files
+            self.proc.start()
+        atexit.register(kill_at_exit, self.proc)
+        child_control.close()
+
+    def wait_serving(self) -> tuple[int, int | None]:
+        """The gRPC and HTTP ports it bound, once it serves; FrontEndError (or its own error) if it cannot."""
+        msg = wait_serving(self.control, self.proc, f"front end {self.index}")
+        return msg[4], msg[5]
+
+    def stop(self, timeout: float) -> None:
+        """Ask it to stop (its streams end as at any server stop); kill it past `timeout` s."""
+        with contextlib.suppress(OSError):
+            self.control.send((STOP_SERVING,))
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+        self.control.close()
+
+
+class FrontEndPool:
+    """The engine in its own process and `count` front-end processes on the same ports (see the module doc).
+    Raises the engine's build error (ModelLoadError, ...) or a front end's start error."""
+
+    def __init__(self, cfg: MTPServeConfig, count: int) -> None:
+        self.cfg = cfg
+        self._dir = tempfile.mkdtemp(prefix="mtpserve-")
+        self._metrics_dir = os.path.join(self._dir, "metrics")
+        os.mkdir(self._metrics_dir)
+        self._engine_address = (os.path.join(self._dir, "engine.sock"), os.urandom(32))
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._front_ends: list[FrontEnd] = []
+        self._http_server: Any = None
+        self.engine_running = False
+        ctx = mp.get_context("spawn")
+        self._control, child_end = ctx.Pipe()
+        self._engine = ctx.Process(
+            target=run_engine_process,
+            args=(cfg, child_end, os.getpid(), logging.getLogger().getEffectiveLevel(), self._engine_address),
+            name="mtpserve-engine",
+            daemon=True,
+        )
+        self._engine.start()
+        atexit.register(kill_at_exit, self._engine)
+        child_end.close()
+        try:
+            self.info, load = self._wait_engine()
+            self.engine_running = True
+            first = FrontEnd(cfg, self._engine_address, 0, self._metrics_dir)
+            self._front_ends.append(first)
+            self.port, self.http_port = first.wait_serving()
+            # the others bind the ports the first one bound (it may have been given 0)
+            self._bound = cfg.model_copy(
+                update={"server": cfg.server.model_copy(update={"port": self.port, "http_port": self.http_port})}
+            )
+            more = [FrontEnd(self._bound, self._engine_address, i, self._metrics_dir) for i in range(1, count)]
+            self._front_ends.extend(more)
+            for fe in more:
+                fe.wait_serving()
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=self._metrics_dir)
+            self._engine_metrics = EngineMetrics(registry)
+            self._observe(load)
+            self._http_server, _ = start_http_server(cfg.server.metrics_port, addr=cfg.server.host, registry=registry)
+            self.metrics_port = int(self._http_server.server_port)
+        except BaseException:
+            self.stop(timeout=5.0)
+            raise
+        threading.Thread(target=self._read_engine, name="mtpserve-engine-state", daemon=True).start()
+        threading.Thread(target=self._watch, name="mtpserve-front-end-watch", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        """host:port of the gRPC API."""
+        return host_port(self.cfg.server.host, self.port)
+
+    @property
+    def http_address(self) -> str | None:
+        """host:port of the HTTP API; None when it is off."""
+        return None if self.http_port is None else host_port(self.cfg.server.host, self.http_port)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The front-end processes' ids, in order."""
+        with self._lock:
+            return [fe.proc.pid for fe in self._front_ends]
+
+    def _wait_engine(self) -> tuple[pb.ModelInfo, EngineLoad]:
+        try:
+            msg = self._control.recv()
+        except (EOFError, OSError):
+            self._engine.join(5.0)
+            raise ModelLoadError(
+                f"the engine process exited (exit code {self._engine.exitcode}) while it loaded the model"
+            ) from None
+        if msg[0] == ERROR:
+            self._engine.join(5.0)
+            raise msg[1]
+        assert msg[0] == READY, msg[0]
+        return pb.ModelInfo.FromString(msg[1]), msg[3]
+
+    def _observe(self, load: EngineLoad) -> None:
+        m = self._engine_metrics
+        m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
+        m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
+        if load.depth_steps is not None:
+            m.observe_depths(load.depth_steps, load.depth)
+
+    def _read_engine(self) -> None:
+        """The engine's state (a few times a second) into the engine-wide metrics, until the engine ends."""
+        try:
+            while True:
+                msg = self._control.recv()
+                if msg[0] in (OUT, FAIL):
+                    self._observe(msg[2])
+                elif msg[0] == HEALTH:
+                    log.info("the engine reports its workers %s", "up" if msg[1] else "down")
+                elif msg[0] == STOPPED:
+                    break
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("reading the engine's state failed")
+        self.engine_running = False
+        if not self._stopping.is_set():
+            log.error("the engine process exited (exit code %s)", self._engine.exitcode)
+
+    def _watch(self) -> None:
+        """Start a new front end in place of one that dies, on the same ports."""
+        while not self._stopping.is_set():
+            with self._lock:
+                sentinels = {fe.proc.sentinel: fe for fe in self._front_ends}
+            ready = mp_connection.wait(list(sentinels), timeout=0.5)
+            for s in ready:
+                fe = sentinels[s]  # type: ignore[index]  # wait() returns the sentinels it was given
+                if self._stopping.is_set() or not self.engine_running:
+                    return
+                log.error("front end %d exited (exit code %s); starting another", fe.index, fe.proc.exitcode)
+                if fe.proc.pid is not None:
+                    multiprocess.mark_process_dead(fe.proc.pid, self._metrics_dir)
+                fe.control.close()
+                new = FrontEnd(self._bound, self._engine_address, fe.index, self._metrics_dir)
+                try:
+                    new.wait_serving()
+                except Exception:
+                    log.exception("front end %d could not be started again", fe.index)
+                with self._lock:
+                    self._front_ends[self._front_ends.index(fe)] = new
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop the front ends (in parallel), then the engine; remove the pool's files."""
+        self._stopping.set()
+        with self._lock:
+            front_ends = list(self._front_ends)
+        stoppers = [threading.Thread(target=fe.stop, args=(timeout,)) for fe in front_ends]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+        with contextlib.suppress(OSError):
+            self._control.send((STOP,))
+        self._engine.join(timeout)
+        if self._engine.is_alive():
+            log.warning("the engine process did not stop within %.0f s; killing it", timeout)
+            self._engine.kill()
+            self._engine.join(5.0)
+        self._control.close()
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """`name` set to `value` in this process's environment for the block (a spawned child copies it)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
