@@ -362,3 +362,30 @@ def test_unreadable_credentials_fail_before_serving(model_dir: Path, tmp_path: P
         timeout=120,
     )
     assert open_bind.returncode == 2 and "server.host" in open_bind.stderr
+
+
+def test_tls_flags_reach_the_nested_config(pki: dict[str, Path]) -> None:
+    """--tls-cert, --tls-key and --tls-client-ca set server.tls.* (a dotted key two sections deep)."""
+    import argparse
+
+    from mtpserve.cluster.cli.cmd_serve import add_serve_flags
+    from mtpserve.cluster.cli.common import config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    args = parser.parse_args(
+        [
+            "--tls-cert",
+            str(pki["server_cert"]),
+            "--tls-key",
+            str(pki["server_key"]),
+            "--tls-client-ca",
+            str(pki["client_ca"]),
+        ]
+    )
+    tls = config_from_args(args).server.tls
+    assert (tls.cert_file, tls.key_file, tls.client_ca_file) == (
+        str(pki["server_cert"]),
+        str(pki["server_key"]),
+        str(pki["client_ca"]),
+    )
