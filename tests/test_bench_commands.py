@@ -1,4 +1,4 @@
-"""`mtpserve bench ttft|trees|load|distributed|http-vs-grpc` and `bench/gpu.py`, on tiny random models on CPU:
+"""`mtpserve bench ttft|trees|load|distributed|http-vs-grpc|serve` and `bench/gpu.py`, on tiny random models on CPU:
 each writes the shared report, and what it measures holds (greedy speculation equals target-only in fp32;
 every load stream ends as its fate asks and frees its KV blocks; the Ray path reports its per-hop timeline)."""
 
@@ -179,8 +179,27 @@ def test_http_vs_grpc_report_on_a_tiny_server(tmp_path: Path) -> None:
     assert all(r["tokens"] == 6 * r["batch"] and r["errors"] == [] for r in doc["rounds"])
 
 
+@pytest.mark.slow
+def test_serve_report_on_a_tiny_server_with_two_front_ends(tmp_path: Path) -> None:
+    """Engine alone and served rows at 1 and 3 streams, both APIs, one and two front ends: every row measured
+    tokens, no stream failed, and `ratio` is served over engine alone."""
+    argv = ["bench", "serve", "--tiny", "--device", "cpu", "--configs", "target-only", "--streams", "1,3"]
+    argv += ["--frontends", "1,2", "--prompt-len", "8", "--output-len", "6", "--warmup-s", "1", "--window-s", "2"]
+    assert main([*argv, "--client-procs", "2", "--json", str(tmp_path / "serve.json")]) == 0
+    doc = json.loads((tmp_path / "serve.json").read_text())
+    assert all(k in doc for k in REPORT_KEYS) and doc["benchmark"] == "serve"
+    rows = doc["results"]
+    got = {(r["frontends"], r["front_end"], r["streams"]) for r in rows}
+    assert got == {(f, api, s) for f in (1, 2) for api in ("http", "grpc") for s in (1, 3)}
+    for r in rows:
+        assert r["errors"] == 0 and r["served_tok_s"] > 0 and r["engine_tok_s"] > 0
+        assert r["ratio"] == pytest.approx(r["served_tok_s"] / r["engine_tok_s"])
+        assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["itl_p50_ms"] <= r["itl_p99_ms"]
+        assert r["requests_finished"] > 0 and r["server_cpu_s_per_1k_tokens_per_process"]
+
+
 def test_unknown_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    for kind in ("ttft", "distributed", "http-vs-grpc"):
+    for kind in ("ttft", "distributed", "http-vs-grpc", "serve"):
         with pytest.raises(SystemExit):
             main(["bench", kind, "--no-such-flag"])
         assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

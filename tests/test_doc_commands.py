@@ -183,7 +183,7 @@ def test_the_documents_show_every_kind_of_benchmark_command() -> None:
     assert {"mtpserve", "bench/gpu.py"} <= programs
     assert any(p.startswith("bench/probes/") for p in programs)
     kinds = {c.argv[1] for c in ALL if c.program == "mtpserve"}
-    want = {"throughput", "acceptance", "prefix-cache", "ttft", "trees", "load", "distributed", "http-vs-grpc"}
+    want = {"throughput", "acceptance", "prefix-cache", "ttft", "trees", "load", "distributed", "http-vs-grpc", "serve"}
     assert want <= kinds, f"bench/README.md shows no command for {sorted(want - kinds)}"
     assert any(c.where.startswith("Makefile:") for c in ALL)
 

@@ -2,7 +2,8 @@
 `prefix-cache` (multi-turn chats with and without prefix caching), `ttft` (time to first token by prompt
 length), `trees` (draft trees against chains, any Llama shape), `replay` (speculative speed at any Llama shape
 with acceptance replayed from a real model's recording), `load` (concurrent streams against a server),
-`distributed` (the Ray path against in-process) and `http-vs-grpc` (the HTTP API against gRPC on one server).
+`distributed` (the Ray path against in-process), `http-vs-grpc` (the HTTP API against gRPC on one server) and
+`serve` (served tok/s against the engine alone).
 
 The flags of the first three live here; each other benchmark module registers its own sub-command.
 """
@@ -20,6 +21,7 @@ from mtpserve.cluster.bench import load as bench_load
 from mtpserve.cluster.bench import prefix as bench_prefix
 from mtpserve.cluster.bench import replay as bench_replay
 from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench import serve as bench_serve
 from mtpserve.cluster.bench import throughput as bench_throughput
 from mtpserve.cluster.bench import trees as bench_trees
 from mtpserve.cluster.bench import ttft as bench_ttft
@@ -112,7 +114,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     add_engine_flags(c)
     c.set_defaults(func=run_prefix_cache)
 
-    for module in (bench_ttft, bench_trees, bench_replay, bench_load, bench_http_vs_grpc):
+    for module in (bench_ttft, bench_trees, bench_replay, bench_load, bench_http_vs_grpc, bench_serve):
         module.add_parser(kinds)
     bench_distributed.add_parser(kinds, build_engine)
     kinds.choices["distributed"].set_defaults(func=run_distributed)
