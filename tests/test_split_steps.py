@@ -18,9 +18,9 @@ from tests.tiny import mimic_head, mimic_target, random_prompts, tiny_engine
 CHUNK = 20
 
 
-def fixed_shape_steps(eng: LLMEngine, k: int) -> list[tuple[int, int]]:
+def fixed_shape_steps(eng: LLMEngine, k: int) -> list[tuple[int, int, int]]:
     """Give the runner the prefill step and the generation step of its kind (eager over fixed buffers);
-    returns a log of (generation rows, prompt rows) for every split step."""
+    returns a log of (generation rows, the first chunk's rows, prompt chunks) for every split step."""
     runner = eng.target
     model, cache = runner.model, runner.cache  # type: ignore[attr-defined]
     runner.prefill = CapturedPrefill(model, cache, eng.draft, k, CHUNK, 16, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
@@ -28,27 +28,31 @@ def fixed_shape_steps(eng: LLMEngine, k: int) -> list[tuple[int, int]]:
         runner.fused = FusedSpecStep(model, cache, eng.draft, k, 8, 16, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
     else:
         runner.uniform = UniformTargetStep(model, cache, 1, 8, 16, "cpu", use_graphs=False)  # type: ignore[attr-defined]
-    log: list[tuple[int, int]] = []
+    log: list[tuple[int, int, int]] = []
     orig = runner.run_split  # type: ignore[attr-defined]
 
     def spy(plan: StepPlan, *rest: Any) -> Any:
         ctx = [s for s in plan.seqs if s.is_context]
-        log.append((len(plan.seqs) - len(ctx), len(ctx[0].token_ids)))
+        log.append((len(plan.seqs) - len(ctx), len(ctx[0].token_ids), len(ctx)))
         return orig(plan, *rest)
 
     runner.run_split = spy  # type: ignore[attr-defined]
     return log
 
 
-def staggered(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[list[int]]:
-    """Requests that arrive one every three steps, so prompts meet others' generation rows; tokens per
-    request."""
+def staggered(
+    eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, Any]], together: int = 1
+) -> list[list[int]]:
+    """Requests that arrive `together` at a time every three steps, so prompts meet others' generation rows (and
+    each other); tokens per request."""
     out: dict[str, list[int]] = {}
     ids: list[str] = []
     pending = list(zip(prompts, params, strict=True))
     step = 0
     while pending or eng.has_unfinished():
-        if pending and step % 3 == 0:
+        for _ in range(together if step % 3 == 0 else 0):
+            if not pending:
+                break
             p, q = pending.pop(0)
             ids.append(eng.add_request(p, q))
             out[ids[-1]] = []
@@ -73,7 +77,7 @@ def test_mixed_steps_split_into_fixed_shape_steps_match_eager(k: int) -> None:
     eng = tiny_engine(args, w, head, speculative=spec, scheduler=sched)
     log = fixed_shape_steps(eng, k)
     assert staggered(eng, prompts, params) == want
-    assert log and any(g > 1 for g, _ in log), log
+    assert log and any(g > 1 for g, _, _ in log), log
     assert (eng.totals.accepted, eng.totals.drafted) == (ref.totals.accepted, ref.totals.drafted)
     blocks = eng.scheduler.blocks
     assert blocks.num_free == blocks.num_blocks
@@ -98,3 +102,26 @@ def test_sampling_rows_beside_a_greedy_prompt_keep_their_draws() -> None:
     log = fixed_shape_steps(eng, 3)
     assert staggered(eng, prompts, params) == want
     assert log  # the greedy prompts met sampling rows in split steps
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_several_prompt_chunks_in_a_step_replay_one_by_one_and_match_eager(k: int) -> None:
+    """Prompts arriving three at a time meet each other and others' generation rows: each chunk of the step
+    runs through the prefill step, the generation rows through theirs, and tokens, acceptance and blocks equal
+    the eager steps'."""
+    args, w = mimic_target(seed=3)
+    head = mimic_head(args, w) if k else None
+    spec = {"num_draft_tokens": max(k, 1)}
+    sched = {"chunk_size": CHUNK, "max_num_batched_tokens": 80}
+    prompts = random_prompts(9, args.vocab_size, [25, 3, 11, 17, 2, 30, 9, 14, 6], seed=7)
+    params = [{"max_tokens": 10}] * len(prompts)
+    ref = tiny_engine(args, w, head, speculative=spec, scheduler=sched)
+    want = staggered(ref, prompts, params, together=3)
+    eng = tiny_engine(args, w, head, speculative=spec, scheduler=sched)
+    log = fixed_shape_steps(eng, k)
+    assert staggered(eng, prompts, params, together=3) == want
+    assert any(n >= 2 and g >= 1 for g, _, n in log), log  # several chunks beside generation rows
+    assert any(n >= 2 and g == 0 for g, _, n in log), log  # several chunks alone
+    assert (eng.totals.accepted, eng.totals.drafted) == (ref.totals.accepted, ref.totals.drafted)
+    blocks = eng.scheduler.blocks
+    assert blocks.num_free == blocks.num_blocks

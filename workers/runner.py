@@ -27,6 +27,8 @@ from mtpserve.workers.step_buffers import HOST_TWINS
 from mtpserve.workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
 from mtpserve.workers.uniform_step import UniformTargetStep, pack_verified, read_verified, token_results
 
+MAX_SPLIT_CHUNKS = 8  # more prompt chunks in one step run eagerly: one eager step beats that many replays
+
 
 def _sub_plan(plan: StepPlan, seqs: list[SeqPlan]) -> StepPlan:
     """The same step restricted to some of its rows."""
@@ -259,36 +261,58 @@ class TargetRunner:
             draft_inputs = self._draft_inputs(plan, features, starts, accepted, last_token, paths)
         return TargetOutput(plan.step_id, results, draft_inputs)
 
-    def split_buckets(self, plan: StepPlan) -> tuple[int, int, int] | None:
-        """(row of the prompt chunk, its prefill bucket, the generation rows' bucket) when a step mixes one
-        prompt chunk with generation rows that the captured steps take; else None."""
+    def split_buckets(self, plan: StepPlan) -> tuple[list[tuple[int, int]], int | None] | None:
+        """([(row of a prompt chunk, its prefill bucket), ...], the generation rows' bucket or None when there are
+        none) when a step holds 1 to MAX_SPLIT_CHUNKS prompt chunks (two or more if nothing else) that the captured
+        prefill step takes, beside generation rows that the captured steps take; else None."""
         ctx = [i for i, s in enumerate(plan.seqs) if s.is_context]
-        if len(ctx) != 1 or len(plan.seqs) < 2:
+        if not ctx or len(ctx) > MAX_SPLIT_CHUNKS or len(plan.seqs) < 2:
             return None
-        i = ctx[0]
-        prefill_bucket = self.prefill.bucket_for(_sub_plan(plan, [plan.seqs[i]]))
-        gen, spec = _sub_plan(plan, plan.seqs[:i] + plan.seqs[i + 1 :]), self.launch_spec()
+        chunks = []
+        for i in ctx:
+            bucket = self.prefill.bucket_for(_sub_plan(plan, [plan.seqs[i]]))
+            if bucket is None:
+                return None
+            chunks.append((i, bucket))
+        if len(ctx) == len(plan.seqs):
+            return chunks, None
+        gen, spec = _sub_plan(plan, [s for s in plan.seqs if not s.is_context]), self.launch_spec()
         gen_bucket = None if spec is None or spec.is_tree(gen) else spec.bucket_for(gen)  # tree steps run whole
-        return None if prefill_bucket is None or gen_bucket is None else (i, prefill_bucket, gen_bucket)
+        return None if gen_bucket is None else (chunks, gen_bucket)
 
-    def run_split(self, plan: StepPlan, i: int, prefill_bucket: int, gen_bucket: int) -> TargetOutput:
-        """A mixed step as two fixed-shape steps: the prompt chunk (row i) through the captured prefill
-        step, then the generation rows through the captured generation step; results in the plan's order."""
-        ctx = plan.seqs[i]
-        gen = _sub_plan(plan, plan.seqs[:i] + plan.seqs[i + 1 :])
-        first = self.prefill.run(_sub_plan(plan, [ctx]), prefill_bucket, self._context_uniform(ctx))
-        if self.fused is not None:
-            rest = self.fused.run(gen, gen_bucket, self.uniforms(gen, plan.num_draft_tokens + 1))
-        else:
-            assert self.uniform is not None
-            rest = token_results(gen, self.uniform.run(gen, gen_bucket, self.uniforms(gen, 1))[1].tolist())
-        results = [*rest.results[:i], first.results[0], *rest.results[i:]]
-        drafts = [d for d in (first.draft_outputs, rest.draft_outputs) if d is not None]
-        if not drafts:
-            return TargetOutput(plan.step_id, results)
-        ids = [r for d in drafts for r in d.request_ids]
-        tokens = torch.cat([d.draft_token_ids.reshape(len(d.request_ids), plan.num_draft_tokens) for d in drafts])
-        return TargetOutput(plan.step_id, results, None, DraftOutputs(plan.step_id, ids, tokens))
+    def run_split(self, plan: StepPlan, chunks: list[tuple[int, int]], gen_bucket: int | None) -> TargetOutput:
+        """A step of prompt chunks (and generation rows) as fixed-shape steps: each chunk through the captured
+        prefill step, in the plan's order, then the generation rows through the captured generation step;
+        results in the plan's order.
+
+        Requests A (a prompt chunk), B and C (decoding, K=3) and D (a prompt chunk): prefill(A), prefill(D),
+        then one generation step over [B, C]; results [A, B, C, D]; draft outputs those of A, D, B, C."""
+        results: list[SeqResult | None] = [None] * len(plan.seqs)
+        drafts = []
+        for i, bucket in chunks:
+            ctx = plan.seqs[i]
+            out = self.prefill.run(_sub_plan(plan, [ctx]), bucket, self._context_uniform(ctx))
+            results[i] = out.results[0]
+            drafts.append(out.draft_outputs)
+        if gen_bucket is not None:
+            rows = [i for i, s in enumerate(plan.seqs) if not s.is_context]
+            gen = _sub_plan(plan, [plan.seqs[i] for i in rows])
+            if self.fused is not None:
+                rest = self.fused.run(gen, gen_bucket, self.uniforms(gen, plan.num_draft_tokens + 1))
+            else:
+                assert self.uniform is not None
+                rest = token_results(gen, self.uniform.run(gen, gen_bucket, self.uniforms(gen, 1))[1].tolist())
+            for i, r in zip(rows, rest.results, strict=True):
+                results[i] = r
+            drafts.append(rest.draft_outputs)
+        done = [r for r in results if r is not None]
+        assert len(done) == len(results)
+        made = [d for d in drafts if d is not None]
+        if not made:
+            return TargetOutput(plan.step_id, done)
+        ids = [r for d in made for r in d.request_ids]
+        tokens = torch.cat([d.draft_token_ids.reshape(len(d.request_ids), plan.num_draft_tokens) for d in made])
+        return TargetOutput(plan.step_id, done, None, DraftOutputs(plan.step_id, ids, tokens))
 
     def _context_uniform(self, s: SeqPlan) -> float | None:
         """The draw a sampling final chunk's first token takes from its request's generator (as the eager
