@@ -11,8 +11,8 @@
 #                                     depth and a 15-node tree (batch 1; tensor-core tiles for the tree's 16 rows),
 #                                     the chosen table's b1 rates against the default tiles, then
 #                                     adaptive speculation with the chosen table at batch 1, 8, 64
-#   bash bench/device_run.sh serve    SmolLM2: streams over gRPC and HTTP from a `serve` process against the engine
-#                                     alone, target-only and K=3 (target-only also with the engine on a thread),
+#   bash bench/device_run.sh serve    SmolLM2: `bench serve`, served over gRPC and HTTP (FRONTENDS front ends, default
+#                                     4) against the engine alone, target-only and K=3, at 1, 64 and 256 streams,
 #                                     CLIENTS client processes (default 8)
 #   bash bench/device_run.sh e3a      EAGLE-3 against the native layout, part 1: a dataset, then the native head (STEPS)
 #   bash bench/device_run.sh e3b      part 2: the native head's online acceptance, the EAGLE-3 head (same STEPS), its own
@@ -98,16 +98,9 @@ case $PHASE in
       --tree-budget 15 --tree-width 4 --batches 1,8,64 --out "$R"
     ;;
   serve)
-    for spec in "target:--no-speculation" "k3:"; do
-      name=${spec%%:*} flags=${spec#*:}
-      step "engine_$name" 120 python3 -m mtpserve bench throughput --model "$M" --device cuda $flags --batch-sizes 1,64 \
-        --prompt-len 128 --output-len 128 --max-num-requests 64 --json "$R/engine_$name.json"
-      step "streams_$name" 240 python3 -m mtpserve bench http-vs-grpc --model "$M" --device cuda $flags \
-        --batch-sizes 1,64 --client-procs "${CLIENTS:-8}" --json "$R/http_vs_grpc_$name.json"
-      [ "$name" = target ] && step "streams_thread_$name" 240 python3 -m mtpserve bench http-vs-grpc --model "$M" --device cuda $flags \
-        --serve-args "--no-engine-process" --batch-sizes 1,64 --client-procs "${CLIENTS:-8}" \
-        --json "$R/http_vs_grpc_thread_$name.json"
-    done
+    step serve 560 python3 -m mtpserve bench serve --model "$M" --device cuda --configs target-only,speculative \
+      --streams 1,64,256 --frontends "${FRONTENDS:-4}" --warmup-s 3 --window-s 6 --client-procs "${CLIENTS:-8}" \
+      --json "$R/serve.json"
     ;;
   e3a)  # STEPS and MIX as exported; the dataset and heads stay on the warm machine for e3b
     e3_native "$R/out" "${DATA_S:-240}" "${TRAIN_S:-300}"
