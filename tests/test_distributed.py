@@ -255,14 +255,18 @@ def test_config_dir_exists(model) -> None:
     assert Path(model[0], "config.json").is_file()
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["front-ends-in-a-child", "one-process"])
-def test_scheduler_actor_serves_grpc_and_http(ray_local, model, split: bool) -> None:
+@pytest.mark.parametrize(
+    "frontends", [1, 2, 0], ids=["front-ends-in-a-child", "two-front-end-processes", "one-process"]
+)
+def test_scheduler_actor_serves_grpc_and_http(ray_local, model, frontends: int) -> None:
     """The scheduler actor serves gRPC and, from the same engine, the HTTP API, with its front ends in a child
-    process or in the actor itself; both give the reference tokens."""
+    process, in two on the same ports, or in the actor itself; each gives the reference tokens."""
     from mtpserve.cluster.distributed.scheduler_actor import start_scheduler_actor, stop_scheduler_actor
 
+    split = frontends > 0
     cfg = dist_config(model, chunk_size=6)
     server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "http_port": 0, "engine_process": split}
+    server["frontends"] = max(1, frontends)
     cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update=server)})
     actor, address, _, http_address = start_scheduler_actor(cfg)
     try:
@@ -274,6 +278,9 @@ def test_scheduler_actor_serves_grpc_and_http(ray_local, model, split: bool) -> 
             assert client.health() == "SERVING"
             got = [client.generate(token_ids=p, max_tokens=10)["token_ids"] for p in prompts]
         assert got == reference(prompts, 10)
+        for _ in range(6 if frontends == 2 else 0):  # new connections, spread over both front ends
+            with MTPServeClient(address, timeout=60) as client:
+                assert client.generate(token_ids=prompts[0], max_tokens=10)["token_ids"] == got[0]
         over_http = []
         for p in prompts:
             body = {"prompt": p, "max_tokens": 10, "return_token_ids": True}

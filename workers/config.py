@@ -276,7 +276,7 @@ class ServerConfig(_Strict):
         le=64,
         description="front-end processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each tokenizing, "
         "detokenizing and streaming its own requests, beside the engine's process; None: one per 4 cores, at most "
-        "4 (applies without Ray, with engine_process)",
+        "4 (with engine_process; with Ray, beside the scheduler actor)",
     )
 
     @property

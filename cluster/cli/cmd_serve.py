@@ -48,7 +48,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--frontends",
         type=int,
         help="front-end processes serving gRPC and HTTP on the same ports beside the engine's process, each "
-        "tokenizing, detokenizing and streaming its own requests (default: one per 4 cores, at most 4; without Ray)",
+        "tokenizing, detokenizing and streaming its own requests (default: one per 4 cores, at most 4)",
     )
     g.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
     g = p.add_argument_group("security (docs: README, 'Security')")

@@ -1,7 +1,8 @@
 """The scheduler as a Ray actor: it owns the engine (scheduler + step loop) and its worker actors, and serves the
-public gRPC (and HTTP) API from a child process over a pipe (`server.engine_process`, the default), so that the
-front ends' per-token work and the scheduler's per-step work do not share one interpreter lock; with
-`server.engine_process: false` it serves them from its own process."""
+public gRPC (and HTTP) API from child processes (`server.engine_process`, the default): one over a pipe, or with
+`server.frontends` above 1 several on the same ports (FrontEndPool), so that the front ends' per-token work and the
+scheduler's per-step work do not share one interpreter lock; with `server.engine_process: false` it serves them
+from its own process."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import os
 from typing import Any
 
+from mtpserve.cluster.service.front_end_pool import FrontEndPool
 from mtpserve.cluster.service.front_end_process import FrontEndProcess
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
@@ -30,8 +32,10 @@ class SchedulerActor:
         workers = f"mtpserve-workers-{ray.get_runtime_context().get_actor_id()}"  # the same after a restart
         self.engine = build_distributed_engine(self.cfg, workers)
         self._stopping = False
-        self.server: MTPServer | FrontEndProcess
-        if self.cfg.server.engine_process:
+        self.server: MTPServer | FrontEndProcess | FrontEndPool
+        if self.cfg.server.engine_process and self.cfg.server.num_frontends > 1:
+            self.server = FrontEndPool(self.cfg, self.cfg.server.num_frontends, engine=self.engine)
+        elif self.cfg.server.engine_process:
             self.server = FrontEndProcess(self.engine, self.cfg, on_lost=self._front_ends_lost)
         else:
             self.server = MTPServer(self.engine, self.cfg)
@@ -46,8 +50,10 @@ class SchedulerActor:
         return True
 
     def pids(self) -> tuple[int, int | None]:
-        """(this actor's process id, the front-end process's id or None when the front ends run here)."""
+        """(this actor's process id, the (first) front-end process's id or None when the front ends run here)."""
         srv = self.server
+        if isinstance(srv, FrontEndPool):
+            return os.getpid(), srv.pids[0]
         return os.getpid(), None if isinstance(srv, MTPServer) else srv.pid
 
     def stop(self) -> None:

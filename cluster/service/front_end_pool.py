@@ -23,12 +23,14 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from multiprocessing import connection as mp_connection
+from multiprocessing.connection import Connection, Listener
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
 from mtpserve.cluster.engine.errors import ModelLoadError
+from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.service.engine_child import (
     ERROR,
     FAIL,
@@ -37,8 +39,10 @@ from mtpserve.cluster.service.engine_child import (
     READY,
     STOP,
     STOPPED,
+    PipedEngine,
     kill_at_exit,
     run_engine_process,
+    send_ready,
 )
 from mtpserve.cluster.service.front_end_process import STOP_SERVING, run_front_ends, wait_serving
 from mtpserve.cluster.service.metrics import EngineMetrics
@@ -92,11 +96,72 @@ class FrontEnd:
         self.control.close()
 
 
-class FrontEndPool:
-    """The engine in its own process and `count` front-end processes on the same ports (see the module doc).
-    Raises the engine's build error (ModelLoadError, ...) or a front end's start error."""
+class EngineChild:
+    """The engine built from `cfg` in a spawned process that listens for front ends on `address`; `control` is
+    this process's pipe to it."""
 
-    def __init__(self, cfg: MTPServeConfig, count: int) -> None:
+    def __init__(self, cfg: MTPServeConfig, address: tuple[str, bytes]) -> None:
+        ctx = mp.get_context("spawn")
+        self.control, child_end = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=run_engine_process,
+            args=(cfg, child_end, os.getpid(), logging.getLogger().getEffectiveLevel(), address),
+            name="mtpserve-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        atexit.register(kill_at_exit, self._proc)
+        child_end.close()
+
+    def status(self) -> str:
+        """How it ended, for errors and logs."""
+        self._proc.join(0.5)
+        return f"the engine process exited (exit code {self._proc.exitcode})"
+
+    def join(self, timeout: float) -> None:
+        """Wait for it to end after STOP; kill it past `timeout` s."""
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop within %.0f s; killing it", timeout)
+            self._proc.kill()
+            self._proc.join(5.0)
+
+
+class EngineThread:
+    """An engine of this process (the Ray scheduler actor's) served to front ends that connect on `address`,
+    from a thread; `control` is the pipe that stops it."""
+
+    def __init__(self, engine: LLMEngine, address: tuple[str, bytes]) -> None:
+        self.control, engine_end = mp.Pipe()
+        listener = Listener(address[0], family="AF_UNIX", authkey=address[1])
+        send_ready(engine, engine_end)
+        self._piped = PipedEngine(engine, engine_end, streams=False, listener=listener)
+        self._thread = threading.Thread(target=self._run, args=(engine_end,), name="mtpserve-piped-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self, engine_end: Connection) -> None:
+        try:
+            self._piped.run()
+        except Exception:
+            log.exception("serving the engine to the front ends failed")
+        finally:
+            engine_end.close()
+
+    def status(self) -> str:
+        """How it ended, for errors and logs."""
+        return "the engine's thread stopped"
+
+    def join(self, timeout: float) -> None:
+        """Wait for it to end after STOP."""
+        self._thread.join(timeout)
+
+
+class FrontEndPool:
+    """`count` front-end processes on the same ports beside an engine (see the module doc): built from `cfg` in a
+    process of its own, or `engine` served from a thread of this process. Raises the engine's build error
+    (ModelLoadError, ...) or a front end's start error."""
+
+    def __init__(self, cfg: MTPServeConfig, count: int, engine: LLMEngine | None = None) -> None:
         self.cfg = cfg
         self._dir = tempfile.mkdtemp(prefix="mtpserve-")
         self._metrics_dir = os.path.join(self._dir, "metrics")
@@ -107,17 +172,10 @@ class FrontEndPool:
         self._front_ends: list[FrontEnd] = []
         self._http_server: Any = None
         self.engine_running = False
-        ctx = mp.get_context("spawn")
-        self._control, child_end = ctx.Pipe()
-        self._engine = ctx.Process(
-            target=run_engine_process,
-            args=(cfg, child_end, os.getpid(), logging.getLogger().getEffectiveLevel(), self._engine_address),
-            name="mtpserve-engine",
-            daemon=True,
+        self._engine: EngineChild | EngineThread = (
+            EngineChild(cfg, self._engine_address) if engine is None else EngineThread(engine, self._engine_address)
         )
-        self._engine.start()
-        atexit.register(kill_at_exit, self._engine)
-        child_end.close()
+        self._control = self._engine.control
         try:
             self.info, load = self._wait_engine()
             self.engine_running = True
@@ -164,10 +222,7 @@ class FrontEndPool:
         try:
             msg = self._control.recv()
         except (EOFError, OSError):
-            self._engine.join(5.0)
-            raise ModelLoadError(
-                f"the engine process exited (exit code {self._engine.exitcode}) while it loaded the model"
-            ) from None
+            raise ModelLoadError(f"{self._engine.status()} while it loaded the model") from None
         if msg[0] == ERROR:
             self._engine.join(5.0)
             raise msg[1]
@@ -198,7 +253,7 @@ class FrontEndPool:
             log.exception("reading the engine's state failed")
         self.engine_running = False
         if not self._stopping.is_set():
-            log.error("the engine process exited (exit code %s)", self._engine.exitcode)
+            log.error("%s", self._engine.status())
 
     def _watch(self) -> None:
         """Start a new front end in place of one that dies, on the same ports."""
@@ -235,10 +290,6 @@ class FrontEndPool:
         with contextlib.suppress(OSError):
             self._control.send((STOP,))
         self._engine.join(timeout)
-        if self._engine.is_alive():
-            log.warning("the engine process did not stop within %.0f s; killing it", timeout)
-            self._engine.kill()
-            self._engine.join(5.0)
         self._control.close()
         if self._http_server is not None:
             self._http_server.shutdown()
