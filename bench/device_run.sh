@@ -14,6 +14,8 @@
 #   bash bench/device_run.sh serve    SmolLM2: `bench serve`, served over gRPC and HTTP (FRONTENDS front ends, default
 #                                     4) against the engine alone, target-only and K=3, at 1, 64 and 256 streams,
 #                                     CLIENTS client processes (default 8)
+#   bash bench/device_run.sh served   `bench serve` in process and through Ray (--distributed) at 64 streams, the
+#                                     prefill of 64 x 128-token prompts, and `bench serve` at Llama-3-8B's shape
 #   bash bench/device_run.sh e3a      EAGLE-3 against the native layout, part 1: a dataset, then the native head (STEPS)
 #   bash bench/device_run.sh e3b      part 2: the native head's online acceptance, the EAGLE-3 head (same STEPS), its own
 #   bash bench/device_run.sh e3       both parts in one run (a smaller dataset, DATA_S=110 without the long part; the
@@ -23,7 +25,7 @@
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, tiles, serve, e3a, e3b or e3"}
+PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, tiles, serve, served, e3a, e3b or e3"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
@@ -101,6 +103,19 @@ case $PHASE in
     step serve 560 python3 -m mtpserve bench serve --model "$M" --device cuda --configs target-only,speculative \
       --streams 1,64,256 --frontends "${FRONTENDS:-4}" --warmup-s 3 --window-s 6 --client-procs "${CLIENTS:-8}" \
       --json "$R/serve.json"
+    ;;
+  served)  # the Ray path's served figure beside in-process, batched prefill, and the served path at 8B's shape
+    for where in in-process distributed; do
+      extra=$([ "$where" = distributed ] && echo "--distributed" || echo "")
+      step "serve_$where" 200 python3 -m mtpserve bench serve --model "$M" --device cuda \
+        --configs target-only,speculative --streams 64 --frontends 4 --no-engine-alone --warmup-s 3 --window-s 6 \
+        --client-procs 8 --serve-args "$extra" --json "$OUT/serve_$where.json"
+    done
+    step prefill 120 python3 -m mtpserve bench throughput --model "$M" --device cuda --no-speculation \
+      --batch-sizes 64,64 --prompt-len 128 --output-len 8 --json "$OUT/prefill_b64.json"
+    step serve_8b 240 python3 -m mtpserve bench serve --model "$L8B" --load-format dummy --device cuda \
+      --configs target-only --streams 1,64 --frontends 4 --warmup-s 4 --window-s 6 --client-procs 8 \
+      --json "$OUT/serve_8b.json"
     ;;
   e3a)  # STEPS and MIX as exported; the dataset and heads stay on the warm machine for e3b
     e3_native "$R/out" "${DATA_S:-240}" "${TRAIN_S:-300}"
