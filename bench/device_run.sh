@@ -107,9 +107,10 @@ case $PHASE in
   served)  # the Ray path's served figure beside in-process, batched prefill, and the served path at 8B's shape
     for where in in-process distributed; do
       extra=$([ "$where" = distributed ] && echo "--distributed" || echo "")
-      step "serve_$where" 200 python3 -m mtpserve bench serve --model "$M" --device cuda \
-        --configs target-only,speculative --streams 64 --frontends 4 --no-engine-alone --warmup-s 3 --window-s 6 \
-        --client-procs 8 --serve-args "$extra" --json "$OUT/serve_$where.json"
+      alone=$([ "$where" = distributed ] && echo "--no-engine-alone" || echo "")
+      step "serve_$where" 280 python3 -m mtpserve bench serve --model "$M" --device cuda \
+        --configs target-only,speculative --streams 64 --frontends 4 $alone --warmup-s 3 --window-s 6 \
+        --client-procs 8 --serve-args="$extra" --json "$OUT/serve_$where.json"
     done
     step prefill 120 python3 -m mtpserve bench throughput --model "$M" --device cuda --no-speculation \
       --batch-sizes 64,64 --prompt-len 128 --output-len 8 --json "$OUT/prefill_b64.json"

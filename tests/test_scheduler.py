@@ -270,14 +270,17 @@ def test_multi_token_steps_stop_where_token_by_token_would(seed: int) -> None:
 
 
 def test_default_budget_fits_a_full_decode_batch_with_its_drafts_and_a_prompt_chunk() -> None:
-    """Unset, the token budget is max_num_requests x (K + 1) + chunk_size: 255 requests at K=3 decode together
-    in one step, and a new prompt still gets a whole chunk beside them."""
-    from mtpserve.workers.config import MTPServeConfig
+    """Unset, the token budget is max_num_requests x (K + 1) + max(chunk_size, 8192): 255 requests at K=3 decode
+    together in one step, and a new prompt still gets a whole chunk beside them."""
+    from mtpserve.workers.config import PREFILL_SHARE, MTPServeConfig
 
+    assert PREFILL_SHARE == 8192
     cfg = MTPServeConfig(scheduler={"max_num_requests": 256})
-    assert cfg.scheduler.max_num_batched_tokens == 256 * 4 + 512
-    assert MTPServeConfig(speculative={"enabled": False}).scheduler.max_num_batched_tokens == 64 + 512
-    assert MTPServeConfig(speculative={"tree_budget": 15}).scheduler.max_num_batched_tokens == 64 * 16 + 512
+    assert cfg.scheduler.max_num_batched_tokens == 256 * 4 + 8192
+    assert MTPServeConfig(speculative={"enabled": False}).scheduler.max_num_batched_tokens == 64 + 8192
+    assert MTPServeConfig(speculative={"tree_budget": 15}).scheduler.max_num_batched_tokens == 64 * 16 + 8192
+    big_chunks = MTPServeConfig(scheduler={"chunk_size": 10_000})
+    assert big_chunks.scheduler.max_num_batched_tokens == 64 * 4 + 10_000
     assert MTPServeConfig(scheduler={"max_num_batched_tokens": 300}).scheduler.max_num_batched_tokens == 300
 
     torch = pytest.importorskip("torch")

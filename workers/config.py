@@ -180,15 +180,18 @@ class SpeculativeConfig(_Strict):
         return self.num_draft_tokens
 
 
+PREFILL_SHARE = 8192  # prompt tokens a step may take beside a full decode batch, by default (vLLM's on large GPUs)
+
+
 class SchedulerConfig(_Strict):
     """Context-chunk scheduling and KV-cache limits."""
 
     max_num_batched_tokens: int = Field(
-        768,
+        64 * 4 + PREFILL_SHARE,
         gt=0,
         description="rows one step computes: decode rows with their drafts first, prompt chunks in what is left. "
-        "Unset, it is sized so that a full decode batch never starves: max_num_requests x (draft tokens + 1) + "
-        "chunk_size (768 for 64 requests at K=3)",
+        "Unset, it is sized so that a full decode batch never starves and a burst of prompts prefills in few steps: "
+        f"max_num_requests x (draft tokens + 1) + max(chunk_size, {PREFILL_SHARE}) (8,448 for 64 requests at K=3)",
     )
     chunk_size: int = Field(512, gt=0, description="max prompt tokens one request computes per step")
     max_num_requests: int = Field(64, gt=0, description="concurrent running requests (slots)")
@@ -313,7 +316,7 @@ class MTPServeConfig(_Strict):
         k = self.speculative.proposed_tokens if self.speculative.enabled else 0
         sched = self.scheduler
         if "max_num_batched_tokens" not in sched.model_fields_set:
-            sched.max_num_batched_tokens = sched.max_num_requests * (k + 1) + sched.chunk_size
+            sched.max_num_batched_tokens = sched.max_num_requests * (k + 1) + max(sched.chunk_size, PREFILL_SHARE)
             sched.model_fields_set.discard("max_num_batched_tokens")  # still derived: a re-validation sizes it again
         if self.scheduler.max_num_batched_tokens < k + 1:
             what = "tree_budget" if self.speculative.tree_budget else "num_draft_tokens"

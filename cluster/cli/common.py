@@ -96,8 +96,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        help="token budget per step (default: max-num-requests x (draft tokens + 1) + chunk size, so a full "
-        "decode batch always fits and prompts take what is left)",
+        help="token budget per step (default: max-num-requests x (draft tokens + 1) + max(chunk size, 8192), so a "
+        "full decode batch always fits and prompts take what is left)",
     )
     g.add_argument("--max-num-requests", type=int, help="concurrent running requests")
     g.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: sized from max-num-requests)")
