@@ -30,9 +30,11 @@ from mtpserve.cluster.engine.errors import ConfigError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.service.client import MTPServeClient
 from mtpserve.cluster.service.server import MTPServer
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from mtpserve.workers.config import MTPServeConfig
 
-from helpers_service import ROOT, child_env, rpc_error, write_dummy_model
+from helpers_service import ROOT, ServeProcess, child_env, rpc_error, write_dummy_model
 
 TOKEN = "s3cret-token-for-tests"
 PROMPT = [3, 4, 5, 6]
@@ -324,6 +326,44 @@ def test_http_api_takes_the_same_mutual_tls(model_dir: Path, pki: dict[str, Path
         assert free_blocks(srv) == srv.engine.scheduler.blocks.num_blocks
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_every_front_end_process_takes_the_same_mutual_tls_and_token(model_dir: Path, pki: dict[str, Path]) -> None:
+    """`serve --frontends 2`: over fresh connections (the kernel spreads them over both processes) a trusted client
+    with a certificate and the token completes over HTTPS and gRPC, the wrong token gets 401 / UNAUTHENTICATED, and
+    plaintext or no client certificate cannot connect."""
+    args = ["--model", str(model_dir), "--load-format", "dummy", "--device", "cpu", "--draft", "random"]
+    args += ["--frontends", "2", "--http-port", "0", "--auth-token-file", str(pki["token"])]
+    args += ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
+    args += ["--tls-client-ca", str(pki["client_ca"])]
+    with ServeProcess(args, startup_timeout=240) as srv:
+        base = f"https://127.0.0.1:{srv.http_port}"
+        for _ in range(8):
+            good = _https_client(base, pki, "server_ca", "client", TOKEN)
+            model = good.models.list().data[0].id
+            assert good.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens >= 1
+            good.close()
+            with pytest.raises(openai.AuthenticationError):
+                _https_client(base, pki, "server_ca", "client", "wrong").models.list()
+            for refused in (
+                openai.OpenAI(
+                    base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key=TOKEN, max_retries=0, timeout=10
+                ),
+                _https_client(base, pki, "server_ca", None, TOKEN),
+            ):
+                with pytest.raises(openai.APIConnectionError):
+                    refused.models.list()
+            creds = grpc.ssl_channel_credentials(
+                pki["server_ca"].read_bytes(), pki["client_key"].read_bytes(), pki["client_cert"].read_bytes()
+            )
+            with grpc.secure_channel(srv.address, creds) as channel:
+                stub = pb_grpc.InferenceStub(channel)
+                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(max_tokens=3))
+                got = list(stub.Generate(req, metadata=[("authorization", f"Bearer {TOKEN}")], timeout=60))
+                assert sum(len(m.token_ids) for m in got) == 3
+                err = rpc_error(lambda: list(stub.Generate(req, metadata=[("authorization", "Bearer no")], timeout=60)))  # noqa: B023
+                assert err.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 # ---- configuration -------------------------------------------------------------------------------
