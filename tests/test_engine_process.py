@@ -426,3 +426,37 @@ def test_an_abort_that_crosses_the_finish_keeps_the_finish(tiny: tuple[Path, Pat
     finally:
         proc.stop(timeout=0.5)
         loop.close()
+
+
+def test_warm_up_leaves_nothing_held_cached_or_counted() -> None:
+    """`warm_up` runs a burst of prompts, a prompt beside decode rows and a sampled request, then leaves every
+    block free, nothing cached, the totals and prefix-cache counters at zero; later requests decode as on a fresh
+    engine."""
+    from tiny import mimic_head, mimic_target, random_prompts, tiny_engine
+
+    args, w = mimic_target(seed=4)
+    head = mimic_head(args, w)
+    sched = {"chunk_size": 64, "max_num_batched_tokens": 256, "max_num_requests": 8}
+    warmed = tiny_engine(args, w, head, scheduler=sched)
+    chunks: list[tuple[int, int]] = []  # (prompt chunks, decode rows) of every step
+    schedule = warmed.scheduler.schedule
+
+    def spy() -> Any:
+        plan = schedule()
+        ctx = sum(s.is_context for s in plan.seqs)
+        chunks.append((ctx, len(plan.seqs) - ctx))
+        return plan
+
+    warmed.scheduler.schedule = spy  # type: ignore[method-assign]
+    warmed.warm_up(prompt_len=40)
+    warmed.scheduler.schedule = schedule  # type: ignore[method-assign]
+    assert max(c for c, _ in chunks) >= 6  # a burst of prompts in one step
+    assert any(c and g for c, g in chunks)  # prompts beside decode rows
+    blocks = warmed.scheduler.blocks
+    assert blocks.num_free == blocks.num_blocks and blocks.num_cached == 0
+    assert warmed.totals.drafted == 0 and warmed.totals.accepted == 0
+    assert warmed.scheduler.prefix_query_tokens == 0 and warmed.scheduler.prefix_hit_tokens == 0
+    prompts = random_prompts(3, args.vocab_size, [9, 30, 17], seed=8)
+    fresh = tiny_engine(args, w, head, scheduler=sched)
+    want = [c.token_ids for c in fresh.generate(prompts, {"max_tokens": 10})]
+    assert [c.token_ids for c in warmed.generate(prompts, {"max_tokens": 10})] == want

@@ -35,6 +35,11 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(None, gt=0, description="cap on prompt + output tokens")
+    warm_up: bool = Field(
+        True,
+        description="on CUDA, before `serve` reports SERVING, run throw-away requests through the steps serving meets "
+        "first (a burst of prompts, prompts beside decode rows), so that no client waits for kernels to compile",
+    )
     cache_dir: str | None = Field(None, description="where converted safetensors are cached")
     seed: int = 0
     cuda_graphs: bool = Field(True, description="capture generation steps in CUDA graphs (CUDA only)")

@@ -95,6 +95,9 @@ class Completion:
         }
 
 
+WARM_UP_BURST = 12  # prompts at once in `warm_up`: more than a step replays one by one (MAX_SPLIT_CHUNKS)
+
+
 class LLMEngine:
     """Validates requests and runs `step()`: schedule, target forward+verify, draft propose, update."""
 
@@ -345,6 +348,26 @@ class LLMEngine:
         for c in done.values():
             c.text = self.decode(c.token_ids)
         return [done[rid] for rid in ids]
+
+    def warm_up(self, prompt_len: int = 128) -> None:
+        """Run throw-away requests through the steps serving meets first: a burst of prompts in one step, prompt
+        chunks beside decode rows, a sampled request; so that kernels compile (and caches fill) before the engine
+        serves. Afterwards no block is held or cached, and the totals and prefix-cache counters read zero (an
+        adaptive policy keeps the few decode steps it saw)."""
+        vocab, n = self.args.vocab_size, max(1, min(WARM_UP_BURST, self.cfg.scheduler.max_queue - 2))
+        length = max(2, min(prompt_len, self.max_model_len - 4))
+        prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(length)] for i in range(n + 2)]
+        greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+        for p in prompts[:n]:
+            self.add_request(p, greedy)
+        self.step()  # the burst's prompts, in one step where the budget allows
+        self.add_request(prompts[n], greedy)  # a prompt beside decode rows
+        self.add_request(prompts[n + 1], SamplingParams(max_tokens=2, temperature=0.8, seed=0, ignore_eos=True))
+        while self.has_unfinished():
+            self.step()
+        self.scheduler.forget_cached()
+        self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
+        self.totals = SpecStats()
 
     def shutdown(self) -> None:
         """Release executors (actors, process groups); the in-process engine has nothing to release."""

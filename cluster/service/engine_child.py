@@ -27,6 +27,7 @@ from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.engine.scheduler import RequestOutput
 from mtpserve.cluster.service.model_info import model_info
 from mtpserve.cluster.service.request_book import EngineFailure, engine_load, step_error
+from mtpserve.modeling.loader import resolve_device
 from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.config import MTPServeConfig
 
@@ -102,11 +103,21 @@ def run_engine_process(
         conn.send((ERROR, portable(exc)))
         return
     try:
+        warm_up_for_serving(engine)
         listener = None if listen is None else Listener(listen[0], family="AF_UNIX", authkey=listen[1])
         send_ready(engine, conn)
         PipedEngine(engine, conn, streams=listener is None, listener=listener).run()
     finally:
         engine.shutdown()
+
+
+def warm_up_for_serving(engine: LLMEngine) -> None:
+    """`engine.warm_up()` when it runs on CUDA and `model.warm_up` is on (kernels compile there on first use)."""
+    if not engine.cfg.model.warm_up or resolve_device(engine.cfg.model.device) != "cuda":
+        return
+    t0 = time.monotonic()
+    engine.warm_up()
+    log.info("warmed up in %.1f s", time.monotonic() - t0)
 
 
 def send_ready(engine: LLMEngine, conn: Connection) -> None:
