@@ -199,6 +199,6 @@ def dummy_server_config(model: Path, num_draft_tokens: int = 3) -> Any:
             "model": {"path": str(model), "load_format": "dummy", "device": "cpu"},
             "speculative": {"draft": "random", "num_draft_tokens": num_draft_tokens},
             "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
-            "server": {"host": "127.0.0.1", "port": 0},
+            "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
         }
     )

@@ -122,7 +122,9 @@ def test_colocated_draft_matches(ray_local, model) -> None:
 @pytest.mark.parametrize("victim", ["draft", "target-rank-1"])
 def test_killed_worker_fails_requests_fast_then_recovers(ray_local, model, victim: str) -> None:
     cfg = dist_config(model, chunk_size=8)
-    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"host": "127.0.0.1", "port": 0})})
+    cfg = cfg.model_copy(
+        update={"server": cfg.server.model_copy(update={"host": "127.0.0.1", "port": 0, "metrics_port": 0})}
+    )
     eng = build_engine(cfg)
     server = MTPServer(eng, cfg, metrics=False)
     server.start()
@@ -201,7 +203,7 @@ def test_stalled_worker_is_detected_by_the_step_timeout(ray_local, model) -> Non
     cfg = dist_config(model, "colocated", chunk_size=8)
     cfg = cfg.model_copy(
         update={
-            "server": cfg.server.model_copy(update={"port": 0}),
+            "server": cfg.server.model_copy(update={"port": 0, "metrics_port": 0}),
             "parallel": cfg.parallel.model_copy(update={"step_timeout_s": 3.0}),
         }
     )

@@ -63,7 +63,7 @@ def _config(model: Path, head: Path) -> MTPServeConfig:
             "model": {"path": str(model), "device": "cpu"},
             "speculative": {"draft": str(head), "num_draft_tokens": 2},
             "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
-            "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
+            "server": {"host": "127.0.0.1", "port": 0, "http_port": 0, "metrics_port": 0},
         }
     )
 
@@ -222,7 +222,9 @@ def test_a_dead_engine_process_fails_its_streams_and_the_server_stops_serving(ti
 
 def test_a_model_that_cannot_load_raises_the_childs_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    cfg = MTPServeConfig.from_dict({"model": {"path": str(tmp_path), "device": "cpu"}, "server": {"port": 0}})
+    cfg = MTPServeConfig.from_dict(
+        {"model": {"path": str(tmp_path), "device": "cpu"}, "server": {"port": 0, "metrics_port": 0}}
+    )
     with pytest.raises(ModelLoadError, match=r"config\.json: .*vocab_size"):
         MTPServer(None, cfg, metrics=False)
 

@@ -45,7 +45,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MTPServer
             "model": {"path": str(model), "device": "cpu", "dtype": "float32"},
             "speculative": {"draft": str(head), "num_draft_tokens": 2},
             "scheduler": {"num_kv_blocks": 128, "max_num_requests": 4, "max_queue": 4},
-            "server": {"port": 0},
+            "server": {"port": 0, "metrics_port": 0},
         }
     )
     srv = MTPServer(LLMEngine.from_config(cfg), metrics=False)

@@ -404,7 +404,7 @@ def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MTPServer]:
             "model": {"path": str(model), "load_format": "dummy", "device": "cpu"},
             "speculative": {"draft": "random"},
             "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
-            "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
+            "server": {"host": "127.0.0.1", "port": 0, "http_port": 0, "metrics_port": 0},
         }
     )
     srv = MTPServer(LLMEngine.from_config(cfg), metrics=False)

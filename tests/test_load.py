@@ -44,7 +44,7 @@ def server() -> Iterator[MTPServer]:
         tiny_head(args, weights),
         speculative={"num_draft_tokens": 2},
         scheduler={"num_kv_blocks": 512, "block_size": 8, "max_num_requests": 32, "max_queue": 1024},
-        server={"port": 0},
+        server={"port": 0, "metrics_port": 0},
     )
     srv = MTPServer(engine, metrics=False)
     srv.start()
