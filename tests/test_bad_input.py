@@ -60,3 +60,16 @@ def test_request_larger_than_cache_is_refused() -> None:
     with pytest.raises(InvalidRequestError) as err:
         eng.add_request([1] * 10, {"max_tokens": 200})
     assert err.value.field == "max_tokens"
+
+
+def test_temperatures_below_the_floor_decode_greedily() -> None:
+    """A temperature of 1e-40 would overflow the scaled logits to inf and the probabilities to NaN: below
+    MIN_TEMPERATURE it decodes greedily, token for token as temperature 0."""
+    from mtpserve.cluster.engine.request import MIN_TEMPERATURE, SamplingParams
+
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    args = tiny_args()
+    weights = tiny_weights(args)
+    greedy = tiny_engine(args, weights).generate([[3, 4, 5]], {"max_tokens": 8})[0].token_ids
+    tiny = tiny_engine(args, weights).generate([[3, 4, 5]], {"max_tokens": 8, "temperature": 1e-40, "seed": 1})
+    assert tiny[0].token_ids == greedy

@@ -258,6 +258,8 @@ BAD_INPUTS: list[tuple[str, pb.GenerateRequest, grpc.StatusCode, str]] = [
     ("top_k < 0", _req(sampling={"top_k": -1}), INVALID, "sampling.top_k:"),
     ("stop token outside vocab", _req(sampling={"stop_token_ids": [VOCAB + 1]}), INVALID, "sampling.stop_token_ids:"),
     ("request id in flight", _req(request_id="good"), INVALID, "request_id:"),
+    ("request id of 4 MB", _req(request_id="r" * (4 << 20)), INVALID, "request_id:"),
+    ("request id of 257 characters", _req(request_id="r" * 257), INVALID, "request_id:"),
 ]
 
 

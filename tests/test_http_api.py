@@ -309,6 +309,18 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
     ("token id outside the vocabulary", TEXT, {"prompt": [1, VOCAB]}, 400, "prompt"),
     ("empty prompt", TEXT, {"prompt": ""}, 400, "prompt"),
     ("body over http_max_body_mb", TEXT, b'{"prompt": "' + b"a" * (1024 * 1024 + 10) + b'"}', 413, None),
+    ("max_tokens as a string", TEXT, {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
+    ("max_tokens as a bool", TEXT, {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("stream as a string", TEXT, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("JSON nested too deeply", TEXT, b"[" * 200_000 + b"]" * 200_000, 400, None),
+    ("lone surrogate in a text prompt", TEXT, b'{"prompt": "hi \\ud800"}', 400, "prompt"),
+    (
+        "lone surrogate in a message",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+        400,
+        "messages[0].content",
+    ),
 ]
 
 

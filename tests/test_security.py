@@ -4,6 +4,7 @@ certificates."""
 from __future__ import annotations
 
 import datetime
+import http.client
 import ipaddress
 import json
 import re
@@ -206,9 +207,16 @@ def test_http_api_takes_the_same_token(token_server: MTPServer) -> None:
     out = good.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
     assert free_blocks(token_server) == token_server.engine.scheduler.blocks.num_blocks
+    conn = http.client.HTTPConnection(token_server.http_address, timeout=30)  # a byte that is not UTF-8: refused too
+    conn.putrequest("GET", "/v1/models")
+    conn.putheader("Authorization", b"Bearer \xff" + TOKEN.encode())
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 401 and b"invalid bearer token" in resp.read()
+    conn.close()
     page = urllib.request.urlopen(f"http://127.0.0.1:{token_server.metrics_port}/metrics", timeout=10).read().decode()
     assert 'mtpserve_auth_failures_total{frontend="http",reason="missing"} 1.0' in page
-    assert 'mtpserve_auth_failures_total{frontend="http",reason="invalid"} 1.0' in page
+    assert 'mtpserve_auth_failures_total{frontend="http",reason="invalid"} 2.0' in page
 
 
 def test_generate_cli_sends_the_token(token_server: MTPServer, pki: dict[str, Path]) -> None:

@@ -7,10 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mtpserve.cluster.engine.errors import invalid_field
 from mtpserve.speculative.stats import SpecStats
+
+MIN_TEMPERATURE = 1e-5  # lower temperatures decode greedily (vLLM's rule too)
 
 
 class SamplingParams(BaseModel):
@@ -19,16 +21,21 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_tokens: int = Field(64, gt=0)
-    temperature: float = Field(0.0, ge=0.0, description="0 means greedy")
+    temperature: float = Field(0.0, ge=0.0, description="0 (or below 1e-5) means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
 
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, value: float) -> float:
+        return 0.0 if value < MIN_TEMPERATURE else value  # logits / 1e-40 overflow to inf, and softmax to NaN
+
     @property
     def greedy(self) -> bool:
-        """True when decoding is argmax."""
+        """True when decoding is argmax (temperature 0, or below MIN_TEMPERATURE)."""
         return self.temperature == 0.0
 
 

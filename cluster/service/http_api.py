@@ -156,7 +156,7 @@ class OpenAIAPI:
         if token is None:
             self._refused("missing")
             raise APIError(401, "missing bearer token: send the header 'Authorization: Bearer <token>'")
-        if not hmac.compare_digest(token.encode(), self.token):
+        if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self.token):
             self._refused("invalid")
             raise APIError(401, "invalid bearer token")
         return await handler(request)
@@ -219,6 +219,8 @@ class OpenAIAPI:
             return json.loads(raw)
         except ValueError as exc:  # also UnicodeDecodeError
             raise APIError(400, f"body: not valid JSON ({exc})", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "body: JSON nested too deeply", code="invalid_json") from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:

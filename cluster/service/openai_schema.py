@@ -35,7 +35,16 @@ ONE_CHOICE = ("n", "best_of")  # only one completion per request
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)  # "10" is no integer, "yes" no bool
+
+
+def encodable(value: str) -> str:
+    """`value` when it is valid Unicode text (no lone surrogate, which JSON's \\ud800 escapes can carry)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return value
 
 
 class StreamOptions(_Body):
@@ -61,6 +70,11 @@ class ChatMessage(_Body):
                 raise ValueError("only text parts ({'type': 'text', 'text': ...}) are supported")
             texts.append(part["text"])
         return "".join(texts)
+
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, value: str) -> str:
+        return encodable(value)
 
     def turn(self) -> dict[str, str]:
         """The turn for the chat template ("developer" is the system turn of newer OpenAI models)."""
@@ -139,7 +153,7 @@ class CompletionRequest(_Generation):
                 raise ValueError(f"one prompt per request is supported, got {len(value)}")
             value = value[0]
         if isinstance(value, str):
-            return value
+            return encodable(value)
         if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return value
         raise ValueError("must be a string or a list of token ids")

@@ -39,6 +39,9 @@ PROTO_FIELDS = {
 }
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
 def stats_to_proto(s: SpecStats) -> pb.AcceptanceStats:
     """SpecStats as the AcceptanceStats message."""
     return pb.AcceptanceStats(
@@ -137,6 +140,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if not self.accepting():
             await _abort(context, grpc.StatusCode.UNAVAILABLE, "workers are down or the server is stopping")
         try:
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # it comes back in every chunk
+                raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
             ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
             remaining = context.time_remaining()
@@ -152,8 +157,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Stop a request by id."""
-        if not request.request_id:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        if not request.request_id or len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            reason = f"must not be empty, nor over {MAX_REQUEST_ID_CHARS} characters"
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {reason}")
         try:
             return pb.AbortResponse(aborted=await asyncio.to_thread(self.loop.abort, request.request_id))
         except ServerShuttingDown as exc:
