@@ -328,6 +328,8 @@ def check_consistency(docs: list[Doc], dockerfile: Path | None = DOCKERFILE, ima
         errors.extend(_head_errors(owner, path, template, cfg, config_map, jobs_running_on(owner, docs)))
     errors.extend(_service_errors(docs, cfg, [t for _, _, t in heads]))
     errors.extend(_pod_monitor_errors(docs, [t for _, _, t in heads]))
+    if _by_kind(docs, "PodMonitor") and cfg.server.metrics_host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        errors.append(f"server.metrics_host is {cfg.server.metrics_host}: the PodMonitor cannot scrape a loopback port")
     errors.extend(_gpu_errors(docs, cfg))
     errors.extend(_container_errors(docs, image))
     if dockerfile is not None:

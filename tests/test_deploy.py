@@ -220,6 +220,12 @@ def _mutations() -> list[tuple[str, Any, str]]:
         cm = one(docs, "ConfigMap")
         cm["data"]["config.yaml"] = cm["data"]["config.yaml"].replace("metrics_port: 9090", "metrics_port: 9091")
 
+    def metrics_loopback(docs: list[dict[str, Any]]) -> None:
+        cm = one(docs, "ConfigMap")
+        cm["data"]["config.yaml"] = cm["data"]["config.yaml"].replace(
+            "metrics_host: 0.0.0.0", "metrics_host: 127.0.0.1"
+        )
+
     def monitor_port(docs: list[dict[str, Any]]) -> None:
         one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] = "prometheus"
 
@@ -295,6 +301,7 @@ def _mutations() -> list[tuple[str, Any, str]]:
         ("probe port", probe_port, "livenessProbe.grpc.port is 50052, config says 50051"),
         ("config metrics port", metrics_port, "EXPOSE lacks 9091"),
         ("podmonitor port", monitor_port, "no head container port named 'prometheus'"),
+        ("metrics on loopback", metrics_loopback, "the PodMonitor cannot scrape a loopback port"),
         ("image", image, "image 'ghcr.io/mtpserve/mtpserve:latest' is not"),
         ("root user", root, "must run as non-root user 1000"),
         ("head gpus", head_gpus, "num-gpus: '0'"),

@@ -374,6 +374,22 @@ def test_every_front_end_process_takes_the_same_mutual_tls_and_token(model_dir: 
                 assert err.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_metrics_stay_on_loopback_when_serving_everywhere(model_dir: Path) -> None:
+    """--host 0.0.0.0 puts gRPC on every address, but /metrics (no token, no TLS) stays on 127.0.0.1 unless
+    server.metrics_host says otherwise."""
+    srv = start_server(model_dir, {"host": "0.0.0.0", "allow_insecure": True}, metrics=True)
+    try:
+        assert srv.metrics._http.server_address[0] == "127.0.0.1"
+        assert srv.address.startswith("0.0.0.0:")
+    finally:
+        srv.stop()
+    srv = start_server(model_dir, {"metrics_host": "0.0.0.0"}, metrics=True)
+    try:
+        assert srv.metrics._http.server_address[0] == "0.0.0.0"
+    finally:
+        srv.stop()
+
+
 # ---- configuration -------------------------------------------------------------------------------
 def test_exposed_binds_need_credentials_or_an_explicit_opt_out() -> None:
     """A non-loopback host without TLS or a token is refused naming server.host; TLS files come in pairs;

@@ -257,6 +257,11 @@ class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="bind address; other than loopback needs TLS or a token")
     port: int = Field(50051, ge=0, le=65535)
     metrics_port: int = Field(9090, ge=0, le=65535)
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="bind address of /metrics (no token, no TLS): loopback by default, so that serving on 0.0.0.0 "
+        "does not expose it; 0.0.0.0 for a scraper on another host (a Kubernetes PodMonitor)",
+    )
     http_port: int | None = Field(
         None,
         ge=0,

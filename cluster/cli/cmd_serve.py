@@ -30,6 +30,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
     g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free one)")
     g.add_argument(
+        "--metrics-host",
+        help="bind address of /metrics, which has no token or TLS (default 127.0.0.1, even with --host 0.0.0.0; "
+        "0.0.0.0 lets a scraper on another host in)",
+    )
+    g.add_argument(
         "--http-port",
         type=int,
         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "

@@ -149,6 +149,7 @@ def config_from_args(args: argparse.Namespace) -> MTPServeConfig:
         "server.host": a.get("host"),
         "server.port": a.get("port"),
         "server.metrics_port": a.get("metrics_port"),
+        "server.metrics_host": a.get("metrics_host"),
         "server.http_port": a.get("http_port"),
         "server.tls.cert_file": a.get("tls_cert"),
         "server.tls.key_file": a.get("tls_key"),

@@ -194,7 +194,9 @@ class FrontEndPool:
             multiprocess.MultiProcessCollector(registry, path=self._metrics_dir)
             self._engine_metrics = EngineMetrics(registry)
             self._observe(load)
-            self._http_server, _ = start_http_server(cfg.server.metrics_port, addr=cfg.server.host, registry=registry)
+            self._http_server, _ = start_http_server(
+                cfg.server.metrics_port, addr=cfg.server.metrics_host, registry=registry
+            )
             self.metrics_port = int(self._http_server.server_port)
         except BaseException:
             self.stop(timeout=5.0)

@@ -127,7 +127,7 @@ class MTPServer:
             if sc.http_port is not None:
                 self._start_http(token)
             if self._metrics_on:
-                self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.host)
+                self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.metrics_host)
         except BaseException:
             self.stop(grace=0.0)
             raise
