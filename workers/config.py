@@ -270,6 +270,12 @@ class ServerConfig(_Strict):
         "this port, same host, TLS and token as gRPC; 0 picks a free port; None: off",
     )
     http_max_body_mb: int = Field(4, gt=0, description="largest HTTP request body; a larger one gets 413")
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="on SIGTERM: refuse new requests and let those in flight finish for up to this long, then end "
+        "the rest with a terminal error (Kubernetes' terminationGracePeriodSeconds should exceed it)",
+    )
     max_message_mb: int = Field(256, gt=0)
     tls: TLSConfig = TLSConfig()
     auth_token_file: str | None = Field(

@@ -149,7 +149,7 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
                 rc = 1
                 break
     finally:
-        server.stop()
+        server.stop(grace=cfg.server.drain_timeout_s)
         if engine is not None:
             engine.shutdown()
         log.info("stopped")

@@ -110,6 +110,10 @@ class EngineLoop:
         """Clear a worker failure (the distributed engine calls this once its actors are back)."""
         self._workers.set(True)
 
+    def in_flight(self) -> int:
+        """Requests taken or being added (queued commands count), and not yet ended."""
+        return len(self._book.handles) + self._commands.qsize()
+
     def submit_nowait(
         self,
         prompt_token_ids: list[int],

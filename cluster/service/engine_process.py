@@ -155,6 +155,11 @@ class EngineProcess:
         """The engine process's id, when this object started it."""
         return None if self._proc is None else self._proc.pid
 
+    def in_flight(self) -> int:
+        """Requests taken or being added, and not yet ended."""
+        with self._lock:
+            return len(self._book.handles) + len(self._pending)
+
     def start(self) -> None:
         """Start sending commands, and routing the child's outputs on the event loop."""
         self._reading = True

@@ -279,8 +279,11 @@ class FrontEndPool:
                 with self._lock:
                     self._front_ends[self._front_ends.index(fe)] = new
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """Stop the front ends (in parallel), then the engine; remove the pool's files."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the front ends (in parallel; each drains its streams first), then the engine; remove the pool's
+        files."""
+        if timeout is None:
+            timeout = self.cfg.server.drain_timeout_s + 15.0
         self._stopping.set()
         with self._lock:
             front_ends = list(self._front_ends)

@@ -50,6 +50,7 @@ class FrontEndProcess:
         child_engine_end.close()
         child_control.close()
         self._on_lost = on_lost
+        self._drain_s = cfg.server.drain_timeout_s
         self._lock = threading.Lock()
         self._stopping = False
         self._serving = False
@@ -101,8 +102,10 @@ class FrontEndProcess:
         for conn in (self._control, self._engine_end):
             conn.close()
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """Stop the front ends (their streams end as at any server stop), then the engine side."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the front ends (they drain their streams first), then the engine side."""
+        if timeout is None:
+            timeout = self._drain_s + 15.0
         with self._lock:
             self._stopping = True
         with contextlib.suppress(OSError):
@@ -162,4 +165,4 @@ def run_front_ends(
     except (EOFError, OSError):
         pass
     finally:
-        server.stop()
+        server.stop(grace=cfg.server.drain_timeout_s)

@@ -312,6 +312,7 @@ class OpenAIAPI:
                         last["usage"] = usage_body(piece.prompt_tokens, piece.completion_tokens, piece.stats)
                         await send(last)
             except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
+                await send(chunk([choice_body(chat, "", "abort", [] if ids else None, True)]))
                 await send(api_error(exc, "prompt").body())  # the status line is sent: report it in the stream
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

@@ -262,6 +262,10 @@ class EngineCore(Protocol):
         """Start serving."""
         ...
 
+    def in_flight(self) -> int:
+        """Requests taken or being added, and not yet ended."""
+        ...
+
     def stop(self, timeout: float = 5.0) -> None:
         """Fail what is still in flight with ServerShuttingDown and stop."""
         ...

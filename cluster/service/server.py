@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from multiprocessing.connection import Connection
 
 import grpc
@@ -26,6 +27,7 @@ from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
+STREAM_END_S = 2.0  # after the drain, time for the streams to send their terminal error before the ports close
 
 
 def host_port(host: str, port: int) -> str:
@@ -182,11 +184,19 @@ class MTPServer:
         self.http_port = self.front_end.call(self._http.start)
 
     def stop(self, grace: float = 1.0) -> None:
-        """Report NOT_SERVING, stop accepting RPCs, cancel streams after `grace` s, stop the loop."""
+        """Drain, then stop: report NOT_SERVING and refuse new requests at once; let the requests in flight finish
+        for up to `grace` s; end the rest with a terminal error (gRPC UNAVAILABLE; over HTTP an `abort` finish, an
+        error event and [DONE]); then close the ports and stop the engine side."""
         self._serving = False
         self.health.enter_graceful_shutdown()
-        self.front_end.stop(lambda: self._stop_front_ends(grace), timeout=grace + 10.0)
-        self.loop.stop()
+        deadline = time.monotonic() + grace
+        while self.loop.running and self.loop.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.loop.in_flight()
+        if left:
+            log.warning("%d requests still in flight after the %.0f s drain; ending them", left, grace)
+        self.loop.stop()  # what is left ends with ServerShuttingDown, which each stream reports to its client
+        self.front_end.stop(lambda: self._stop_front_ends(STREAM_END_S), timeout=STREAM_END_S + 10.0)
         self.metrics.stop_http()
 
     async def _stop_front_ends(self, grace: float) -> None:
