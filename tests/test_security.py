@@ -25,6 +25,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
 from mtpserve.cluster.engine.errors import ConfigError
@@ -129,13 +130,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_dummy_model(tmp_path_factory.mktemp("dummy"))
 
 
-def start_server(model: Path, server: dict[str, Any], metrics: bool = False) -> MTPServer:
-    """An MTPServer in this process on loopback, port 0, with the given server settings."""
+def start_server(
+    model: Path, server: dict[str, Any], metrics: bool = False, scheduler: dict[str, Any] | None = None
+) -> MTPServer:
+    """An MTPServer in this process on loopback, port 0, with the given server (and scheduler) settings."""
     cfg = MTPServeConfig.from_dict(
         {
             "model": {"path": str(model), "load_format": "dummy", "device": "cpu"},
             "speculative": {"draft": "random", "num_draft_tokens": 2},
-            "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
+            "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4, **(scheduler or {})},
             "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0, **server},
         }
     )
@@ -387,6 +390,35 @@ def test_metrics_stay_on_loopback_when_serving_everywhere(model_dir: Path) -> No
     try:
         assert srv.metrics._http.server_address[0] == "0.0.0.0"
     finally:
+        srv.stop()
+
+
+def test_open_health_watches_cannot_starve_authenticated_calls(model_dir: Path, pki: dict[str, Path]) -> None:
+    """Health is open, so its Watch streams get a budget of their own (an eighth of the server's call limit): 40
+    unauthenticated watches of a server that runs 28 calls at once hold 3 slots, the rest get RESOURCE_EXHAUSTED,
+    and an authenticated Generate and a Health.Check still answer."""
+    srv = start_server(model_dir, {"auth_token_file": str(pki["token"])}, scheduler={"max_queue": 8})
+    watchers: list[Any] = []
+    try:
+        assert srv.health.max_watches == 3
+        channel = grpc.insecure_channel(srv.address)
+        health = health_pb2_grpc.HealthStub(channel)
+        outcomes = []
+        for _ in range(40):
+            call = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            watchers.append(call)
+            try:
+                outcomes.append(next(call).status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.RpcError as exc:
+                outcomes.append(exc.code())
+        assert outcomes.count(True) == 3
+        assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 37
+        with MTPServeClient(srv.address, timeout=30, auth_token=TOKEN) as client:
+            assert len(client.generate(token_ids=PROMPT, max_tokens=3)["token_ids"]) == 3
+            assert client.health() == "SERVING"
+    finally:
+        for call in watchers:
+            call.cancel()
         srv.stop()
 
 

@@ -17,12 +17,20 @@ class LiveHealth(health_pb2_grpc.HealthServicer):
     """Reports SERVING while `serving()` is true for every name in `services` ("" is the whole server); other
     names are NOT_FOUND to Check and SERVICE_UNKNOWN to Watch."""
 
-    def __init__(self, serving: Callable[[], bool], services: Iterable[str], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        serving: Callable[[], bool],
+        services: Iterable[str],
+        loop: asyncio.AbstractEventLoop,
+        max_watches: int = 64,
+    ) -> None:
         self._serving = serving
         self._services = {"", *services}
         self._loop = loop
         self._changed = asyncio.Event()
         self._shutting_down = False
+        self.max_watches = max_watches  # Watch streams held at once: unauthenticated, they must not fill the server
+        self._watching = 0
 
     def status(self, service: str) -> int:
         """The status a Check of `service` returns now."""
@@ -56,11 +64,25 @@ class LiveHealth(health_pb2_grpc.HealthServicer):
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        """The status now, then each change of it, until the client leaves or the server shuts down."""
+        """The status now, then each change of it, until the client leaves or the server shuts down. Past
+        `max_watches` streams at once a new one ends with RESOURCE_EXHAUSTED (Check still answers)."""
+        if self._watching >= self.max_watches:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.max_watches} Health.Watch streams are open already; use Health.Check",
+            )
+        self._watching += 1
+        try:
+            async for reply in self._watch(request.service):
+                yield reply
+        finally:
+            self._watching -= 1
+
+    async def _watch(self, service: str) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         last = None
         while True:
             changed, down = self._changed, self._shutting_down  # read before the status, which then reflects both
-            status = self.status(request.service)
+            status = self.status(service)
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status

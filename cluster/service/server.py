@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 STREAM_END_S = 2.0  # after the drain, time for the streams to send their terminal error before the ports close
 
 
+def max_rpcs(cfg: MTPServeConfig) -> int:
+    """Calls the gRPC server runs at once: every running and queued request, and some room for the rest."""
+    return min(cfg.scheduler.max_num_requests + cfg.scheduler.max_queue, 1024) + 16
+
+
 def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -62,7 +67,9 @@ class MTPServer:
         self._metrics_on = metrics
         self._serving = True
         self.front_end = FrontEndThread()
-        self.health = LiveHealth(self.is_serving, [SERVICE_NAME], self.front_end.loop)
+        self.health = LiveHealth(
+            self.is_serving, [SERVICE_NAME], self.front_end.loop, max(2, min(64, max_rpcs(cfg) // 8))
+        )
         self.loop: EngineCore
         try:
             if engine is None:
@@ -139,7 +146,6 @@ class MTPServer:
     async def _start_grpc(self, token: bytes | None, credentials: grpc.ServerCredentials | None) -> None:
         sc = self.cfg.server
         limit = sc.max_message_mb * 1024 * 1024
-        sched = self.cfg.scheduler
         interceptors = []
         if token is not None:
             refused = self.metrics.auth_failures
@@ -152,7 +158,7 @@ class MTPServer:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.so_reuseport", int(self._reuse_port)),
             ],
-            maximum_concurrent_rpcs=min(sched.max_num_requests + sched.max_queue, 1024) + 16,
+            maximum_concurrent_rpcs=max_rpcs(self.cfg),
             interceptors=interceptors,
         )
         pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
