@@ -259,6 +259,7 @@ BAD_INPUTS: list[tuple[str, pb.GenerateRequest, grpc.StatusCode, str]] = [
     ("stop token outside vocab", _req(sampling={"stop_token_ids": [VOCAB + 1]}), INVALID, "sampling.stop_token_ids:"),
     ("request id in flight", _req(request_id="good"), INVALID, "request_id:"),
     ("request id of 4 MB", _req(request_id="r" * (4 << 20)), INVALID, "request_id:"),
+    ("text of 16 MB", pb.GenerateRequest(text="ab " * ((16 << 20) // 3)), INVALID, "prompt.text: has 16777215 bytes"),
     ("request id of 257 characters", _req(request_id="r" * 257), INVALID, "request_id:"),
 ]
 

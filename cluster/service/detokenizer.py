@@ -7,6 +7,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtpserve.cluster.engine.errors import InvalidRequestError
+
 
 @dataclass
 class Tokenizers:
@@ -20,6 +22,24 @@ class Tokenizers:
     def __post_init__(self) -> None:
         if self.decoder is None and self.encoder is not None:
             self.decoder = copy.deepcopy(self.encoder)
+        self._max_token_bytes: int | None = None
+
+    @property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token of the vocabulary (a text of n bytes has at least n / this many tokens)."""
+        if self._max_token_bytes is None:
+            vocab = self.encoder.get_vocab() if self.encoder is not None else {}
+            # byte-level BPE spells a byte as one character: the string length bounds its bytes from above
+            self._max_token_bytes = max((len(tok.encode("utf-8")) for tok in vocab), default=1)
+        return self._max_token_bytes
+
+    def check_length(self, text_bytes: int, max_model_len: int, field: str) -> None:
+        """InvalidRequestError naming `field` when a text of `text_bytes` bytes must hold at least max_model_len
+        tokens, without tokenizing it (which takes seconds for megabytes, under the shared lock)."""
+        if text_bytes > max_model_len * self.max_token_bytes:
+            raise InvalidRequestError(
+                field, f"has {text_bytes} bytes: more tokens than the model's maximum length {max_model_len}"
+            )
 
 
 class IncrementalDetokenizer:

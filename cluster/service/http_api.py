@@ -191,6 +191,8 @@ class OpenAIAPI:
         if tok is None or not has_chat_template(tok):
             raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
         turns = [m.turn() for m in req.messages]
+        size = sum(len(m.content.encode("utf-8")) for m in req.messages)
+        self.tokenizers.check_length(size, self.loop.info.max_model_len, "messages")
         try:
             ids = await asyncio.to_thread(self._locked, encode_chat, tok, turns)
         except Exception as exc:  # a template may refuse a conversation (roles out of order)
@@ -206,6 +208,7 @@ class OpenAIAPI:
         elif self.tokenizers.encoder is None:
             raise InvalidRequestError("prompt", "this model has no tokenizer; send token ids")
         else:
+            self.tokenizers.check_length(len(req.prompt.encode("utf-8")), self.loop.info.max_model_len, "prompt")
             ids = await asyncio.to_thread(self._locked, encode_text, self.tokenizers.encoder, req.prompt, False)
         return await self._generate(request, req, ids, chat=False)
 

@@ -115,6 +115,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise InvalidRequestError("prompt.text", "must not be empty")
         if self.tokenizers.encoder is None:
             raise InvalidRequestError("prompt.text", "this model has no tokenizer; send prompt.token_ids")
+        size = len(request.text.encode("utf-8", "surrogatepass"))
+        self.tokenizers.check_length(size, self.loop.info.max_model_len, "prompt.text")
         return await asyncio.to_thread(self._encode, request.text, not request.raw)
 
     def _encode(self, text: str, chat: bool) -> list[int]:
