@@ -150,6 +150,15 @@ def test_model_info(client: MTPServeClient, tiny: tuple[Path, Path]) -> None:
     assert draft["source"] == str(tiny[1]) and draft["lookahead_source"] == "prompt"
 
 
+def test_model_info_names_the_dtype_in_use(tmp_path: Path) -> None:
+    """`dtype: auto` is reported as what the weights are in (float32 on the CPU), not as "auto"."""
+    from mtpserve.cluster.service.model_info import model_info, served_dtype
+
+    engine = LLMEngine.from_config(dummy_server_config(write_dummy_model(tmp_path)))
+    assert engine.cfg.model.dtype == "auto" and model_info(engine).dtype == "float32"
+    assert served_dtype("auto", "cuda") == "bfloat16" and served_dtype("float16", "cuda") == "float16"
+
+
 # ---- streaming -----------------------------------------------------------------------------------
 def test_stream_carries_text_deltas_tokens_and_final_stats(client: MTPServeClient, tokenizer: Any) -> None:
     chunks = list(client.stream("Write a haiku about the sea.", max_tokens=40, ignore_eos=True))
@@ -340,6 +349,7 @@ def test_get_stats_and_prometheus_metrics(client: MTPServeClient, server: ServeP
     assert _metric(text, 'mtpserve_spec_accepted_per_position_total{position="0"}') >= 1
     assert _metric(text, 'mtpserve_spec_drafted_per_position_total{position="2"}') >= 1
     assert _metric(text, "mtpserve_queue_depth") == 0 and _metric(text, "mtpserve_kv_cache_usage_ratio") == 0
+    assert _metric(text, "mtpserve_spec_depth") == 3  # the depth a fixed K=3 chain runs
 
 
 def test_prefix_cache_hits_show_in_get_stats_and_metrics(client: MTPServeClient, server: ServeProcess) -> None:

@@ -317,6 +317,9 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "messages",
     ),
+    ("repetition_penalty", TEXT, {"prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("min_tokens", TEXT, {"prompt": "hi", "min_tokens": 4}, 400, "min_tokens"),
+    ("min_p", CHAT, {"messages": USER, "min_p": 0.1}, 400, "min_p"),
     ("max_tokens as a string", TEXT, {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
     ("max_tokens as a bool", TEXT, {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
     ("stream as a string", TEXT, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
@@ -372,6 +375,8 @@ def test_bad_inputs_get_openai_errors_while_a_good_stream_completes(
         client.chat.completions.create(model="gpt-4o", messages=USER)
     assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
     assert client.completions.create(model=model_id, prompt="hi", max_tokens=2).choices[0].finish_reason
+    neutral = {"repetition_penalty": 1.0, "min_tokens": 0, "min_p": 0.0}  # what they would not change is fine
+    assert client.completions.create(model=model_id, prompt="hi", max_tokens=2, extra_body=neutral).choices
     wait_idle(grpc_client)
 
 

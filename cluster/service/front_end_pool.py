@@ -235,8 +235,7 @@ class FrontEndPool:
         m = self._engine_metrics
         m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
         m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
-        if load.depth_steps is not None:
-            m.observe_depths(load.depth_steps, load.depth)
+        m.observe_depths(load.depth_steps or {}, load.depth)
 
     def _read_engine(self) -> None:
         """The engine's state (a few times a second) into the engine-wide metrics, until the engine ends."""

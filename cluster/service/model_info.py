@@ -6,9 +6,17 @@ import json
 from pathlib import Path
 
 from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.modeling.loader import to_dtype
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_dtype(dtype: str, device: str) -> str:
+    """The dtype the weights are in: `auto` resolved for the device ("bfloat16" on CUDA, "float32" on CPU)."""
+    if dtype != "auto" or device not in ("cpu", "cuda"):
+        return dtype
+    return str(to_dtype(dtype, device)).removeprefix("torch.")
 
 
 def model_info(engine: LLMEngine) -> pb.ModelInfo:
@@ -32,7 +40,7 @@ def model_info(engine: LLMEngine) -> pb.ModelInfo:
         num_layers=args.num_hidden_layers,
         tp_size=cfg.parallel.tp_size,
         device=str(getattr(device, "type", device)),
-        dtype=cfg.model.dtype,
+        dtype=served_dtype(cfg.model.dtype, str(getattr(device, "type", device))),
         has_tokenizer=engine.tokenizer is not None,
         block_size=cfg.scheduler.block_size,
         draft=pb.DraftInfo(

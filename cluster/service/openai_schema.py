@@ -31,6 +31,14 @@ UNSUPPORTED = (
     "suffix",
 )
 NEUTRAL_VALUES: tuple[Any, ...] = (None, False, 0, "", [], {}, {"type": "text"})
+# vLLM's extensions this server does not implement, with their neutral values
+UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "min_p": (None, 0, 0.0),
+    "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False),
+}
 ONE_CHOICE = ("n", "best_of")  # only one completion per request
 
 
@@ -165,6 +173,10 @@ def parse(model: type[_Generation], body: Any) -> Any:
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
     for name in UNSUPPORTED:
         if not any(body.get(name) is v or body.get(name) == v for v in NEUTRAL_VALUES):
+            raise InvalidRequestError(name, "is not supported by this server")
+    for name, neutral in UNSUPPORTED_EXTENSIONS.items():
+        value = body.get(name)
+        if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
             raise InvalidRequestError(name, "is not supported by this server")
     for name in ONE_CHOICE:
         if body.get(name) not in (None, 1):

@@ -103,7 +103,7 @@ def engine_load(engine: LLMEngine) -> EngineLoad:
         prefix_query_tokens=sched.prefix_query_tokens,
         prefix_hit_tokens=sched.prefix_hit_tokens,
         depth_steps=None if policy is None else policy.step_counts(),
-        depth=0 if policy is None else policy.depth,
+        depth=sched.k if policy is None else policy.depth,  # a fixed chain runs its K every step
     )
 
 
@@ -226,8 +226,7 @@ class RequestBook:
             return
         m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
         m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
-        if load.depth_steps is not None:
-            m.observe_depths(load.depth_steps, load.depth)
+        m.observe_depths(load.depth_steps or {}, load.depth)
 
 
 class EngineCore(Protocol):
