@@ -303,6 +303,23 @@ def test_bad_inputs_are_refused_while_a_good_stream_completes(client: MTPServeCl
     wait_idle(client)
 
 
+def test_malformed_messages_get_invalid_argument(client: MTPServeClient, server: ServeProcess) -> None:
+    """Bytes that are no GenerateRequest, or a text field that is not UTF-8, get INVALID_ARGUMENT naming the
+    request type (not UNKNOWN with a class name, nor a traceback in the log); the server keeps serving."""
+    number = pb.GenerateRequest.DESCRIPTOR.fields_by_name["text"].number
+    not_utf8 = bytes([number << 3 | 2, 2, 0xFF, 0xFE])  # field `text`, length 2, two bytes that are not UTF-8
+    with grpc.insecure_channel(server.address) as channel:
+        generate = channel.unary_stream("/mtpserve.v1.Inference/Generate")  # bytes in, bytes out
+        for raw in (b"\xff\xff\xff\xff", not_utf8):
+            err = rpc_error(lambda r=raw: list(generate(r, timeout=30)))  # type: ignore[misc]
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+            assert err.details().startswith("request: not a valid mtpserve.v1.GenerateRequest"), err.details()
+        abort = channel.unary_unary("/mtpserve.v1.Inference/Abort")
+        assert rpc_error(lambda: abort(b"\xff\xff", timeout=30)).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Traceback" not in server.log
+    assert len(client.generate(token_ids=PROMPT, max_tokens=3)["token_ids"]) == 3
+
+
 def test_queue_full_gives_resource_exhausted(client: MTPServeClient) -> None:
     wait_idle(client)
     calls = []

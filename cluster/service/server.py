@@ -18,12 +18,12 @@ from mtpserve.cluster.service.auth import BearerTokenInterceptor, read_secret, s
 from mtpserve.cluster.service.engine_loop import EngineLoop
 from mtpserve.cluster.service.engine_process import EngineProcess
 from mtpserve.cluster.service.front_end_thread import FrontEndThread, HTTPSite
+from mtpserve.cluster.service.grpc_handlers import add_inference_servicer
 from mtpserve.cluster.service.health import LiveHealth
 from mtpserve.cluster.service.http_api import OpenAIAPI
 from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
 from mtpserve.cluster.service.request_book import EngineCore
 from mtpserve.cluster.service.servicer import SERVICE_NAME, InferenceServicer
-from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class MTPServer:
             maximum_concurrent_rpcs=max_rpcs(self.cfg),
             interceptors=interceptors,
         )
-        pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
+        add_inference_servicer(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
