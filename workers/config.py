@@ -270,6 +270,13 @@ class ServerConfig(_Strict):
         "this port, same host, TLS and token as gRPC; 0 picks a free port; None: off",
     )
     http_max_body_mb: int = Field(4, gt=0, description="largest HTTP request body; a larger one gets 413")
+    idle_timeout_s: float = Field(
+        15.0,
+        gt=0.0,
+        description="a connection that has not sent a whole request (HTTP headers, or gRPC's handshake) this long "
+        "after it opened or after its last request, is closed; so is a gRPC connection without a call",
+    )
+    body_timeout_s: float = Field(30.0, gt=0.0, description="an HTTP request body not all sent this long gets 408")
     drain_timeout_s: float = Field(
         30.0,
         ge=0.0,

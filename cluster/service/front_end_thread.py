@@ -83,6 +83,7 @@ class HTTPSite:
         backlog: int = 1024,
         grace: float = 1.0,
         reuse_port: bool = False,
+        idle_timeout: float = 15.0,
     ) -> None:
         self._make_app = make_app
         self.host = host
@@ -91,12 +92,17 @@ class HTTPSite:
         self._backlog = backlog
         self._grace = grace
         self._reuse_port = reuse_port
+        self._idle_timeout = idle_timeout
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port. OSError when the port cannot be bound."""
         self._runner = web.AppRunner(
-            self._make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=self._grace
+            self._make_app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self._grace,
+            keepalive_timeout=self._idle_timeout,  # also closes a connection that sends no whole request
         )
         await self._runner.setup()
         site = web.TCPSite(

@@ -47,6 +47,7 @@ ERROR_KINDS = {
     401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "queue_full"),
     503: ("server_error", "unavailable"),
@@ -101,6 +102,7 @@ class OpenAIAPI:
         token: bytes | None = None,
         metrics: ServerMetrics | None = None,
         max_body_bytes: int = 4 * 1024 * 1024,
+        body_timeout: float = 30.0,
     ) -> None:
         self.loop = loop
         self.tokenizers = tokenizers
@@ -110,6 +112,7 @@ class OpenAIAPI:
         self.token = token
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -217,7 +220,10 @@ class OpenAIAPI:
             return fn(*args)
 
     async def _json(self, request: web.Request) -> Any:
-        raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge (413)
+        try:
+            raw = await asyncio.wait_for(request.read(), self.body_timeout)  # over client_max_size: 413
+        except asyncio.TimeoutError:
+            raise APIError(408, f"body: not all sent within {self.body_timeout:g} s (server.body_timeout_s)") from None
         try:
             return json.loads(raw)
         except ValueError as exc:  # also UnicodeDecodeError

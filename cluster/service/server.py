@@ -5,7 +5,9 @@ cluster/service/servicer.py, health, reflection) and the optional OpenAI-compati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import resource
 import time
 from multiprocessing.connection import Connection
 
@@ -28,6 +30,15 @@ from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 STREAM_END_S = 2.0  # after the drain, time for the streams to send their terminal error before the ports close
+
+
+def raise_open_file_limit() -> None:
+    """Lift this process's soft limit on open files to the hard one: each connection holds a file, and past the
+    limit the listening sockets cannot accept (health checks included)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def max_rpcs(cfg: MTPServeConfig) -> int:
@@ -127,6 +138,7 @@ class MTPServer:
         """Start the engine loop, bind the gRPC port (TLS and the token check as configured), the HTTP port when
         set, and the metrics endpoint; ConfigError when a credential file cannot be read."""
         sc = self.cfg.server
+        raise_open_file_limit()
         token = read_secret(sc.auth_token_file, "server.auth_token_file") if sc.auth_token_file else None
         credentials = server_credentials(sc.tls) if sc.tls.enabled else None
         self.loop.start()
@@ -157,6 +169,10 @@ class MTPServer:
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.so_reuseport", int(self._reuse_port)),
+                ("grpc.server_handshake_timeout_ms", int(sc.idle_timeout_s * 1000)),
+                ("grpc.max_connection_idle_ms", int(sc.idle_timeout_s * 1000)),
+                ("grpc.keepalive_time_ms", 60_000),  # ping a connection with calls: a dead peer ends them
+                ("grpc.keepalive_timeout_ms", 20_000),
             ],
             maximum_concurrent_rpcs=max_rpcs(self.cfg),
             interceptors=interceptors,
@@ -184,9 +200,12 @@ class MTPServer:
             token=token,
             metrics=self.metrics,
             max_body_bytes=sc.http_max_body_mb * 1024 * 1024,
+            body_timeout=sc.body_timeout_s,
         )
         tls = ssl_context(sc.tls) if sc.tls.enabled else None
-        self._http = HTTPSite(api.app, sc.host, sc.http_port, tls, reuse_port=self._reuse_port)
+        self._http = HTTPSite(
+            api.app, sc.host, sc.http_port, tls, reuse_port=self._reuse_port, idle_timeout=sc.idle_timeout_s
+        )
         self.http_port = self.front_end.call(self._http.start)
 
     def stop(self, grace: float = 1.0) -> None:
