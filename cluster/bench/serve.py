@@ -18,32 +18,25 @@ import argparse
 import json
 import multiprocessing
 import random
-import re
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
 from mtpserve import cluster
 from mtpserve.cluster.bench import report as bench_report
+from mtpserve.cluster.bench.http_vs_grpc import SERVING, TINY_CONFIG
 from mtpserve.cluster.bench.loop_clients import LoopClients, LoopResult
 from mtpserve.cluster.bench.procs import process_tree
 from mtpserve.workers.config import MTPServeConfig
 
 ROOT = Path(cluster.__file__).resolve().parent.parent  # the checkout the server subprocess imports from
-SERVING = re.compile(r"serving gRPC on (?P<grpc>\S+), metrics on :\d+, HTTP on (?P<http>\S+)")
-FRONT_ENDS = ("http", "grpc")
 CONFIGS = ("target-only", "speculative")
 PROMPT_VOCAB = 32000  # prompt token ids are drawn below this: inside any Llama-family vocabulary
-PROMPT_VOCAB_TINY = 4096
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 128,
-    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 4096, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+PROMPT_VOCAB_TINY = cast(int, TINY_CONFIG["vocab_size"])
 SETTINGS = (
     "tiny", "model", "draft", "configs", "streams", "frontends", "prompt_len", "output_len", "warmup_s", "window_s",
     "client_procs", "device", "dtype", "serve_args", "seed",
