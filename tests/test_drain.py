@@ -41,7 +41,20 @@ def start(tiny: tuple[Path, Path], tmp: Path, drain_s: float) -> ServeProcess:
     return ServeProcess(args).start()
 
 
-async def http_stream(base: str, model: str, i: int, max_tokens: int, started: asyncio.Event) -> dict[str, Any]:
+class Started:
+    """Counts the streams that have received their first chunk; `all` is set once `n` have."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen, self.all = n, set(), asyncio.Event()
+
+    def add(self, i: int, out: dict[str, Any]) -> None:
+        """Note that stream `out` (number `i`) has received a chunk."""
+        self.seen.add(id(out))
+        if len(self.seen) >= self.n:
+            self.all.set()
+
+
+async def http_stream(base: str, model: str, i: int, max_tokens: int, started: Started) -> dict[str, Any]:
     """One streamed completion: its tokens, the finish reasons it saw, and how it ended."""
     out: dict[str, Any] = {"tokens": 0, "finishes": [], "end": "complete"}
     async with openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120) as client:
@@ -59,7 +72,7 @@ async def http_stream(base: str, model: str, i: int, max_tokens: int, started: a
                     out["tokens"] += len(choice.token_ids or [])
                     if choice.finish_reason:
                         out["finishes"].append(choice.finish_reason)
-                started.set()
+                started.add(i, out)
         except openai.APIError as exc:  # an error event in the stream: a terminal status
             out["end"] = f"error event: {exc.message}"
         except Exception as exc:  # a connection cut without a terminal status
@@ -67,7 +80,7 @@ async def http_stream(base: str, model: str, i: int, max_tokens: int, started: a
     return out
 
 
-async def grpc_stream(address: str, i: int, max_tokens: int, started: asyncio.Event) -> dict[str, Any]:
+async def grpc_stream(address: str, i: int, max_tokens: int, started: Started) -> dict[str, Any]:
     """One Generate stream: its tokens, its finish reason, and its status."""
     out: dict[str, Any] = {"tokens": 0, "finishes": [], "end": "complete"}
     async with grpc.aio.insecure_channel(address) as channel:
@@ -80,7 +93,7 @@ async def grpc_stream(address: str, i: int, max_tokens: int, started: asyncio.Ev
                 out["tokens"] += len(msg.token_ids)
                 if msg.finish_reason:
                     out["finishes"].append(pb.FinishReason.Name(msg.finish_reason))
-                started.set()
+                started.add(i, out)
         except grpc.aio.AioRpcError as exc:
             out["end"] = f"status {exc.code().name}: {exc.details()}"
     return out
@@ -90,12 +103,12 @@ def run_and_terminate(srv: ServeProcess, max_tokens: int) -> tuple[list[dict[str
     """STREAMS streams over each API; SIGTERM once tokens flow; their outcomes and the server's exit code."""
 
     async def run() -> tuple[list[dict[str, Any]], int | None]:
-        started = asyncio.Event()
+        started = Started(2 * STREAMS)
         base = f"{srv.http_url}/v1"
         model = (await asyncio.to_thread(openai.OpenAI(base_url=base, api_key="unused").models.list)).data[0].id
         tasks = [asyncio.create_task(http_stream(base, model, i, max_tokens, started)) for i in range(STREAMS)]
         tasks += [asyncio.create_task(grpc_stream(srv.address, i, max_tokens, started)) for i in range(STREAMS)]
-        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.wait_for(started.all.wait(), 60)  # every stream under way: none is refused as new
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGTERM)
         outcomes = await asyncio.gather(*tasks)
