@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -100,7 +101,8 @@ def child_env(**extra: str) -> dict[str, str]:
 class ServeProcess:
     """`python -m mtpserve serve ... --port 0 --metrics-port 0` in a subprocess; parses the bound ports."""
 
-    def __init__(self, args: list[str], startup_timeout: float = 120.0) -> None:
+    def __init__(self, args: list[str], startup_timeout: float = 120.0, open_files: int | None = None) -> None:
+        self.open_files = open_files  # the server's limit on open files (soft and hard), when given
         self.cmd = [sys.executable, "-m", "mtpserve", "serve", "--host", "127.0.0.1", "--port", "0"]
         self.cmd += ["--metrics-port", "0", *args]
         self.startup_timeout = startup_timeout
@@ -139,8 +141,20 @@ class ServeProcess:
 
     def start(self) -> ServeProcess:
         """Start and wait for the serving line; raises with the server's output if it does not come."""
+        limit = self.open_files
+
+        def lower_file_limit() -> None:
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         self.proc = subprocess.Popen(
-            self.cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            self.cmd,
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=lower_file_limit if limit is not None else None,
         )
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(self.startup_timeout) or not self.port:

@@ -277,6 +277,13 @@ class ServerConfig(_Strict):
         "after it opened or after its last request, is closed; so is a gRPC connection without a call",
     )
     body_timeout_s: float = Field(30.0, gt=0.0, description="an HTTP request body not all sent this long gets 408")
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="open connections each front-end process keeps on each port; at the cap a new HTTP connection "
+        "closes the oldest idle one (503 when all are busy) and gRPC stops accepting; None: half of the open-file "
+        "limit after a reserve of 256, so the two ports never run the process out of files",
+    )
     drain_timeout_s: float = Field(
         30.0,
         ge=0.0,

@@ -12,6 +12,8 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from mtpserve.cluster.service.admission import AcceptErrorLog, CappedTCPSite, ConnectionCap
+
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
 T = TypeVar("T")
@@ -22,6 +24,7 @@ class FrontEndThread:
 
     def __init__(self, name: str = "mtpserve-front-end") -> None:
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(AcceptErrorLog())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -72,7 +75,7 @@ class HTTPSite:
     """The aiohttp application `make_app` builds, bound to `host:port` (0 picks a free port) on the running loop.
 
     Handlers are cancelled when their client disconnects (aiohttp's handler_cancellation), so a handler can
-    release what its request holds in a `finally`."""
+    release what its request holds in a `finally`. At most `max_connections` stay open (ConnectionCap)."""
 
     def __init__(
         self,
@@ -84,6 +87,7 @@ class HTTPSite:
         grace: float = 1.0,
         reuse_port: bool = False,
         idle_timeout: float = 15.0,
+        max_connections: int = 1024,
     ) -> None:
         self._make_app = make_app
         self.host = host
@@ -93,22 +97,33 @@ class HTTPSite:
         self._grace = grace
         self._reuse_port = reuse_port
         self._idle_timeout = idle_timeout
+        self._max_connections = max_connections
         self._runner: web.AppRunner | None = None
+        self.cap: ConnectionCap | None = None
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port. OSError when the port cannot be bound."""
-        self._runner = web.AppRunner(
-            self._make_app(),
+        app = self._make_app()
+        self._runner = runner = web.AppRunner(
+            app,
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=self._grace,
             keepalive_timeout=self._idle_timeout,  # also closes a connection that sends no whole request
         )
+
+        def make_handler() -> web.RequestHandler:
+            assert runner.server is not None
+            return runner.server()
+
+        self.cap = ConnectionCap(make_handler, self._max_connections, self._idle_timeout)
+        app.middlewares.append(self.cap.middleware)
         await self._runner.setup()
-        site = web.TCPSite(
+        site = CappedTCPSite(
             self._runner,
-            self.host,
-            self.port,
+            self.cap,
+            host=self.host,
+            port=self.port,
             ssl_context=self._ssl,
             backlog=self._backlog,
             reuse_port=self._reuse_port or None,

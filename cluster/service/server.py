@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.service.admission import connection_cap, open_file_limit
 from mtpserve.cluster.service.auth import BearerTokenInterceptor, read_secret, server_credentials, ssl_context
 from mtpserve.cluster.service.engine_loop import EngineLoop
 from mtpserve.cluster.service.engine_process import EngineProcess
@@ -106,6 +107,11 @@ class MTPServer:
         self._http: HTTPSite | None = None
 
     @property
+    def max_connections(self) -> int:
+        """Open connections each port takes (server.max_connections, or derived from the open-file limit)."""
+        return connection_cap(self.cfg.server.max_connections, open_file_limit())
+
+    @property
     def address(self) -> str:
         """host:port the gRPC server is bound to."""
         return host_port(self.cfg.server.host, self.port)
@@ -173,6 +179,7 @@ class MTPServer:
                 ("grpc.max_connection_idle_ms", int(sc.idle_timeout_s * 1000)),
                 ("grpc.keepalive_time_ms", 60_000),  # ping a connection with calls: a dead peer ends them
                 ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.max_allowed_incoming_connections", self.max_connections),
             ],
             maximum_concurrent_rpcs=max_rpcs(self.cfg),
             interceptors=interceptors,
@@ -204,7 +211,13 @@ class MTPServer:
         )
         tls = ssl_context(sc.tls) if sc.tls.enabled else None
         self._http = HTTPSite(
-            api.app, sc.host, sc.http_port, tls, reuse_port=self._reuse_port, idle_timeout=sc.idle_timeout_s
+            api.app,
+            sc.host,
+            sc.http_port,
+            tls,
+            reuse_port=self._reuse_port,
+            idle_timeout=sc.idle_timeout_s,
+            max_connections=self.max_connections,
         )
         self.http_port = self.front_end.call(self._http.start)
 
