@@ -260,6 +260,7 @@ BAD_INPUTS: list[tuple[str, pb.GenerateRequest, grpc.StatusCode, str]] = [
     ("negative token id", _req(token_ids=pb.TokenIds(ids=[-1])), INVALID, "prompt.token_ids:"),
     ("max_tokens = 0", _req(sampling={"max_tokens": 0}), INVALID, "sampling.max_tokens:"),
     ("max_tokens < 0", _req(sampling={"max_tokens": -3}), INVALID, "sampling.max_tokens:"),
+    ("max_tokens past the model length", _req(sampling={"max_tokens": 510}), INVALID, "sampling.max_tokens: 510 + "),
     ("temperature < 0", _req(sampling={"temperature": -0.5}), INVALID, "sampling.temperature:"),
     ("top_p > 1", _req(sampling={"top_p": 1.5}), INVALID, "sampling.top_p:"),
     ("top_p = 0", _req(sampling={"top_p": 0.0}), INVALID, "sampling.top_p:"),

@@ -216,23 +216,35 @@ def test_greedy_text_equals_generate_local(client: openai.OpenAI, tiny: tuple[Pa
 
 
 def test_stop_strings_cut_the_text_and_end_the_request(
-    client: openai.OpenAI, grpc_client: MTPServeClient, model_id: str
+    client: openai.OpenAI, grpc_client: MTPServeClient, model_id: str, tokenizer: Any
 ) -> None:
     """A stop string taken from the middle of a greedy answer ends it there (whole and streamed), with
-    finish_reason "stop" and fewer tokens; the request is gone from the engine afterwards."""
+    finish_reason "stop"; the tokens and their count end at the token that completes the stop string, although a
+    speculative step brings more; the request is gone from the engine afterwards."""
     kw: dict[str, Any] = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0}
-    full = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
-    stop = full[len(full) // 2 : len(full) // 2 + 3]
-    cut = full[: full.index(stop)]
+    ids_on = {"ignore_eos": True, "return_token_ids": True}
+    full_ids = client.completions.create(**kw, extra_body=ids_on).choices[0].token_ids
+    full = tokenizer.decode(full_ids, skip_special_tokens=True)
     wait_idle(grpc_client)
     before = grpc_client.stats()["generated_tokens"]
-    whole = client.completions.create(**kw, stop=[stop, "never-in-this-text"], extra_body={"ignore_eos": True})
-    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
-    assert whole.usage.completion_tokens < 40
-    streamed = list(client.completions.create(**kw, stop=stop, stream=True, extra_body={"ignore_eos": True}))
-    assert "".join(c.choices[0].text for c in streamed) == cut and streamed[-1].choices[0].finish_reason == "stop"
+    for at in (len(full) // 4, len(full) // 3, len(full) // 2):
+        stop = full[at : at + 3]
+        cut = full[: full.index(stop)]
+        upto = next(k for k in range(1, 41) if stop in tokenizer.decode(full_ids[:k], skip_special_tokens=True))
+        whole = client.completions.create(**kw, stop=[stop, "never-in-this-text"], extra_body=ids_on)
+        assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+        assert whole.choices[0].token_ids == full_ids[:upto] and whole.usage.completion_tokens == upto
+        streamed = list(
+            client.completions.create(
+                **kw, stop=stop, stream=True, stream_options={"include_usage": True}, extra_body=ids_on
+            )
+        )
+        chunks = [c for c in streamed if c.choices]
+        assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+        assert [t for c in chunks for t in c.choices[0].token_ids or []] == full_ids[:upto]
+        assert streamed[-1].usage.completion_tokens == upto
     after = wait_idle(grpc_client)
-    assert after["generated_tokens"] - before < 80, "a request ran on past its stop string"
+    assert after["generated_tokens"] - before < 6 * 40, "a request ran on past its stop string"
 
 
 def test_seeded_sampling_repeats(client: openai.OpenAI, model_id: str) -> None:

@@ -27,7 +27,7 @@ from mtpserve.modeling.families import (
 from mtpserve.modeling.gemv_tiles import resolve as resolve_tiles
 from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.layer_ops import pick_ops
-from mtpserve.modeling.loader import ModelSource, resolve_model
+from mtpserve.modeling.loader import ModelSource, resolve_device, resolve_model
 from mtpserve.modeling.model import LlamaArgs, LlamaModel, cast_keeping_fp32, prepare_for_inference
 from mtpserve.speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
 from mtpserve.speculative.draft_head import DraftHead
@@ -43,7 +43,7 @@ from mtpserve.speculative.mtp_tree import MTPEagleTree
 from mtpserve.speculative.mtp_vanilla import VanillaMTPChain
 from mtpserve.speculative.replay import ReplayAcceptance
 from mtpserve.workers.chain_step import UniformChainStep
-from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.config import MTPServeConfig, cpu_threads
 from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
 from mtpserve.workers.graph_runner import capture_sizes
 from mtpserve.workers.prefill_step import CapturedPrefill
@@ -53,6 +53,15 @@ from mtpserve.workers.uniform_step import UniformTargetStep
 
 log = logging.getLogger(__name__)
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"
+
+
+def set_cpu_threads(cfg: MTPServeConfig) -> int | None:
+    """For a process about to run the model on the CPU, set torch's threads (model.cpu_threads); returns them, or
+    None when the model runs on a GPU. Called by the processes' entry points, never by a build."""
+    if resolve_device(cfg.model.device) != "cpu":
+        return None
+    torch.set_num_threads(cpu_threads(cfg.model))
+    return torch.get_num_threads()
 
 
 def load_target(cfg: MTPServeConfig) -> tuple[ModelSource, LlamaArgs, dict[str, torch.Tensor]]:

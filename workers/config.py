@@ -35,6 +35,12 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(None, gt=0, description="cap on prompt + output tokens")
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads of the process that runs the model on the CPU; None: half the cores (at least 1), "
+        "leaving the rest to the front ends and tokenizers (more threads than cores slows every step several times)",
+    )
     warm_up: bool = Field(
         True,
         description="on CUDA, before `serve` reports SERVING, run throw-away requests through the steps serving meets "
@@ -94,6 +100,11 @@ class ModelConfig(_Strict):
     def queued_steps(self, remote: bool) -> int:
         """Steps queued ahead of the one being read: `steps_ahead`, else 2 for Ray ranks and 1 in process."""
         return self.steps_ahead or (2 if remote else 1)
+
+
+def cpu_threads(m: ModelConfig) -> int:
+    """Torch threads for a model on the CPU: `cpu_threads`, or half the cores (at least 1)."""
+    return m.cpu_threads if m.cpu_threads is not None else max(1, (os.cpu_count() or 1) // 2)
 
 
 class SpeculativeConfig(_Strict):

@@ -67,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
         return run_remote(args)
     cfg = config_from_args(args)
     from mtpserve.cluster.distributed.build import build_engine
+    from mtpserve.workers.builders import set_cpu_threads
 
     try:
+        set_cpu_threads(cfg)
         engine = build_engine(cfg)
         ids = engine.encode_prompt(args.prompt, chat=not args.raw)
         t0 = time.perf_counter()

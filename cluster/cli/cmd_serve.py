@@ -110,6 +110,7 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     from mtpserve.cluster.distributed.build import build_engine, uses_ray
     from mtpserve.cluster.service.auth import check_server_files
     from mtpserve.cluster.service.server import MTPServer
+    from mtpserve.workers.builders import set_cpu_threads
 
     try:
         check_server_files(cfg.server)
@@ -126,6 +127,7 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
         if cfg.server.engine_process:
             server = MTPServer(None, cfg)  # the engine is built in its own process
         else:
+            set_cpu_threads(cfg)
             engine = build_engine(cfg)
             server = MTPServer(engine, cfg)
     except MTPServeError as exc:

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mtpserve.cluster.engine.errors import invalid_field
+from mtpserve.cluster.engine.errors import InvalidRequestError, invalid_field
 from mtpserve.speculative.stats import SpecStats
 
 MIN_TEMPERATURE = 1e-5  # lower temperatures decode greedily (vLLM's rule too)
@@ -46,6 +46,15 @@ def sampling_params(data: dict[str, Any], prefix: str = "") -> SamplingParams:
         return SamplingParams.model_validate(data)
     except ValidationError as exc:
         raise invalid_field(exc, prefix) from None
+
+
+def check_output_room(prompt_tokens: int, max_tokens: int, max_model_len: int, field: str = "max_tokens") -> None:
+    """InvalidRequestError naming `field` when the prompt and the tokens asked for exceed the model's maximum
+    length (the engine would otherwise stop the request there, short of what was asked)."""
+    if prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            field, f"{max_tokens} + {prompt_tokens} prompt tokens exceed the model's maximum length {max_model_len}"
+        )
 
 
 class RequestStatus(enum.Enum):

@@ -68,6 +68,15 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
+    def mark(self) -> tuple[int, int, int]:
+        """The state to `rewind` to."""
+        return len(self.ids), self.prefix_offset, self.read_offset
+
+    def rewind(self, mark: tuple[int, int, int]) -> None:
+        """Forget what was pushed since `mark`."""
+        n, self.prefix_offset, self.read_offset = mark
+        del self.ids[n:]
+
     def flush(self) -> str:
         """Text still held back at the end of the request (an incomplete character decodes as U+FFFD)."""
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])

@@ -29,6 +29,7 @@ from mtpserve.cluster.service.model_info import model_info
 from mtpserve.cluster.service.request_book import EngineFailure, engine_load, step_error
 from mtpserve.modeling.loader import resolve_device
 from mtpserve.speculative.stats import SpecStats
+from mtpserve.workers.builders import set_cpu_threads
 from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ def run_engine_process(
     controls the engine, and front ends connect on that socket to serve it."""
     serve_as_child(parent_pid, log_level, "engine")
     try:
+        threads = set_cpu_threads(cfg)
+        if threads is not None:
+            log.info("the model runs on the CPU with %d torch threads (model.cpu_threads)", threads)
         engine = LLMEngine.from_config(cfg)
     except BaseException as exc:
         if not isinstance(exc, MTPServeError):

@@ -151,6 +151,8 @@ class EngineStream:
 
     def _piece(self, handle: RequestHandle, event: RequestOutput) -> Piece:
         ids = list(event.new_token_ids)
+        count = event.num_output_tokens
+        mark = (self.detok.mark(), self.stops.held) if self.detok and self.stops else None
         text = self.detok.push(ids) if self.detok else ""
         if event.finished and self.detok:
             text += self.detok.flush()
@@ -159,11 +161,28 @@ class EngineStream:
             text = self.stops.push(text)
             if self.stops.hit:
                 reason = "stop"
+                if mark is not None:
+                    text, kept = self._cut_at_stop(ids, text, mark)
+                    count -= len(ids) - len(kept)
+                    ids = kept
             elif event.finished:
                 text += self.stops.flush()
         if reason is None:
             return Piece(text, ids)
-        return Piece(text, ids, reason, handle.num_prompt_tokens, event.num_output_tokens, event.stats)
+        return Piece(text, ids, reason, handle.num_prompt_tokens, count, event.stats)
+
+    def _cut_at_stop(self, ids: list[int], text: str, mark: tuple[tuple[int, int, int], str]) -> tuple[str, list[int]]:
+        """(text, token ids) up to the token that completes the stop string: one step may bring tokens past it."""
+        assert self.stops is not None and self.detok is not None
+        self.detok.rewind(mark[0])
+        self.stops.rewind(mark[1])
+        out = ""
+        for k, tok in enumerate(ids):
+            out += self.stops.push(self.detok.push([tok]))
+            if self.stops.hit:
+                return out, ids[: k + 1]
+        self.stops.hit = True  # completed by text held back until the end
+        return text, ids
 
     async def _next(self, handle: RequestHandle) -> RequestOutput | Exception:
         """Every output queued for the request, merged, or its error; waits when none is queued."""

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
 from mtpserve.cluster.engine.llm_engine import encode_chat, encode_text, has_chat_template
-from mtpserve.cluster.engine.request import sampling_params
+from mtpserve.cluster.engine.request import check_output_room, sampling_params
 from mtpserve.cluster.service.auth import bearer
 from mtpserve.cluster.service.detokenizer import Tokenizers
 from mtpserve.cluster.service.engine_stream import EngineStream
@@ -246,8 +246,8 @@ class OpenAIAPI:
         if n >= limit:
             raise InvalidRequestError(prompt_field, f"has {n} tokens; the model's maximum length is {limit}")
         field, asked = req.requested_max_tokens()
-        if asked is not None and n + asked > limit:
-            raise InvalidRequestError(field, f"{asked} + {n} prompt tokens exceed the model's maximum length {limit}")
+        if asked is not None:
+            check_output_room(n, asked, limit, field)
         try:
             params = sampling_params(req.sampling(asked if asked is not None else limit - n))
         except InvalidRequestError as exc:

@@ -16,7 +16,7 @@ import grpc
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
 from mtpserve.cluster.engine.llm_engine import encode_text
-from mtpserve.cluster.engine.request import SamplingParams, sampling_params
+from mtpserve.cluster.engine.request import SamplingParams, check_output_room, sampling_params
 from mtpserve.cluster.service.detokenizer import Tokenizers
 from mtpserve.cluster.service.engine_stream import EngineStream, Piece
 from mtpserve.cluster.service.metrics import GRPC
@@ -146,6 +146,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
             ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
+            if request.sampling.HasField("max_tokens"):
+                check_output_room(len(ids), params.max_tokens, self.loop.info.max_model_len)
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 await _abort(

@@ -31,6 +31,10 @@ class StopStrings:
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep]
 
+    def rewind(self, held: str) -> None:
+        """Back to before a stop string was found, with `held` (a saved `held`) held back."""
+        self.held, self.hit = held, False
+
     def flush(self) -> str:
         """The text held back when the stream ends without a stop string."""
         out, self.held = self.held, ""
