@@ -31,9 +31,15 @@ class ModelConfig(_Strict):
         description="HF Llama-family (Llama, Mistral, Qwen2, Qwen3) or DeepSeek-V3 directory, or a .gguf file; None "
         "loads the default SmolLM2-135M-Instruct",
     )
-    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field(
+        "auto",
+        description="auto: from the path; dummy: random weights of the checkpoint's shape (DeepSeek-V3: made in "
+        "place on the device, so real shapes need no host copy)",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs; auto: CUDA if visible")
     max_model_len: int | None = Field(None, gt=0, description="cap on prompt + output tokens")
     cpu_threads: int | None = Field(
         None,
@@ -47,7 +53,7 @@ class ModelConfig(_Strict):
         "first (a burst of prompts, prompts beside decode rows), so that no client waits for kernels to compile",
     )
     cache_dir: str | None = Field(None, description="where converted safetensors are cached")
-    seed: int = 0
+    seed: int = Field(0, description="seed of random weights and heads (load_format dummy, draft random)")
     cuda_graphs: bool = Field(True, description="capture generation steps in CUDA graphs (CUDA only)")
     overlap_steps: bool = Field(
         True,
@@ -110,7 +116,7 @@ def cpu_threads(m: ModelConfig) -> int:
 class SpeculativeConfig(_Strict):
     """MTP Eagle draft settings."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="speculative decoding with a draft head; false: target-only decoding")
     draft: str | None = Field(
         "default",
         description="'default' (the shipped head, or the checkpoint's own MTP modules where it has them), "
@@ -211,7 +217,7 @@ class SchedulerConfig(_Strict):
     )
     chunk_size: int = Field(512, gt=0, description="max prompt tokens one request computes per step")
     max_num_requests: int = Field(64, gt=0, description="concurrent running requests (slots)")
-    block_size: int = Field(16, gt=0)
+    block_size: int = Field(16, gt=0, description="tokens per KV-cache block (and per prefix-cache key)")
     num_kv_blocks: int | None = Field(None, gt=0, description="None sizes the cache from max_num_requests")
     max_queue: int = Field(1024, gt=0, description="waiting requests before RESOURCE_EXHAUSTED")
     prefix_caching: bool = Field(
@@ -224,15 +230,17 @@ class SchedulerConfig(_Strict):
 class ParallelConfig(_Strict):
     """Tensor parallelism and actor placement."""
 
-    tp_size: int = Field(1, ge=1)
-    draft_placement: Literal["separate", "colocated"] = "colocated"
+    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks of the target (through Ray actors when > 1)")
+    draft_placement: Literal["separate", "colocated"] = Field(
+        "colocated", description="the draft head inside target rank 0 (colocated) or in a worker of its own"
+    )
     distributed: bool = Field(False, description="run through Ray actors even at tp_size 1")
     step_transport: Literal["auto", "grpc"] = Field(
         "auto",
         description="how steps reach the target ranks: auto = a Unix socket to ranks on the scheduler's node "
         "and a gRPC stream to others; grpc = the gRPC stream to every rank",
     )
-    ray_address: str | None = None
+    ray_address: str | None = Field(None, description="an existing Ray cluster to join; None: start a local one")
     step_timeout_s: float = Field(
         120.0, gt=0, description="a worker step (or draft hop) taking longer counts as a stalled worker: restart"
     )
@@ -266,8 +274,8 @@ class ServerConfig(_Strict):
     """Public gRPC, OpenAI-compatible HTTP and metrics endpoints, and who may call them."""
 
     host: str = Field("127.0.0.1", description="bind address; other than loopback needs TLS or a token")
-    port: int = Field(50051, ge=0, le=65535)
-    metrics_port: int = Field(9090, ge=0, le=65535)
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
     metrics_host: str = Field(
         "127.0.0.1",
         description="bind address of /metrics (no token, no TLS): loopback by default, so that serving on 0.0.0.0 "
@@ -301,7 +309,7 @@ class ServerConfig(_Strict):
         description="on SIGTERM: refuse new requests and let those in flight finish for up to this long, then end "
         "the rest with a terminal error (Kubernetes' terminationGracePeriodSeconds should exceed it)",
     )
-    max_message_mb: int = Field(256, gt=0)
+    max_message_mb: int = Field(256, gt=0, description="largest gRPC message, in and out")
     tls: TLSConfig = TLSConfig()
     auth_token_file: str | None = Field(
         None,

@@ -13,6 +13,7 @@ from types import FrameType
 import yaml
 
 from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
+from mtpserve.cluster.cli.config_flags import SERVER_SECTIONS, add_config_flags
 from mtpserve.cluster.engine.errors import MTPServeError
 from mtpserve.workers.config import MTPServeConfig
 
@@ -21,49 +22,8 @@ log = logging.getLogger(__name__)
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """Server flags plus the shared engine flags (also used by `python -m mtpserve.cluster.job`)."""
-    g = p.add_argument_group("server")
-    g.add_argument(
-        "--host",
-        help="address to bind (default 127.0.0.1); any other address needs --auth-token-file and/or TLS, "
-        "or --allow-insecure",
-    )
-    g.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
-    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free one)")
-    g.add_argument(
-        "--metrics-host",
-        help="bind address of /metrics, which has no token or TLS (default 127.0.0.1, even with --host 0.0.0.0; "
-        "0.0.0.0 lets a scraper on another host in)",
-    )
-    g.add_argument(
-        "--http-port",
-        type=int,
-        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
-        "/health) on this port, from the same engine (default: off; 0 picks a free one)",
-    )
-    g.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run the engine and the front ends in separate processes, so that the front ends' per-token work "
-        "and the engine's steps do not share one interpreter lock (default: on; without Ray the engine runs in a "
-        "child process, with Ray the front ends run in a child of the scheduler actor; --no-engine-process keeps "
-        "both in one process)",
-    )
-    g.add_argument(
-        "--frontends",
-        type=int,
-        help="front-end processes serving gRPC and HTTP on the same ports beside the engine's process, each "
-        "tokenizing, detokenizing and streaming its own requests (default: one per 4 cores, at most 4)",
-    )
-    g.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
-    g = p.add_argument_group("security (docs: README, 'Security')")
-    g.add_argument("--auth-token-file", help="file with the bearer token that every Inference call must carry")
-    g.add_argument("--tls-cert", help="PEM server certificate chain (with --tls-key: serve TLS)")
-    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    g.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
-    g.add_argument(
-        "--allow-insecure", action="store_true", help="serve a non-loopback --host without TLS and without a token"
-    )
+    p.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
+    add_config_flags(p, SERVER_SECTIONS)
     add_engine_flags(p)
 
 
