@@ -56,6 +56,13 @@ class SchedulerActor:
             return os.getpid(), srv.pids[0]
         return os.getpid(), None if isinstance(srv, MTPServer) else srv.pid
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the worker actors: the target ranks in order, then a separate draft worker."""
+        import ray
+
+        group = self.engine.target.group  # type: ignore[attr-defined]
+        return list(ray.get([a.ready.remote() for a in group.actors]))
+
     def stop(self) -> None:
         """Stop serving and release the worker actors."""
         self._stopping = True
