@@ -28,7 +28,7 @@ from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from mtpserve.workers.config import MTPServeConfig
 
-from helpers_service import ROOT, ServeProcess, child_env, write_dummy_model, write_tiny_model
+from helpers_service import ROOT, ServeProcess, child_env, wait_for, write_dummy_model, write_tiny_model
 
 TIMEOUT_S = 0.5
 CAP = 8
@@ -202,3 +202,36 @@ def test_twenty_thousand_idle_connections_leave_the_server_answering(tmp_path: P
                 h.kill()
                 h.wait()
         assert srv.log.count("out of system resource") <= 3, srv.log[-3000:]
+
+
+def test_old_grpc_connections_are_asked_to_reconnect_without_cutting_calls(tmp_path: Path) -> None:
+    """server.max_connection_age_s: a connection that old gets GOAWAY (the channel goes IDLE and reconnects for
+    the next call), while a stream already running on it finishes."""
+    cfg = MTPServeConfig.from_dict(
+        {
+            "model": {"path": str(write_dummy_model(tmp_path)), "load_format": "dummy", "device": "cpu"},
+            "speculative": {"draft": "random", "num_draft_tokens": 2},
+            "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
+            "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "max_connection_age_s": 1.0},
+        }
+    )
+    srv = MTPServer(LLMEngine.from_config(cfg), metrics=False)
+    srv.start()
+    try:
+        states: list[str] = []
+        with grpc.insecure_channel(srv.address) as channel:
+            channel.subscribe(lambda s: states.append(s.name), try_to_connect=True)
+            stub = pb_grpc.InferenceStub(channel)
+            req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[3, 4, 5]), sampling=pb.SamplingParams(max_tokens=450, ignore_eos=True)
+            )
+            t0 = time.monotonic()
+            assert sum(len(m.token_ids) for m in stub.Generate(req, timeout=60)) == 450
+            took = time.monotonic() - t0
+            wait_for(lambda: states.count("READY") >= 1 and states[-1] == "IDLE", 5.0)
+            short = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 4]), sampling=pb.SamplingParams(max_tokens=2))
+            assert sum(len(m.token_ids) for m in stub.Generate(short, timeout=60)) == 2
+            assert states.count("READY") == 2, states  # a new connection
+        assert took > 1.0, f"the stream took {took:.2f} s, less than the connection's age limit"
+    finally:
+        srv.stop()

@@ -251,6 +251,7 @@ def _req(**kw: Any) -> pb.GenerateRequest:
 
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+TOO_LARGE = grpc.StatusCode.RESOURCE_EXHAUSTED  # over the message size a prompt of max_model_len tokens needs
 BAD_INPUTS: list[tuple[str, pb.GenerateRequest, grpc.StatusCode, str]] = [
     ("no prompt", pb.GenerateRequest(), INVALID, "prompt:"),
     ("empty token ids", _req(token_ids=pb.TokenIds(ids=[])), INVALID, "prompt:"),
@@ -268,8 +269,9 @@ BAD_INPUTS: list[tuple[str, pb.GenerateRequest, grpc.StatusCode, str]] = [
     ("top_k < 0", _req(sampling={"top_k": -1}), INVALID, "sampling.top_k:"),
     ("stop token outside vocab", _req(sampling={"stop_token_ids": [VOCAB + 1]}), INVALID, "sampling.stop_token_ids:"),
     ("request id in flight", _req(request_id="good"), INVALID, "request_id:"),
-    ("request id of 4 MB", _req(request_id="r" * (4 << 20)), INVALID, "request_id:"),
-    ("text of 16 MB", pb.GenerateRequest(text="ab " * ((16 << 20) // 3)), INVALID, "prompt.text: has 16777215 bytes"),
+    ("request id of 4 MB", _req(request_id="r" * (4 << 20)), TOO_LARGE, "SERVER: Received message larger"),
+    ("text of 16 MB", pb.GenerateRequest(text="ab " * ((16 << 20) // 3)), TOO_LARGE, "SERVER: Received message larger"),
+    ("text of 300 KB", pb.GenerateRequest(text="ab " * 100_000), INVALID, "prompt.text: has 300000 bytes"),
     ("request id of 257 characters", _req(request_id="r" * 257), INVALID, "request_id:"),
 ]
 
@@ -279,7 +281,7 @@ def test_bad_inputs_are_refused_while_a_good_stream_completes(client: MTPServeCl
     good: dict[str, Any] = {}
 
     def run_good() -> None:
-        good["result"] = client.generate(token_ids=PROMPT, request_id="good", max_tokens=300, ignore_eos=True)
+        good["result"] = client.generate(token_ids=PROMPT, request_id="good", max_tokens=500, ignore_eos=True)
         good["done_at"] = time.monotonic()
 
     thread = threading.Thread(target=run_good)
@@ -299,7 +301,7 @@ def test_bad_inputs_are_refused_while_a_good_stream_completes(client: MTPServeCl
     bad_done_at = time.monotonic()
     thread.join(60)
     assert not failures, "\n".join(failures)
-    assert good["result"]["finish_reason"] == "length" and len(good["result"]["token_ids"]) == 300
+    assert good["result"]["finish_reason"] == "length" and len(good["result"]["token_ids"]) == 500
     assert good["done_at"] > bad_done_at, "the good stream ended before the bad inputs were all sent"
     wait_idle(client)
 

@@ -184,6 +184,23 @@ def test_missing_or_wrong_token_is_unauthenticated_and_counted(token_server: MTP
     assert 'mtpserve_auth_failures_total{frontend="grpc",reason="invalid"} 1.0' in page
 
 
+def test_metrics_can_require_a_token(model_dir: Path, pki: dict[str, Path]) -> None:
+    """With server.metrics_auth_token_file, /metrics answers 401 without the token or with another one."""
+    srv = start_server(model_dir, {"metrics_auth_token_file": str(pki["token"])}, metrics=True)
+    try:
+        url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
+        for token in (None, "wrong", TOKEN + "x"):
+            req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=10)
+            assert refused.value.code == 401
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200 and b"mtpserve_requests_running" in resp.read()
+    finally:
+        srv.stop()
+
+
 def _http_status(url: str, token: str | None = None) -> int:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
@@ -347,8 +364,14 @@ def test_every_front_end_process_takes_the_same_mutual_tls_and_token(model_dir: 
     args = ["--model", str(model_dir), "--load-format", "dummy", "--device", "cpu", "--draft", "random"]
     args += ["--frontends", "2", "--http-port", "0", "--auth-token-file", str(pki["token"])]
     args += ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
-    args += ["--tls-client-ca", str(pki["client_ca"])]
+    args += ["--tls-client-ca", str(pki["client_ca"]), "--server.metrics-auth-token-file", str(pki["token"])]
     with ServeProcess(args, startup_timeout=240) as srv:
+        metrics = f"http://127.0.0.1:{srv.metrics_port}/metrics"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(metrics, timeout=10)
+        req = urllib.request.Request(metrics, headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert b"mtpserve_" in resp.read()
         base = f"https://127.0.0.1:{srv.http_port}"
         for _ in range(8):
             good = _https_client(base, pki, "server_ca", "client", TOKEN)
@@ -382,13 +405,13 @@ def test_metrics_stay_on_loopback_when_serving_everywhere(model_dir: Path) -> No
     server.metrics_host says otherwise."""
     srv = start_server(model_dir, {"host": "0.0.0.0", "allow_insecure": True}, metrics=True)
     try:
-        assert srv.metrics._http.server_address[0] == "127.0.0.1"
+        assert srv.metrics._http.host == "127.0.0.1"
         assert srv.address.startswith("0.0.0.0:")
     finally:
         srv.stop()
     srv = start_server(model_dir, {"metrics_host": "0.0.0.0"}, metrics=True)
     try:
-        assert srv.metrics._http.server_address[0] == "0.0.0.0"
+        assert srv.metrics._http.host == "0.0.0.0"
     finally:
         srv.stop()
 

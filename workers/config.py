@@ -281,6 +281,11 @@ class ServerConfig(_Strict):
         description="bind address of /metrics (no token, no TLS): loopback by default, so that serving on 0.0.0.0 "
         "does not expose it; 0.0.0.0 for a scraper on another host (a Kubernetes PodMonitor)",
     )
+    metrics_auth_token_file: str | None = Field(
+        None,
+        description="file holding a bearer token that /metrics requires (a scraper's `authorization` header); None: "
+        "open, so keep metrics_host on loopback or a trusted network",
+    )
     http_port: int | None = Field(
         None,
         ge=0,
@@ -309,7 +314,18 @@ class ServerConfig(_Strict):
         description="on SIGTERM: refuse new requests and let those in flight finish for up to this long, then end "
         "the rest with a terminal error (Kubernetes' terminationGracePeriodSeconds should exceed it)",
     )
-    max_message_mb: int = Field(256, gt=0, description="largest gRPC message, in and out")
+    max_message_mb: int = Field(
+        256,
+        gt=0,
+        description="largest gRPC message out; in, the largest a request of max_model_len tokens needs (at least 1 "
+        "MB), if smaller",
+    )
+    max_connection_age_s: float | None = Field(
+        3600.0,
+        gt=0.0,
+        description="a gRPC connection this old is asked to reconnect (its calls in flight finish), so that "
+        "long-lived clients spread over the replicas behind a load balancer; None: never",
+    )
     tls: TLSConfig = TLSConfig()
     auth_token_file: str | None = Field(
         None,

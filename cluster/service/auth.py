@@ -36,10 +36,18 @@ def read_secret(path: str, field: str) -> bytes:
     return data
 
 
+def metrics_token(sc: ServerConfig) -> bytes | None:
+    """The token /metrics requires (server.metrics_auth_token_file), or None when it is open."""
+    if sc.metrics_auth_token_file is None:
+        return None
+    return read_secret(sc.metrics_auth_token_file, "server.metrics_auth_token_file")
+
+
 def check_server_files(sc: ServerConfig) -> None:
     """Read every configured credential file once, so that a bad path fails before the model loads."""
     if sc.auth_token_file is not None:
         read_secret(sc.auth_token_file, "server.auth_token_file")
+    metrics_token(sc)
     if sc.tls.enabled:
         server_credentials(sc.tls)
         if sc.http_port is not None:

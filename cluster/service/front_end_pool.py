@@ -25,12 +25,12 @@ from collections.abc import Iterator
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection, Listener
 from multiprocessing.process import BaseProcess
-from typing import Any
 
-from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+from prometheus_client import CollectorRegistry, multiprocess
 
 from mtpserve.cluster.engine.errors import ModelLoadError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.service.auth import metrics_token
 from mtpserve.cluster.service.engine_child import (
     ERROR,
     FAIL,
@@ -46,6 +46,7 @@ from mtpserve.cluster.service.engine_child import (
 )
 from mtpserve.cluster.service.front_end_process import STOP_SERVING, run_front_ends, wait_serving
 from mtpserve.cluster.service.metrics import EngineMetrics
+from mtpserve.cluster.service.metrics_http import MetricsEndpoint
 from mtpserve.cluster.service.request_book import EngineLoad
 from mtpserve.cluster.service.server import host_port
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
@@ -170,7 +171,7 @@ class FrontEndPool:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._front_ends: list[FrontEnd] = []
-        self._http_server: Any = None
+        self._http_server: MetricsEndpoint | None = None
         self.engine_running = False
         self._engine: EngineChild | EngineThread = (
             EngineChild(cfg, self._engine_address) if engine is None else EngineThread(engine, self._engine_address)
@@ -194,10 +195,10 @@ class FrontEndPool:
             multiprocess.MultiProcessCollector(registry, path=self._metrics_dir)
             self._engine_metrics = EngineMetrics(registry)
             self._observe(load)
-            self._http_server, _ = start_http_server(
-                cfg.server.metrics_port, addr=cfg.server.metrics_host, registry=registry
+            self._http_server = MetricsEndpoint(
+                registry, cfg.server.metrics_port, cfg.server.metrics_host, metrics_token(cfg.server)
             )
-            self.metrics_port = int(self._http_server.server_port)
+            self.metrics_port = self._http_server.port
         except BaseException:
             self.stop(timeout=5.0)
             raise
@@ -296,8 +297,7 @@ class FrontEndPool:
         self._engine.join(timeout)
         self._control.close()
         if self._http_server is not None:
-            self._http_server.shutdown()
-            self._http_server.server_close()
+            self._http_server.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

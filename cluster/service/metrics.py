@@ -6,11 +6,9 @@ Per-request metrics (requests, tokens, latencies, refused calls) carry a `fronte
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
+from mtpserve.cluster.service.metrics_http import MetricsEndpoint
 from mtpserve.speculative.stats import SpecStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -27,8 +25,7 @@ class ServerMetrics:
 
     def __init__(self, prefix: str = "mtpserve", engine_wide: bool = True) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self._http: Any = None
-        self._thread: threading.Thread | None = None
+        self._http: MetricsEndpoint | None = None
         self.port: int | None = None
         self.requests = Counter(
             f"{prefix}_requests",
@@ -92,17 +89,16 @@ class ServerMetrics:
         if self.engine is not None:
             self.engine.observe_depths(steps_per_kind, current)
 
-    def start_http(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Serve /metrics on `port` (0 picks a free one); returns the bound port."""
-        self._http, self._thread = start_http_server(port, addr=addr, registry=self.registry)
-        self.port = int(self._http.server_port)
+    def start_http(self, port: int, addr: str = "0.0.0.0", token: bytes | None = None) -> int:
+        """Serve /metrics on `port` (0 picks a free one), behind `token` when given; returns the bound port."""
+        self._http = MetricsEndpoint(self.registry, port, addr, token)
+        self.port = self._http.port
         return self.port
 
     def stop_http(self) -> None:
         """Stop the HTTP endpoint (no-op if it was never started)."""
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
             self._http = None
 
     def observe_finish(

@@ -17,7 +17,13 @@ from grpc_reflection.v1alpha import reflection
 
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.service.admission import connection_cap, open_file_limit
-from mtpserve.cluster.service.auth import BearerTokenInterceptor, read_secret, server_credentials, ssl_context
+from mtpserve.cluster.service.auth import (
+    BearerTokenInterceptor,
+    metrics_token,
+    read_secret,
+    server_credentials,
+    ssl_context,
+)
 from mtpserve.cluster.service.engine_loop import EngineLoop
 from mtpserve.cluster.service.engine_process import EngineProcess
 from mtpserve.cluster.service.front_end_thread import FrontEndThread, HTTPSite
@@ -154,7 +160,7 @@ class MTPServer:
             if sc.http_port is not None:
                 self._start_http(token)
             if self._metrics_on:
-                self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.metrics_host)
+                self.metrics_port = self.metrics.start_http(sc.metrics_port, sc.metrics_host, metrics_token(sc))
         except BaseException:
             self.stop(grace=0.0)
             raise
@@ -164,6 +170,13 @@ class MTPServer:
     async def _start_grpc(self, token: bytes | None, credentials: grpc.ServerCredentials | None) -> None:
         sc = self.cfg.server
         limit = sc.max_message_mb * 1024 * 1024
+        tokens = self.loop.info.max_model_len
+        receive = min(limit, max(1 << 20, 2 * tokens * max(self.servicer.tokenizers.max_token_bytes, 10)))
+        age = (
+            []
+            if sc.max_connection_age_s is None
+            else [("grpc.max_connection_age_ms", int(sc.max_connection_age_s * 1e3))]
+        )
         interceptors = []
         if token is not None:
             refused = self.metrics.auth_failures
@@ -173,13 +186,14 @@ class MTPServer:
         server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_receive_message_length", receive),  # a prompt of max_model_len tokens fits
                 ("grpc.so_reuseport", int(self._reuse_port)),
                 ("grpc.server_handshake_timeout_ms", int(sc.idle_timeout_s * 1000)),
                 ("grpc.max_connection_idle_ms", int(sc.idle_timeout_s * 1000)),
                 ("grpc.keepalive_time_ms", 60_000),  # ping a connection with calls: a dead peer ends them
                 ("grpc.keepalive_timeout_ms", 20_000),
                 ("grpc.max_allowed_incoming_connections", self.max_connections),
+                *age,
             ],
             maximum_concurrent_rpcs=max_rpcs(self.cfg),
             interceptors=interceptors,

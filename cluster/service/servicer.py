@@ -146,8 +146,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
             ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
-            if request.sampling.HasField("max_tokens"):
-                check_output_room(len(ids), params.max_tokens, self.loop.info.max_model_len)
+            limit = self.loop.info.max_model_len
+            if request.sampling.HasField("max_tokens") and len(ids) < limit:  # a longer prompt: refused by its length
+                check_output_room(len(ids), params.max_tokens, limit)
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 await _abort(
