@@ -5,6 +5,7 @@ burst of events, and grpc.health.v1 Watch follows the server's state."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.llm_engine import LLMEngine, encode_text
 from mtpserve.cluster.engine.request import SamplingParams
 from mtpserve.cluster.engine.scheduler import RequestOutput
 from mtpserve.cluster.service.client import MTPServeClient
@@ -140,9 +141,10 @@ def test_health_watch_follows_the_serving_state(server: MTPServer) -> None:
     assert wait_for(lambda: server.is_serving(), 5)
 
 
-def test_streamed_text_does_not_wait_on_a_prompt_encode(tmp_path: Path) -> None:
-    """Text is decoded with the front end's own tokenizer copy: a stream completes, with text equal to the
-    engine tokenizer's decode, while another thread holds the encode lock (as a long prompt's encode does)."""
+def test_prompts_encode_at_once_and_text_does_not_wait_on_them(tmp_path: Path) -> None:
+    """Each worker thread encodes with its own tokenizer copy and streams decode with the front end's: text prompts
+    over gRPC are served while another thread encodes long prompts without pause, and every encode equals the
+    tokenizer's own."""
     model, head = write_tiny_model(tmp_path)
     cfg = dummy_server_config(model)
     cfg.model.load_format = "auto"
@@ -152,10 +154,27 @@ def test_streamed_text_does_not_wait_on_a_prompt_encode(tmp_path: Path) -> None:
     try:
         tokenizers = srv.servicer.tokenizers
         assert tokenizers.decoder is not tokenizers.encoder
-        with tokenizers.lock, MTPServeClient(f"127.0.0.1:{srv.port}", timeout=30) as client:
-            out = client.generate(token_ids=[28, 2365, 314, 3434], max_tokens=12, ignore_eos=True)
-        assert len(out["token_ids"]) == 12
-        assert out["text"] == tokenizers.encoder.decode(out["token_ids"], skip_special_tokens=True)
+        long_text = "the quick brown fox jumps over the lazy dog, " * 40
+        want = encode_text(tokenizers.encoder, long_text, False)
+        done = threading.Event()
+        encodes: list[bool] = []
+
+        def encode_all_along() -> None:
+            while not done.is_set():
+                encodes.append(tokenizers.encode(encode_text, long_text, False) == want)
+
+        busy = threading.Thread(target=encode_all_along)
+        busy.start()
+        try:
+            with MTPServeClient(f"127.0.0.1:{srv.port}", timeout=30) as client:
+                outs = [client.generate(f"Tell me about {w}", max_tokens=8, ignore_eos=True) for w in "abcd"]
+        finally:
+            done.set()
+            busy.join(30)
+        assert len(encodes) >= 4 and all(encodes)
+        for out in outs:
+            assert len(out["token_ids"]) == 8
+            assert out["text"] == tokenizers.encoder.decode(out["token_ids"], skip_special_tokens=True)
     finally:
         srv.stop()
 

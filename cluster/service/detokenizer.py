@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from mtpserve.cluster.engine.errors import InvalidRequestError
@@ -12,17 +13,26 @@ from mtpserve.cluster.engine.errors import InvalidRequestError
 
 @dataclass
 class Tokenizers:
-    """The engine's tokenizer, which prompts are encoded with in worker threads under `lock`, and a copy of it that
-    only the front-end event loop decodes with, so that no stream's text waits on a long prompt's encode."""
+    """The engine's tokenizer, and a copy of it per thread that encodes prompts (`encode`, from worker threads) or
+    decodes streams (`decoder`, the front-end event loop's), so that no prompt waits on another's encode and no
+    stream's text waits on a prompt."""
 
     encoder: Any
-    lock: threading.Lock = field(default_factory=threading.Lock)
     decoder: Any = None
 
     def __post_init__(self) -> None:
         if self.decoder is None and self.encoder is not None:
             self.decoder = copy.deepcopy(self.encoder)
         self._max_token_bytes: int | None = None
+        self._local = threading.local()
+
+    def encode(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        """`fn(tokenizer, *args)` with this thread's copy of the tokenizer (HF tokenizers refuse concurrent use
+        of one instance)."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            tok = self._local.tokenizer = copy.deepcopy(self.encoder)
+        return fn(tok, *args)
 
     @property
     def max_token_bytes(self) -> int:
