@@ -16,6 +16,7 @@
 #                                     CLIENTS client processes (default 8)
 #   bash bench/device_run.sh served   `bench serve` in process and through Ray (--distributed) at 64 streams, the
 #                                     prefill of 64 x 128-token prompts, and `bench serve` at Llama-3-8B's shape
+#                                     (WHERE, ALONE=0, MORE=0, LIMIT: one part of it)
 #   bash bench/device_run.sh e3a      EAGLE-3 against the native layout, part 1: a dataset, then the native head (STEPS)
 #   bash bench/device_run.sh e3b      part 2: the native head's online acceptance, the EAGLE-3 head (same STEPS), its own
 #   bash bench/device_run.sh e3       both parts in one run (a smaller dataset, DATA_S=110 without the long part; the
@@ -105,18 +106,22 @@ case $PHASE in
       --json "$R/serve.json"
     ;;
   served)  # the Ray path's served figure beside in-process, batched prefill, and the served path at 8B's shape
-    for where in in-process distributed; do
+    # WHERE: which of in-process and distributed (default both); ALONE=0 skips the engine-alone rows; MORE=0 skips
+    # the prefill and 8B steps; LIMIT: seconds per serve step
+    for where in ${WHERE:-in-process distributed}; do
       extra=$([ "$where" = distributed ] && echo "--distributed" || echo "")
-      alone=$([ "$where" = distributed ] && echo "--no-engine-alone" || echo "")
-      step "serve_$where" 280 python3 -m mtpserve bench serve --model "$M" --device cuda \
+      alone=$({ [ "$where" = distributed ] || [ "${ALONE:-1}" = 0 ]; } && echo "--no-engine-alone" || echo "")
+      step "serve_$where" "${LIMIT:-280}" python3 -m mtpserve bench serve --model "$M" --device cuda \
         --configs target-only,speculative --streams 64 --frontends 4 $alone --warmup-s 3 --window-s 6 \
         --client-procs 8 --serve-args="$extra" --json "$OUT/serve_$where.json"
     done
+    if [ "${MORE:-1}" != 0 ]; then
     step prefill 120 python3 -m mtpserve bench throughput --model "$M" --device cuda --no-speculation \
       --batch-sizes 64,64 --prompt-len 128 --output-len 8 --json "$OUT/prefill_b64.json"
     step serve_8b 240 python3 -m mtpserve bench serve --model "$L8B" --load-format dummy --device cuda \
       --configs target-only --streams 1,64 --frontends 4 --warmup-s 4 --window-s 6 --client-procs 8 \
       --json "$OUT/serve_8b.json"
+    fi
     ;;
   e3a)  # STEPS and MIX as exported; the dataset and heads stay on the warm machine for e3b
     e3_native "$R/out" "${DATA_S:-240}" "${TRAIN_S:-300}"

@@ -161,7 +161,7 @@ def test_prompts_encode_at_once_and_text_does_not_wait_on_them(tmp_path: Path) -
 
         def encode_all_along() -> None:
             while not done.is_set():
-                encodes.append(tokenizers.encode(encode_text, long_text, False) == want)
+                encodes.append(tokenizers.submit(encode_text, long_text, False).result() == want)
 
         busy = threading.Thread(target=encode_all_along)
         busy.start()

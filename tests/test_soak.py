@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,18 @@ def run_soak(base_url: str, front_end_pid: int, midway: Any = None) -> tuple[Soa
     model, max_len = model_and_length(base_url)
     asyncio.run(soak(base_url, model, WARM_UP_S, max_len, seed=1))
     before = rss_mb(front_end_pid)
+    series: list[float] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(2.0):
+            series.append(round(rss_mb(front_end_pid) - before, 1))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     rep = asyncio.run(soak(base_url, model, SECONDS, max_len, seed=2, midway=midway))
+    done.set()
+    print(f"front-end RSS growth every 2 s: {series}")
     return rep, rss_mb(front_end_pid) - before
 
 

@@ -26,6 +26,7 @@ from mtpserve.cluster.bench import throughput as bench_throughput
 from mtpserve.cluster.bench import trees as bench_trees
 from mtpserve.cluster.bench import ttft as bench_ttft
 from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
+from mtpserve.cluster.cli.config_flags import overrides_from
 from mtpserve.cluster.engine.errors import MTPServeError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.workers.config import MTPServeConfig
@@ -156,8 +157,8 @@ def run_throughput(args: argparse.Namespace) -> int:
         args.batch_sizes,
         args.prompt_len,
         args.output_len,
-        size_slots=args.max_num_requests is None,
-        size_cache=args.num_kv_blocks is None,
+        size_slots="scheduler.max_num_requests" not in overrides_from(args),
+        size_cache="scheduler.num_kv_blocks" not in overrides_from(args),
     )
     command = bench_report.command_line(getattr(args, "argv", None))
     try:
@@ -202,7 +203,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
     from mtpserve.cluster.distributed.build import build_engine
     from mtpserve.modeling.loader import resolve_model
 
-    if args.no_speculation:
+    if overrides_from(args).get("speculative.enabled") is False:
         print("mtpserve: bench acceptance measures the draft head; drop --no-speculation", file=sys.stderr)
         return 2
     _set_threads(args.threads)
@@ -220,7 +221,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
                 prompts += bench_acceptance.encode_texts(tok, [text], chat=chat and not args.no_chat_template)
                 groups.append(Path(path).stem)
         if args.compare:
-            if args.lookahead_source:
+            if "speculative.lookahead_source" in overrides_from(args):
                 print("mtpserve: --compare runs both lookahead sources; --lookahead-source is ignored", file=sys.stderr)
             settings = bench_acceptance.compare_settings(cfg.scheduler.chunk_size)
         else:
@@ -265,7 +266,7 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
 
     _set_threads(args.threads)
     cfg = config_from_args(args)
-    if args.prefix_caching is not None:
+    if "scheduler.prefix_caching" in overrides_from(args):
         print(
             "mtpserve: bench prefix-cache runs with and without caching; --prefix-caching is ignored", file=sys.stderr
         )

@@ -3,36 +3,44 @@
 from __future__ import annotations
 
 import copy
+import os
+import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from mtpserve.cluster.engine.errors import InvalidRequestError
 
+ENCODE_THREADS = max(1, min(4, os.cpu_count() or 1))
+
 
 @dataclass
 class Tokenizers:
-    """The engine's tokenizer, and a copy of it per thread that encodes prompts (`encode`, from worker threads) or
-    decodes streams (`decoder`, the front-end event loop's), so that no prompt waits on another's encode and no
-    stream's text waits on a prompt."""
+    """The engine's tokenizer; `submit` encodes prompts on a few threads, each with its own copy made up front (HF
+    tokenizers refuse concurrent use of one instance), so that no prompt waits on another's encode; `decoder` is the
+    copy the front-end event loop decodes streams with, so that no stream's text waits on a prompt."""
 
     encoder: Any
     decoder: Any = None
+    threads: int = ENCODE_THREADS
 
     def __post_init__(self) -> None:
         if self.decoder is None and self.encoder is not None:
             self.decoder = copy.deepcopy(self.encoder)
         self._max_token_bytes: int | None = None
         self._local = threading.local()
+        copies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(self.threads if self.encoder is not None else 0):
+            copies.put(copy.deepcopy(self.encoder))
+        self._pool = ThreadPoolExecutor(
+            self.threads, "mtpserve-encode", initializer=lambda: setattr(self._local, "tok", copies.get())
+        )
 
-    def encode(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        """`fn(tokenizer, *args)` with this thread's copy of the tokenizer (HF tokenizers refuse concurrent use
-        of one instance)."""
-        tok = getattr(self._local, "tokenizer", None)
-        if tok is None:
-            tok = self._local.tokenizer = copy.deepcopy(self.encoder)
-        return fn(tok, *args)
+    def submit(self, fn: Callable[..., list[int]], *args: Any) -> Future[list[int]]:
+        """`fn(tokenizer, *args)` on an encoding thread, with that thread's copy of the tokenizer."""
+        return self._pool.submit(lambda: fn(self._local.tok, *args))
 
     @property
     def max_token_bytes(self) -> int:

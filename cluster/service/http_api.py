@@ -197,7 +197,7 @@ class OpenAIAPI:
         size = sum(len(m.content.encode("utf-8")) for m in req.messages)
         self.tokenizers.check_length(size, self.loop.info.max_model_len, "messages")
         try:
-            ids = await asyncio.to_thread(self.tokenizers.encode, encode_chat, turns)
+            ids = await asyncio.wrap_future(self.tokenizers.submit(encode_chat, turns))
         except Exception as exc:  # a template may refuse a conversation (roles out of order)
             raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from None
         return await self._generate(request, req, ids, chat=True)
@@ -212,7 +212,7 @@ class OpenAIAPI:
             raise InvalidRequestError("prompt", "this model has no tokenizer; send token ids")
         else:
             self.tokenizers.check_length(len(req.prompt.encode("utf-8")), self.loop.info.max_model_len, "prompt")
-            ids = await asyncio.to_thread(self.tokenizers.encode, encode_text, req.prompt, False)
+            ids = await asyncio.wrap_future(self.tokenizers.submit(encode_text, req.prompt, False))
         return await self._generate(request, req, ids, chat=False)
 
     async def _json(self, request: web.Request) -> Any:

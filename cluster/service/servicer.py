@@ -117,7 +117,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise InvalidRequestError("prompt.text", "this model has no tokenizer; send prompt.token_ids")
         size = len(request.text.encode("utf-8", "surrogatepass"))
         self.tokenizers.check_length(size, self.loop.info.max_model_len, "prompt.text")
-        return await asyncio.to_thread(self.tokenizers.encode, encode_text, request.text, not request.raw)
+        return await asyncio.wrap_future(self.tokenizers.submit(encode_text, request.text, not request.raw))
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
