@@ -193,3 +193,50 @@ def test_a_killed_front_end_is_replaced_and_the_other_keeps_streaming(server: Se
         alone.close()
         alone = openai.OpenAI(base_url=base_url, api_key=TOKEN, max_retries=0, timeout=60)
     assert server.proc is not None and server.proc.poll() is None
+
+
+def test_front_ends_over_an_engine_of_this_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The Ray scheduler actor's arrangement: the engine built here, served from a thread to two front-end
+    processes. The ready message carries a real tokenizer (more than a pipe holds); the pool starts and a text
+    prompt completes with the same tokens as the engine alone."""
+    import threading
+
+    from mtpserve.cluster.engine.llm_engine import LLMEngine
+    from mtpserve.cluster.service.front_end_pool import FrontEndPool
+    from mtpserve.workers.config import MTPServeConfig
+
+    model, head = write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    cfg = MTPServeConfig.from_dict(
+        SERVER_YAML,
+        {
+            "model.path": str(model),
+            "speculative.draft": str(head),
+            "server.port": 0,
+            "server.http_port": 0,
+            "server.metrics_port": 0,
+        },
+    )
+    alone = LLMEngine.from_config(cfg)
+    ids = alone.encode_prompt("Once upon a time", chat=False)
+    (want,) = alone.generate([ids], {"max_tokens": 8, "ignore_eos": True})
+    alone.shutdown()
+    engine = LLMEngine.from_config(cfg)
+    started: list[Any] = []
+    starter = threading.Thread(target=lambda: started.append(FrontEndPool(cfg, 2, engine=engine)), daemon=True)
+    starter.start()
+    starter.join(180)
+    assert started, "the pool did not start within 180 s"
+    pool = started[0]
+    try:
+        client = openai.OpenAI(base_url=f"http://{pool.http_address}/v1", api_key="unused", max_retries=0, timeout=60)
+        done = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt="Once upon a time",
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert done.choices[0].token_ids == want.token_ids
+    finally:
+        pool.stop()
+        engine.shutdown()

@@ -135,13 +135,16 @@ class EngineThread:
     def __init__(self, engine: LLMEngine, address: tuple[str, bytes]) -> None:
         self.control, engine_end = mp.Pipe()
         listener = Listener(address[0], family="AF_UNIX", authkey=address[1])
-        send_ready(engine, engine_end)
+        self._engine = engine
         self._piped = PipedEngine(engine, engine_end, streams=False, listener=listener)
         self._thread = threading.Thread(target=self._run, args=(engine_end,), name="mtpserve-piped-engine", daemon=True)
         self._thread.start()
 
     def _run(self, engine_end: Connection) -> None:
         try:
+            # from this thread: READY carries the tokenizer, more than a pipe holds, and the pool reads it only
+            # once this object is built
+            send_ready(self._engine, engine_end)
             self._piped.run()
         except Exception:
             log.exception("serving the engine to the front ends failed")
