@@ -404,6 +404,10 @@ def test_metrics_are_labelled_by_front_end(client: openai.OpenAI, server: ServeP
     assert value('mtpserve_requests_total{finish_reason="length",frontend="http"}') >= 1
     assert value('mtpserve_generation_tokens_total{frontend="http"}') >= 3
     assert value('mtpserve_time_to_first_token_seconds_count{frontend="http"}') >= 1
+    assert value('mtpserve_e2e_request_latency_seconds_count{frontend="http"}') >= 1
+    itl = value('mtpserve_inter_token_latency_seconds_count{frontend="http"}')
+    assert itl >= 2, "the tokens after the first each have a gap"
+    assert 0 < value('mtpserve_inter_token_latency_seconds_sum{frontend="http"}') / itl < 5
 
 
 def test_serve_refuses_a_taken_http_port_and_a_clash(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from mtpserve.speculative.stats import SpecStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 GRPC = "grpc"
 HTTP = "http"
 
@@ -49,6 +50,20 @@ class ServerMetrics:
             "Mean time per generated token after the first, per request",
             ["frontend"],
             buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{prefix}_inter_token_latency_seconds",
+            "Time between a request's consecutive tokens (a step's several accepted tokens share its gap)",
+            ["frontend"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{prefix}_e2e_request_latency_seconds",
+            "Time from arrival to the end of a request, by front end",
+            ["frontend"],
+            buckets=E2E_BUCKETS,
             registry=r,
         )
         self.auth_failures = Counter(

@@ -64,6 +64,7 @@ class RequestHandle:
     events: deque[RequestOutput | Exception] = field(default_factory=deque)  # appended by one thread, popped by one
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     num_output_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
 
@@ -158,10 +159,17 @@ class RequestBook:
             handle = self.handles.get(out.request_id)
             if handle is None:
                 continue
-            if out.new_token_ids and handle.first_token_at is None:
+            n = len(out.new_token_ids)
+            if n and handle.first_token_at is None:
                 handle.first_token_at = now
                 if self.metrics is not None:
                     self.metrics.ttft.labels(frontend=handle.frontend).observe(now - handle.arrival)
+            elif n and handle.last_token_at is not None and self.metrics is not None:
+                itl = self.metrics.itl.labels(frontend=handle.frontend)
+                for _ in range(n):
+                    itl.observe((now - handle.last_token_at) / n)
+            if n:
+                handle.last_token_at = now
             handle.num_output_tokens = out.num_output_tokens
             handle.stats = out.stats
             generated[handle.frontend] = generated.get(handle.frontend, 0) + len(out.new_token_ids)
@@ -203,9 +211,11 @@ class RequestBook:
         self._totals.merge(handle.stats)
         if self.metrics is None:
             return
+        now = time.monotonic()
         first = handle.first_token_at
-        decode_s = None if first is None else time.monotonic() - first
+        decode_s = None if first is None else now - first
         self.metrics.observe_finish(reason, handle.num_output_tokens, decode_s, handle.stats, handle.frontend)
+        self.metrics.e2e.labels(frontend=handle.frontend).observe(now - handle.arrival)
 
     def publish(self, load: EngineLoad) -> None:
         """Publish the snapshot and the load metrics for the engine state `load`."""
