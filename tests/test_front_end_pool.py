@@ -114,6 +114,7 @@ def test_256_streams_over_two_front_ends(server: ServeProcess) -> None:
         assert not wrong, "\n".join(wrong[:10])
         idle(grpc_client)
         assert wait_for(lambda: requests_counted(server) - counted_before == STREAMS, timeout=30)
+        assert re.search(r"^mtpserve_model_info\{[^}]*model_name=", metrics_text(server), re.M), "one model_info"
     text = metrics_text(server)  # the engine-wide gauges once, from the engine's state: nothing held now
     assert re.findall(r"^mtpserve_kv_blocks_used (\S+)$", text, re.M) == ["0.0"], text
     assert len(re.findall(r"^# TYPE mtpserve_requests_running gauge$", text, re.M)) == 1

@@ -408,6 +408,11 @@ def test_metrics_are_labelled_by_front_end(client: openai.OpenAI, server: ServeP
     itl = value('mtpserve_inter_token_latency_seconds_count{frontend="http"}')
     assert itl >= 2, "the tokens after the first each have a gap"
     assert 0 < value('mtpserve_inter_token_latency_seconds_sum{frontend="http"}') / itl < 5
+    steps = value("mtpserve_engine_steps_total")
+    assert steps >= 3 and value("mtpserve_engine_step_rows_total") >= steps  # a step computes a row at least
+    assert value("mtpserve_preemptions_total") == 0
+    info = re.search(r"^mtpserve_model_info\{([^}]*)\} 1\.0$", page, re.MULTILINE)
+    assert info and f'model_name="{model_id}"' in info.group(1) and 'draft_method="mtp_eagle"' in info.group(1)
 
 
 def test_serve_refuses_a_taken_http_port_and_a_clash(tmp_path: Path) -> None:

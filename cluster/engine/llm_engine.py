@@ -118,6 +118,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = scheduler.max_model_len
         self.totals = SpecStats()
+        self.steps_run = 0  # steps applied, and the target rows they computed
+        self.rows_run = 0
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
         self._overlap_runner: OverlapTarget | None = None  # set when steps may be queued ahead (see `step`)
@@ -321,6 +323,8 @@ class LLMEngine:
 
     def _apply(self, plan: StepPlan, out: TargetOutput, drafts: DraftOutputs | None) -> list[RequestOutput]:
         outputs = self.scheduler.update(plan, out, drafts)
+        self.steps_run += 1
+        self.rows_run += plan.num_tokens
         for o in outputs:
             if o.finished:
                 self.totals.merge(o.stats)

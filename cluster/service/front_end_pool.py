@@ -197,6 +197,7 @@ class FrontEndPool:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry, path=self._metrics_dir)
             self._engine_metrics = EngineMetrics(registry)
+            self._engine_metrics.set_model(self.info)
             self._observe(load)
             self._http_server = MetricsEndpoint(
                 registry, cfg.server.metrics_port, cfg.server.metrics_host, metrics_token(cfg.server)
@@ -240,6 +241,7 @@ class FrontEndPool:
         m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
         m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
         m.observe_depths(load.depth_steps or {}, load.depth)
+        m.observe_steps(load.steps, load.rows, load.preemptions)
 
     def _read_engine(self) -> None:
         """The engine's state (a few times a second) into the engine-wide metrics, until the engine ends."""

@@ -6,6 +6,8 @@ Per-request metrics (requests, tokens, latencies, refused calls) carry a `fronte
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mtpserve.cluster.service.metrics_http import MetricsEndpoint
@@ -104,6 +106,11 @@ class ServerMetrics:
         if self.engine is not None:
             self.engine.observe_depths(steps_per_kind, current)
 
+    def observe_steps(self, steps: int, rows: int, preemptions: int) -> None:
+        """Bring the step, row and preemption counters up to the engine's totals (engine-wide metrics only)."""
+        if self.engine is not None:
+            self.engine.observe_steps(steps, rows, preemptions)
+
     def start_http(self, port: int, addr: str = "0.0.0.0", token: bytes | None = None) -> int:
         """Serve /metrics on `port` (0 picks a free one), behind `token` when given; returns the bound port."""
         self._http = MetricsEndpoint(self.registry, port, addr, token)
@@ -159,6 +166,22 @@ class EngineMetrics:
             f"{prefix}_prefix_cache_hit_tokens", "Looked-up tokens whose KV came from the prefix cache", registry=r
         )
         self._prefix_seen = (0, 0)
+        self.steps = Counter(f"{prefix}_engine_steps", "Engine steps run", registry=r)
+        self.rows = Counter(
+            f"{prefix}_engine_step_rows",
+            "Target rows the steps computed (prompt tokens, decode tokens and their drafts); per step: / steps",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            f"{prefix}_preemptions", "Requests preempted when KV blocks ran out (they recompute later)", registry=r
+        )
+        self._steps_seen = [0, 0, 0]
+        self.model = Gauge(
+            f"{prefix}_model_info",
+            "1, labelled with the served model (join on it to label the other series)",
+            ["model_name", "dtype", "device", "tp_size", "draft_method", "num_draft_tokens"],
+            registry=r,
+        )
         self.steps_per_depth = Counter(
             f"{prefix}_spec_steps_per_depth",
             "Scheduled steps by kind (adaptive speculation): a chain depth (0 = the draft only keeps its KV), "
@@ -186,6 +209,24 @@ class EngineMetrics:
         self.queue_depth.set(waiting)
         self.kv_blocks_used.set(blocks_used)
         self.kv_usage.set(blocks_used / blocks_total if blocks_total else 0.0)
+
+    def set_model(self, info: Any) -> None:
+        """Label mtpserve_model_info with the served model (a ModelInfo message)."""
+        draft = info.draft
+        self.model.labels(
+            model_name=info.model_name,
+            dtype=info.dtype,
+            device=info.device,
+            tp_size=str(info.tp_size),
+            draft_method=draft.method if draft.enabled else "none",
+            num_draft_tokens=str(draft.num_draft_tokens if draft.enabled else 0),
+        ).set(1)
+
+    def observe_steps(self, steps: int, rows: int, preemptions: int) -> None:
+        """Bring the step, row and preemption counters up to the engine's running totals."""
+        for counter, total, key in ((self.steps, steps, 0), (self.rows, rows, 1), (self.preemptions, preemptions, 2)):
+            counter.inc(max(0, total - self._steps_seen[key]))
+            self._steps_seen[key] = max(self._steps_seen[key], total)
 
     def observe_prefix_cache(self, query_tokens: int, hit_tokens: int, blocks_cached: int) -> None:
         """Bring the prefix-cache counters up to the scheduler's running totals, and set the cached gauge."""

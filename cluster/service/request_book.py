@@ -88,6 +88,9 @@ class EngineLoad:
     prefix_hit_tokens: int = 0
     depth_steps: dict[str, int] | None = None
     depth: int = 0
+    steps: int = 0
+    rows: int = 0
+    preemptions: int = 0
 
 
 def engine_load(engine: LLMEngine) -> EngineLoad:
@@ -105,6 +108,9 @@ def engine_load(engine: LLMEngine) -> EngineLoad:
         prefix_hit_tokens=sched.prefix_hit_tokens,
         depth_steps=None if policy is None else policy.step_counts(),
         depth=sched.k if policy is None else policy.depth,  # a fixed chain runs its K every step
+        steps=engine.steps_run,
+        rows=engine.rows_run,
+        preemptions=sched.num_preemptions,
     )
 
 
@@ -237,6 +243,7 @@ class RequestBook:
         m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
         m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
         m.observe_depths(load.depth_steps or {}, load.depth)
+        m.observe_steps(load.steps, load.rows, load.preemptions)
 
 
 class EngineCore(Protocol):

@@ -164,6 +164,8 @@ class MTPServer:
         except BaseException:
             self.stop(grace=0.0)
             raise
+        if self.metrics.engine is not None:
+            self.metrics.engine.set_model(self.loop.info)
         self.health.changed()
         log.info("gRPC on %s, HTTP on %s, metrics on %s", self.address, self.http_address, self.metrics_port)
 
