@@ -408,6 +408,9 @@ def test_metrics_are_labelled_by_front_end(client: openai.OpenAI, server: ServeP
     itl = value('mtpserve_inter_token_latency_seconds_count{frontend="http"}')
     assert itl >= 2, "the tokens after the first each have a gap"
     assert 0 < value('mtpserve_inter_token_latency_seconds_sum{frontend="http"}') / itl < 5
+    for phase in ("queue", "prefill", "decode"):
+        assert value(f'mtpserve_request_{phase}_time_seconds_count{{frontend="http"}}') >= 1, phase
+    assert value('mtpserve_request_prefill_time_seconds_sum{frontend="http"}') > 0
     steps = value("mtpserve_engine_steps_total")
     assert steps >= 3 and value("mtpserve_engine_step_rows_total") >= steps  # a step computes a row at least
     assert value("mtpserve_preemptions_total") == 0

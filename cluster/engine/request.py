@@ -88,7 +88,20 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     stop_set: frozenset[int] = frozenset()  # tokens that end it: stop ids, and EOS unless ignored (set when queued)
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admitted to a step
     first_token_time: float | None = None
+
+    def timings(self) -> tuple[float, float, float] | None:
+        """(queued, prefill, decode) seconds of a request that ends now: arrival to its first step, to its first
+        token, to now; None when it produced no token."""
+        if self.scheduled_time is None or self.first_token_time is None:
+            return None
+        now = time.monotonic()
+        return (
+            self.scheduled_time - self.arrival_time,
+            self.first_token_time - self.scheduled_time,
+            now - self.first_token_time,
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     stats: SpecStats = field(default_factory=SpecStats)
+    timings: tuple[float, float, float] | None = None  # when it finished: queued, prefill, decode seconds
 
 
 class Scheduler:
@@ -163,6 +165,8 @@ class Scheduler:
             self.prefix_hit_tokens += req.num_computed_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             ctx.append(plan)
             scheduled.add(req.request_id)
@@ -422,6 +426,8 @@ class Scheduler:
         else:
             emitted, reason = self._append_until_stop(req, tokens)
         self._register(req)
+        if emitted and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         if reason:
             self._finish(req, reason)
         return RequestOutput(
@@ -432,6 +438,7 @@ class Scheduler:
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=len(req.output_token_ids),
             stats=req.stats,
+            timings=req.timings() if reason else None,
         )
 
     def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], str | None]:

@@ -43,7 +43,9 @@ ABORTED = "aborted"
 PARENT_CHECK_S = 1.0
 STATE_EVERY_S = 0.1  # a peer without outputs in a step still hears the engine state this often
 
-PackedOutput = tuple[str, list[int], bool, str | None, int, int, tuple[int, int, int, list[int], list[int]]]
+PackedOutput = tuple[
+    str, list[int], bool, str | None, int, int, tuple[int, int, int, list[int], list[int]], tuple[float, ...] | None
+]
 
 
 def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
@@ -63,6 +65,7 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
                 o.stats.accepted_per_position,
                 o.stats.drafted_per_position,
             ),
+            o.timings,
         )
         for o in outputs
     ]
@@ -71,8 +74,8 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
 def unpack_outputs(packed: list[PackedOutput]) -> list[RequestOutput]:
     """The outputs `pack_outputs` packed."""
     return [
-        RequestOutput(rid, ids, finished, reason, n_prompt, n_out, SpecStats(*stats))
-        for rid, ids, finished, reason, n_prompt, n_out, stats in packed
+        RequestOutput(rid, ids, finished, reason, n_prompt, n_out, SpecStats(*stats), timings)  # type: ignore[arg-type]
+        for rid, ids, finished, reason, n_prompt, n_out, stats, timings in packed
     ]
 
 

@@ -68,6 +68,20 @@ class ServerMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        self.phases = {
+            phase: Histogram(
+                f"{prefix}_request_{phase}_time_seconds",
+                f"Engine time of a finished request {what}",
+                ["frontend"],
+                buckets=E2E_BUCKETS if phase == "decode" else TTFT_BUCKETS,
+                registry=r,
+            )
+            for phase, what in (
+                ("queue", "from arrival to its first step"),
+                ("prefill", "from its first step to its first token"),
+                ("decode", "from its first token to its end"),
+            )
+        }
         self.auth_failures = Counter(
             f"{prefix}_auth_failures",
             "Calls refused for a missing or invalid bearer token, by front end and reason",
@@ -105,6 +119,11 @@ class ServerMetrics:
         """Bring the per-kind step counters up to the policy's totals (engine-wide metrics only)."""
         if self.engine is not None:
             self.engine.observe_depths(steps_per_kind, current)
+
+    def observe_phases(self, frontend: str, queued: float, prefill: float, decode: float) -> None:
+        """Record the engine's queue, prefill and decode time of a finished request."""
+        for phase, seconds in (("queue", queued), ("prefill", prefill), ("decode", decode)):
+            self.phases[phase].labels(frontend=frontend).observe(seconds)
 
     def observe_steps(self, steps: int, rows: int, preemptions: int) -> None:
         """Bring the step, row and preemption counters up to the engine's totals (engine-wide metrics only)."""

@@ -181,7 +181,7 @@ class RequestBook:
             generated[handle.frontend] = generated.get(handle.frontend, 0) + len(out.new_token_ids)
             if out.finished:
                 del self.handles[out.request_id]
-                self.finish(handle, out.finish_reason or "stop")
+                self.finish(handle, out.finish_reason or "stop", out.timings)
             deliveries.append((handle, out))
         self._generated += sum(generated.values())
         if self.metrics is not None:
@@ -211,8 +211,9 @@ class RequestBook:
         self.finish(handle, reason)
         handle.put(error)
 
-    def finish(self, handle: RequestHandle, reason: str) -> None:
-        """Count a request that ended, and record it in the metrics."""
+    def finish(self, handle: RequestHandle, reason: str, timings: tuple[float, float, float] | None = None) -> None:
+        """Count a request that ended, and record it in the metrics (with the engine's `timings` of it: queued,
+        prefill and decode seconds)."""
         self._finished += 1
         self._totals.merge(handle.stats)
         if self.metrics is None:
@@ -222,6 +223,8 @@ class RequestBook:
         decode_s = None if first is None else now - first
         self.metrics.observe_finish(reason, handle.num_output_tokens, decode_s, handle.stats, handle.frontend)
         self.metrics.e2e.labels(frontend=handle.frontend).observe(now - handle.arrival)
+        if timings is not None:
+            self.metrics.observe_phases(handle.frontend, *timings)
 
     def publish(self, load: EngineLoad) -> None:
         """Publish the snapshot and the load metrics for the engine state `load`."""
