@@ -197,7 +197,7 @@ if triton is not None:
                     tl.atomic_xchg(count_ptr + group, 0)
 
     # The block-table width varies from step to step; specialising on it (Triton's divisible-by-16 and
-    # equal-to-1 variants) compiled new kernels while serving, 0.5-0.65 s each (bench/prefix_steps.py, git 3de923b).
+    # equal-to-1 variants) compiled new kernels while serving, 0.5-0.65 s each (measured at git 3de923b).
     @triton.jit(do_not_specialize=["stride_bt"])
     def _ragged_paged_attn(
         q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, qstart_ptr, qlen_ptr, lens_ptr, bits_ptr, scale,

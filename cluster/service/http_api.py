@@ -27,6 +27,7 @@ from mtpserve.cluster.engine.request import check_output_room, sampling_params
 from mtpserve.cluster.service.auth import bearer
 from mtpserve.cluster.service.detokenizer import Tokenizers
 from mtpserve.cluster.service.engine_stream import EngineStream
+from mtpserve.cluster.service.error_status import error_status
 from mtpserve.cluster.service.metrics import HTTP, ServerMetrics
 from mtpserve.cluster.service.openai_schema import (
     ChatCompletionRequest,
@@ -77,16 +78,11 @@ class APIError(Exception):
 
 def api_error(exc: Exception, prompt_field: str) -> APIError:
     """The HTTP error of an engine-side exception; the engine's prompt fields are named as the caller sent them."""
-    if isinstance(exc, InvalidRequestError):
-        field = prompt_field if exc.field in ("prompt", "prompt_token_ids") else exc.field
-        return APIError(400, f"{field}: {exc.reason}", param=field)
-    if isinstance(exc, QueueFullError):
-        return APIError(429, f"queue full: {exc}")
-    if isinstance(exc, WorkerUnavailableError):
-        return APIError(503, f"workers are down: {exc}")
-    if isinstance(exc, EngineFailure | ServerShuttingDown):
-        return APIError(503, str(exc))
-    return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
+    status = error_status(exc)
+    if status.field is None:
+        return APIError(status.http, status.message(), code="internal_error" if status.http == 500 else None)
+    field = prompt_field if status.field in ("prompt", "prompt_token_ids") else status.field
+    return APIError(status.http, status.message(field), param=field)
 
 
 class OpenAIAPI:

@@ -19,6 +19,7 @@ from mtpserve.cluster.engine.llm_engine import encode_text
 from mtpserve.cluster.engine.request import SamplingParams, check_output_room, sampling_params
 from mtpserve.cluster.service.detokenizer import Tokenizers
 from mtpserve.cluster.service.engine_stream import EngineStream, Piece
+from mtpserve.cluster.service.error_status import error_status
 from mtpserve.cluster.service.metrics import GRPC
 from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
@@ -69,16 +70,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def _abort_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, InvalidRequestError):
-        name = PROTO_FIELDS.get(exc.field, exc.field)
-        return grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {exc.reason}"
-    if isinstance(exc, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue full: {exc}"
-    if isinstance(exc, WorkerUnavailableError):
-        return grpc.StatusCode.UNAVAILABLE, f"workers are down: {exc}"
-    if isinstance(exc, EngineFailure | ServerShuttingDown):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    status = error_status(exc)
+    return status.grpc, status.message(PROTO_FIELDS.get(status.field or "", status.field))
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
