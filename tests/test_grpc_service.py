@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,9 @@ import yaml
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from mtpserve.cluster.engine.errors import WorkerUnavailableError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.service.client import MTPServeClient
 from mtpserve.cluster.service.detokenizer import IncrementalDetokenizer
-from mtpserve.cluster.service.server import MTPServer
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.workers.config import MTPServeConfig
 
@@ -423,66 +421,6 @@ def test_serve_print_config_merges_yaml_and_flags(config_file: Path) -> None:
     assert cfg.server.port == 0 and cfg.scheduler.max_queue == 1 and cfg.scheduler.num_kv_blocks == 128
     bad = _cli("serve", "--config", str(config_file), "--port", "70000", "--print-config")
     assert bad.returncode == 2 and "server.port" in bad.stderr
-
-
-# ---- the engine loop in process: failures, health hook -------------------------------------------
-@pytest.fixture(scope="module")
-def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MTPServer]:
-    """An MTPServer in this process on a dummy-weight model (no tokenizer), port 0, metrics off."""
-    model = write_dummy_model(tmp_path_factory.mktemp("dummy"))
-    srv = MTPServer(LLMEngine.from_config(dummy_server_config(model)), metrics=False)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-def _fail_next_step(srv: MTPServer, exc: Exception) -> None:
-    """Fault injection: the real engine's next target step raises `exc`, later steps run normally."""
-    target = srv.engine.target
-    real: Callable[..., Any] = target.execute
-
-    def execute(plan: Any) -> Any:
-        target.execute = real  # type: ignore[method-assign]
-        raise exc
-
-    target.execute = execute  # type: ignore[method-assign]
-
-
-def test_engine_failure_fails_in_flight_requests_and_the_loop_keeps_serving(inproc: MTPServer) -> None:
-    with MTPServeClient(f"127.0.0.1:{inproc.port}", timeout=30) as c:
-        call = c.stub.Generate(long_request(max_tokens=200, prompt=[3, 4, 5, 6]), timeout=30)
-        next(call)
-        _fail_next_step(inproc, RuntimeError("boom"))
-        err = rpc_error(lambda: list(call))
-        assert err.code() == grpc.StatusCode.UNAVAILABLE and "boom" in err.details()
-        assert c.health() == "SERVING"
-        assert c.generate(token_ids=[3, 4, 5], max_tokens=5, ignore_eos=True)["finish_reason"] == "length"
-        assert wait_idle(c)["kv_blocks_used"] == 0
-
-
-def test_workers_down_gives_unavailable_and_not_serving_until_a_step_succeeds(inproc: MTPServer) -> None:
-    with MTPServeClient(f"127.0.0.1:{inproc.port}", timeout=30) as c:
-        call = c.stub.Generate(long_request(max_tokens=200, prompt=[3, 4, 5, 6]), timeout=30)
-        next(call)
-        _fail_next_step(inproc, WorkerUnavailableError("target rank 1 died"))
-        err = rpc_error(lambda: list(call))
-        assert err.code() == grpc.StatusCode.UNAVAILABLE and "workers are down" in err.details()
-        assert c.health() == "NOT_SERVING"
-        assert c.generate(token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True)["finish_reason"] == "length"
-        assert c.health() == "SERVING"
-
-
-def test_set_serving_hook_drives_health_and_admission(inproc: MTPServer) -> None:
-    with MTPServeClient(f"127.0.0.1:{inproc.port}", timeout=30) as c:
-        inproc.set_serving(False)
-        try:
-            assert c.health() == "NOT_SERVING"
-            err = rpc_error(lambda: c.generate(token_ids=[3, 4], max_tokens=2))
-            assert err.code() == grpc.StatusCode.UNAVAILABLE
-        finally:
-            inproc.set_serving(True)
-        assert c.health() == "SERVING"
-        assert c.generate(token_ids=[3, 4], max_tokens=2, ignore_eos=True)["finish_reason"] == "length"
 
 
 # ---- generated code is current -------------------------------------------------------------------

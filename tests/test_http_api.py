@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,7 @@ import openai
 import pytest
 import yaml
 
-from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.service.client import MTPServeClient
-from mtpserve.cluster.service.server import MTPServer
-from mtpserve.workers.config import MTPServeConfig
 
 from helpers_service import ROOT, ServeProcess, child_env, wait_for, write_dummy_model, write_tiny_model
 
@@ -441,69 +438,3 @@ def test_serve_refuses_a_taken_http_port_and_a_clash(tmp_path: Path) -> None:
         timeout=120,
     )
     assert clash.returncode == 2 and "server.http_port 8000 is already" in clash.stderr
-
-
-# ---- in process: health follows the workers, engine failures -------------------------------------
-@pytest.fixture(scope="module")
-def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MTPServer]:
-    """An MTPServer in this process with the HTTP API on a dummy-weight model (token ids only)."""
-    model = write_dummy_model(tmp_path_factory.mktemp("dummy"))
-    cfg = MTPServeConfig.from_dict(
-        {
-            "model": {"path": str(model), "load_format": "dummy", "device": "cpu"},
-            "speculative": {"draft": "random"},
-            "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
-            "server": {"host": "127.0.0.1", "port": 0, "http_port": 0, "metrics_port": 0},
-        }
-    )
-    srv = MTPServer(LLMEngine.from_config(cfg), metrics=False)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-def _fail_next_step(srv: MTPServer, exc: Exception) -> None:
-    """Fault injection: the engine's next target step raises `exc`, later steps run normally."""
-    target = srv.engine.target
-    real: Callable[..., Any] = target.execute
-
-    def execute(plan: Any) -> Any:
-        target.execute = real  # type: ignore[method-assign]
-        raise exc
-
-    target.execute = execute  # type: ignore[method-assign]
-
-
-def test_health_and_admission_follow_the_workers(inproc: MTPServer) -> None:
-    """/health turns 503 while the workers are down, and completions get 503 with an error body."""
-    url = f"http://{inproc.http_address}"
-    body = {"prompt": [3, 4, 5], "max_tokens": 2}
-    inproc.set_serving(False)
-    try:
-        assert http("GET", f"{url}/health") == (503, {"status": "not_serving"})
-        status, obj = http("POST", f"{url}{TEXT}", body)
-        assert status == 503 and obj["error"]["type"] == "server_error"
-    finally:
-        inproc.set_serving(True)
-    assert http("GET", f"{url}/health")[0] == 200
-    status, obj = http("POST", f"{url}{TEXT}", body)
-    assert status == 200 and obj["choices"][0]["finish_reason"] in ("length", "stop")
-
-
-def test_engine_failure_mid_stream_reaches_the_client(inproc: MTPServer) -> None:
-    """An engine error after the stream began arrives as an error event (the openai client raises); the
-    server then serves the next request and holds no KV block."""
-    c = openai.OpenAI(base_url=f"http://{inproc.http_address}/v1", api_key="unused", max_retries=0, timeout=30)
-    model = c.models.list().data[0].id
-    stream = c.completions.create(
-        model=model, prompt=[3, 4, 5, 6], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
-    )
-    it = iter(stream)
-    next(it)
-    _fail_next_step(inproc, RuntimeError("boom"))
-    with pytest.raises(openai.APIError, match="boom"):
-        list(it)
-    out = c.completions.create(model=model, prompt=[3, 4], max_tokens=3, extra_body={"ignore_eos": True})
-    assert out.usage.completion_tokens == 3
-    blocks = inproc.engine.scheduler.blocks
-    wait_for(lambda: blocks.num_free == blocks.num_blocks)
