@@ -44,28 +44,26 @@ def _fail_next_step(srv: MTPServer, exc: Exception) -> None:
     target.execute = execute  # type: ignore[method-assign]
 
 
-def test_engine_failure_fails_in_flight_requests_and_the_loop_keeps_serving(inproc: MTPServer) -> None:
+@pytest.mark.parametrize(
+    ("exc", "detail", "health"),
+    [
+        (RuntimeError("boom"), "boom", "SERVING"),  # an engine error: the loop serves on
+        (WorkerUnavailableError("target rank 1 died"), "workers are down", "NOT_SERVING"),  # until a step succeeds
+    ],
+)
+def test_a_failed_step_ends_the_streams_in_flight_and_the_loop_serves_on(
+    inproc: MTPServer, exc: Exception, detail: str, health: str
+) -> None:
     with MTPServeClient(f"127.0.0.1:{inproc.port}", timeout=30) as c:
         call = c.stub.Generate(long_request(max_tokens=200, prompt=[3, 4, 5, 6]), timeout=30)
         next(call)
-        _fail_next_step(inproc, RuntimeError("boom"))
+        _fail_next_step(inproc, exc)
         err = rpc_error(lambda: list(call))
-        assert err.code() == grpc.StatusCode.UNAVAILABLE and "boom" in err.details()
-        assert c.health() == "SERVING"
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and detail in err.details()
+        assert c.health() == health
         assert c.generate(token_ids=[3, 4, 5], max_tokens=5, ignore_eos=True)["finish_reason"] == "length"
-        assert wait_idle(c)["kv_blocks_used"] == 0
-
-
-def test_workers_down_gives_unavailable_and_not_serving_until_a_step_succeeds(inproc: MTPServer) -> None:
-    with MTPServeClient(f"127.0.0.1:{inproc.port}", timeout=30) as c:
-        call = c.stub.Generate(long_request(max_tokens=200, prompt=[3, 4, 5, 6]), timeout=30)
-        next(call)
-        _fail_next_step(inproc, WorkerUnavailableError("target rank 1 died"))
-        err = rpc_error(lambda: list(call))
-        assert err.code() == grpc.StatusCode.UNAVAILABLE and "workers are down" in err.details()
-        assert c.health() == "NOT_SERVING"
-        assert c.generate(token_ids=[3, 4, 5], max_tokens=3, ignore_eos=True)["finish_reason"] == "length"
         assert c.health() == "SERVING"
+        assert wait_idle(c)["kv_blocks_used"] == 0
 
 
 def test_set_serving_hook_drives_health_and_admission(inproc: MTPServer) -> None:
