@@ -252,11 +252,14 @@ def capture_local_steps(
 ) -> None:
     """Give a target whose draft (if any) runs in its process the captured steps that fold the draft in:
     fused generation steps (one per depth when adaptive) for a chain, the tree step for trees (both when
-    adaptive over trees), and the prefill step; nothing off CUDA or without CUDA graphs. The in-process
+    adaptive over trees), and the prefill step; nothing off CUDA or without CUDA graphs. With model.fused_steps
+    off, the draft's chain is captured apart instead. The in-process
     engine and a TP=1 Ray rank share this."""
     if not (target.device.type == "cuda" and cfg.model.cuda_graphs):
         return
-    if isinstance(draft, MTPEagleChain):
+    if not cfg.model.fused_steps:
+        build_chain_graphs(cfg, draft, max_len)
+    elif isinstance(draft, MTPEagleChain):
         build = build_fused_depths if cfg.speculative.adaptive else build_fused
         target.fused = build(cfg, target, draft, k, max_len)
     elif isinstance(draft, MTPEagleTree):

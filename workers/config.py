@@ -73,6 +73,12 @@ class ModelConfig(_Strict):
         "are read; None picks 1 in process and 2 over Ray ranks, where the plan's round trip to the ranks must "
         "fit in the steps queued ahead",
     )
+    fused_steps: bool = Field(
+        True,
+        description="fold a draft that runs in the target's process into the target's captured steps (the fused "
+        "chain steps, the tree step); false: the draft's chain is captured apart, as on a separate draft worker "
+        "(to compare the two; CUDA graphs)",
+    )
     fused_kernels: bool = Field(
         True,
         description="fused Triton kernels (CUDA only): norm+residual, RoPE+KV write, SwiGLU, and for small steps "

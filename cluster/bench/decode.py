@@ -17,7 +17,6 @@ from mtpserve.cluster.bench import report as bench_report
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.modeling.layer_ops import TritonOps
 from mtpserve.speculative.sampling import SamplingMode
-from mtpserve.workers.builders import build_chain_graphs
 from mtpserve.workers.config import MTPServeConfig
 
 WEIGHT_FLOOR_MS = 0.063  # SmolLM2-135M bf16: its weights read once at the H200's 4.8 TB/s
@@ -94,6 +93,7 @@ def engine_for(
                     "overlap_steps": variant != "no-overlap",
                     "overlap_speculative": variant != "no-overlap-spec",
                     "fused_kernels": fused,
+                    "fused_steps": variant != "chain-graphs",
                     "pdl": variant != "no-pdl",
                     "gemv_tiles": gemv_tiles or getattr(args, "gemv_tiles", "auto"),
                     "max_model_len": args.max_model_len,
@@ -119,9 +119,6 @@ def engine_for(
         eng = LLMEngine.from_config(cfg)
     finally:
         TritonOps.small_rows = small_rows
-    if variant == "chain-graphs":
-        eng.target.fused = None  # type: ignore[attr-defined]
-        build_chain_graphs(eng.cfg, eng.draft, eng.max_model_len)  # type: ignore[arg-type]
     return eng
 
 

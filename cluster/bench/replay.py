@@ -197,9 +197,8 @@ def run(args: argparse.Namespace, recording: Recording | None = None, sets: list
         key = recording_key(name)
         replay = None if spec is None else ReplayAcceptance(recording.sets[sets[0]].streams[key])
         t0 = time.perf_counter()
-        engine = LLMEngine.from_config(engine_config(args, spec, recording, sets), replay=replay)
-        if name.endswith(bench_trees.EAGER_SUFFIX):
-            engine.target.tree_step = None  # type: ignore[attr-defined]
+        eager = name.endswith(bench_trees.EAGER_SUFFIX)
+        engine = LLMEngine.from_config(engine_config(args, spec, recording, sets, not eager), replay=replay)
         built = time.perf_counter() - t0
         try:
             if spec is not None and engine.draft is None:
@@ -243,11 +242,15 @@ def config_rows(
 
 
 def engine_config(
-    args: argparse.Namespace, spec: dict[str, int] | None, recording: Recording, sets: list[str]
+    args: argparse.Namespace,
+    spec: dict[str, int] | None,
+    recording: Recording,
+    sets: list[str],
+    fused_steps: bool = True,
 ) -> MTPServeConfig:
     """A configuration's engine at the replayed shape, with KV room for every request of the largest batch
     (the longest recorded prompt, the output and the drafts' slots), so no request is preempted."""
-    cfg = bench_trees.config(args, spec, max(args.batches))
+    cfg = bench_trees.config(args, spec, max(args.batches), fused_steps)
     longest = max(n for s in sets for n in recording.sets[s].prompt_tokens)
     per_request = -(-(longest + args.max_tokens + 2 * cfg.speculative.proposed_tokens + 8) // cfg.scheduler.block_size)
     return bench_report.with_sections(cfg, scheduler={"num_kv_blocks": max(args.batches) * per_request + 1})

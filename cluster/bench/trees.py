@@ -74,8 +74,10 @@ def config_list(text: str) -> list[str]:
     return names
 
 
-def config(args: argparse.Namespace, spec: dict[str, int] | None, max_batch: int) -> MTPServeConfig:
-    """The engine config of one configuration."""
+def config(
+    args: argparse.Namespace, spec: dict[str, int] | None, max_batch: int, fused_steps: bool = True
+) -> MTPServeConfig:
+    """The engine config of one configuration (`fused_steps` False: the eager tree, without its captured step)."""
     return MTPServeConfig.from_dict(
         {
             "model": {
@@ -84,6 +86,7 @@ def config(args: argparse.Namespace, spec: dict[str, int] | None, max_batch: int
                 "device": args.device,
                 "dtype": args.dtype,
                 "max_model_len": args.max_model_len,
+                "fused_steps": fused_steps,
             },
             "scheduler": {"max_num_requests": max_batch, "max_num_batched_tokens": 4096, "prefix_caching": False},
             "speculative": {
@@ -126,9 +129,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reference: dict[int, list[list[int]]] = {}
     for name in args.configs:
         t0 = time.perf_counter()
-        engine = LLMEngine.from_config(config(args, CONFIGS[name], max(args.batches)))
-        if name.endswith(EAGER_SUFFIX):
-            engine.target.tree_step = None  # type: ignore[attr-defined]
+        engine = LLMEngine.from_config(
+            config(args, CONFIGS[name], max(args.batches), fused_steps=not name.endswith(EAGER_SUFFIX))
+        )
         built = time.perf_counter() - t0
         prompts = bench_prompts(engine, args.num_prompts)
         for batch in args.batches:
