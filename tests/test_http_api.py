@@ -403,7 +403,7 @@ def test_metrics_are_labelled_by_front_end(client: openai.OpenAI, server: ServeP
     assert value('mtpserve_time_to_first_token_seconds_count{frontend="http"}') >= 1
     assert value('mtpserve_e2e_request_latency_seconds_count{frontend="http"}') >= 1
     itl = value('mtpserve_inter_token_latency_seconds_count{frontend="http"}')
-    assert itl >= 2, "the tokens after the first each have a gap"
+    assert itl >= 1, "the outputs after the first each have a gap"
     assert 0 < value('mtpserve_inter_token_latency_seconds_sum{frontend="http"}') / itl < 5
     for phase in ("queue", "prefill", "decode"):
         assert value(f'mtpserve_request_{phase}_time_seconds_count{{frontend="http"}}') >= 1, phase

@@ -56,7 +56,8 @@ class ServerMetrics:
         )
         self.itl = Histogram(
             f"{prefix}_inter_token_latency_seconds",
-            "Time between a request's consecutive tokens (a step's several accepted tokens share its gap)",
+            "Time between a request's consecutive tokens: one sample per output after the first, its gap over the "
+            "tokens it brought (a step's accepted drafts share the gap)",
             ["frontend"],
             buckets=TPOT_BUCKETS,
             registry=r,

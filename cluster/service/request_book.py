@@ -171,9 +171,7 @@ class RequestBook:
                 if self.metrics is not None:
                     self.metrics.ttft.labels(frontend=handle.frontend).observe(now - handle.arrival)
             elif n and handle.last_token_at is not None and self.metrics is not None:
-                itl = self.metrics.itl.labels(frontend=handle.frontend)
-                for _ in range(n):
-                    itl.observe((now - handle.last_token_at) / n)
+                self.metrics.itl.labels(frontend=handle.frontend).observe((now - handle.last_token_at) / n)
             if n:
                 handle.last_token_at = now
             handle.num_output_tokens = out.num_output_tokens
