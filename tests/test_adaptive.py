@@ -356,8 +356,9 @@ def test_prometheus_counts_steps_per_depth() -> None:
     from mtpserve.cluster.service.metrics import ServerMetrics
 
     m = ServerMetrics()
-    m.observe_depths({"0": 3, "1": 0, "2": 5}, 2)
-    m.observe_depths({"0": 4, "1": 2, "2": 5, "3": 1, "tree16": 7}, 3)
+    assert m.engine is not None
+    m.engine.observe_depths({"0": 3, "1": 0, "2": 5}, 2)
+    m.engine.observe_depths({"0": 4, "1": 2, "2": 5, "3": 1, "tree16": 7}, 3)
     labels = ["0", "1", "2", "3", "tree16"]
     got = [m.registry.get_sample_value("mtpserve_spec_steps_per_depth_total", {"depth": d}) for d in labels]
     assert got == [4.0, 2.0, 5.0, 1.0, 7.0]

@@ -152,13 +152,14 @@ def run_throughput(args: argparse.Namespace) -> int:
     from mtpserve.cluster.distributed.build import build_engine
 
     _set_threads(args.threads)
+    given = overrides_from(args)
     cfg = bench_throughput.throughput_config(
         config_from_args(args),
         args.batch_sizes,
         args.prompt_len,
         args.output_len,
-        size_slots="scheduler.max_num_requests" not in overrides_from(args),
-        size_cache="scheduler.num_kv_blocks" not in overrides_from(args),
+        size_slots="scheduler.max_num_requests" not in given,
+        size_cache="scheduler.num_kv_blocks" not in given,
     )
     command = bench_report.command_line(getattr(args, "argv", None))
     try:

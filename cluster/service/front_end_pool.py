@@ -47,7 +47,7 @@ from mtpserve.cluster.service.engine_child import (
 from mtpserve.cluster.service.front_end_process import STOP_SERVING, run_front_ends, wait_serving
 from mtpserve.cluster.service.metrics import EngineMetrics
 from mtpserve.cluster.service.metrics_http import MetricsEndpoint
-from mtpserve.cluster.service.request_book import EngineLoad
+from mtpserve.cluster.service.request_book import EngineLoad, observe_engine
 from mtpserve.cluster.service.server import host_port
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.workers.config import MTPServeConfig
@@ -237,11 +237,7 @@ class FrontEndPool:
         return pb.ModelInfo.FromString(msg[1]), msg[3]
 
     def _observe(self, load: EngineLoad) -> None:
-        m = self._engine_metrics
-        m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
-        m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
-        m.observe_depths(load.depth_steps or {}, load.depth)
-        m.observe_steps(load.steps, load.rows, load.preemptions)
+        observe_engine(self._engine_metrics, load)
 
     def _read_engine(self) -> None:
         """The engine's state (a few times a second) into the engine-wide metrics, until the engine ends."""

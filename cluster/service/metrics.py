@@ -106,30 +106,10 @@ class ServerMetrics:
         )
         self.engine = EngineMetrics(r, prefix) if engine_wide else None
 
-    def observe_load(self, running: int, waiting: int, blocks_used: int, blocks_total: int) -> None:
-        """Set the load gauges (engine-wide metrics only)."""
-        if self.engine is not None:
-            self.engine.observe_load(running, waiting, blocks_used, blocks_total)
-
-    def observe_prefix_cache(self, query_tokens: int, hit_tokens: int, blocks_cached: int) -> None:
-        """Bring the prefix-cache metrics up to the scheduler's totals (engine-wide metrics only)."""
-        if self.engine is not None:
-            self.engine.observe_prefix_cache(query_tokens, hit_tokens, blocks_cached)
-
-    def observe_depths(self, steps_per_kind: dict[str, int], current: int) -> None:
-        """Bring the per-kind step counters up to the policy's totals (engine-wide metrics only)."""
-        if self.engine is not None:
-            self.engine.observe_depths(steps_per_kind, current)
-
     def observe_phases(self, frontend: str, queued: float, prefill: float, decode: float) -> None:
         """Record the engine's queue, prefill and decode time of a finished request."""
         for phase, seconds in (("queue", queued), ("prefill", prefill), ("decode", decode)):
             self.phases[phase].labels(frontend=frontend).observe(seconds)
-
-    def observe_steps(self, steps: int, rows: int, preemptions: int) -> None:
-        """Bring the step, row and preemption counters up to the engine's totals (engine-wide metrics only)."""
-        if self.engine is not None:
-            self.engine.observe_steps(steps, rows, preemptions)
 
     def start_http(self, port: int, addr: str = "0.0.0.0", token: bytes | None = None) -> int:
         """Serve /metrics on `port` (0 picks a free one), behind `token` when given; returns the bound port."""

@@ -15,7 +15,7 @@ from mtpserve.cluster.engine.errors import WorkerUnavailableError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.engine.request import SamplingParams
 from mtpserve.cluster.engine.scheduler import RequestOutput
-from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
+from mtpserve.cluster.service.metrics import GRPC, EngineMetrics, ServerMetrics
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.speculative.stats import SpecStats
 
@@ -91,6 +91,14 @@ class EngineLoad:
     steps: int = 0
     rows: int = 0
     preemptions: int = 0
+
+
+def observe_engine(m: EngineMetrics, load: EngineLoad) -> None:
+    """Bring the engine-wide metrics up to the engine state `load`."""
+    m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
+    m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
+    m.observe_depths(load.depth_steps or {}, load.depth)
+    m.observe_steps(load.steps, load.rows, load.preemptions)
 
 
 def engine_load(engine: LLMEngine) -> EngineLoad:
@@ -238,13 +246,8 @@ class RequestBook:
             prefix_query_tokens=load.prefix_query_tokens,
             prefix_hit_tokens=load.prefix_hit_tokens,
         )
-        m = self.metrics
-        if m is None:
-            return
-        m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
-        m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
-        m.observe_depths(load.depth_steps or {}, load.depth)
-        m.observe_steps(load.steps, load.rows, load.preemptions)
+        if self.metrics is not None and self.metrics.engine is not None:
+            observe_engine(self.metrics.engine, load)
 
 
 class EngineCore(Protocol):
