@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtpserve.speculative.logits_processing import LogitsProcessing, TokenLogprobs
+
 
 @dataclass
 class SeqPlan:
@@ -30,6 +32,7 @@ class SeqPlan:
     draft_probs: torch.Tensor | None = None  # [num_draft_tokens, V] when sampling
     draft_parents: list[int] | None = None  # [num_draft_tokens] node each draft continues (0 = token_ids[0],
     # j = token_ids[j]); None: a chain, each draft continuing the one before
+    processing: LogitsProcessing | None = None  # logit rules and logprobs (the step then runs eagerly)
 
     @property
     def end(self) -> int:
@@ -60,6 +63,7 @@ class SeqResult:
     new_token_ids: list[int]  # accepted drafts + bonus token, the first token, or [] mid-context
     num_drafted: int = 0
     num_accepted: int = 0
+    logprobs: TokenLogprobs | None = None  # of new_token_ids, when the request asked for them
 
 
 @dataclass

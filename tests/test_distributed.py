@@ -115,6 +115,15 @@ def test_colocated_draft_matches(ray_local, model) -> None:
     try:
         assert [c.token_ids for c in eng.generate(prompts, {"max_tokens": 16})] == reference(prompts, 16)
         assert eng.totals.accepted > 0
+        ruled = {"max_tokens": 16, "frequency_penalty": 0.7, "logit_bias": {5: 3.0}, "min_tokens": 4, "logprobs": 3}
+        args, w = mimic_target()
+        ref = tiny_engine(args, w).generate(prompts, ruled)
+        got = eng.generate(prompts, ruled)
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref], "logit rules travel in the plans"
+        for a, b in zip(got, ref, strict=True):
+            assert a.logprobs is not None and b.logprobs is not None
+            assert a.logprobs.top_token_ids == b.logprobs.top_token_ids
+            assert a.logprobs.token_logprobs == pytest.approx(b.logprobs.token_logprobs, abs=1e-4)
     finally:
         eng.shutdown()
 

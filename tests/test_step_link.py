@@ -22,7 +22,7 @@ from mtpserve.speculative.mtp_chain import MTPEagleChain
 from mtpserve.speculative.mtp_tree import MTPEagleTree
 from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.fused_step import FusedSpecStep
-from mtpserve.workers.runner import LaunchSpec
+from mtpserve.workers.launch_spec import LaunchSpec
 from mtpserve.workers.step_link import FrameSocket, StepLink, connect, socket_link
 from mtpserve.workers.target_worker import TargetWorker
 from mtpserve.workers.tree_step import FusedTreeStep

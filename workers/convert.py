@@ -6,6 +6,7 @@ import torch
 
 from mtpserve.proto.codec import decode_tensor, encode_tensor
 from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
+from mtpserve.speculative.logits_processing import LogitsProcessing, TokenLogprobs
 from mtpserve.speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 
 TIMELINE = ("decode_s", "worker_s", "t_received", "t_queued", "t_done", "t_replied")  # StepTiming's rank-0 figures
@@ -34,6 +35,8 @@ def plan_to_proto(plan: StepPlan) -> wpb.StepPlan:
             m.draft_probs.CopyFrom(encode_tensor(s.draft_probs))
         if s.draft_parents is not None:
             m.draft_parents.extend(s.draft_parents)
+        if s.processing is not None:
+            m.processing.CopyFrom(processing_to_proto(s.processing))
         seqs.append(m)
     return wpb.StepPlan(
         step_id=plan.step_id,
@@ -61,10 +64,54 @@ def plan_from_proto(m: wpb.StepPlan) -> StepPlan:
             seed=s.seed if s.HasField("seed") else None,
             draft_probs=decode_tensor(s.draft_probs) if s.HasField("draft_probs") else None,
             draft_parents=list(s.draft_parents) or None,
+            processing=processing_from_proto(s.processing) if s.HasField("processing") else None,
         )
         for s in m.seqs
     ]
     return StepPlan(m.step_id, seqs, m.num_draft_tokens, list(m.finished_request_ids))
+
+
+def processing_to_proto(p: LogitsProcessing) -> wpb.LogitsProcessing:
+    """LogitsProcessing -> wire."""
+    return wpb.LogitsProcessing(
+        output_token_ids=p.output_token_ids,
+        prompt_token_ids=p.prompt_token_ids,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=p.logit_bias,
+        min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids,
+        min_p=p.min_p,
+        logprobs=p.logprobs,
+    )
+
+
+def processing_from_proto(m: wpb.LogitsProcessing) -> LogitsProcessing:
+    """Wire -> LogitsProcessing."""
+    return LogitsProcessing(
+        output_token_ids=list(m.output_token_ids),
+        prompt_token_ids=list(m.prompt_token_ids),
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty,
+        logit_bias=dict(m.logit_bias),
+        min_tokens=m.min_tokens,
+        stop_token_ids=list(m.stop_token_ids),
+        min_p=m.min_p,
+        logprobs=m.logprobs,
+    )
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> wpb.TokenLogprobs:
+    """TokenLogprobs -> wire."""
+    top = [wpb.TopLogprobs(token_ids=i, logprobs=v) for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+    return wpb.TokenLogprobs(token_logprobs=lp.token_logprobs, top=top)
+
+
+def logprobs_from_proto(m: wpb.TokenLogprobs) -> TokenLogprobs:
+    """Wire -> TokenLogprobs."""
+    return TokenLogprobs(list(m.token_logprobs), [list(t.token_ids) for t in m.top], [list(t.logprobs) for t in m.top])
 
 
 def draft_inputs_to_proto(d: DraftInputs) -> wpb.DraftInputs:
@@ -143,6 +190,7 @@ def target_output_to_proto(o: TargetOutput) -> wpb.TargetOutput:
                 new_token_ids=r.new_token_ids,
                 num_drafted=r.num_drafted,
                 num_accepted=r.num_accepted,
+                logprobs=None if r.logprobs is None else logprobs_to_proto(r.logprobs),
             )
             for r in o.results
         ],
@@ -161,7 +209,16 @@ def target_output_to_proto(o: TargetOutput) -> wpb.TargetOutput:
 
 def target_output_from_proto(m: wpb.TargetOutput) -> TargetOutput:
     """Wire -> TargetOutput."""
-    results = [SeqResult(r.request_id, list(r.new_token_ids), r.num_drafted, r.num_accepted) for r in m.results]
+    results = [
+        SeqResult(
+            r.request_id,
+            list(r.new_token_ids),
+            r.num_drafted,
+            r.num_accepted,
+            logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None,
+        )
+        for r in m.results
+    ]
     drafts = draft_outputs_from_proto(m.draft_outputs) if m.HasField("draft_outputs") else None
     t = m.timing
     timing = {

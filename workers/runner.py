@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,6 +10,11 @@ import torch
 from mtpserve.modeling.attention import ragged_metadata
 from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.model import LlamaModel
+from mtpserve.speculative.logits_processing import (
+    TokenLogprobs,
+    emitted_logprobs,
+    min_p_filter,
+)
 from mtpserve.speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from mtpserve.speculative.replay import ReplayAcceptance, forced_chain, forced_walk
 from mtpserve.speculative.sampling import (
@@ -22,7 +26,8 @@ from mtpserve.speculative.sampling import (
 )
 from mtpserve.speculative.tree import DraftTree
 from mtpserve.speculative.verify import verify, verify_greedy
-from mtpserve.workers.graph_runner import uniform_bucket
+from mtpserve.workers.eager_rows import Verified, processed_logits
+from mtpserve.workers.launch_spec import LaunchedStep, LaunchSpec
 from mtpserve.workers.step_buffers import HOST_TWINS
 from mtpserve.workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
 from mtpserve.workers.uniform_step import UniformTargetStep, pack_verified, read_verified, token_results
@@ -33,46 +38,6 @@ MAX_SPLIT_CHUNKS = 8  # more prompt chunks in one step run eagerly: one eager st
 def _sub_plan(plan: StepPlan, seqs: list[SeqPlan]) -> StepPlan:
     """The same step restricted to some of its rows."""
     return StepPlan(plan.step_id, seqs, plan.num_draft_tokens)
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """Which plans `TargetRunner.launch` queues ahead: generation steps of a draft depth d in `depths`,
-    of d + 1 rows per sequence, within `max_blocks[i]` blocks (depths[i] = d) and the captured batch
-    `sizes`; and, with `tree_budget` > 0, tree steps (every sequence a tree of that many drafts) within
-    `tree_max_blocks` blocks and `tree_sizes`. A scheduler in another process predicts the runner's choice
-    from it."""
-
-    depths: tuple[int, ...]
-    max_blocks: tuple[int, ...]
-    sizes: tuple[int, ...]
-    tree_budget: int = 0
-    tree_max_blocks: int = 0
-    tree_sizes: tuple[int, ...] = ()
-
-    def is_tree(self, plan: StepPlan) -> bool:
-        """Whether `launch` would take `plan` as a tree step (its draft count is the tree's budget)."""
-        return self.tree_budget > 0 and plan.num_draft_tokens == self.tree_budget
-
-    def bucket_for(self, plan: StepPlan) -> int | None:
-        """The captured batch bucket `launch` would use for `plan`; None when it would not launch it."""
-        d = plan.num_draft_tokens
-        if self.is_tree(plan):
-            return uniform_bucket(plan, d + 1, self.tree_max_blocks, self.tree_sizes, trees=True)
-        if d not in self.depths:
-            return None
-        return uniform_bucket(plan, d + 1, self.max_blocks[self.depths.index(d)], self.sizes)
-
-
-@dataclass
-class LaunchedStep:
-    """A generation step queued on the device whose tokens are not read yet."""
-
-    plan: StepPlan
-    results: torch.Tensor  # device [m, W]: this step's packed results, which the next launch may read
-    host: torch.Tensor  # [m, W] the same on the host; valid once `ready` has completed
-    ready: torch.cuda.Event | None  # recorded after the copy to `host` (None off CUDA)
-    tree: bool = False  # launched on the tree step (its results are laid out as `ResultColumns`)
 
 
 class TargetRunner:
@@ -223,6 +188,8 @@ class TargetRunner:
             self._generators.pop(rid, None)
         if not plan.seqs:
             return TargetOutput(plan.step_id, [])
+        if any(s.processing is not None for s in plan.seqs):
+            return self._run_eager(plan, plan_trees(plan.seqs))
         if self.prefill is not None:
             split = self.split_buckets(plan)
             if split is not None:
@@ -239,26 +206,41 @@ class TargetRunner:
         if fused_bucket is not None:
             return self.fused.run(plan, fused_bucket, self.uniforms(plan, q_len))
         bucket = self.uniform.bucket_for(plan) if self.uniform is not None else None
+        trees = plan_trees(plan.seqs)
+        if bucket is None:
+            return self._run_eager(plan, trees)
         tokens: list[list[int]] = [[] for _ in plan.seqs]
         accepted = [0] * len(plan.seqs)
         last_token = [0] * len(plan.seqs)
-        paths: dict[int, list[int]] = {}  # accepted nodes of each tree, by sequence
-        trees = plan_trees(plan.seqs)
-        if bucket is not None:
-            features, packed = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
-            starts = [i * q_len for i in range(len(plan.seqs))]
-            read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token)
-        else:
-            hidden, features = self.forward_features(plan, trees)
-            starts = self._eager_verify(plan, trees, hidden, tokens, accepted, last_token, paths)
+        features, packed = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
+        starts = [i * q_len for i in range(len(plan.seqs))]
+        read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token)
+        return self._output(plan, trees, features, Verified(tokens, accepted, last_token, starts))
+
+    def _run_eager(self, plan: StepPlan, trees: list[DraftTree | None]) -> TargetOutput:
+        """The step as one ragged forward (no captured step), then sampling and verification in eager torch."""
+        n = len(plan.seqs)
+        done = Verified([[] for _ in plan.seqs], [0] * n, [0] * n, [])
+        hidden, features = self.forward_features(plan, trees)
+        done.starts = self._eager_verify(
+            plan, trees, hidden, done.tokens, done.accepted, done.last_token, done.paths, done.logprobs
+        )
+        return self._output(plan, trees, features, done)
+
+    def _output(
+        self, plan: StepPlan, trees: list[DraftTree | None], features: torch.Tensor, done: Verified
+    ) -> TargetOutput:
         drafted = [0 if s.is_context else s.num_draft_tokens for s in plan.seqs]
         for i, tree in enumerate(trees):
             if tree is not None:  # one branch is checked: stats count tree depth (or a longer replayed branch)
-                drafted[i] = max(int(tree.depth().max()), accepted[i])
-        results = [SeqResult(s.request_id, tokens[i], drafted[i], accepted[i]) for i, s in enumerate(plan.seqs)]
+                drafted[i] = max(int(tree.depth().max()), done.accepted[i])
+        results = [
+            SeqResult(s.request_id, done.tokens[i], drafted[i], done.accepted[i], done.logprobs.get(i))
+            for i, s in enumerate(plan.seqs)
+        ]
         draft_inputs = None
         if plan.num_draft_tokens > 0 or self.drafting:
-            draft_inputs = self._draft_inputs(plan, features, starts, accepted, last_token, paths)
+            draft_inputs = self._draft_inputs(plan, features, done.starts, done.accepted, done.last_token, done.paths)
         return TargetOutput(plan.step_id, results, draft_inputs)
 
     def split_buckets(self, plan: StepPlan) -> tuple[list[tuple[int, int]], int | None] | None:
@@ -330,10 +312,11 @@ class TargetRunner:
         accepted: list[int],
         last_token: list[int],
         paths: dict[int, list[int]],
+        logprobs: dict[int, TokenLogprobs],
     ) -> list[int]:
-        """Sample final context rows and verify generation rows of a ragged step (fills the lists, and
-        the accepted nodes of each draft tree in `paths`, in place); returns each sequence's first hidden
-        row."""
+        """Sample final context rows and verify generation rows of a ragged step (fills the lists, the
+        accepted nodes of each draft tree in `paths` and the logprobs of sequences that ask for them, in
+        place); returns each sequence's first hidden row."""
         starts: list[int] = []  # first hidden row of each sequence
         spans: list[tuple[int, int]] = []  # each sequence's rows in `logits`
         logit_rows: list[int] = []
@@ -345,7 +328,8 @@ class TargetRunner:
             spans.append((len(logit_rows), len(logit_rows) + len(picked)))
             logit_rows.extend(picked)
             off += n
-        logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        raw = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        logits = processed_logits(plan, raw, spans)
         self._verify_trees(plan, trees, logits, spans, tokens, accepted, last_token, paths)
         groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
         for i, s in enumerate(plan.seqs):
@@ -369,6 +353,10 @@ class TargetRunner:
             else:
                 n_acc, out = self._verify_sampling(plan, members, lg, drafts)
             read_verified(pack_verified(n_acc, out), members, tokens, accepted, last_token)
+        for i, s in enumerate(plan.seqs):
+            if s.processing is not None and s.processing.logprobs >= 0 and tokens[i]:
+                rows = torch.tensor([0, *paths.get(i, range(1, len(tokens[i])))], device=self.device) + spans[i][0]
+                logprobs[i] = emitted_logprobs(raw[rows], tokens[i], s.processing.logprobs)
         return starts
 
     def _verify_trees(
@@ -435,7 +423,9 @@ class TargetRunner:
         t = torch.tensor([s.temperature for s in seqs], device=dev).repeat_interleave(reps)
         k = torch.tensor([s.top_k for s in seqs], device=dev).repeat_interleave(reps)
         p = torch.tensor([s.top_p for s in seqs], device=dev).repeat_interleave(reps)
-        return processed_probs(logits, t, k, p, sampling_mode(seqs) is SamplingMode.FILTERED)
+        probs = processed_probs(logits, t, k, p, sampling_mode(seqs) is SamplingMode.FILTERED)
+        min_p = [0.0 if s.processing is None else s.processing.min_p for s in seqs]
+        return min_p_filter(probs, torch.tensor(min_p, device=dev).repeat_interleave(reps))
 
     def _verify_sampling(
         self, plan: StepPlan, members: list[int], logits: torch.Tensor, drafts: torch.Tensor

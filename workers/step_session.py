@@ -20,8 +20,9 @@ from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
 from mtpserve.speculative.messages import StepPlan, TargetOutput
 from mtpserve.workers.config import MAX_STEPS_AHEAD
 from mtpserve.workers.convert import plan_from_proto, target_output_to_proto
+from mtpserve.workers.launch_spec import LaunchedStep
 from mtpserve.workers.message_checks import StepLimits, check_plan
-from mtpserve.workers.runner import LaunchedStep, TargetRunner
+from mtpserve.workers.runner import TargetRunner
 
 Kind = wpb.StepRequest.Kind
 

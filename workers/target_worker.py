@@ -40,8 +40,9 @@ from mtpserve.workers.convert import draft_inputs_to_proto, draft_outputs_from_p
 from mtpserve.workers.distributed import free_port, init_tp_group
 from mtpserve.workers.fused_step import FusedDepthSteps
 from mtpserve.workers.grpc_util import channel_options, node_ip, start_server
+from mtpserve.workers.launch_spec import LaunchSpec
 from mtpserve.workers.message_checks import StepLimits
-from mtpserve.workers.runner import LaunchSpec, TargetRunner
+from mtpserve.workers.runner import TargetRunner
 from mtpserve.workers.step_link import FrameLink, LinkClosed, draft_link, step_listener
 from mtpserve.workers.step_session import StepFailure, StepSession, decode_plan
 

@@ -24,7 +24,7 @@ from mtpserve.workers.builders import config_tree_kind, depth_policy, draft_sour
 from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.convert import TIMELINE, plan_to_proto, target_output_from_proto
 from mtpserve.workers.grpc_util import channel_options, node_ip
-from mtpserve.workers.runner import LaunchSpec
+from mtpserve.workers.launch_spec import LaunchSpec
 from mtpserve.workers.step_link import LinkClosed, StepLink, connect
 
 Kind = wpb.StepRequest.Kind

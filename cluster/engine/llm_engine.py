@@ -18,6 +18,7 @@ from mtpserve.cluster.engine.scheduler import RequestOutput, Scheduler
 from mtpserve.modeling.loader import resolve_device, to_dtype
 from mtpserve.modeling.model import LlamaArgs
 from mtpserve.speculative.draft_head import DraftHead
+from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from mtpserve.speculative.mtp_chain import MTPEagleChain
 from mtpserve.speculative.mtp_tree import MTPEagleTree
@@ -84,6 +85,7 @@ class Completion:
     finish_reason: str | None
     stats: SpecStats = field(default_factory=SpecStats)
     text: str = ""
+    logprobs: TokenLogprobs | None = None  # of token_ids, when the request asked for them
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` contract: token_ids, text, finish_reason, stats."""
@@ -198,9 +200,10 @@ class LLMEngine:
         for i, t in enumerate(prompt_token_ids):
             if not 0 <= t < vocab:
                 raise InvalidRequestError("prompt_token_ids", f"token id {t} at index {i} is outside [0, {vocab})")
-        for t in params.stop_token_ids:
-            if not 0 <= t < vocab:
-                raise InvalidRequestError("stop_token_ids", f"token id {t} is outside [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
+            for t in ids:
+                if not 0 <= t < vocab:
+                    raise InvalidRequestError(name, f"token id {t} is outside [0, {vocab})")
         total = min(n + params.max_tokens, self.max_model_len)
         sched = self.scheduler
         if sched.blocks.blocks_for(sched.slots_needed(total + sched.k)) > sched.blocks.num_blocks:
@@ -338,9 +341,12 @@ class LLMEngine:
         prompts_by_id = {rid: self.scheduler.requests[rid].prompt_token_ids for rid in ids}
         done: dict[str, Completion] = {}
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        logprobs: dict[str, TokenLogprobs] = {}
         while self.has_unfinished():
             for o in self.step():
                 tokens[o.request_id].extend(o.new_token_ids)
+                if o.logprobs is not None:
+                    logprobs.setdefault(o.request_id, TokenLogprobs([], [], [])).extend(o.logprobs)
                 if o.finished:
                     done[o.request_id] = Completion(
                         o.request_id,
@@ -348,6 +354,7 @@ class LLMEngine:
                         tokens[o.request_id],
                         o.finish_reason,
                         o.stats,
+                        logprobs=logprobs.get(o.request_id),
                     )
         for c in done.values():
             c.text = self.decode(c.token_ids)

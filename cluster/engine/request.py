@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, invalid_field
+from mtpserve.speculative.logits_processing import MAX_LOGPROBS, LogitsProcessing
 from mtpserve.speculative.stats import SpecStats
 
 MIN_TEMPERATURE = 1e-5  # lower temperatures decode greedily (vLLM's rule too)
@@ -27,16 +28,56 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once from each output token's logit")
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="subtracted from each token's logit once per time it occurs in the output"
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=10.0, description="divides positive (multiplies negative) logits of prompt and output tokens"
+    )
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> added to its logit")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop tokens cannot end the output before this many")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the most likely's probability")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="report each output token's logprob and this many alternatives"
+    )
 
     @field_validator("temperature")
     @classmethod
     def _tiny_is_greedy(cls, value: float) -> float:
         return 0.0 if value < MIN_TEMPERATURE else value  # logits / 1e-40 overflow to inf, and softmax to NaN
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float]) -> dict[int, float]:
+        for token, bias in value.items():
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"token {token}: ids must be >= 0 and biases in [-100, 100], got {bias}")
+        return value
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
     @property
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0, or below MIN_TEMPERATURE)."""
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the request has logit rules or asks for logprobs (its steps then run eagerly)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+            or self.min_p
+            or self.logprobs is not None
+        )
 
 
 def sampling_params(data: dict[str, Any], prefix: str = "") -> SamplingParams:
@@ -101,6 +142,25 @@ class Request:
             self.scheduled_time - self.arrival_time,
             self.first_token_time - self.scheduled_time,
             now - self.first_token_time,
+        )
+
+    def processing(self) -> LogitsProcessing | None:
+        """The request's logit rules and logprobs for a step that follows its output so far; None without
+        any."""
+        p = self.params
+        if not p.processed:
+            return None
+        return LogitsProcessing(
+            output_token_ids=list(self.output_token_ids),
+            prompt_token_ids=self.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logit_bias=p.logit_bias,
+            min_tokens=p.min_tokens,
+            stop_token_ids=sorted(self.stop_set),
+            min_p=p.min_p,
+            logprobs=-1 if p.logprobs is None else p.logprobs,
         )
 
     @property

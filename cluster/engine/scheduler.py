@@ -14,6 +14,7 @@ from mtpserve.cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 from mtpserve.cluster.engine.request import Request, RequestStatus
 from mtpserve.speculative.adaptive import AdaptiveDepth, StepKind
 from mtpserve.speculative.draft_shapes import chain_as_tree, fit_drafts
+from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.config import SchedulerConfig
@@ -31,6 +32,7 @@ class RequestOutput:
     num_output_tokens: int
     stats: SpecStats = field(default_factory=SpecStats)
     timings: tuple[float, float, float] | None = None  # when it finished: queued, prefill, decode seconds
+    logprobs: TokenLogprobs | None = None  # of new_token_ids, when the request asked for them
 
 
 class Scheduler:
@@ -208,8 +210,8 @@ class Scheduler:
         `pending`, blocks would need a preemption, the kind changes, or nothing is left to run."""
         k = pending.num_draft_tokens
         planned = {sp.request_id for sp in pending.seqs}
-        if self.waiting or any(r.request_id not in planned for r in self.running):
-            return None
+        if self.waiting or any(r.request_id not in planned or r.params.processed for r in self.running):
+            return None  # (logit rules read the output so far, which the unapplied steps have not brought)
         if self.depth is not None:
             kind = self._step_kind(len(pending.seqs))
             if kind != self.depth.kind_of(k):  # a new kind starts from `schedule`, the stored drafts fitted to it
@@ -275,6 +277,7 @@ class Scheduler:
             top_p=p.top_p,
             top_k=p.top_k,
             seed=p.seed,
+            processing=req.processing() if final else None,
         )
 
     def _gen_plan(
@@ -302,6 +305,7 @@ class Scheduler:
             seed=p.seed,
             draft_probs=draft_probs,
             draft_parents=draft_parents,
+            processing=req.processing(),
         )
 
     def _reserve(self, req: Request, num_slots: int, scheduled: set[str]) -> bool:
@@ -399,7 +403,7 @@ class Scheduler:
                 if self.depth is not None and kind is not None:
                     self.depth.record(kind, drafted, res.num_accepted, req.request_id in real)
             req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
-            outputs.append(self._append(req, res.new_token_ids))
+            outputs.append(self._append(req, res.new_token_ids, res.logprobs))
         if drafts is not None:
             self.apply_drafts(drafts)
         return outputs
@@ -416,7 +420,7 @@ class Scheduler:
             req.draft_probs = None if drafts.draft_probs is None else drafts.draft_probs[i]
             req.draft_parents = None if parents is None else parents[i]
 
-    def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
+    def _append(self, req: Request, tokens: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
         p = req.params
         out = req.output_token_ids
         room = min(p.max_tokens - len(out), self.max_model_len - req.num_tokens)
@@ -439,6 +443,7 @@ class Scheduler:
             num_output_tokens=len(req.output_token_ids),
             stats=req.stats,
             timings=req.timings() if reason else None,
+            logprobs=None if logprobs is None else logprobs.head(len(emitted)),
         )
 
     def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], str | None]:

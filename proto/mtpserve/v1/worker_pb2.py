@@ -24,45 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtpserve/v1/worker.proto\x12\x0bmtpserve.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc1\x02\n\x07SeqPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x11\n\tblock_ids\x18\x04 \x03(\x03\x12\x12\n\nis_context\x18\x05 \x01(\x08\x12\x16\n\x0eis_final_chunk\x18\x06 \x01(\x08\x12\x17\n\x0flookahead_token\x18\x07 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\x05\x12\x13\n\x0btemperature\x18\t \x01(\x02\x12\r\n\x05top_p\x18\n \x01(\x02\x12\r\n\x05top_k\x18\x0b \x01(\x05\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12(\n\x0b\x64raft_probs\x18\r \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12\x15\n\rdraft_parents\x18\x0e \x03(\x05\x42\x07\n\x05_seed\"w\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\"\n\x04seqs\x18\x02 \x03(\x0b\x32\x14.mtpserve.v1.SeqPlan\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\"a\n\tSeqResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x03\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\x05\"\x9c\x04\n\x0b\x44raftInputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12&\n\tpositions\x18\x04 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12\x10\n\x08seq_lens\x18\x05 \x03(\x05\x12\x12\n\nis_context\x18\x06 \x03(\x08\x12-\n\x10lookahead_tokens\x18\x07 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12+\n\x0esampled_tokens\x18\x08 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\rhidden_states\x18\t \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\tblock_ids\x18\n \x03(\x0b\x32\x17.mtpserve.v1.BlockTable\x12\x0f\n\x07propose\x18\x0b \x03(\x08\x12\x13\n\x0btemperature\x18\x0c \x03(\x02\x12\r\n\x05top_p\x18\r \x03(\x02\x12\r\n\x05top_k\x18\x0e \x03(\x05\x12\'\n\x04seed\x18\x0f \x03(\x0b\x32\x19.mtpserve.v1.OptionalSeed\x12\x18\n\x10num_draft_tokens\x18\x10 \x01(\x05\x12\x18\n\x10lookahead_source\x18\x11 \x01(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x12 \x03(\t\"\x19\n\nBlockTable\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0cOptionalSeed\x12\x12\n\x05value\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_value\"\xdf\x01\n\x0c\x44raftOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12,\n\x0f\x64raft_token_ids\x18\x03 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12(\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\rdraft_parents\x18\x05 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12%\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x16.mtpserve.v1.StepError\"\xd9\x01\n\nStepTiming\x12\x10\n\x08target_s\x18\x01 \x01(\x01\x12\x13\n\x0b\x64raft_hop_s\x18\x02 \x01(\x01\x12\x1a\n\x12\x64raft_inputs_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13\x64raft_outputs_bytes\x18\x04 \x01(\x03\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\x12\x10\n\x08worker_s\x18\x06 \x01(\x01\x12\x12\n\nt_received\x18\x07 \x01(\x01\x12\x10\n\x08t_queued\x18\x08 \x01(\x01\x12\x0e\n\x06t_done\x18\t \x01(\x01\x12\x11\n\tt_replied\x18\n \x01(\x01\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xca\x01\n\x0cTargetOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.mtpserve.v1.SeqResult\x12\x30\n\rdraft_outputs\x18\x03 \x01(\x0b\x32\x19.mtpserve.v1.DraftOutputs\x12\'\n\x06timing\x18\x04 \x01(\x0b\x32\x17.mtpserve.v1.StepTiming\x12%\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.mtpserve.v1.StepError\"\xb3\x01\n\x0bStepRequest\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.mtpserve.v1.StepRequest.Kind\x12#\n\x04plan\x18\x02 \x01(\x0b\x32\x15.mtpserve.v1.StepPlan\x12\x12\n\nunanswered\x18\x03 \x01(\r\">\n\x04Kind\x12\x0b\n\x07\x45XECUTE\x10\x00\x12\n\n\x06LAUNCH\x10\x01\x12\x10\n\x0cLAUNCH_AFTER\x10\x02\x12\x0b\n\x07\x43OLLECT\x10\x03\"\r\n\x0bPingRequest\")\n\x0cPingResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x32\xca\x01\n\x0cTargetWorker\x12;\n\x07\x45xecute\x12\x15.mtpserve.v1.StepPlan\x1a\x19.mtpserve.v1.TargetOutput\x12@\n\x05Steps\x12\x18.mtpserve.v1.StepRequest\x1a\x19.mtpserve.v1.TargetOutput(\x01\x30\x01\x12;\n\x04Ping\x12\x18.mtpserve.v1.PingRequest\x1a\x19.mtpserve.v1.PingResponse2\x8a\x01\n\x0b\x44raftWorker\x12>\n\x07Propose\x12\x18.mtpserve.v1.DraftInputs\x1a\x19.mtpserve.v1.DraftOutputs\x12;\n\x04Ping\x12\x18.mtpserve.v1.PingRequest\x1a\x19.mtpserve.v1.PingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtpserve/v1/worker.proto\x12\x0bmtpserve.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xf4\x02\n\x07SeqPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x11\n\tblock_ids\x18\x04 \x03(\x03\x12\x12\n\nis_context\x18\x05 \x01(\x08\x12\x16\n\x0eis_final_chunk\x18\x06 \x01(\x08\x12\x17\n\x0flookahead_token\x18\x07 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\x05\x12\x13\n\x0btemperature\x18\t \x01(\x02\x12\r\n\x05top_p\x18\n \x01(\x02\x12\r\n\x05top_k\x18\x0b \x01(\x05\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12(\n\x0b\x64raft_probs\x18\r \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12\x15\n\rdraft_parents\x18\x0e \x03(\x05\x12\x31\n\nprocessing\x18\x0f \x01(\x0b\x32\x1d.mtpserve.v1.LogitsProcessingB\x07\n\x05_seed\"\xd8\x02\n\x10LogitsProcessing\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x03\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x18\n\x10presence_penalty\x18\x03 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12@\n\nlogit_bias\x18\x06 \x03(\x0b\x32,.mtpserve.v1.LogitsProcessing.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\r\n\x05min_p\x18\t \x01(\x01\x12\x10\n\x08logprobs\x18\n \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"N\n\rTokenLogprobs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.mtpserve.v1.TopLogprobs\"w\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\"\n\x04seqs\x18\x02 \x03(\x0b\x32\x14.mtpserve.v1.SeqPlan\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\"\x8f\x01\n\tSeqResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x03\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\x05\x12,\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1a.mtpserve.v1.TokenLogprobs\"\x9c\x04\n\x0b\x44raftInputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12&\n\tpositions\x18\x04 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12\x10\n\x08seq_lens\x18\x05 \x03(\x05\x12\x12\n\nis_context\x18\x06 \x03(\x08\x12-\n\x10lookahead_tokens\x18\x07 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12+\n\x0esampled_tokens\x18\x08 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\rhidden_states\x18\t \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\tblock_ids\x18\n \x03(\x0b\x32\x17.mtpserve.v1.BlockTable\x12\x0f\n\x07propose\x18\x0b \x03(\x08\x12\x13\n\x0btemperature\x18\x0c \x03(\x02\x12\r\n\x05top_p\x18\r \x03(\x02\x12\r\n\x05top_k\x18\x0e \x03(\x05\x12\'\n\x04seed\x18\x0f \x03(\x0b\x32\x19.mtpserve.v1.OptionalSeed\x12\x18\n\x10num_draft_tokens\x18\x10 \x01(\x05\x12\x18\n\x10lookahead_source\x18\x11 \x01(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x12 \x03(\t\"\x19\n\nBlockTable\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0cOptionalSeed\x12\x12\n\x05value\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_value\"\xdf\x01\n\x0c\x44raftOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12,\n\x0f\x64raft_token_ids\x18\x03 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12(\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12*\n\rdraft_parents\x18\x05 \x01(\x0b\x32\x13.mtpserve.v1.Tensor\x12%\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x16.mtpserve.v1.StepError\"\xd9\x01\n\nStepTiming\x12\x10\n\x08target_s\x18\x01 \x01(\x01\x12\x13\n\x0b\x64raft_hop_s\x18\x02 \x01(\x01\x12\x1a\n\x12\x64raft_inputs_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13\x64raft_outputs_bytes\x18\x04 \x01(\x03\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\x12\x10\n\x08worker_s\x18\x06 \x01(\x01\x12\x12\n\nt_received\x18\x07 \x01(\x01\x12\x10\n\x08t_queued\x18\x08 \x01(\x01\x12\x0e\n\x06t_done\x18\t \x01(\x01\x12\x11\n\tt_replied\x18\n \x01(\x01\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xca\x01\n\x0cTargetOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.mtpserve.v1.SeqResult\x12\x30\n\rdraft_outputs\x18\x03 \x01(\x0b\x32\x19.mtpserve.v1.DraftOutputs\x12\'\n\x06timing\x18\x04 \x01(\x0b\x32\x17.mtpserve.v1.StepTiming\x12%\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.mtpserve.v1.StepError\"\xb3\x01\n\x0bStepRequest\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.mtpserve.v1.StepRequest.Kind\x12#\n\x04plan\x18\x02 \x01(\x0b\x32\x15.mtpserve.v1.StepPlan\x12\x12\n\nunanswered\x18\x03 \x01(\r\">\n\x04Kind\x12\x0b\n\x07\x45XECUTE\x10\x00\x12\n\n\x06LAUNCH\x10\x01\x12\x10\n\x0cLAUNCH_AFTER\x10\x02\x12\x0b\n\x07\x43OLLECT\x10\x03\"\r\n\x0bPingRequest\")\n\x0cPingResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x32\xca\x01\n\x0cTargetWorker\x12;\n\x07\x45xecute\x12\x15.mtpserve.v1.StepPlan\x1a\x19.mtpserve.v1.TargetOutput\x12@\n\x05Steps\x12\x18.mtpserve.v1.StepRequest\x1a\x19.mtpserve.v1.TargetOutput(\x01\x30\x01\x12;\n\x04Ping\x12\x18.mtpserve.v1.PingRequest\x1a\x19.mtpserve.v1.PingResponse2\x8a\x01\n\x0b\x44raftWorker\x12>\n\x07Propose\x12\x18.mtpserve.v1.DraftInputs\x1a\x19.mtpserve.v1.DraftOutputs\x12;\n\x04Ping\x12\x18.mtpserve.v1.PingRequest\x1a\x19.mtpserve.v1.PingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mtpserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_LOGITSPROCESSING_LOGITBIASENTRY']._loaded_options = None
+  _globals['_LOGITSPROCESSING_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TENSOR']._serialized_start=41
   _globals['_TENSOR']._serialized_end=93
   _globals['_SEQPLAN']._serialized_start=96
-  _globals['_SEQPLAN']._serialized_end=417
-  _globals['_STEPPLAN']._serialized_start=419
-  _globals['_STEPPLAN']._serialized_end=538
-  _globals['_SEQRESULT']._serialized_start=540
-  _globals['_SEQRESULT']._serialized_end=637
-  _globals['_DRAFTINPUTS']._serialized_start=640
-  _globals['_DRAFTINPUTS']._serialized_end=1180
-  _globals['_BLOCKTABLE']._serialized_start=1182
-  _globals['_BLOCKTABLE']._serialized_end=1207
-  _globals['_OPTIONALSEED']._serialized_start=1209
-  _globals['_OPTIONALSEED']._serialized_end=1253
-  _globals['_DRAFTOUTPUTS']._serialized_start=1256
-  _globals['_DRAFTOUTPUTS']._serialized_end=1479
-  _globals['_STEPTIMING']._serialized_start=1482
-  _globals['_STEPTIMING']._serialized_end=1699
-  _globals['_STEPERROR']._serialized_start=1701
-  _globals['_STEPERROR']._serialized_end=1743
-  _globals['_TARGETOUTPUT']._serialized_start=1746
-  _globals['_TARGETOUTPUT']._serialized_end=1948
-  _globals['_STEPREQUEST']._serialized_start=1951
-  _globals['_STEPREQUEST']._serialized_end=2130
-  _globals['_STEPREQUEST_KIND']._serialized_start=2068
-  _globals['_STEPREQUEST_KIND']._serialized_end=2130
-  _globals['_PINGREQUEST']._serialized_start=2132
-  _globals['_PINGREQUEST']._serialized_end=2145
-  _globals['_PINGRESPONSE']._serialized_start=2147
-  _globals['_PINGRESPONSE']._serialized_end=2188
-  _globals['_TARGETWORKER']._serialized_start=2191
-  _globals['_TARGETWORKER']._serialized_end=2393
-  _globals['_DRAFTWORKER']._serialized_start=2396
-  _globals['_DRAFTWORKER']._serialized_end=2534
+  _globals['_SEQPLAN']._serialized_end=468
+  _globals['_LOGITSPROCESSING']._serialized_start=471
+  _globals['_LOGITSPROCESSING']._serialized_end=815
+  _globals['_LOGITSPROCESSING_LOGITBIASENTRY']._serialized_start=767
+  _globals['_LOGITSPROCESSING_LOGITBIASENTRY']._serialized_end=815
+  _globals['_TOPLOGPROBS']._serialized_start=817
+  _globals['_TOPLOGPROBS']._serialized_end=867
+  _globals['_TOKENLOGPROBS']._serialized_start=869
+  _globals['_TOKENLOGPROBS']._serialized_end=947
+  _globals['_STEPPLAN']._serialized_start=949
+  _globals['_STEPPLAN']._serialized_end=1068
+  _globals['_SEQRESULT']._serialized_start=1071
+  _globals['_SEQRESULT']._serialized_end=1214
+  _globals['_DRAFTINPUTS']._serialized_start=1217
+  _globals['_DRAFTINPUTS']._serialized_end=1757
+  _globals['_BLOCKTABLE']._serialized_start=1759
+  _globals['_BLOCKTABLE']._serialized_end=1784
+  _globals['_OPTIONALSEED']._serialized_start=1786
+  _globals['_OPTIONALSEED']._serialized_end=1830
+  _globals['_DRAFTOUTPUTS']._serialized_start=1833
+  _globals['_DRAFTOUTPUTS']._serialized_end=2056
+  _globals['_STEPTIMING']._serialized_start=2059
+  _globals['_STEPTIMING']._serialized_end=2276
+  _globals['_STEPERROR']._serialized_start=2278
+  _globals['_STEPERROR']._serialized_end=2320
+  _globals['_TARGETOUTPUT']._serialized_start=2323
+  _globals['_TARGETOUTPUT']._serialized_end=2525
+  _globals['_STEPREQUEST']._serialized_start=2528
+  _globals['_STEPREQUEST']._serialized_end=2707
+  _globals['_STEPREQUEST_KIND']._serialized_start=2645
+  _globals['_STEPREQUEST_KIND']._serialized_end=2707
+  _globals['_PINGREQUEST']._serialized_start=2709
+  _globals['_PINGREQUEST']._serialized_end=2722
+  _globals['_PINGRESPONSE']._serialized_start=2724
+  _globals['_PINGRESPONSE']._serialized_end=2765
+  _globals['_TARGETWORKER']._serialized_start=2768
+  _globals['_TARGETWORKER']._serialized_end=2970
+  _globals['_DRAFTWORKER']._serialized_start=2973
+  _globals['_DRAFTWORKER']._serialized_end=3111
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SeqPlan(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start", "block_ids", "is_context", "is_final_chunk", "lookahead_token", "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "draft_probs", "draft_parents")
+    __slots__ = ("request_id", "token_ids", "start", "block_ids", "is_context", "is_final_chunk", "lookahead_token", "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "draft_probs", "draft_parents", "processing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SeqPlan(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
@@ -47,7 +48,55 @@ class SeqPlan(_message.Message):
     seed: int
     draft_probs: Tensor
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., is_context: _Optional[bool] = ..., is_final_chunk: _Optional[bool] = ..., lookahead_token: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    processing: LogitsProcessing
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., is_context: _Optional[bool] = ..., is_final_chunk: _Optional[bool] = ..., lookahead_token: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., processing: _Optional[_Union[LogitsProcessing, _Mapping]] = ...) -> None: ...
+
+class LogitsProcessing(_message.Message):
+    __slots__ = ("output_token_ids", "prompt_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "min_p", "logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    min_p: float
+    logprobs: int
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("token_logprobs", "top")
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, token_logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "seqs", "num_draft_tokens", "finished_request_ids")
@@ -62,16 +111,18 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqPlan, _Mapping]]] = ..., num_draft_tokens: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SeqResult(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "num_drafted", "num_accepted")
+    __slots__ = ("request_id", "new_token_ids", "num_drafted", "num_accepted", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_drafted: int
     num_accepted: int
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
+    logprobs: TokenLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class DraftInputs(_message.Message):
     __slots__ = ("step_id", "request_ids", "token_ids", "positions", "seq_lens", "is_context", "lookahead_tokens", "sampled_tokens", "hidden_states", "block_ids", "propose", "temperature", "top_p", "top_k", "seed", "num_draft_tokens", "lookahead_source", "finished_request_ids")
