@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, invalid_field
 from mtpserve.speculative.logits_processing import MAX_LOGPROBS, LogitsProcessing
@@ -55,11 +55,13 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"token {token}: ids must be >= 0 and biases in [-100, 100], got {bias}")
         return value
 
-    @model_validator(mode="after")
-    def _min_within_max(self) -> SamplingParams:
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        return self
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, value: int, info: ValidationInfo) -> int:
+        most = info.data.get("max_tokens")
+        if most is not None and value > most:
+            raise ValueError(f"{value} exceeds max_tokens ({most})")
+        return value
 
     @property
     def greedy(self) -> bool:

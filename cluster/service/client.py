@@ -19,7 +19,23 @@ FINISH_NAMES = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
 }
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "min_p",
+    "logprobs",
+    "stop",
+)
 
 
 def stats_dict(msg: pb.AcceptanceStats) -> dict[str, Any]:
@@ -44,12 +60,17 @@ class Chunk:
     finish_reason: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token: token_id, logprob, top
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
         """Convert a GenerateResponse."""
         reason = FINISH_NAMES.get(msg.finish_reason, "unknown")
         chunk = cls(msg.request_id, msg.text, list(msg.token_ids), reason)
+        chunk.logprobs = [
+            {"token_id": e.token_id, "logprob": e.logprob, "top": [(t.token_id, t.logprob) for t in e.top]}
+            for e in msg.logprobs
+        ]
         if reason is not None:
             chunk.usage = {
                 "prompt_tokens": msg.usage.prompt_tokens,
@@ -80,8 +101,10 @@ def build_request(
     for name, value in sampling.items():
         if value is None:
             continue
-        if name == "stop_token_ids":
-            req.sampling.stop_token_ids.extend(value)
+        if name in ("stop_token_ids", "stop"):
+            getattr(req.sampling, name).extend(value)
+        elif name == "logit_bias":
+            req.sampling.logit_bias.update(value)
         else:
             setattr(req.sampling, name, value)
     req.sampling.SetInParent()
@@ -178,17 +201,24 @@ class MTPServeClient:
         timeout: float | None = None,
         **sampling: Any,
     ) -> dict[str, Any]:
-        """Run one request to the end; returns the --json contract: token_ids, text, finish_reason, stats."""
+        """Run one request to the end; returns the --json contract: token_ids, text, finish_reason, stats (and,
+        when asked for, logprobs: per token its id, logprob and top alternatives)."""
         ids: list[int] = []
         text: list[str] = []
+        logprobs: list[dict[str, Any]] = []
         last: Chunk | None = None
         for chunk in self.stream(prompt, token_ids, raw=raw, request_id=request_id, timeout=timeout, **sampling):
             ids.extend(chunk.token_ids)
             text.append(chunk.text)
+            logprobs.extend(chunk.logprobs)
             last = chunk
         if last is None:
             raise RuntimeError("the server closed the stream without a final message")
-        return {"token_ids": ids, "text": "".join(text), "finish_reason": last.finish_reason, "stats": last.stats}
+        out: dict[str, Any] = {"token_ids": ids, "text": "".join(text), "finish_reason": last.finish_reason}
+        out["stats"] = last.stats
+        if sampling.get("logprobs") is not None:
+            out["logprobs"] = logprobs
+        return out
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; True if it was in flight."""

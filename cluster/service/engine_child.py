@@ -28,6 +28,7 @@ from mtpserve.cluster.engine.scheduler import RequestOutput
 from mtpserve.cluster.service.model_info import model_info
 from mtpserve.cluster.service.request_book import EngineFailure, engine_load, step_error
 from mtpserve.modeling.loader import resolve_device
+from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.builders import set_cpu_threads
 from mtpserve.workers.config import MTPServeConfig
@@ -43,8 +44,17 @@ ABORTED = "aborted"
 PARENT_CHECK_S = 1.0
 STATE_EVERY_S = 0.1  # a peer without outputs in a step still hears the engine state this often
 
+PackedLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
 PackedOutput = tuple[
-    str, list[int], bool, str | None, int, int, tuple[int, int, int, list[int], list[int]], tuple[float, ...] | None
+    str,
+    list[int],
+    bool,
+    str | None,
+    int,
+    int,
+    tuple[int, int, int, list[int], list[int]],
+    tuple[float, ...] | None,
+    PackedLogprobs | None,
 ]
 
 
@@ -66,16 +76,33 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
                 o.stats.drafted_per_position,
             ),
             o.timings,
+            None
+            if o.logprobs is None
+            else (o.logprobs.token_logprobs, o.logprobs.top_token_ids, o.logprobs.top_logprobs),
         )
         for o in outputs
     ]
 
 
+def _pack_logprobs(lp: TokenLogprobs | None) -> PackedLogprobs | None:
+    return None if lp is None else (lp.token_logprobs, lp.top_token_ids, lp.top_logprobs)
+
+
 def unpack_outputs(packed: list[PackedOutput]) -> list[RequestOutput]:
     """The outputs `pack_outputs` packed."""
     return [
-        RequestOutput(rid, ids, finished, reason, n_prompt, n_out, SpecStats(*stats), timings)  # type: ignore[arg-type]
-        for rid, ids, finished, reason, n_prompt, n_out, stats, timings in packed
+        RequestOutput(
+            rid,
+            ids,
+            finished,
+            reason,
+            n_prompt,
+            n_out,
+            SpecStats(*stats),  # type: ignore[arg-type]
+            timings,  # type: ignore[arg-type]
+            None if lp is None else TokenLogprobs(*lp),
+        )
+        for rid, ids, finished, reason, n_prompt, n_out, stats, timings, lp in packed
     ]
 
 

@@ -21,6 +21,7 @@ from mtpserve.cluster.service.detokenizer import IncrementalDetokenizer
 from mtpserve.cluster.service.metrics import HTTP
 from mtpserve.cluster.service.request_book import EngineCore, RequestHandle, ServerShuttingDown
 from mtpserve.cluster.service.stop_strings import StopStrings
+from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.stats import SpecStats
 
 SUBMIT_POLL_S = 1.0  # how often a pending submission re-checks that the engine loop still runs
@@ -36,6 +37,7 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     stats: SpecStats | None = None
+    logprobs: TokenLogprobs | None = None  # of token_ids, when the request asked for them
 
 
 class LoopWaker:
@@ -88,7 +90,11 @@ class _Waker:
 
 def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one: both steps' tokens, the later one's state."""
-    return replace(then, new_token_ids=[*first.new_token_ids, *then.new_token_ids])
+    logprobs = then.logprobs
+    if first.logprobs is not None and then.logprobs is not None:
+        logprobs = first.logprobs.head(len(first.new_token_ids))
+        logprobs.extend(then.logprobs)
+    return replace(then, new_token_ids=[*first.new_token_ids, *then.new_token_ids], logprobs=logprobs)
 
 
 class EngineStream:
@@ -167,9 +173,10 @@ class EngineStream:
                     ids = kept
             elif event.finished:
                 text += self.stops.flush()
+        logprobs = None if event.logprobs is None else event.logprobs.head(len(ids))
         if reason is None:
-            return Piece(text, ids)
-        return Piece(text, ids, reason, handle.num_prompt_tokens, count, event.stats)
+            return Piece(text, ids, logprobs=logprobs)
+        return Piece(text, ids, reason, handle.num_prompt_tokens, count, event.stats, logprobs)
 
     def _cut_at_stop(self, ids: list[int], text: str, mark: tuple[tuple[int, int, int], str]) -> tuple[str, list[int]]:
         """(text, token ids) up to the token that completes the stop string: one step may bring tokens past it."""

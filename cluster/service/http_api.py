@@ -28,6 +28,7 @@ from mtpserve.cluster.service.auth import bearer
 from mtpserve.cluster.service.detokenizer import Tokenizers
 from mtpserve.cluster.service.engine_stream import EngineStream
 from mtpserve.cluster.service.error_status import error_status
+from mtpserve.cluster.service.logprobs_body import TokenTexts, chat_logprobs, completion_logprobs
 from mtpserve.cluster.service.metrics import HTTP, ServerMetrics
 from mtpserve.cluster.service.openai_schema import (
     ChatCompletionRequest,
@@ -39,6 +40,7 @@ from mtpserve.cluster.service.openai_schema import (
     usage_body,
 )
 from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
+from mtpserve.speculative.logits_processing import TokenLogprobs
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -110,6 +112,7 @@ class OpenAIAPI:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.created = int(time.time())
+        self.token_texts = TokenTexts(tokenizers.decoder)
 
     def app(self) -> web.Application:
         """The aiohttp application (build it on the event loop that serves it)."""
@@ -267,15 +270,20 @@ class OpenAIAPI:
         self, req: ChatCompletionRequest | CompletionRequest, stream: EngineStream, rid: str, chat: bool
     ) -> web.Response:
         texts, ids, last = [], [], None
+        logprobs = TokenLogprobs([], [], [])
         try:
             async for piece in stream.pieces():
                 texts.append(piece.text)
                 ids.extend(piece.token_ids)
+                if piece.logprobs is not None:
+                    logprobs.extend(piece.logprobs)
                 last = piece
         except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
             raise api_error(exc, "prompt") from None
         assert last is not None and last.finish_reason is not None
         choice = choice_body(chat, "".join(texts), last.finish_reason, ids if req.return_token_ids else None, False)
+        if req.logprobs_asked() is not None:
+            choice["logprobs"] = self._logprobs(chat, logprobs, ids, 0)
         body = completion_body(chat, rid, int(time.time()), self.model_id, [choice], chunk=False)
         body["usage"] = usage_body(last.prompt_tokens, last.completion_tokens, last.stats)
         return web.json_response(body)
@@ -304,10 +312,15 @@ class OpenAIAPI:
         try:
             if chat:
                 await send(chunk([choice_body(chat, "", None, [] if ids else None, True, first=True)]))
+            offset = 0  # text sent so far: where a completion's logprobs count their text offsets from
             try:
                 async for piece in stream.pieces():
                     token_ids = piece.token_ids if ids else None
-                    await send(chunk([choice_body(chat, piece.text, piece.finish_reason, token_ids, True)]))
+                    choice = choice_body(chat, piece.text, piece.finish_reason, token_ids, True)
+                    if piece.logprobs is not None:
+                        choice["logprobs"] = self._logprobs(chat, piece.logprobs, piece.token_ids, offset)
+                    offset += len(piece.text)
+                    await send(chunk([choice]))
                     if piece.finish_reason is not None and req.include_usage:
                         last = chunk([])
                         last["usage"] = usage_body(piece.prompt_tokens, piece.completion_tokens, piece.stats)
@@ -320,3 +333,8 @@ class OpenAIAPI:
         except ConnectionError:  # the client left while we wrote; the caller aborts the request
             pass
         return resp
+
+    def _logprobs(self, chat: bool, lp: TokenLogprobs, ids: list[int], offset: int) -> dict[str, Any]:
+        if chat:
+            return chat_logprobs(lp, ids, self.token_texts)
+        return completion_logprobs(lp, ids, self.token_texts, offset)

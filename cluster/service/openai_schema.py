@@ -10,20 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, invalid_field
+from mtpserve.cluster.service.stop_strings import stop_strings_problem
+from mtpserve.speculative.logits_processing import MAX_LOGPROBS
 from mtpserve.speculative.stats import SpecStats
 
-MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1
 # Known fields this server does not implement: refused unless absent or set to their neutral value.
 UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
     "tools",
     "functions",
     "response_format",
@@ -33,12 +29,9 @@ UNSUPPORTED = (
 NEUTRAL_VALUES: tuple[Any, ...] = (None, False, 0, "", [], {}, {"type": "text"})
 # vLLM's extensions this server does not implement, with their neutral values
 UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
-    "min_p": (None, 0, 0.0),
-    "stop_token_ids": (None, []),
     "include_stop_str_in_output": (None, False),
 }
+RULES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p")  # passed on as set
 ONE_CHOICE = ("n", "best_of")  # only one completion per request
 
 
@@ -103,6 +96,26 @@ class _Generation(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(None, le=INT32_MAX)
+    min_p: float | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _no_null(cls, value: Any) -> Any:
+        return [] if value is None else value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -110,10 +123,9 @@ class _Generation(_Body):
         if value is None:
             return []
         items = [value] if isinstance(value, str) else value
-        if isinstance(items, list) and len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
-        if isinstance(items, list) and any(s == "" for s in items):
-            raise ValueError("stop strings must not be empty")
+        problem = stop_strings_problem(items) if isinstance(items, list) else None
+        if problem is not None:
+            raise ValueError(problem)
         return items
 
     @property
@@ -128,11 +140,21 @@ class _Generation(_Body):
     def sampling(self, max_tokens: int) -> dict[str, Any]:
         """The engine's SamplingParams fields (unset ones left to its defaults)."""
         data: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "seed"):
+        for name in ("temperature", "top_p", "top_k", "seed", *RULES):
             value = getattr(self, name)
             if value is not None:
                 data[name] = value
+        if self.stop_token_ids:
+            data["stop_token_ids"] = self.stop_token_ids
+        if self.logit_bias:
+            data["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        if self.logprobs_asked() is not None:
+            data["logprobs"] = self.logprobs_asked()
         return data
+
+    def logprobs_asked(self) -> int | None:
+        """Alternatives per token the caller asked logprobs with (0: the tokens' own); None: no logprobs."""
+        return None
 
 
 class ChatCompletionRequest(_Generation):
@@ -140,6 +162,19 @@ class ChatCompletionRequest(_Generation):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, le=INT32_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs set to true")
+        return value
+
+    def logprobs_asked(self) -> int | None:
+        """top_logprobs (0 when unset) if logprobs is true."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """max_completion_tokens (OpenAI's newer name) if set, else max_tokens."""
@@ -152,6 +187,11 @@ class CompletionRequest(_Generation):
     """POST /v1/completions: one prompt, as text or token ids (a list of one of them is accepted too)."""
 
     prompt: Any
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_asked(self) -> int | None:
+        """`logprobs`: alternatives per token (0: the tokens' own); None: no logprobs."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -22,8 +22,10 @@ from mtpserve.cluster.service.engine_stream import EngineStream, Piece
 from mtpserve.cluster.service.error_status import error_status
 from mtpserve.cluster.service.metrics import GRPC
 from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
+from mtpserve.cluster.service.stop_strings import stop_strings_problem
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
+from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.stats import SpecStats
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -36,11 +38,25 @@ FINISH_REASONS = {
 PROTO_FIELDS = {
     "prompt_token_ids": "prompt.token_ids",
     "stop_token_ids": "sampling.stop_token_ids",
+    "logit_bias": "sampling.logit_bias",
     "max_tokens": "sampling.max_tokens",
 }
 
 
 MAX_REQUEST_ID_CHARS = 256
+OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "min_p",
+    "logprobs",
+)
 
 
 def stats_to_proto(s: SpecStats) -> pb.AcceptanceStats:
@@ -59,14 +75,24 @@ def stats_to_proto(s: SpecStats) -> pb.AcceptanceStats:
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Validated SamplingParams; unset optional fields take the defaults. Raises InvalidRequestError."""
-    data: dict[str, Any] = {
-        name: getattr(msg, name)
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
-        if msg.HasField(name)
-    }
+    data: dict[str, Any] = {name: getattr(msg, name) for name in OPTIONAL_SAMPLING if msg.HasField(name)}
     data["stop_token_ids"] = list(msg.stop_token_ids)
     data["ignore_eos"] = msg.ignore_eos
+    data["logit_bias"] = dict(msg.logit_bias)
+    problem = stop_strings_problem(list(msg.stop))
+    if problem is not None:
+        raise InvalidRequestError("sampling.stop", problem)
     return sampling_params(data, "sampling.")
+
+
+def logprobs_to_proto(ids: list[int], lp: TokenLogprobs) -> list[pb.TokenLogprob]:
+    """A chunk's logprobs, one TokenLogprob per token."""
+    return [
+        pb.TokenLogprob(
+            token_id=tok, logprob=value, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in zip(ti, tv, strict=True)]
+        )
+        for tok, value, ti, tv in zip(ids, lp.token_logprobs, lp.top_token_ids, lp.top_logprobs, strict=True)
+    ]
 
 
 def _abort_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -116,13 +142,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream a completion; cancellation or a passed deadline aborts the request."""
-        stream = EngineStream(self.loop, self.tokenizers.decoder, [], GRPC)
+        stream = EngineStream(self.loop, self.tokenizers.decoder, list(request.sampling.stop), GRPC)
         # however the call ends (a cancel may leave this generator paused at a yield), the request is aborted
         context.add_done_callback(lambda _: stream.close())
         rid = await self._start(stream, request, context)
         try:
             async for piece in stream.pieces():
                 chunk = pb.GenerateResponse(request_id=rid, token_ids=piece.token_ids, text=piece.text)
+                if piece.logprobs is not None:
+                    chunk.logprobs.extend(logprobs_to_proto(piece.token_ids, piece.logprobs))
                 yield chunk if piece.finish_reason is None else last_chunk(chunk, piece)
         except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
             await _abort(context, *_abort_code(exc))

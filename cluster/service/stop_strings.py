@@ -3,6 +3,17 @@ begin one."""
 
 from __future__ import annotations
 
+MAX_STOP_STRINGS = 4
+
+
+def stop_strings_problem(stops: list[str]) -> str | None:
+    """Why a request's stop strings cannot be served (too many, or an empty one); None when they can."""
+    if len(stops) > MAX_STOP_STRINGS:
+        return f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}"
+    if any(s == "" for s in stops):
+        return "stop strings must not be empty"
+    return None
+
 
 class StopStrings:
     """Cuts a text stream at the stop string that completes first (ties: the one that starts first); the

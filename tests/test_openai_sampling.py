@@ -1,0 +1,155 @@
+"""Logprobs, penalties, logit bias, min_tokens and min_p through `mtpserve serve`, called with the official `openai`
+client and the gRPC client, with speculation on and off, against a recomputation from HF transformers' logits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+import yaml
+from logit_reference import Reference
+
+from mtpserve.cluster.service.client import MTPServeClient
+
+from helpers_service import ServeProcess, write_tiny_model
+
+SERVER_YAML = {
+    "model": {"device": "cpu", "dtype": "float32"},
+    "scheduler": {"max_num_requests": 16, "num_kv_blocks": 256, "block_size": 16},
+}
+PROMPTS = [[101, 2045, 388, 7, 912, 33], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+RULES: dict[str, Any] = {"frequency_penalty": 0.9, "presence_penalty": 0.4, "logit_bias": {"44": 7.5, "45": -100.0}}
+EXTRA_RULES: dict[str, Any] = {"repetition_penalty": 1.4, "min_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: tuple[Path, Path]) -> Reference:
+    return Reference.from_dir(tiny[0])
+
+
+@pytest.fixture(scope="module", params=["speculative", "target-only"])
+def served(
+    request: pytest.FixtureRequest, tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServeProcess, openai.OpenAI, MTPServeClient]]:
+    config = tmp_path_factory.mktemp("cfg") / "serve.yaml"
+    config.write_text(yaml.safe_dump(SERVER_YAML))
+    args = ["--config", str(config), "--model", str(tiny[0]), "--http-port", "0"]
+    args += ["--draft", str(tiny[1])] if request.param == "speculative" else ["--no-speculation"]
+    proc = ServeProcess(args).start()
+    client = openai.OpenAI(base_url=f"{proc.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with MTPServeClient(proc.address, timeout=60) as grpc_client:
+        yield proc, client, grpc_client
+    assert proc.stop() == 0, proc.log
+
+
+def _model(proc: ServeProcess) -> str:
+    return Path(proc.cmd[proc.cmd.index("--model") + 1]).name
+
+
+def test_completion_logprobs_equal_a_recomputation(served: Any, reference: Reference) -> None:
+    proc, client, grpc_client = served
+    for prompt in PROMPTS:
+        done = client.completions.create(
+            model=_model(proc), prompt=prompt, max_tokens=12, logprobs=3, extra_body={"return_token_ids": True}
+        )
+        choice = done.choices[0]
+        ids = choice.token_ids  # type: ignore[attr-defined]
+        lp = choice.logprobs
+        assert lp is not None and len(lp.token_logprobs) == len(ids) == 12
+        for i, tok in enumerate(ids):
+            want = torch.log_softmax(reference.logits(prompt + ids[:i]), -1)
+            assert lp.token_logprobs[i] == pytest.approx(float(want[tok]), abs=2e-4)
+            values = want.topk(3).values
+            assert list(lp.top_logprobs[i].values()) == pytest.approx(values.tolist(), abs=2e-4)
+            assert lp.tokens[i] == reference_text(proc, tok)
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        streamed = client.completions.create(model=_model(proc), prompt=prompt, max_tokens=12, logprobs=3, stream=True)
+        parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+        assert [v for p in parts for v in p.token_logprobs] == lp.token_logprobs
+        assert [o for p in parts for o in p.text_offset] == lp.text_offset
+        over_grpc = grpc_client.generate(token_ids=prompt, max_tokens=12, logprobs=3)
+        assert over_grpc["token_ids"] == ids
+        assert [e["logprob"] for e in over_grpc["logprobs"]] == pytest.approx(lp.token_logprobs, abs=1e-5)
+        assert [[t for t, _ in e["top"]] for e in over_grpc["logprobs"]] == [
+            reference.logits(prompt + ids[:i]).topk(3).indices.tolist() for i in range(12)
+        ]
+
+
+def reference_text(proc: ServeProcess, token_id: int) -> str:
+    from transformers import AutoTokenizer
+
+    tok = _TOKENIZERS.get(proc.address)
+    if tok is None:
+        tok = _TOKENIZERS[proc.address] = AutoTokenizer.from_pretrained(proc.cmd[proc.cmd.index("--model") + 1])
+    return str(tok.decode([token_id]))
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def test_chat_logprobs_are_the_chosen_tokens_with_their_alternatives(served: Any) -> None:
+    proc, client, _ = served
+    messages = [{"role": "user", "content": "Name three colours."}]
+    done = client.chat.completions.create(
+        model=_model(proc), messages=messages, max_tokens=10, logprobs=True, top_logprobs=4
+    )
+    content = done.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == done.usage.completion_tokens == 10  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 4
+        assert entry.top_logprobs[0].token == entry.token, "greedy: the chosen token is the most likely"
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert bytes(entry.bytes or []) == entry.token.encode("utf-8")
+    assert "".join(e.token for e in content) == done.choices[0].message.content
+    stream = client.chat.completions.create(
+        model=_model(proc), messages=messages, max_tokens=10, logprobs=True, top_logprobs=4, stream=True
+    )
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)  # prefix-cache hit
+    plain = client.chat.completions.create(model=_model(proc), messages=messages, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
+def test_penalties_equal_the_plain_torch_reference(served: Any, reference: Reference) -> None:
+    proc, client, grpc_client = served
+    rules = {**RULES, **EXTRA_RULES, "max_tokens": 16}
+    engine_rules = {**rules, "logit_bias": {int(k): v for k, v in RULES["logit_bias"].items()}}
+    changed = 0
+    for prompt in PROMPTS:
+        want = reference.greedy(prompt, engine_rules, [2])
+        done = client.completions.create(
+            model=_model(proc),
+            prompt=prompt,
+            max_tokens=16,
+            **RULES,
+            extra_body={"return_token_ids": True, **EXTRA_RULES},
+        )
+        assert done.choices[0].token_ids == want  # type: ignore[attr-defined]
+        assert grpc_client.generate(token_ids=prompt, **engine_rules)["token_ids"] == want
+        plain = grpc_client.generate(token_ids=prompt, max_tokens=16)["token_ids"]
+        changed += plain != want
+    assert changed, "the rules must change what greedy decoding emits"
+
+
+def test_min_p_and_stop_strings_over_grpc(served: Any, reference: Reference) -> None:
+    grpc_client = served[2]
+    prompt = PROMPTS[1]
+    out = grpc_client.generate(token_ids=prompt, max_tokens=12, temperature=1.3, min_p=0.6, seed=9)
+    for i, tok in enumerate(out["token_ids"]):
+        probs = torch.softmax(reference.logits(prompt + out["token_ids"][:i]) / 1.3, -1)
+        assert probs[tok] >= 0.6 * probs.max() - 1e-6
+    full = grpc_client.generate(token_ids=prompt, max_tokens=20)
+    stop = full["text"][10:14]
+    cut = grpc_client.generate(token_ids=prompt, max_tokens=20, stop=[stop])
+    assert cut["finish_reason"] == "stop" and cut["text"] == full["text"][: full["text"].index(stop)]
+    assert len(cut["token_ids"]) < len(full["token_ids"])
