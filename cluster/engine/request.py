@@ -133,6 +133,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # first admitted to a step
     first_token_time: float | None = None
+    processed: bool = field(init=False)  # has logit rules or asks for logprobs (params.processed, read per step)
+
+    def __post_init__(self) -> None:
+        self.processed = self.params.processed
 
     def timings(self) -> tuple[float, float, float] | None:
         """(queued, prefill, decode) seconds of a request that ends now: arrival to its first step, to its first
@@ -150,7 +154,7 @@ class Request:
         """The request's logit rules and logprobs for a step that follows its output so far; None without
         any."""
         p = self.params
-        if not p.processed:
+        if not self.processed:
             return None
         return LogitsProcessing(
             output_token_ids=list(self.output_token_ids),

@@ -210,7 +210,7 @@ class Scheduler:
         `pending`, blocks would need a preemption, the kind changes, or nothing is left to run."""
         k = pending.num_draft_tokens
         planned = {sp.request_id for sp in pending.seqs}
-        if self.waiting or any(r.request_id not in planned or r.params.processed for r in self.running):
+        if self.waiting or any(r.request_id not in planned or r.processed for r in self.running):
             return None  # (logit rules read the output so far, which the unapplied steps have not brought)
         if self.depth is not None:
             kind = self._step_kind(len(pending.seqs))
