@@ -1,9 +1,10 @@
 """Messages of the OpenAI-compatible HTTP API: pydantic request models and the response, chunk and error bodies.
 
 Fields this server does not know are ignored (SDKs add new ones); fields it knows but does not implement are
-refused by name when set to anything but their neutral value. Extensions beyond OpenAI's fields: `top_k`,
-`ignore_eos`, `return_token_ids` (each choice, and each streamed chunk, carries its token ids) and, in the
-response's `usage`, `speculative`: the request's drafted and accepted draft tokens and acceptance length.
+refused by name when set to anything but their neutral value. Extensions beyond OpenAI's fields, named as vLLM
+names them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+`return_token_ids` (each choice, and each streamed chunk, carries its token ids) and, in the response's `usage`,
+`speculative`: the request's drafted and accepted draft tokens and acceptance length.
 """
 
 from __future__ import annotations
