@@ -153,3 +153,49 @@ def test_min_p_and_stop_strings_over_grpc(served: Any, reference: Reference) -> 
     cut = grpc_client.generate(token_ids=prompt, max_tokens=20, stop=[stop])
     assert cut["finish_reason"] == "stop" and cut["text"] == full["text"][: full["text"].index(stop)]
     assert len(cut["token_ids"]) < len(full["token_ids"])
+
+
+def test_n_choices_equal_single_requests_and_share_the_prompts_blocks(served: Any) -> None:
+    proc, client, grpc_client = served
+    prompt = list(range(300, 345))  # 45 tokens: two full 16-token blocks the siblings can reuse
+    # temperature 0.5: the tiny model is nearly flat, and a batch of 3 rounds its logits unlike a batch of 1
+    asked = {"max_tokens": 10, "temperature": 0.5, "seed": 11, "extra_body": {"return_token_ids": True}}
+    hits = grpc_client.stats()["prefix_cache_hit_tokens"]
+    done = client.completions.create(model=_model(proc), prompt=prompt, n=4, **asked)  # type: ignore[arg-type]
+    assert grpc_client.stats()["prefix_cache_hit_tokens"] - hits >= 3 * 32, "choices 1-3 reuse the prompt's blocks"
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    alone = []
+    for i in range(4):
+        single = client.completions.create(model=_model(proc), prompt=prompt, **{**asked, "seed": 11 + i})  # type: ignore[arg-type]
+        alone.append(single.choices[0].token_ids)  # type: ignore[attr-defined]
+    assert [c.token_ids for c in done.choices] == alone  # type: ignore[attr-defined]
+    assert len({tuple(a) for a in alone}) > 1, "different seeds must sample differently"
+    assert done.usage is not None and done.usage.completion_tokens == 40 and done.usage.prompt_tokens == 45
+    stream = client.completions.create(model=_model(proc), prompt=prompt, n=4, stream=True, **asked)  # type: ignore[arg-type]
+    streamed: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.token_ids)  # type: ignore[attr-defined]
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert [streamed[i] for i in range(4)] == alone and reasons == dict.fromkeys(range(4), "length")
+    chat = client.chat.completions.create(
+        model=_model(proc), messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=6, temperature=0.0
+    )
+    texts = [c.message.content for c in chat.choices]
+    assert len(texts) == 3 and len(set(texts)) == 1, "greedy choices agree"
+    stats = grpc_client.stats()
+    assert stats["requests_running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_n_completions_over_grpc(served: Any) -> None:
+    grpc_client = served[2]
+    prompt = list(range(400, 440))
+    both = grpc_client.generate(token_ids=prompt, n=3, max_tokens=8, temperature=0.5, seed=21, logprobs=1)
+    alone = [grpc_client.generate(token_ids=prompt, max_tokens=8, temperature=0.5, seed=21 + i) for i in range(3)]
+    assert [c["token_ids"] for c in both["choices"]] == [a["token_ids"] for a in alone]
+    assert all(len(c["logprobs"]) == 8 and c["finish_reason"] == "length" for c in both["choices"])
+    with pytest.raises(Exception, match="n: at most 16"):
+        grpc_client.generate(token_ids=prompt, n=17, max_tokens=2)
+    assert grpc_client.stats()["kv_blocks_used"] == 0

@@ -50,6 +50,20 @@ def stats_dict(msg: pb.AcceptanceStats) -> dict[str, Any]:
     }
 
 
+def _joined(chunks: list[Chunk], logprobs: bool) -> dict[str, Any]:
+    """One completion's chunks as the --json contract."""
+    last = chunks[-1]
+    out: dict[str, Any] = {
+        "token_ids": [t for c in chunks for t in c.token_ids],
+        "text": "".join(c.text for c in chunks),
+        "finish_reason": last.finish_reason,
+        "stats": last.stats,
+    }
+    if logprobs:
+        out["logprobs"] = [e for c in chunks for e in c.logprobs]
+    return out
+
+
 @dataclass
 class Chunk:
     """One streamed piece of a completion; the last one has finish_reason, usage and stats."""
@@ -61,12 +75,13 @@ class Chunk:
     usage: dict[str, int] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token: token_id, logprob, top
+    index: int = 0  # which of the request's n completions
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
         """Convert a GenerateResponse."""
         reason = FINISH_NAMES.get(msg.finish_reason, "unknown")
-        chunk = cls(msg.request_id, msg.text, list(msg.token_ids), reason)
+        chunk = cls(msg.request_id, msg.text, list(msg.token_ids), reason, index=msg.index)
         chunk.logprobs = [
             {"token_id": e.token_id, "logprob": e.logprob, "top": [(t.token_id, t.logprob) for t in e.top]}
             for e in msg.logprobs
@@ -85,6 +100,7 @@ def build_request(
     token_ids: list[int] | None = None,
     raw: bool = False,
     request_id: str = "",
+    n: int = 1,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from a text prompt or token ids plus SamplingParams fields (None = default)."""
@@ -93,7 +109,7 @@ def build_request(
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling fields: {sorted(unknown)}; known: {list(SAMPLING_FIELDS)}")
-    req = pb.GenerateRequest(request_id=request_id, raw=raw)
+    req = pb.GenerateRequest(request_id=request_id, raw=raw, n=n)
     if prompt is not None:
         req.text = prompt
     else:
@@ -180,10 +196,12 @@ class MTPServeClient:
         raw: bool = False,
         request_id: str = "",
         timeout: float | None = None,
+        n: int = 1,
         **sampling: Any,
     ) -> Iterator[Chunk]:
-        """Yield chunks as the server produces them; closing the iterator early cancels the request."""
-        req = build_request(prompt, token_ids, raw, request_id, **sampling)
+        """Yield chunks as the server produces them (with n > 1 the completions' chunks interleave, each naming
+        its `index`); closing the iterator early cancels the request."""
+        req = build_request(prompt, token_ids, raw, request_id, n, **sampling)
         call = self.stub.Generate(req, timeout=timeout if timeout is not None else self.timeout, metadata=self.metadata)
         try:
             for msg in call:
@@ -199,26 +217,20 @@ class MTPServeClient:
         raw: bool = False,
         request_id: str = "",
         timeout: float | None = None,
+        n: int = 1,
         **sampling: Any,
     ) -> dict[str, Any]:
         """Run one request to the end; returns the --json contract: token_ids, text, finish_reason, stats (and,
-        when asked for, logprobs: per token its id, logprob and top alternatives)."""
-        ids: list[int] = []
-        text: list[str] = []
-        logprobs: list[dict[str, Any]] = []
-        last: Chunk | None = None
-        for chunk in self.stream(prompt, token_ids, raw=raw, request_id=request_id, timeout=timeout, **sampling):
-            ids.extend(chunk.token_ids)
-            text.append(chunk.text)
-            logprobs.extend(chunk.logprobs)
-            last = chunk
-        if last is None:
-            raise RuntimeError("the server closed the stream without a final message")
-        out: dict[str, Any] = {"token_ids": ids, "text": "".join(text), "finish_reason": last.finish_reason}
-        out["stats"] = last.stats
-        if sampling.get("logprobs") is not None:
-            out["logprobs"] = logprobs
-        return out
+        when asked for, logprobs: per token its id, logprob and top alternatives). With n > 1: {"choices": [one
+        such dict per completion]}."""
+        parts: dict[int, list[Chunk]] = {}
+        call = self.stream(prompt, token_ids, raw=raw, request_id=request_id, timeout=timeout, n=n, **sampling)
+        for chunk in call:
+            parts.setdefault(chunk.index, []).append(chunk)
+        if len(parts) != n or any(chunks[-1].finish_reason is None for chunks in parts.values()):
+            raise RuntimeError("the server closed the stream without a final message for every completion")
+        choices = [_joined(parts[i], sampling.get("logprobs") is not None) for i in range(n)]
+        return choices[0] if n == 1 else {"choices": choices}
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; True if it was in flight."""

@@ -25,8 +25,9 @@ from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, 
 from mtpserve.cluster.engine.llm_engine import encode_chat, encode_text, has_chat_template
 from mtpserve.cluster.engine.request import check_output_room, sampling_params
 from mtpserve.cluster.service.auth import bearer
+from mtpserve.cluster.service.choices import Choices
 from mtpserve.cluster.service.detokenizer import Tokenizers
-from mtpserve.cluster.service.engine_stream import EngineStream
+from mtpserve.cluster.service.engine_stream import EngineStream, Piece
 from mtpserve.cluster.service.error_status import error_status
 from mtpserve.cluster.service.logprobs_body import TokenTexts, chat_logprobs, completion_logprobs
 from mtpserve.cluster.service.metrics import HTTP, ServerMetrics
@@ -41,6 +42,7 @@ from mtpserve.cluster.service.openai_schema import (
 )
 from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
 from mtpserve.speculative.logits_processing import TokenLogprobs
+from mtpserve.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -76,6 +78,15 @@ class APIError(Exception):
     def response(self) -> web.Response:
         """The error as an HTTP response."""
         return web.json_response(self.body(), status=self.status)
+
+
+def _usage(ended: list[Piece]) -> dict[str, Any]:
+    """`usage` of a request's choices: the prompt once, every choice's completion tokens, their drafts summed."""
+    stats = SpecStats()
+    for piece in ended:
+        stats.merge(piece.stats or SpecStats())
+    completion = sum(p.completion_tokens for p in ended)
+    return usage_body(ended[0].prompt_tokens if ended else 0, completion, stats)
 
 
 def api_error(exc: Exception, prompt_field: str) -> APIError:
@@ -248,10 +259,10 @@ class OpenAIAPI:
         except InvalidRequestError as exc:
             raise InvalidRequestError(field if exc.field == "max_tokens" else exc.field, exc.reason) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = EngineStream(self.loop, self.tokenizers.decoder, req.stop)
+        choices = Choices(lambda: EngineStream(self.loop, self.tokenizers.decoder, req.stop), req.n)
         try:
             try:
-                await stream.start(ids, params, rid)
+                await choices.start(ids, params, rid)
             except (
                 InvalidRequestError,
                 QueueFullError,
@@ -261,72 +272,86 @@ class OpenAIAPI:
             ) as exc:
                 raise api_error(exc, prompt_field) from None
             if req.stream:
-                return await self._sse(request, req, stream, rid, chat)
-            return await self._whole(req, stream, rid, chat)
+                return await self._sse(request, req, choices, rid, chat)
+            return await self._whole(req, choices, rid, chat)
         finally:
-            stream.close()
+            choices.close()
 
     async def _whole(
-        self, req: ChatCompletionRequest | CompletionRequest, stream: EngineStream, rid: str, chat: bool
+        self, req: ChatCompletionRequest | CompletionRequest, choices: Choices, rid: str, chat: bool
     ) -> web.Response:
-        texts, ids, last = [], [], None
-        logprobs = TokenLogprobs([], [], [])
+        n = len(choices.streams)
+        texts: list[list[str]] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs = [TokenLogprobs([], [], []) for _ in range(n)]
+        last: list[Piece | None] = [None] * n
         try:
-            async for piece in stream.pieces():
-                texts.append(piece.text)
-                ids.extend(piece.token_ids)
+            async for i, piece in choices.pieces():
+                texts[i].append(piece.text)
+                ids[i].extend(piece.token_ids)
                 if piece.logprobs is not None:
-                    logprobs.extend(piece.logprobs)
-                last = piece
+                    logprobs[i].extend(piece.logprobs)
+                last[i] = piece
         except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
             raise api_error(exc, "prompt") from None
-        assert last is not None and last.finish_reason is not None
-        choice = choice_body(chat, "".join(texts), last.finish_reason, ids if req.return_token_ids else None, False)
-        if req.logprobs_asked() is not None:
-            choice["logprobs"] = self._logprobs(chat, logprobs, ids, 0)
-        body = completion_body(chat, rid, int(time.time()), self.model_id, [choice], chunk=False)
-        body["usage"] = usage_body(last.prompt_tokens, last.completion_tokens, last.stats)
+        bodies = []
+        for i, end in enumerate(last):
+            assert end is not None and end.finish_reason is not None
+            choice = choice_body(
+                chat, "".join(texts[i]), end.finish_reason, ids[i] if req.return_token_ids else None, False
+            )
+            choice["index"] = i
+            if req.logprobs_asked() is not None:
+                choice["logprobs"] = self._logprobs(chat, logprobs[i], ids[i], 0)
+            bodies.append(choice)
+        body = completion_body(chat, rid, int(time.time()), self.model_id, bodies, chunk=False)
+        body["usage"] = _usage([p for p in last if p is not None])
         return web.json_response(body)
 
     async def _sse(
         self,
         request: web.Request,
         req: ChatCompletionRequest | CompletionRequest,
-        stream: EngineStream,
+        choices: Choices,
         rid: str,
         chat: bool,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        created, ids = int(time.time()), req.return_token_ids
+        created, ids, n = int(time.time()), req.return_token_ids, len(choices.streams)
 
         async def send(body: dict[str, Any]) -> None:
             await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
-        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            body = completion_body(chat, rid, created, self.model_id, choices, chunk=True)
+        def chunk(index: int, text: str, reason: str | None, piece: Piece | None = None, first: bool = False) -> dict:
+            token_ids = (piece.token_ids if piece is not None else []) if ids else None
+            choice = choice_body(chat, text, reason, token_ids, True, first=first)
+            choice["index"] = index
+            if piece is not None and piece.logprobs is not None:
+                choice["logprobs"] = self._logprobs(chat, piece.logprobs, piece.token_ids, offsets[index])
+            body = completion_body(chat, rid, created, self.model_id, [choice], chunk=True)
             if req.include_usage:
                 body["usage"] = None
             return body
 
+        offsets = [0] * n  # text sent so far per choice: where a completion's logprobs count their text offsets from
+        ended: list[Piece] = []
         try:
             if chat:
-                await send(chunk([choice_body(chat, "", None, [] if ids else None, True, first=True)]))
-            offset = 0  # text sent so far: where a completion's logprobs count their text offsets from
+                for i in range(n):
+                    await send(chunk(i, "", None, first=True))
             try:
-                async for piece in stream.pieces():
-                    token_ids = piece.token_ids if ids else None
-                    choice = choice_body(chat, piece.text, piece.finish_reason, token_ids, True)
-                    if piece.logprobs is not None:
-                        choice["logprobs"] = self._logprobs(chat, piece.logprobs, piece.token_ids, offset)
-                    offset += len(piece.text)
-                    await send(chunk([choice]))
-                    if piece.finish_reason is not None and req.include_usage:
-                        last = chunk([])
-                        last["usage"] = usage_body(piece.prompt_tokens, piece.completion_tokens, piece.stats)
-                        await send(last)
+                async for i, piece in choices.pieces():
+                    await send(chunk(i, piece.text, piece.finish_reason, piece))
+                    offsets[i] += len(piece.text)
+                    if piece.finish_reason is not None:
+                        ended.append(piece)
+                if req.include_usage:
+                    last = completion_body(chat, rid, created, self.model_id, [], chunk=True)
+                    last["usage"] = _usage(ended)
+                    await send(last)
             except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
-                await send(chunk([choice_body(chat, "", "abort", [] if ids else None, True)]))
+                await send(chunk(0, "", "abort"))
                 await send(api_error(exc, "prompt").body())  # the status line is sent: report it in the stream
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

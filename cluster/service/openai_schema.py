@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, invalid_field
+from mtpserve.cluster.service.choices import MAX_CHOICES
 from mtpserve.cluster.service.stop_strings import stop_strings_problem
 from mtpserve.speculative.logits_processing import MAX_LOGPROBS
 from mtpserve.speculative.stats import SpecStats
@@ -33,7 +34,7 @@ UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (None, False),
 }
 RULES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p")  # passed on as set
-ONE_CHOICE = ("n", "best_of")  # only one completion per request
+ONE_CHOICE = ("best_of",)  # no server-side choosing among candidates
 
 
 class _Body(BaseModel):
@@ -95,6 +96,7 @@ class _Generation(_Body):
     stop: list[str] = Field(default_factory=list)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False
     return_token_ids: bool = False
     presence_penalty: float | None = None

@@ -17,6 +17,7 @@ import grpc
 from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
 from mtpserve.cluster.engine.llm_engine import encode_text
 from mtpserve.cluster.engine.request import SamplingParams, check_output_room, sampling_params
+from mtpserve.cluster.service.choices import MAX_CHOICES, Choices
 from mtpserve.cluster.service.detokenizer import Tokenizers
 from mtpserve.cluster.service.engine_stream import EngineStream, Piece
 from mtpserve.cluster.service.error_status import error_status
@@ -142,20 +143,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream a completion; cancellation or a passed deadline aborts the request."""
-        stream = EngineStream(self.loop, self.tokenizers.decoder, list(request.sampling.stop), GRPC)
-        # however the call ends (a cancel may leave this generator paused at a yield), the request is aborted
-        context.add_done_callback(lambda _: stream.close())
-        rid = await self._start(stream, request, context)
+        if request.n > MAX_CHOICES:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"n: at most {MAX_CHOICES}, got {request.n}")
+        stop = list(request.sampling.stop)
+        choices = Choices(lambda: EngineStream(self.loop, self.tokenizers.decoder, stop, GRPC), max(1, request.n))
+        # however the call ends (a cancel may leave this generator paused at a yield), the requests are aborted
+        context.add_done_callback(lambda _: choices.close())
+        rid = await self._start(choices, request, context)
         try:
-            async for piece in stream.pieces():
-                chunk = pb.GenerateResponse(request_id=rid, token_ids=piece.token_ids, text=piece.text)
+            async for i, piece in choices.pieces():
+                chunk = pb.GenerateResponse(request_id=rid, token_ids=piece.token_ids, text=piece.text, index=i)
                 if piece.logprobs is not None:
                     chunk.logprobs.extend(logprobs_to_proto(piece.token_ids, piece.logprobs))
                 yield chunk if piece.finish_reason is None else last_chunk(chunk, piece)
         except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
             await _abort(context, *_abort_code(exc))
 
-    async def _start(self, stream: EngineStream, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+    async def _start(self, choices: Choices, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
         if not self.accepting():
             await _abort(context, grpc.StatusCode.UNAVAILABLE, "workers are down or the server is stopping")
         try:
@@ -171,11 +175,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await _abort(
                     context, grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request started"
                 )
-            await stream.start(ids, params, request.request_id or None)
+            await choices.start(ids, params, request.request_id or None)
         except (InvalidRequestError, QueueFullError, WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
             await _abort(context, *_abort_code(exc))
-        assert stream.handle is not None
-        return stream.handle.request_id
+        return choices.request_id
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Stop a request by id."""
