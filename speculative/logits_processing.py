@@ -11,7 +11,8 @@ rejection sampling its processed distribution, so the emitted tokens are those o
 with the same rules gives.
 
 Order within a row: repetition penalty (prompt and output tokens), frequency and presence penalties (output
-tokens), logit bias, then the stop tokens masked while the output is shorter than min_tokens. Temperature,
+tokens), logit bias, the stop tokens masked while the output is shorter than min_tokens, then the tokens a
+grammar does not allow there (structured outputs; the engine's matcher fills the masks per row). Temperature,
 top-k, top-p and then min_p shape the distribution of a sampled row (`min_p_filter`). Logprobs are those of
 the model's raw logits (before every rule and temperature), as vLLM reports by default.
 """
@@ -40,12 +41,14 @@ class LogitsProcessing:
     stop_token_ids: list[int] = field(default_factory=list)  # masked while the output is below min_tokens
     min_p: float = 0.0
     logprobs: int = -1  # -1: none; 0: each emitted token's own; n: also the n most likely tokens
+    allowed: torch.Tensor | None = None  # [rows, words] int32 bitmasks of the tokens a grammar allows per row
 
     @property
     def changes_logits(self) -> bool:
         """Whether any rule alters the logits (logprobs alone do not)."""
         return bool(
-            self.presence_penalty
+            self.allowed is not None
+            or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
@@ -105,7 +108,16 @@ def process_rows(logits: torch.Tensor, rules: LogitsProcessing, branches: list[l
         short = [i for i, b in enumerate(branches) if len(rules.output_token_ids) + len(b) < rules.min_tokens]
         stops = torch.tensor(rules.stop_token_ids, device=dev)
         out[torch.tensor(short, device=dev)[:, None], stops[None, :]] = float("-inf")
+    if rules.allowed is not None:
+        out = out.masked_fill(~allowed_tokens(rules.allowed.to(dev), v), float("-inf"))
     return out
+
+
+def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [rows, vocab_size]: which tokens each row's bitmask allows (bit t % 32 of int32 word t // 32)."""
+    bits = torch.arange(32, dtype=torch.int32, device=masks.device)
+    unpacked = (masks[:, :, None] >> bits) & 1
+    return unpacked.reshape(masks.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _counts(output: list[int], branches: list[list[int]], v: int, dev: torch.device) -> torch.Tensor:

@@ -328,7 +328,27 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
     ("logit_bias over 100", TEXT, {"prompt": "hi", "logit_bias": {"3": 150}}, 400, "logit_bias"),
     ("presence_penalty over 2", CHAT, {"messages": USER, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("min_tokens over max_tokens", TEXT, {"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
-    ("response_format", CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (
+        "response_format yaml",
+        CHAT,
+        {"messages": USER, "response_format": {"type": "yaml"}},
+        400,
+        "response_format.type",
+    ),
+    (
+        "json_schema missing",
+        CHAT,
+        {"messages": USER, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format",
+    ),
+    (
+        "two structured kinds",
+        TEXT,
+        {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+        400,
+        "structured_outputs",
+    ),
     ("tools", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
     (
         "include_stop_str_in_output",

@@ -199,3 +199,47 @@ def test_n_completions_over_grpc(served: Any) -> None:
     with pytest.raises(Exception, match="n: at most 16"):
         grpc_client.generate(token_ids=prompt, n=17, max_tokens=2)
     assert grpc_client.stats()["kv_blocks_used"] == 0
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_over_http_and_grpc(served: Any) -> None:
+    import json
+
+    import jsonschema
+
+    proc, client, grpc_client = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "Who are you?"}]
+    for temperature in (0.0, 1.0):
+        reply = client.chat.completions.create(
+            model=_model(proc), messages=messages, max_tokens=80, temperature=temperature, seed=3, response_format=fmt
+        )
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content or ""), SCHEMA)
+    picked = client.completions.create(
+        model=_model(proc),
+        prompt="Pick:",
+        max_tokens=10,
+        extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+    )
+    assert picked.choices[0].text in ("red", "blue") and picked.choices[0].finish_reason == "stop"
+    over_grpc = grpc_client.generate("Who?", max_tokens=80, json_schema=json.dumps(SCHEMA), temperature=1.0, seed=8)
+    jsonschema.validate(json.loads(over_grpc["text"]), SCHEMA)
+    assert grpc_client.generate("Code?", max_tokens=10, regex="[A-Z]{3}-[0-9]{2}")["text"].count("-") == 1
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=_model(proc),
+            messages=messages,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        )
+    assert bad.value.body["param"] == "response_format"  # type: ignore[index]
+    with pytest.raises(Exception, match=r"sampling\.regex"):
+        grpc_client.generate("x", max_tokens=4, regex="(unclosed")
+    assert grpc_client.stats()["kv_blocks_used"] == 0

@@ -73,7 +73,7 @@ def plan_from_proto(m: wpb.StepPlan) -> StepPlan:
 
 def processing_to_proto(p: LogitsProcessing) -> wpb.LogitsProcessing:
     """LogitsProcessing -> wire."""
-    return wpb.LogitsProcessing(
+    m = wpb.LogitsProcessing(
         output_token_ids=p.output_token_ids,
         prompt_token_ids=p.prompt_token_ids,
         presence_penalty=p.presence_penalty,
@@ -85,6 +85,9 @@ def processing_to_proto(p: LogitsProcessing) -> wpb.LogitsProcessing:
         min_p=p.min_p,
         logprobs=p.logprobs,
     )
+    if p.allowed is not None:
+        m.allowed.CopyFrom(encode_tensor(p.allowed))
+    return m
 
 
 def processing_from_proto(m: wpb.LogitsProcessing) -> LogitsProcessing:
@@ -100,6 +103,7 @@ def processing_from_proto(m: wpb.LogitsProcessing) -> LogitsProcessing:
         stop_token_ids=list(m.stop_token_ids),
         min_p=m.min_p,
         logprobs=m.logprobs,
+        allowed=decode_tensor(m.allowed) if m.HasField("allowed") else None,
     )
 
 

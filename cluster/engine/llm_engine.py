@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, ModelLoadError, QueueFullError
+from mtpserve.cluster.engine.grammar import Grammars
 from mtpserve.cluster.engine.request import Request, SamplingParams, sampling_params
 from mtpserve.cluster.engine.scheduler import RequestOutput, Scheduler
 from mtpserve.modeling.loader import resolve_device, to_dtype
@@ -118,6 +119,7 @@ class LLMEngine:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
+        self._grammar_compiler: Grammars | None = None
         self.max_model_len = scheduler.max_model_len
         self.totals = SpecStats()
         self.steps_run = 0  # steps applied, and the target rows they computed
@@ -229,8 +231,19 @@ class LLMEngine:
         if params.seed is None and params.temperature > 0:
             # every TP rank then draws the same numbers: a tree's accepted branch decides which KV moves
             params = params.model_copy(update={"seed": secrets.randbits(62)})
-        self.scheduler.add(Request(rid, list(prompt_token_ids), params))
+        req = Request(rid, list(prompt_token_ids), params)
+        if params.grammar is not None:
+            req.grammar = self._grammars(params.grammar.field).matcher(params.grammar)
+        self.scheduler.add(req)
         return rid
+
+    def _grammars(self, field: str) -> Grammars:
+        """The structured-output compiler for this engine's tokenizer, made at the first request that needs it."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(field, "structured outputs need a model with a tokenizer")
+            self._grammar_compiler = Grammars(self.tokenizer, self.args.vocab_size, self.args.eos_ids())
+        return self._grammar_compiler
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks."""

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, invalid_field
+from mtpserve.cluster.engine.grammar import GrammarSpec, RequestGrammar
 from mtpserve.speculative.logits_processing import MAX_LOGPROBS, LogitsProcessing
 from mtpserve.speculative.stats import SpecStats
 
@@ -41,6 +42,7 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="report each output token's logprob and this many alternatives"
     )
+    grammar: GrammarSpec | None = Field(None, description="what the output must match (structured outputs)")
 
     @field_validator("temperature")
     @classmethod
@@ -79,6 +81,7 @@ class SamplingParams(BaseModel):
             or self.min_tokens
             or self.min_p
             or self.logprobs is not None
+            or self.grammar is not None
         )
 
 
@@ -134,6 +137,7 @@ class Request:
     scheduled_time: float | None = None  # first admitted to a step
     first_token_time: float | None = None
     processed: bool = field(init=False)  # has logit rules or asks for logprobs (params.processed, read per step)
+    grammar: RequestGrammar | None = None  # its structured output's matcher, at the end of its output
 
     def __post_init__(self) -> None:
         self.processed = self.params.processed
@@ -150,9 +154,9 @@ class Request:
             now - self.first_token_time,
         )
 
-    def processing(self) -> LogitsProcessing | None:
-        """The request's logit rules and logprobs for a step that follows its output so far; None without
-        any."""
+    def processing(self, branches: list[list[int]]) -> LogitsProcessing | None:
+        """The request's logit rules and logprobs for a step that follows its output so far, row r after the
+        drafts branches[r] (`row_branches`); None without any."""
         p = self.params
         if not self.processed:
             return None
@@ -167,6 +171,7 @@ class Request:
             stop_token_ids=sorted(self.stop_set),
             min_p=p.min_p,
             logprobs=-1 if p.logprobs is None else p.logprobs,
+            allowed=None if self.grammar is None else self.grammar.row_masks(branches),
         )
 
     @property

@@ -14,7 +14,7 @@ from mtpserve.cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 from mtpserve.cluster.engine.request import Request, RequestStatus
 from mtpserve.speculative.adaptive import AdaptiveDepth, StepKind
 from mtpserve.speculative.draft_shapes import chain_as_tree, fit_drafts
-from mtpserve.speculative.logits_processing import TokenLogprobs
+from mtpserve.speculative.logits_processing import LogitsProcessing, TokenLogprobs, row_branches
 from mtpserve.speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.config import SchedulerConfig
@@ -277,7 +277,7 @@ class Scheduler:
             top_p=p.top_p,
             top_k=p.top_k,
             seed=p.seed,
-            processing=req.processing() if final else None,
+            processing=req.processing([[]]) if final and req.processed else None,
         )
 
     def _gen_plan(
@@ -305,8 +305,15 @@ class Scheduler:
             seed=p.seed,
             draft_probs=draft_probs,
             draft_parents=draft_parents,
-            processing=req.processing(),
+            processing=req.processing(row_branches(token_ids, draft_parents, len(token_ids)))
+            if req.processed
+            else None,
         )
+
+    @staticmethod
+    def _processing(req: Request, token_ids: list[int], parents: list[int] | None) -> LogitsProcessing | None:
+        """A generation row's logit rules and logprobs, its verify rows following their drafts."""
+        return req.processing(row_branches(token_ids, parents, len(token_ids))) if req.processed else None
 
     def _reserve(self, req: Request, num_slots: int, scheduled: set[str]) -> bool:
         """Grow req's blocks to `num_slots`, preempting the latest unscheduled requests if needed."""
@@ -429,6 +436,10 @@ class Scheduler:
             emitted, reason = list(tokens), None
         else:
             emitted, reason = self._append_until_stop(req, tokens)
+        if req.grammar is not None:
+            req.grammar.accept(emitted)
+            if reason is None and req.grammar.terminated:
+                reason = "stop"
         self._register(req)
         if emitted and req.first_token_time is None:
             req.first_token_time = time.monotonic()

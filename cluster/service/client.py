@@ -35,6 +35,10 @@ SAMPLING_FIELDS = (
     "min_p",
     "logprobs",
     "stop",
+    "json_object",
+    "json_schema",
+    "regex",
+    "grammar",
 )
 
 

@@ -9,11 +9,14 @@ names them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_id
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, invalid_field
+from mtpserve.cluster.engine.grammar import GrammarSpec
 from mtpserve.cluster.service.choices import MAX_CHOICES
 from mtpserve.cluster.service.stop_strings import stop_strings_problem
 from mtpserve.speculative.logits_processing import MAX_LOGPROBS
@@ -24,11 +27,10 @@ INT32_MAX = 2**31 - 1
 UNSUPPORTED = (
     "tools",
     "functions",
-    "response_format",
     "echo",
     "suffix",
 )
-NEUTRAL_VALUES: tuple[Any, ...] = (None, False, 0, "", [], {}, {"type": "text"})
+NEUTRAL_VALUES: tuple[Any, ...] = (None, False, 0, "", [], {})
 # vLLM's extensions this server does not implement, with their neutral values
 UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (None, False),
@@ -84,6 +86,55 @@ class ChatMessage(_Body):
         return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
 
 
+class JSONSchemaFormat(_Body):
+    """`response_format.json_schema`: a named schema (`strict` is accepted; the schema is always enforced)."""
+
+    name: str = "schema"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """`response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        """What the reply must match; None for free text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec("json_object")
+        if self.json_schema is None:
+            raise ValueError("json_schema: required when type is json_schema")
+        return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_))
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` extension: exactly one of a JSON schema, a regex, a list of choices or an EBNF
+    grammar."""
+
+    json_: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def spec(self) -> GrammarSpec:
+        """The grammar it asks for."""
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar")
+        if self.json_ is not None:
+            return GrammarSpec("json_schema", json.dumps(self.json_), "structured_outputs.json")
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex, "structured_outputs.regex")
+        if self.choice is not None:
+            alternatives = "|".join(re.escape(c) for c in self.choice)
+            return GrammarSpec("regex", f"({alternatives})", "structured_outputs.choice")
+        return GrammarSpec("grammar", self.grammar or "", "structured_outputs.grammar")
+
+
 class _Generation(_Body):
     """Fields shared by chat and text completions."""
 
@@ -106,6 +157,22 @@ class _Generation(_Body):
     min_p: float | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_kind(cls, value: StructuredOutputs | None) -> StructuredOutputs | None:
+        if value is not None:
+            value.spec()
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _schema_given(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None:
+            value.grammar()
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -153,6 +220,13 @@ class _Generation(_Body):
             data["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         if self.logprobs_asked() is not None:
             data["logprobs"] = self.logprobs_asked()
+        grammar = self.structured_outputs.spec() if self.structured_outputs else None
+        if self.response_format is not None and self.response_format.grammar() is not None:
+            if grammar is not None:
+                raise InvalidRequestError("structured_outputs", "give it or response_format, not both")
+            grammar = self.response_format.grammar()
+        if grammar is not None:
+            data["grammar"] = grammar
         return data
 
     def logprobs_asked(self) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import grpc
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
+from mtpserve.cluster.engine.grammar import GrammarSpec
 from mtpserve.cluster.engine.llm_engine import encode_text
 from mtpserve.cluster.engine.request import SamplingParams, check_output_room, sampling_params
 from mtpserve.cluster.service.choices import MAX_CHOICES, Choices
@@ -83,6 +84,10 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     problem = stop_strings_problem(list(msg.stop))
     if problem is not None:
         raise InvalidRequestError("sampling.stop", problem)
+    kind = msg.WhichOneof("structured")
+    if kind is not None and (kind != "json_object" or msg.json_object):
+        value = "" if kind == "json_object" else getattr(msg, kind)
+        data["grammar"] = GrammarSpec(kind, value, f"sampling.{kind}")
     return sampling_params(data, "sampling.")
 
 

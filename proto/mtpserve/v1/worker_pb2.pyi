@@ -52,7 +52,7 @@ class SeqPlan(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., is_context: _Optional[bool] = ..., is_final_chunk: _Optional[bool] = ..., lookahead_token: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., processing: _Optional[_Union[LogitsProcessing, _Mapping]] = ...) -> None: ...
 
 class LogitsProcessing(_message.Message):
-    __slots__ = ("output_token_ids", "prompt_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "min_p", "logprobs")
+    __slots__ = ("output_token_ids", "prompt_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "min_p", "logprobs", "allowed")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class LogitsProcessing(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     presence_penalty: float
@@ -80,7 +81,8 @@ class LogitsProcessing(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     min_p: float
     logprobs: int
-    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    allowed: Tensor
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ..., logprobs: _Optional[int] = ..., allowed: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
