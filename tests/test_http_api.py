@@ -300,7 +300,7 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
     ("empty messages", CHAT, {"messages": []}, 400, "messages"),
     ("no messages", CHAT, {"max_tokens": 3}, 400, "messages"),
     ("unknown role", CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
-    ("tool role", CHAT, {"messages": [*USER, {"role": "tool", "content": "x"}]}, 400, "messages[1].role"),
+    ("function role", CHAT, {"messages": [*USER, {"role": "function", "content": "x"}]}, 400, "messages[1].role"),
     (
         "image content",
         CHAT,
@@ -349,7 +349,8 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "structured_outputs",
     ),
-    ("tools", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("tool without a function", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    ("functions", CHAT, {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions"),
     (
         "include_stop_str_in_output",
         TEXT,

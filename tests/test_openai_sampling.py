@@ -243,3 +243,11 @@ def test_structured_outputs_over_http_and_grpc(served: Any) -> None:
     with pytest.raises(Exception, match=r"sampling\.regex"):
         grpc_client.generate("x", max_tokens=4, regex="(unclosed")
     assert grpc_client.stats()["kv_blocks_used"] == 0
+
+
+def test_tools_on_a_template_without_them_are_refused(served: Any) -> None:
+    proc, client, _ = served
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=_model(proc), messages=[{"role": "user", "content": "x"}], tools=[tool])  # type: ignore[list-item]
+    assert bad.value.body["param"] == "tools"  # type: ignore[index]

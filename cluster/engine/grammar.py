@@ -12,6 +12,7 @@ xgrammar was measured against llguidance on SmolLM2's tokenizer (a 3-field JSON 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +32,8 @@ class GrammarSpec:
     kind: GrammarKind
     value: str = ""  # the JSON schema, regex or EBNF grammar; empty for json_object
     field: str = "response_format"
+    prefix: str = ""  # literal text before the JSON (a JSON kind only; a tool call's opening tag)
+    suffix: str = ""  # literal text after it
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -54,7 +57,10 @@ class Grammars:
         try:
             if spec.kind in ("json_object", "json_schema"):
                 schema = spec.value if spec.kind == "json_schema" else '{"type": "object"}'
-                compiled = self._compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
+                if spec.prefix or spec.suffix:
+                    compiled = self._compiler.compile_grammar(self._wrapped(schema, spec.prefix, spec.suffix))
+                else:
+                    compiled = self._compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
             elif spec.kind == "regex":
                 compiled = self._compiler.compile_regex(spec.value)
             else:
@@ -62,6 +68,16 @@ class Grammars:
         except Exception as exc:  # xgrammar raises RuntimeError or ValueError with the parser's message
             raise InvalidRequestError(spec.field, f"does not compile: {str(exc).splitlines()[0][:300]}") from None
         return RequestGrammar(self._xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK), self.vocab_size)
+
+    def _wrapped(self, schema: str, prefix: str, suffix: str) -> Any:
+        """A grammar of `prefix`, then JSON matching `schema`, then `suffix`."""
+        g = self._xgr.Grammar
+        parts = [g.from_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)]
+        if prefix:
+            parts.insert(0, g.from_ebnf(f"root ::= {json.dumps(prefix)}"))
+        if suffix:
+            parts.append(g.from_ebnf(f"root ::= {json.dumps(suffix)}"))
+        return g.concat(*parts)
 
 
 class RequestGrammar:

@@ -426,10 +426,10 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a conversation ({"role", "content"} turns) in the tokenizer's chat template, with the
-    assistant's turn opened for the answer."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assistant's turn opened for the answer; `tools` (OpenAI tool definitions) rendered as the template does."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

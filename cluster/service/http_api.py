@@ -41,6 +41,7 @@ from mtpserve.cluster.service.openai_schema import (
     usage_body,
 )
 from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
+from mtpserve.cluster.service.tool_calls import StreamedCalls, ToolUse, tool_format
 from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.stats import SpecStats
 
@@ -206,11 +207,19 @@ class OpenAIAPI:
         turns = [m.turn() for m in req.messages]
         size = sum(len(m.content.encode("utf-8")) for m in req.messages)
         self.tokenizers.check_length(size, self.loop.info.max_model_len, "messages")
+        functions = req.functions()
+        tools = None
+        if functions:
+            if "tools" not in str(tok.chat_template):
+                raise InvalidRequestError("tools", "this model's chat template does not render tools")
+            fmt = tool_format(self.loop.info.architecture)
+            tools = ToolUse(fmt, fmt.forced(functions) if req.forces_call else None)
+        defs = [{"type": "function", "function": f} for f in functions] or None
         try:
-            ids = await asyncio.wrap_future(self.tokenizers.submit(encode_chat, turns))
+            ids = await asyncio.wrap_future(self.tokenizers.submit(encode_chat, turns, defs))
         except Exception as exc:  # a template may refuse a conversation (roles out of order)
             raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from None
-        return await self._generate(request, req, ids, chat=True)
+        return await self._generate(request, req, ids, chat=True, tools=tools)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: the prompt as is (text without a template, or token ids)."""
@@ -243,7 +252,12 @@ class OpenAIAPI:
             raise APIError(404, message, "model", "model_not_found")
 
     async def _generate(
-        self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int], chat: bool
+        self,
+        request: web.Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        ids: list[int],
+        chat: bool,
+        tools: ToolUse | None = None,
     ) -> web.StreamResponse:
         prompt_field = "messages" if chat else "prompt"
         if not self.accepting():
@@ -258,6 +272,10 @@ class OpenAIAPI:
             params = sampling_params(req.sampling(asked if asked is not None else limit - n))
         except InvalidRequestError as exc:
             raise InvalidRequestError(field if exc.field == "max_tokens" else exc.field, exc.reason) from None
+        if tools is not None and tools.forced is not None:
+            if params.grammar is not None:
+                raise InvalidRequestError("tool_choice", "a required tool call cannot be combined with another format")
+            params = params.model_copy(update={"grammar": tools.forced})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices = Choices(lambda: EngineStream(self.loop, self.tokenizers.decoder, req.stop), req.n)
         try:
@@ -272,13 +290,18 @@ class OpenAIAPI:
             ) as exc:
                 raise api_error(exc, prompt_field) from None
             if req.stream:
-                return await self._sse(request, req, choices, rid, chat)
-            return await self._whole(req, choices, rid, chat)
+                return await self._sse(request, req, choices, rid, chat, tools)
+            return await self._whole(req, choices, rid, chat, tools)
         finally:
             choices.close()
 
     async def _whole(
-        self, req: ChatCompletionRequest | CompletionRequest, choices: Choices, rid: str, chat: bool
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        choices: Choices,
+        rid: str,
+        chat: bool,
+        tools: ToolUse | None = None,
     ) -> web.Response:
         n = len(choices.streams)
         texts: list[list[str]] = [[] for _ in range(n)]
@@ -303,6 +326,12 @@ class OpenAIAPI:
             choice["index"] = i
             if req.logprobs_asked() is not None:
                 choice["logprobs"] = self._logprobs(chat, logprobs[i], ids[i], 0)
+            if tools is not None:
+                content, calls = tools.fmt.split(choice["message"]["content"])
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content or None}
+                    choice["message"]["tool_calls"] = [c.body() for c in calls]
+                    choice["finish_reason"] = "tool_calls"
             bodies.append(choice)
         body = completion_body(chat, rid, int(time.time()), self.model_id, bodies, chunk=False)
         body["usage"] = _usage([p for p in last if p is not None])
@@ -315,6 +344,7 @@ class OpenAIAPI:
         choices: Choices,
         rid: str,
         chat: bool,
+        tools: ToolUse | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -335,6 +365,7 @@ class OpenAIAPI:
             return body
 
         offsets = [0] * n  # text sent so far per choice: where a completion's logprobs count their text offsets from
+        splitters = [StreamedCalls(tools.fmt) for _ in range(n)] if tools is not None else []
         ended: list[Piece] = []
         try:
             if chat:
@@ -342,6 +373,9 @@ class OpenAIAPI:
                     await send(chunk(i, "", None, first=True))
             try:
                 async for i, piece in choices.pieces():
+                    if tools is not None:
+                        await self._send_calls(send, chunk, splitters[i], i, piece)
+                        continue
                     await send(chunk(i, piece.text, piece.finish_reason, piece))
                     offsets[i] += len(piece.text)
                     if piece.finish_reason is not None:
@@ -358,6 +392,21 @@ class OpenAIAPI:
         except ConnectionError:  # the client left while we wrote; the caller aborts the request
             pass
         return resp
+
+    @staticmethod
+    async def _send_calls(send: Any, chunk: Any, splitter: StreamedCalls, index: int, piece: Piece) -> None:
+        """A piece of a reply that may call tools: its content, each call completed in it as a `tool_calls` delta,
+        and the finish (`tool_calls` once any call was made)."""
+        text, calls = splitter.push(piece.text, last=piece.finish_reason is not None)
+        if text or piece.logprobs is not None:
+            await send(chunk(index, text, None, piece))
+        for call in calls:
+            body = chunk(index, "", None)
+            body["choices"][0]["delta"] = {"tool_calls": [call.body(splitter.calls)]}
+            splitter.calls += 1
+            await send(body)
+        if piece.finish_reason is not None:
+            await send(chunk(index, "", "tool_calls" if splitter.calls else piece.finish_reason))
 
     def _logprobs(self, chat: bool, lp: TokenLogprobs, ids: list[int], offset: int) -> dict[str, Any]:
         if chat:

@@ -9,6 +9,7 @@ names them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_id
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from typing import Any, Literal
@@ -25,7 +26,6 @@ from mtpserve.speculative.stats import SpecStats
 INT32_MAX = 2**31 - 1
 # Known fields this server does not implement: refused unless absent or set to their neutral value.
 UNSUPPORTED = (
-    "tools",
     "functions",
     "echo",
     "suffix",
@@ -58,15 +58,42 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class CalledFunction(_Body):
+    """The function of an earlier tool call: its name and arguments (JSON text, as OpenAI sends them)."""
+
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallMessage(_Body):
+    """A tool call in an earlier assistant turn."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict[str, Any]:
+        """The call as chat templates take it: arguments as an object when they are JSON."""
+        args: Any = self.function.arguments
+        if isinstance(args, str):
+            with contextlib.suppress(ValueError):  # not JSON: the template gets the text
+                args = json.loads(args) if args else {}
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
 class ChatMessage(_Body):
     """One turn of a conversation; `content` is a string or a list of text parts, joined here."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str = ""
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
     def _text(cls, value: Any) -> Any:
+        if value is None:
+            return ""  # an assistant turn that only calls tools
         if not isinstance(value, list):
             return value
         texts = []
@@ -81,9 +108,37 @@ class ChatMessage(_Body):
     def _unicode(cls, value: str) -> str:
         return encodable(value)
 
-    def turn(self) -> dict[str, str]:
-        """The turn for the chat template ("developer" is the system turn of newer OpenAI models)."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+    def turn(self) -> dict[str, Any]:
+        """The turn for the chat template ("developer" is the system turn of newer OpenAI models); tool calls
+        carry their arguments as objects, as templates expect."""
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            turn["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
+
+
+class FunctionDef(_Body):
+    """A tool's function: name, description and a JSON schema of its parameters."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(_Body):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedTool(_Body):
+    """`tool_choice` naming one function."""
+
+    type: Literal["function"]
+    function: dict[str, str]
 
 
 class JSONSchemaFormat(_Body):
@@ -239,6 +294,36 @@ class ChatCompletionRequest(_Generation):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, le=INT32_MAX)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a reply may hold several calls either way
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if isinstance(value, NamedTool):
+            name = value.function.get("name")
+            if name not in {t.function.name for t in tools}:
+                raise ValueError(f"names function {name!r}, which is not among tools")
+        elif value == "required" and not tools:
+            raise ValueError("'required' needs tools")
+        return value
+
+    def functions(self) -> list[dict[str, Any]]:
+        """The tools a reply may call under tool_choice: their function definitions."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        defs = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedTool):
+            return [d for d in defs if d["name"] == self.tool_choice.function["name"]]
+        return defs
+
+    @property
+    def forces_call(self) -> bool:
+        """Whether the reply must be a tool call (tool_choice "required" or a named function)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedTool)
+
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
