@@ -369,6 +369,8 @@ def test_get_stats_and_prometheus_metrics(client: MTPServeClient, server: ServeP
     assert _metric(text, 'mtpserve_spec_drafted_per_position_total{position="2"}') >= 1
     assert _metric(text, "mtpserve_queue_depth") == 0 and _metric(text, "mtpserve_kv_cache_usage_ratio") == 0
     assert _metric(text, "mtpserve_spec_depth") == 3  # the depth a fixed K=3 chain runs
+    assert _metric(text, 'mtpserve_spec_steps_per_depth_total{depth="3"}') >= 5, "20 tokens, at most 4 a step"
+    assert 'mtpserve_spec_steps_per_depth_total{depth="1"}' not in text, "no step ran another kind"
 
 
 def test_prefix_cache_hits_show_in_get_stats_and_metrics(client: MTPServeClient, server: ServeProcess) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -124,6 +124,7 @@ class LLMEngine:
         self.totals = SpecStats()
         self.steps_run = 0  # steps applied, and the target rows they computed
         self.rows_run = 0
+        self.kind_steps: Counter[str] = Counter()  # steps with generation rows, by kind ('0'..'K', 'tree<N>')
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
         self._overlap_runner: OverlapTarget | None = None  # set when steps may be queued ahead (see `step`)
@@ -341,6 +342,8 @@ class LLMEngine:
         outputs = self.scheduler.update(plan, out, drafts)
         self.steps_run += 1
         self.rows_run += plan.num_tokens
+        if plan.seqs and not plan.seqs[-1].is_context:  # generation rows come last: a step that verifies
+            self.kind_steps[str(self.scheduler.kind_of(plan.num_draft_tokens))] += 1
         for o in outputs:
             if o.finished:
                 self.totals.merge(o.stats)

@@ -184,13 +184,15 @@ class EngineMetrics:
         )
         self.steps_per_depth = Counter(
             f"{prefix}_spec_steps_per_depth",
-            "Scheduled steps by kind (adaptive speculation): a chain depth (0 = the draft only keeps its KV), "
-            "or tree<N> for a draft tree of N nodes",
+            "Steps with generation rows by the kind they ran: a chain depth (0 = target-only, or the draft only "
+            "keeps its KV), or tree<N> for a draft tree of N nodes",
             ["depth"],
             registry=r,
         )
         self.depth = Gauge(
-            f"{prefix}_spec_depth", "Draft depth the adaptive policy would choose now (a tree's depth)", registry=r
+            f"{prefix}_spec_depth",
+            "Draft depth the steps run now: a fixed chain's K, or the adaptive policy's choice",
+            registry=r,
         )
         self._kinds_seen: dict[str, int] = {}
 

@@ -114,7 +114,7 @@ def engine_load(engine: LLMEngine) -> EngineLoad:
         kv_blocks_cached=blocks.num_cached,
         prefix_query_tokens=sched.prefix_query_tokens,
         prefix_hit_tokens=sched.prefix_hit_tokens,
-        depth_steps=None if policy is None else policy.step_counts(),
+        depth_steps=dict(engine.kind_steps),
         depth=sched.k if policy is None else policy.depth,  # a fixed chain runs its K every step
         steps=engine.steps_run,
         rows=engine.rows_run,
