@@ -1,5 +1,5 @@
 """`mtpserve.cluster.client.MTPServeClient`, also `mtpserve.MTPServeClient`: the Python client (`service/client.py`)."""
 
-from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.client import Chat, MTPServeClient
 
-__all__ = ["MTPServeClient"]
+__all__ = ["Chat", "MTPServeClient"]

@@ -146,3 +146,33 @@ def test_auto_leaves_prose_as_content_and_bad_choices_are_refused(served: Any) -
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert bad.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_tools_over_grpc(served: Any) -> None:
+    import grpc
+
+    from mtpserve.cluster.client import Chat, MTPServeClient
+    from mtpserve.cluster.service.client import build_request
+
+    proc, _ = served
+    tools = [{"name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in TOOLS]
+    turns = [{"role": "user", "content": "Weather in Oslo?"}]
+    with MTPServeClient(proc.address, timeout=60) as client:
+        out = client.generate(Chat(turns, tools, "get_weather"), max_tokens=80, temperature=0.7, seed=2)
+        assert out["finish_reason"] == "tool_calls" and out["text"] == ""
+        (call,) = out["tool_calls"]
+        assert call["name"] == "get_weather" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+        answer = {"role": "tool", "content": "4 C", "tool_call_id": call["id"]}
+        answered = [*turns, {"role": "assistant", "tool_calls": [call]}, answer]
+        prose = client.generate(Chat(answered, tools, "none"), max_tokens=6)
+        assert prose["finish_reason"] == "length" and "tool_calls" not in prose
+        with pytest.raises(Exception, match="tool_choice"):
+            client.generate(Chat(turns, tools, "nope"), max_tokens=4)
+        bad = build_request(Chat(turns, [{"name": "f"}]), max_tokens=4)
+        bad.tools[0].parameters_json = "{not json"
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stub.Generate(bad, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools[0].parameters_json" in str(
+            err.value.details()
+        )

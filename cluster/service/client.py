@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 SAMPLING_FIELDS = (
     "max_tokens",
@@ -65,6 +67,9 @@ def _joined(chunks: list[Chunk], logprobs: bool) -> dict[str, Any]:
     }
     if logprobs:
         out["logprobs"] = [e for c in chunks for e in c.logprobs]
+    calls = [call for c in chunks for call in c.tool_calls]
+    if calls:
+        out["tool_calls"] = calls
     return out
 
 
@@ -80,12 +85,14 @@ class Chunk:
     stats: dict[str, Any] = field(default_factory=dict)
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token: token_id, logprob, top
     index: int = 0  # which of the request's n completions
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # calls completed in this chunk: id, name, arguments
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
         """Convert a GenerateResponse."""
         reason = FINISH_NAMES.get(msg.finish_reason, "unknown")
         chunk = cls(msg.request_id, msg.text, list(msg.token_ids), reason, index=msg.index)
+        chunk.tool_calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in msg.tool_calls]
         chunk.logprobs = [
             {"token_id": e.token_id, "logprob": e.logprob, "top": [(t.token_id, t.logprob) for t in e.top]}
             for e in msg.logprobs
@@ -99,22 +106,47 @@ class Chunk:
         return chunk
 
 
+@dataclass
+class Chat:
+    """A conversation prompt: turns as {"role", "content"} dicts (assistant turns may hold "tool_calls" as
+    {"id", "name", "arguments"}, tool turns a "tool_call_id"), the tools the reply may call as {"name",
+    "description", "parameters"} (a JSON schema), and the tool choice ("auto", "none", "required" or a name)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str = ""
+
+    def fill(self, req: pb.GenerateRequest) -> None:
+        """Set the request's prompt, tools and tool choice."""
+        for m in self.messages:
+            calls = [pb.ToolCall(**c) for c in m.get("tool_calls") or []]
+            turn = pb.ChatTurn(role=m["role"], content=m.get("content") or "", tool_calls=calls)
+            turn.tool_call_id = m.get("tool_call_id", "")
+            req.messages.turns.append(turn)
+        for t in self.tools:
+            params = json.dumps(t["parameters"]) if t.get("parameters") else ""
+            req.tools.append(pb.Tool(name=t["name"], description=t.get("description", ""), parameters_json=params))
+        req.tool_choice = self.tool_choice
+
+
 def build_request(
-    prompt: str | None = None,
+    prompt: str | Chat | None = None,
     token_ids: list[int] | None = None,
     raw: bool = False,
     request_id: str = "",
     n: int = 1,
     **sampling: Any,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from a text prompt or token ids plus SamplingParams fields (None = default)."""
+    """A GenerateRequest from a text prompt, a Chat or token ids plus SamplingParams fields (None = default)."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt or token_ids")
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling fields: {sorted(unknown)}; known: {list(SAMPLING_FIELDS)}")
     req = pb.GenerateRequest(request_id=request_id, raw=raw, n=n)
-    if prompt is not None:
+    if isinstance(prompt, Chat):
+        prompt.fill(req)
+    elif prompt is not None:
         req.text = prompt
     else:
         req.token_ids.ids.extend(token_ids or [])
@@ -194,7 +226,7 @@ class MTPServeClient:
 
     def stream(
         self,
-        prompt: str | None = None,
+        prompt: str | Chat | None = None,
         token_ids: list[int] | None = None,
         *,
         raw: bool = False,
@@ -215,7 +247,7 @@ class MTPServeClient:
 
     def generate(
         self,
-        prompt: str | None = None,
+        prompt: str | Chat | None = None,
         token_ids: list[int] | None = None,
         *,
         raw: bool = False,

@@ -41,7 +41,7 @@ from mtpserve.cluster.service.openai_schema import (
     usage_body,
 )
 from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
-from mtpserve.cluster.service.tool_calls import StreamedCalls, ToolUse, tool_format
+from mtpserve.cluster.service.tool_calls import StreamedCalls, ToolUse, offer_tools
 from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.stats import SpecStats
 
@@ -208,12 +208,7 @@ class OpenAIAPI:
         size = sum(len(m.content.encode("utf-8")) for m in req.messages)
         self.tokenizers.check_length(size, self.loop.info.max_model_len, "messages")
         functions = req.functions()
-        tools = None
-        if functions:
-            if "tools" not in str(tok.chat_template):
-                raise InvalidRequestError("tools", "this model's chat template does not render tools")
-            fmt = tool_format(self.loop.info.architecture)
-            tools = ToolUse(fmt, fmt.forced(functions) if req.forces_call else None)
+        tools = offer_tools(tok, self.loop.info.architecture, functions, req.forces_call)
         defs = [{"type": "function", "function": f} for f in functions] or None
         try:
             ids = await asyncio.wrap_future(self.tokenizers.submit(encode_chat, turns, defs))
@@ -272,10 +267,8 @@ class OpenAIAPI:
             params = sampling_params(req.sampling(asked if asked is not None else limit - n))
         except InvalidRequestError as exc:
             raise InvalidRequestError(field if exc.field == "max_tokens" else exc.field, exc.reason) from None
-        if tools is not None and tools.forced is not None:
-            if params.grammar is not None:
-                raise InvalidRequestError("tool_choice", "a required tool call cannot be combined with another format")
-            params = params.model_copy(update={"grammar": tools.forced})
+        if tools is not None:
+            params = tools.constrain(params)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices = Choices(lambda: EngineStream(self.loop, self.tokenizers.decoder, req.stop), req.n)
         try:

@@ -16,15 +16,17 @@ import grpc
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
 from mtpserve.cluster.engine.grammar import GrammarSpec
-from mtpserve.cluster.engine.llm_engine import encode_text
+from mtpserve.cluster.engine.llm_engine import encode_chat, encode_text, has_chat_template
 from mtpserve.cluster.engine.request import SamplingParams, check_output_room, sampling_params
 from mtpserve.cluster.service.choices import MAX_CHOICES, Choices
 from mtpserve.cluster.service.detokenizer import Tokenizers
 from mtpserve.cluster.service.engine_stream import EngineStream, Piece
 from mtpserve.cluster.service.error_status import error_status
+from mtpserve.cluster.service.grpc_chat import call_to_proto, conversation_turns, offered_functions
 from mtpserve.cluster.service.metrics import GRPC
 from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
 from mtpserve.cluster.service.stop_strings import stop_strings_problem
+from mtpserve.cluster.service.tool_calls import StreamedCalls, ToolUse, offer_tools
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 from mtpserve.speculative.logits_processing import TokenLogprobs
@@ -130,10 +132,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.started = time.monotonic()
         self.tokenizers = Tokenizers(loop.tokenizer)
 
+    async def _chat_ids(self, request: pb.GenerateRequest) -> tuple[list[int], ToolUse | None]:
+        """A conversation's token ids in the chat template, and the tools its reply may call."""
+        tok = self.tokenizers.encoder
+        if tok is None or not has_chat_template(tok):
+            raise InvalidRequestError("prompt.messages", "this model has no chat template; send text or token_ids")
+        turns = conversation_turns(request.messages)
+        size = sum(len(t.content.encode("utf-8", "surrogatepass")) for t in request.messages.turns)
+        self.tokenizers.check_length(size, self.loop.info.max_model_len, "prompt.messages")
+        functions, forced = offered_functions(request.tools, request.tool_choice)
+        tools = offer_tools(tok, self.loop.info.architecture, functions, forced)
+        defs = [{"type": "function", "function": f} for f in functions] or None
+        try:
+            ids = await asyncio.wrap_future(self.tokenizers.submit(encode_chat, turns, defs))
+        except Exception as exc:  # a template may refuse a conversation (roles out of order)
+            raise InvalidRequestError("prompt.messages", f"the chat template refused them: {exc}") from None
+        return ids, tools
+
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
-            raise InvalidRequestError("prompt", "must be set: give text or token_ids")
+            raise InvalidRequestError("prompt", "must be set: give text, token_ids or messages")
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if not request.text:
@@ -154,24 +173,50 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         choices = Choices(lambda: EngineStream(self.loop, self.tokenizers.decoder, stop, GRPC), max(1, request.n))
         # however the call ends (a cancel may leave this generator paused at a yield), the requests are aborted
         context.add_done_callback(lambda _: choices.close())
-        rid = await self._start(choices, request, context)
+        rid, tools = await self._start(choices, request, context)
+        splitters = [StreamedCalls(tools.fmt) for _ in choices.streams] if tools is not None else []
         try:
             async for i, piece in choices.pieces():
                 chunk = pb.GenerateResponse(request_id=rid, token_ids=piece.token_ids, text=piece.text, index=i)
                 if piece.logprobs is not None:
                     chunk.logprobs.extend(logprobs_to_proto(piece.token_ids, piece.logprobs))
-                yield chunk if piece.finish_reason is None else last_chunk(chunk, piece)
+                if splitters:
+                    chunk.text, calls = splitters[i].push(piece.text, last=piece.finish_reason is not None)
+                    chunk.tool_calls.extend(call_to_proto(c) for c in calls)
+                    splitters[i].calls += len(calls)
+                if piece.finish_reason is None:
+                    yield chunk
+                    continue
+                chunk = last_chunk(chunk, piece)
+                if splitters and splitters[i].calls:
+                    chunk.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+                yield chunk
         except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
             await _abort(context, *_abort_code(exc))
 
-    async def _start(self, choices: Choices, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+    async def _start(
+        self, choices: Choices, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[str, ToolUse | None]:
+        """Validate and submit the request: its id, and the tools its reply may call."""
         if not self.accepting():
             await _abort(context, grpc.StatusCode.UNAVAILABLE, "workers are down or the server is stopping")
         try:
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # it comes back in every chunk
                 raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
-            ids = await self._prompt_ids(request)
+            tools = None
+            if request.WhichOneof("prompt") == "messages":
+                ids, tools = await self._chat_ids(request)
+            else:
+                if request.tools:
+                    raise InvalidRequestError("tools", "need a prompt given as messages")
+                ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
+            if tools is not None and tools.forced is not None:
+                if params.grammar is not None:
+                    raise InvalidRequestError(
+                        "tool_choice", "a required tool call cannot be combined with another format"
+                    )
+                params = params.model_copy(update={"grammar": tools.forced})
             limit = self.loop.info.max_model_len
             if request.sampling.HasField("max_tokens") and len(ids) < limit:  # a longer prompt: refused by its length
                 check_output_room(len(ids), params.max_tokens, limit)
@@ -183,7 +228,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await choices.start(ids, params, request.request_id or None)
         except (InvalidRequestError, QueueFullError, WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:
             await _abort(context, *_abort_code(exc))
-        return choices.request_id
+        return choices.request_id, tools
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Stop a request by id."""

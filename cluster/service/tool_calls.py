@@ -15,7 +15,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mtpserve.cluster.engine.errors import InvalidRequestError
 from mtpserve.cluster.engine.grammar import GrammarSpec
+from mtpserve.cluster.engine.request import SamplingParams
 
 
 @dataclass
@@ -148,6 +150,17 @@ class Llama3Format:
         return GrammarSpec("json_schema", _call_schema(tools, "parameters"), "tool_choice")
 
 
+def offer_tools(tokenizer: Any, architecture: str, functions: list[dict[str, Any]], forced: bool) -> ToolUse | None:
+    """How a reply may call `functions` (None when none is offered); InvalidRequestError naming `tools` when the
+    chat template does not render tools."""
+    if not functions:
+        return None
+    if "tools" not in str(tokenizer.chat_template):
+        raise InvalidRequestError("tools", "this model's chat template does not render tools")
+    fmt = tool_format(architecture)
+    return ToolUse(fmt, fmt.forced(functions) if forced else None)
+
+
 def _open_prefix(text: str, opening: str) -> int:
     """Length of the longest end of `text` that begins `opening` (held back: the next delta may complete it)."""
     return next((k for k in range(min(len(text), len(opening) - 1), 0, -1) if opening.startswith(text[-k:])), 0)
@@ -160,6 +173,15 @@ class ToolUse:
 
     fmt: ToolFormat
     forced: GrammarSpec | None = None
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the forced call's grammar (unchanged when the model chooses); InvalidRequestError when
+        the request asks for another format as well."""
+        if self.forced is None:
+            return params
+        if params.grammar is not None:
+            raise InvalidRequestError("tool_choice", "a required tool call cannot be combined with another format")
+        return params.model_copy(update={"grammar": self.forced})
 
 
 def tool_format(architecture: str) -> ToolFormat:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmtpserve/v1/inference.proto\x12\x0bmtpserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12>\n\nlogit_bias\x18\x0b \x03(\x0b\x32*.mtpserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x0f \x03(\t\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x08\n\x06_min_pB\x0b\n\t_logprobs\"\xb2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.mtpserve.v1.TokenIdsH\x00\x12\x0b\n\x03raw\x18\x04 \x01(\x08\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.mtpserve.v1.SamplingParams\x12\t\n\x01n\x18\x06 \x01(\rB\x08\n\x06prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe6\x01\n\x0f\x41\x63\x63\x65ptanceStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x04\x12\x14\n\x0cverify_steps\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x05 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\x01\x12#\n\x1b\x61\x63\x63\x65pted_count_per_position\x18\x07 \x03(\x04\x12\"\n\x1a\x64rafted_count_per_position\x18\x08 \x03(\x04\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.mtpserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.mtpserve.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.mtpserve.v1.AcceptanceStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.mtpserve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.mtpserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x83\x01\n\tDraftInfo\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x18\n\x10lookahead_source\x18\x05 \x01(\t\x12\x11\n\tplacement\x18\x06 \x01(\t\"\x8b\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\x12%\n\x05\x64raft\x18\x0b \x01(\x0b\x32\x16.mtpserve.v1.DraftInfo\x12\x12\n\nblock_size\x18\x0c \x01(\r\"\x11\n\x0fGetStatsRequest\"\xe9\x02\n\x10GetStatsResponse\x12,\n\x06totals\x18\x01 \x01(\x0b\x32\x1c.mtpserve.v1.AcceptanceStats\x12\x18\n\x10requests_running\x18\x02 \x01(\r\x12\x18\n\x10requests_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x19\n\x11requests_finished\x18\x06 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x04\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12!\n\x19prefix_cache_query_tokens\x18\n \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa9\x02\n\tInference\x12I\n\x08Generate\x12\x1c.mtpserve.v1.GenerateRequest\x1a\x1d.mtpserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.mtpserve.v1.AbortRequest\x1a\x1a.mtpserve.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .mtpserve.v1.GetModelInfoRequest\x1a\x16.mtpserve.v1.ModelInfo\x12G\n\x08GetStats\x12\x1c.mtpserve.v1.GetStatsRequest\x1a\x1d.mtpserve.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmtpserve/v1/inference.proto\x12\x0bmtpserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12>\n\nlogit_bias\x18\x0b \x03(\x0b\x32*.mtpserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x0f \x03(\t\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x08\n\x06_min_pB\x0b\n\t_logprobs\"\x98\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.mtpserve.v1.TokenIdsH\x00\x12-\n\x08messages\x18\t \x01(\x0b\x32\x19.mtpserve.v1.ConversationH\x00\x12\x0b\n\x03raw\x18\x04 \x01(\x08\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.mtpserve.v1.SamplingParams\x12\t\n\x01n\x18\x06 \x01(\r\x12 \n\x05tools\x18\x07 \x03(\x0b\x32\x11.mtpserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x08 \x01(\tB\x08\n\x06prompt\"4\n\x0c\x43onversation\x12$\n\x05turns\x18\x01 \x03(\x0b\x32\x15.mtpserve.v1.ChatTurn\"j\n\x08\x43hatTurn\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.mtpserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe6\x01\n\x0f\x41\x63\x63\x65ptanceStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x04\x12\x14\n\x0cverify_steps\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x05 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\x01\x12#\n\x1b\x61\x63\x63\x65pted_count_per_position\x18\x07 \x03(\x04\x12\"\n\x1a\x64rafted_count_per_position\x18\x08 \x03(\x04\"\xb0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.mtpserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.mtpserve.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.mtpserve.v1.AcceptanceStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.mtpserve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12)\n\ntool_calls\x18\t \x03(\x0b\x32\x15.mtpserve.v1.ToolCall\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.mtpserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x83\x01\n\tDraftInfo\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x18\n\x10lookahead_source\x18\x05 \x01(\t\x12\x11\n\tplacement\x18\x06 \x01(\t\"\x8b\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\x12%\n\x05\x64raft\x18\x0b \x01(\x0b\x32\x16.mtpserve.v1.DraftInfo\x12\x12\n\nblock_size\x18\x0c \x01(\r\"\x11\n\x0fGetStatsRequest\"\xe9\x02\n\x10GetStatsResponse\x12,\n\x06totals\x18\x01 \x01(\x0b\x32\x1c.mtpserve.v1.AcceptanceStats\x12\x18\n\x10requests_running\x18\x02 \x01(\r\x12\x18\n\x10requests_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x19\n\x11requests_finished\x18\x06 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x04\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12!\n\x19prefix_cache_query_tokens\x18\n \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x01*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xa9\x02\n\tInference\x12I\n\x08Generate\x12\x1c.mtpserve.v1.GenerateRequest\x1a\x1d.mtpserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.mtpserve.v1.AbortRequest\x1a\x1a.mtpserve.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .mtpserve.v1.GetModelInfoRequest\x1a\x16.mtpserve.v1.ModelInfo\x12G\n\x08GetStats\x12\x1c.mtpserve.v1.GetStatsRequest\x1a\x1d.mtpserve.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2549
-  _globals['_FINISHREASON']._serialized_end=2669
+  _globals['_FINISHREASON']._serialized_start=2982
+  _globals['_FINISHREASON']._serialized_end=3132
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
@@ -42,31 +42,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=566
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=614
   _globals['_GENERATEREQUEST']._serialized_start=795
-  _globals['_GENERATEREQUEST']._serialized_end=973
-  _globals['_USAGE']._serialized_start=975
-  _globals['_USAGE']._serialized_end=1032
-  _globals['_ACCEPTANCESTATS']._serialized_start=1035
-  _globals['_ACCEPTANCESTATS']._serialized_end=1265
-  _globals['_GENERATERESPONSE']._serialized_start=1268
-  _globals['_GENERATERESPONSE']._serialized_end=1529
-  _globals['_TOKENLOGPROB']._serialized_start=1531
-  _globals['_TOKENLOGPROB']._serialized_end=1618
-  _globals['_TOPLOGPROB']._serialized_start=1620
-  _globals['_TOPLOGPROB']._serialized_end=1667
-  _globals['_ABORTREQUEST']._serialized_start=1669
-  _globals['_ABORTREQUEST']._serialized_end=1703
-  _globals['_ABORTRESPONSE']._serialized_start=1705
-  _globals['_ABORTRESPONSE']._serialized_end=1737
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1739
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1760
-  _globals['_DRAFTINFO']._serialized_start=1763
-  _globals['_DRAFTINFO']._serialized_end=1894
-  _globals['_MODELINFO']._serialized_start=1897
-  _globals['_MODELINFO']._serialized_end=2164
-  _globals['_GETSTATSREQUEST']._serialized_start=2166
-  _globals['_GETSTATSREQUEST']._serialized_end=2183
-  _globals['_GETSTATSRESPONSE']._serialized_start=2186
-  _globals['_GETSTATSRESPONSE']._serialized_end=2547
-  _globals['_INFERENCE']._serialized_start=2672
-  _globals['_INFERENCE']._serialized_end=2969
+  _globals['_GENERATEREQUEST']._serialized_end=1075
+  _globals['_CONVERSATION']._serialized_start=1077
+  _globals['_CONVERSATION']._serialized_end=1129
+  _globals['_CHATTURN']._serialized_start=1131
+  _globals['_CHATTURN']._serialized_end=1237
+  _globals['_TOOL']._serialized_start=1239
+  _globals['_TOOL']._serialized_end=1305
+  _globals['_TOOLCALL']._serialized_start=1307
+  _globals['_TOOLCALL']._serialized_end=1362
+  _globals['_USAGE']._serialized_start=1364
+  _globals['_USAGE']._serialized_end=1421
+  _globals['_ACCEPTANCESTATS']._serialized_start=1424
+  _globals['_ACCEPTANCESTATS']._serialized_end=1654
+  _globals['_GENERATERESPONSE']._serialized_start=1657
+  _globals['_GENERATERESPONSE']._serialized_end=1961
+  _globals['_TOKENLOGPROB']._serialized_start=1963
+  _globals['_TOKENLOGPROB']._serialized_end=2050
+  _globals['_TOPLOGPROB']._serialized_start=2052
+  _globals['_TOPLOGPROB']._serialized_end=2099
+  _globals['_ABORTREQUEST']._serialized_start=2101
+  _globals['_ABORTREQUEST']._serialized_end=2135
+  _globals['_ABORTRESPONSE']._serialized_start=2137
+  _globals['_ABORTRESPONSE']._serialized_end=2169
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2171
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2192
+  _globals['_DRAFTINFO']._serialized_start=2195
+  _globals['_DRAFTINFO']._serialized_end=2326
+  _globals['_MODELINFO']._serialized_start=2329
+  _globals['_MODELINFO']._serialized_end=2596
+  _globals['_GETSTATSREQUEST']._serialized_start=2598
+  _globals['_GETSTATSREQUEST']._serialized_end=2615
+  _globals['_GETSTATSRESPONSE']._serialized_start=2618
+  _globals['_GETSTATSRESPONSE']._serialized_end=2979
+  _globals['_INFERENCE']._serialized_start=3135
+  _globals['_INFERENCE']._serialized_end=3432
 # @@protoc_insertion_point(module_scope)
