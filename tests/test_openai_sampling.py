@@ -153,6 +153,8 @@ def test_min_p_and_stop_strings_over_grpc(served: Any, reference: Reference) -> 
     cut = grpc_client.generate(token_ids=prompt, max_tokens=20, stop=[stop])
     assert cut["finish_reason"] == "stop" and cut["text"] == full["text"][: full["text"].index(stop)]
     assert len(cut["token_ids"]) < len(full["token_ids"])
+    kept = grpc_client.generate(token_ids=prompt, max_tokens=20, stop=[stop], include_stop_str_in_output=True)
+    assert kept["text"] == full["text"][: full["text"].index(stop) + len(stop)]
 
 
 def test_n_choices_equal_single_requests_and_share_the_prompts_blocks(served: Any) -> None:
@@ -251,3 +253,13 @@ def test_tools_on_a_template_without_them_are_refused(served: Any) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=_model(proc), messages=[{"role": "user", "content": "x"}], tools=[tool])  # type: ignore[list-item]
     assert bad.value.body["param"] == "tools"  # type: ignore[index]
+
+
+def test_stop_string_kept_over_http(served: Any) -> None:
+    proc, client, _ = served
+    prompt = PROMPTS[0]
+    full = client.completions.create(model=_model(proc), prompt=prompt, max_tokens=20).choices[0].text
+    stop = full[8:12]
+    extra = {"include_stop_str_in_output": True}
+    kept = client.completions.create(model=_model(proc), prompt=prompt, max_tokens=20, stop=[stop], extra_body=extra)
+    assert kept.choices[0].text == full[: full.index(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"

@@ -37,6 +37,7 @@ SAMPLING_FIELDS = (
     "min_p",
     "logprobs",
     "stop",
+    "include_stop_str_in_output",
     "json_object",
     "json_schema",
     "regex",

@@ -101,11 +101,13 @@ class EngineStream:
     """A request submitted to the engine loop from a coroutine; `close()` aborts it unless it ended. `decoder` is a
     tokenizer that only the event loop's thread uses (`Tokenizers.decoder`), or None for token ids alone."""
 
-    def __init__(self, loop: EngineCore, decoder: Any, stop: list[str], frontend: str = HTTP) -> None:
+    def __init__(
+        self, loop: EngineCore, decoder: Any, stop: list[str], frontend: str = HTTP, keep_stop: bool = False
+    ) -> None:
         self.loop = loop
         self.frontend = frontend
         self.detok = IncrementalDetokenizer(decoder) if decoder is not None else None
-        self.stops = StopStrings(stop) if stop else None
+        self.stops = StopStrings(stop, keep_stop) if stop else None
         self.handle: RequestHandle | None = None
         self.done = False
         self._held: RequestOutput | Exception | None = None

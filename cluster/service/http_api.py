@@ -270,7 +270,8 @@ class OpenAIAPI:
         if tools is not None:
             params = tools.constrain(params)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        choices = Choices(lambda: EngineStream(self.loop, self.tokenizers.decoder, req.stop), req.n)
+        decoder, keep = self.tokenizers.decoder, req.include_stop_str_in_output
+        choices = Choices(lambda: EngineStream(self.loop, decoder, req.stop, keep_stop=keep), req.n)
         try:
             try:
                 await choices.start(ids, params, rid)

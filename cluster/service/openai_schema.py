@@ -2,7 +2,8 @@
 
 Fields this server does not know are ignored (SDKs add new ones); fields it knows but does not implement are
 refused by name when set to anything but their neutral value. Extensions beyond OpenAI's fields, named as vLLM
-names them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+names them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
+`ignore_eos`,
 `return_token_ids` (each choice, and each streamed chunk, carries its token ids) and, in the response's `usage`,
 `speculative`: the request's drafted and accepted draft tokens and acceptance length.
 """
@@ -32,9 +33,7 @@ UNSUPPORTED = (
 )
 NEUTRAL_VALUES: tuple[Any, ...] = (None, False, 0, "", [], {})
 # vLLM's extensions this server does not implement, with their neutral values
-UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
-    "include_stop_str_in_output": (None, False),
-}
+UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {}
 RULES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p")  # passed on as set
 ONE_CHOICE = ("best_of",)  # no server-side choosing among candidates
 
@@ -211,6 +210,7 @@ class _Generation(_Body):
     min_tokens: int | None = Field(None, le=INT32_MAX)
     min_p: float | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

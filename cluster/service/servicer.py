@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any, NoReturn
 
 import grpc
@@ -169,8 +170,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Stream a completion; cancellation or a passed deadline aborts the request."""
         if request.n > MAX_CHOICES:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"n: at most {MAX_CHOICES}, got {request.n}")
-        stop = list(request.sampling.stop)
-        choices = Choices(lambda: EngineStream(self.loop, self.tokenizers.decoder, stop, GRPC), max(1, request.n))
+        stop, keep = list(request.sampling.stop), request.sampling.include_stop_str_in_output
+        choices = Choices(
+            partial(EngineStream, self.loop, self.tokenizers.decoder, stop, GRPC, keep), max(1, request.n)
+        )
         # however the call ends (a cancel may leave this generator paused at a yield), the requests are aborted
         context.add_done_callback(lambda _: choices.close())
         rid, tools = await self._start(choices, request, context)

@@ -17,15 +17,16 @@ def stop_strings_problem(stops: list[str]) -> str | None:
 
 class StopStrings:
     """Cuts a text stream at the stop string that completes first (ties: the one that starts first); the
-    stop string itself is dropped. Generation checks stop strings as text arrives, so the first one to
+    stop string itself is dropped unless `keep`. Generation checks stop strings as text arrives, so the first one to
     complete ends it, and the cut does not depend on how the text is split into deltas.
 
     Text that could be the start of a stop string is held back until the next delta settles it, so what
     `push` returns never has to be taken back.
     """
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], keep: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.keep = keep  # the stop string itself is returned (vLLM's include_stop_str_in_output)
         self.held = ""
         self.hit = False
 
@@ -37,7 +38,8 @@ class StopStrings:
         found = [(i + len(s), i) for s in self.stops if (i := text.find(s)) >= 0]
         if found:
             self.hit, self.held = True, ""
-            return text[: min(found)[1]]
+            end, start = min(found)
+            return text[: end if self.keep else start]
         keep = self._open_prefix(text)
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep]
