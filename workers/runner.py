@@ -11,7 +11,6 @@ from mtpserve.modeling.attention import ragged_metadata
 from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.model import LlamaModel
 from mtpserve.speculative.logits_processing import (
-    TokenLogprobs,
     emitted_logprobs,
     min_p_filter,
 )
@@ -222,9 +221,7 @@ class TargetRunner:
         n = len(plan.seqs)
         done = Verified([[] for _ in plan.seqs], [0] * n, [0] * n, [])
         hidden, features = self.forward_features(plan, trees)
-        done.starts = self._eager_verify(
-            plan, trees, hidden, done.tokens, done.accepted, done.last_token, done.paths, done.logprobs
-        )
+        self._eager_verify(plan, trees, hidden, done)
         return self._output(plan, trees, features, done)
 
     def _output(
@@ -308,16 +305,13 @@ class TargetRunner:
         plan: StepPlan,
         trees: list[DraftTree | None],
         hidden: torch.Tensor,
-        tokens: list[list[int]],
-        accepted: list[int],
-        last_token: list[int],
-        paths: dict[int, list[int]],
-        logprobs: dict[int, TokenLogprobs],
-    ) -> list[int]:
-        """Sample final context rows and verify generation rows of a ragged step (fills the lists, the
-        accepted nodes of each draft tree in `paths` and the logprobs of sequences that ask for them, in
-        place); returns each sequence's first hidden row."""
-        starts: list[int] = []  # first hidden row of each sequence
+        done: Verified,
+    ) -> None:
+        """Sample final context rows and verify generation rows of a ragged step: fills `done` (each sequence's
+        tokens, accepted count, last token and first hidden row, each tree's accepted nodes, and the logprobs of
+        sequences that ask for them)."""
+        tokens, accepted, last_token = done.tokens, done.accepted, done.last_token
+        starts = done.starts  # first hidden row of each sequence
         spans: list[tuple[int, int]] = []  # each sequence's rows in `logits`
         logit_rows: list[int] = []
         off = 0
@@ -330,7 +324,7 @@ class TargetRunner:
             off += n
         raw = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
         logits = processed_logits(plan, raw, spans)
-        self._verify_trees(plan, trees, logits, spans, tokens, accepted, last_token, paths)
+        self._verify_trees(plan, trees, logits, spans, done)
         groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
         for i, s in enumerate(plan.seqs):
             if trees[i] is not None:
@@ -355,9 +349,8 @@ class TargetRunner:
             read_verified(pack_verified(n_acc, out), members, tokens, accepted, last_token)
         for i, s in enumerate(plan.seqs):
             if s.processing is not None and s.processing.logprobs >= 0 and tokens[i]:
-                rows = torch.tensor([0, *paths.get(i, range(1, len(tokens[i])))], device=self.device) + spans[i][0]
-                logprobs[i] = emitted_logprobs(raw[rows], tokens[i], s.processing.logprobs)
-        return starts
+                rows = torch.tensor([0, *done.paths.get(i, range(1, len(tokens[i])))], device=self.device)
+                done.logprobs[i] = emitted_logprobs(raw[rows + spans[i][0]], tokens[i], s.processing.logprobs)
 
     def _verify_trees(
         self,
@@ -365,12 +358,10 @@ class TargetRunner:
         trees: list[DraftTree | None],
         logits: torch.Tensor,
         spans: list[tuple[int, int]],
-        tokens: list[list[int]],
-        accepted: list[int],
-        last_token: list[int],
-        paths: dict[int, list[int]],
+        done: Verified,
     ) -> None:
-        """Accept along one branch of each draft tree, and move the accepted branches' KV into place."""
+        """Accept along one branch of each draft tree (into `done`), and move the accepted branches' KV into
+        place."""
         moves = []
         for i, tree in enumerate(trees):
             if tree is None:
@@ -382,9 +373,9 @@ class TargetRunner:
             else:
                 probs = None if greedy else self._probs([s], lg).cpu()  # the walk draws from the CPU generator
                 path, bonus = accept(tree, lg, probs, None if greedy else self._gen(s))
-            paths[i] = path
-            tokens[i] = [s.token_ids[n] for n in path] + [bonus]
-            accepted[i], last_token[i] = len(path), bonus
+            done.paths[i] = path
+            done.tokens[i] = [s.token_ids[n] for n in path] + [bonus]
+            done.accepted[i], done.last_token[i] = len(path), bonus
             moves.append(branch_moves(s, path, self.cache.block_size))
         move_branches(self.cache, moves, self.device)
 
