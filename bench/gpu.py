@@ -122,7 +122,7 @@ def attention_check() -> dict[str, Any]:
         lens = torch.randint(q_len, 30 * 16, (8,), device="cuda", generator=g)
         q = torch.randn(8 * q_len, 9, 64, device="cuda", generator=g).bfloat16()
         got = triton_uniform_attention(q, kc, vc, tables, lens, q_len, 0.125)
-        ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, lens, q_len, 0.125)
+        ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, lens, q_len, scale=0.125)
         res[f"q{q_len}_max_abs_err"] = (got.double() - ref).abs().max().item()
     # ragged: a 512-row prefill chunk after 100 cached positions, a whole 300-token prompt, 3 decode rows
     starts, counts = [100, 0, 50, 7, 200], [512, 300, 1, 1, 1]

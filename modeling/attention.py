@@ -203,10 +203,10 @@ class RaggedMetadata:
         for (start, n, end), table, rm in zip(self.host_rows, self.block_tables, masks, strict=True):
             width = -(-end // block_size)
             tree = None if rm is None else rm[None].to(q.device)
+            lens = self.seq_lens.new_tensor([end])
             out = uniform_paged_attention(
-                q[start : start + n], k_cache, v_cache, table[None, :width], self.seq_lens.new_tensor([end]), n, scale,
-                tree,
-            )  # fmt: skip
+                q[start : start + n], k_cache, v_cache, table[None, :width], lens, n, scale=scale, tree_mask=tree
+            )
             outs.append(out)
         return torch.cat(outs)
 
@@ -281,7 +281,7 @@ class UniformMetadata:
     def attend_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """The reference static-shape path on any device (safe to capture)."""
         return uniform_paged_attention(
-            q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale, self.tree_mask
+            q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale=scale, tree_mask=self.tree_mask
         )
 
 
@@ -292,6 +292,7 @@ def uniform_paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     q_len: int,
+    *,
     scale: float,
     tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -22,6 +22,7 @@ def propose_from_rows(
     cache: KVCache,
     row_tokens: torch.Tensor,
     hidden: torch.Tensor,
+    *,
     positions: torch.Tensor,
     meta: UniformMetadata,
     num_accepted: torch.Tensor,

@@ -49,12 +49,16 @@ def adaptive_engine(
     assert runner.drafting
     if fused:
         steps = {
-            d: FusedSpecStep(runner.model, runner.cache, eng.draft, d, 8, 16, "cpu", use_graphs=False)
+            d: FusedSpecStep(
+                runner.model, runner.cache, eng.draft, d, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
+            )
             for d in range(K + 1)
         }
         runner.fused = FusedDepthSteps(steps)
     if prefill:
-        runner.prefill = CapturedPrefill(runner.model, runner.cache, eng.draft, K, 32, 16, "cpu", use_graphs=False)
+        runner.prefill = CapturedPrefill(
+            runner.model, runner.cache, eng.draft, K, max_tokens=32, max_blocks=16, device="cpu", use_graphs=False
+        )
     if policy is not None:
         eng.scheduler.depth = policy
     return eng
@@ -331,7 +335,7 @@ def test_scheduler_cuts_or_pads_the_stored_drafts_to_the_step_depth() -> None:
     from mtpserve.workers.config import SchedulerConfig
 
     policy = forced_policy({1: 1})
-    sched = Scheduler(SchedulerConfig(block_size=4), 64, K, [], 256, depth=policy)
+    sched = Scheduler(SchedulerConfig(block_size=4), 64, K, eos_token_ids=[], max_model_len=256, depth=policy)
     sched.add(Request("a", [5, 6, 7], SamplingParams(max_tokens=20)))
     prefill = sched.schedule()
     assert prefill.num_draft_tokens == 1
@@ -372,7 +376,9 @@ def test_warm_up_runs_the_input_advance_and_leaves_the_buffers_padded() -> None:
     runner = eng.target
     assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
     for depth in (0, K):
-        step = FusedSpecStep(runner.model, runner.cache, eng.draft, depth, 8, 16, "cpu", use_graphs=False)
+        step = FusedSpecStep(
+            runner.model, runner.cache, eng.draft, depth, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
+        )
         fresh = step.buffers.packed.clone()
         step.buffers.input_ids.fill_(5)
         step.warm_up()

@@ -52,13 +52,19 @@ def tree_adaptive_engine(fused: bool = False, overlap: bool = False, prefill: bo
     assert isinstance(runner, TargetRunner) and isinstance(drafter, MTPEagleTree) and drafter.chains
     if fused:
         steps = {
-            d: FusedSpecStep(runner.model, runner.cache, drafter.chain, d, 8, 16, "cpu", use_graphs=False)
+            d: FusedSpecStep(
+                runner.model, runner.cache, drafter.chain, d, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
+            )
             for d in range(K + 1)
         }
         runner.fused = FusedDepthSteps(steps)
-        runner.tree_step = FusedTreeStep(runner.model, runner.cache, drafter, 8, 16, "cpu", use_graphs=False)
+        runner.tree_step = FusedTreeStep(
+            runner.model, runner.cache, drafter, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
+        )
     if prefill:
-        runner.prefill = CapturedPrefill(runner.model, runner.cache, drafter.chain, K, 32, 16, "cpu", use_graphs=False)
+        runner.prefill = CapturedPrefill(
+            runner.model, runner.cache, drafter.chain, K, max_tokens=32, max_blocks=16, device="cpu", use_graphs=False
+        )
     return eng
 
 
@@ -243,7 +249,15 @@ def test_scheduler_reshapes_stored_drafts_between_kinds() -> None:
     for kind in [*(StepKind(d) for d in range(K + 1)), tree]:
         costs.set(1, kind, 1.0 if kind == tree else 100.0)
     policy = AdaptiveDepth(costs, AcceptanceTracker(K), explore_steps=0)
-    sched = Scheduler(SchedulerConfig(block_size=4), 64, tree.budget, [], 256, scratch_slots=4, depth=policy)
+    sched = Scheduler(
+        SchedulerConfig(block_size=4),
+        64,
+        tree.budget,
+        eos_token_ids=[],
+        max_model_len=256,
+        scratch_slots=4,
+        depth=policy,
+    )
     sched.add(Request("a", [5, 6, 7], SamplingParams(max_tokens=20)))
     prefill = sched.schedule()
     assert prefill.num_draft_tokens == 6

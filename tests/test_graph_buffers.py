@@ -113,7 +113,9 @@ def test_fused_greedy_step_matches_unfused(k: int) -> None:
     want = [c.token_ids for c in ref.generate(prompts, {"max_tokens": 30})]
     eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": k}, scheduler={"chunk_size": 6})
     runner = eng.target
-    fused = FusedSpecStep(runner.model, runner.cache, eng.draft, k, 8, 12, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
+    fused = FusedSpecStep(
+        runner.model, runner.cache, eng.draft, k, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+    )  # type: ignore[attr-defined,arg-type]
     runner.fused = fused  # type: ignore[attr-defined]
     ptrs = fused.buffers.addresses()
     runs = []
@@ -176,7 +178,9 @@ def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool, mode: str) -> N
     runner = eng.target
     step: FusedSpecStep | UniformTargetStep
     if fused:
-        step = FusedSpecStep(runner.model, runner.cache, eng.draft, 3, 8, 12, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
+        step = FusedSpecStep(
+            runner.model, runner.cache, eng.draft, 3, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+        )  # type: ignore[attr-defined,arg-type]
         runner.fused = step  # type: ignore[attr-defined]
     else:
         step = with_uniform(eng, 3)

@@ -89,7 +89,9 @@ def check_step_paths_agree(args: LlamaArgs, w: dict[str, torch.Tensor], head: MT
     fused_eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": k}, scheduler={"chunk_size": 6})
     runner = fused_eng.target
     assert isinstance(runner, TargetRunner)
-    runner.fused = FusedSpecStep(runner.model, runner.cache, fused_eng.draft, k, 8, 12, "cpu", use_graphs=False)  # type: ignore[arg-type]
+    runner.fused = FusedSpecStep(
+        runner.model, runner.cache, fused_eng.draft, k, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+    )  # type: ignore[arg-type]
     chain_eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": k}, scheduler={"chunk_size": 6})
     chain = chain_eng.draft
     chain.uniform = UniformChainStep(chain, k, 8, 12, use_graphs=False)  # type: ignore[arg-type,union-attr]

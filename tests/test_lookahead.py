@@ -96,7 +96,7 @@ def test_buffer_clears_stale_entries_and_keeps_its_address() -> None:
 
 def test_scheduler_derives_lookahead_from_cursor_not_prompt_length() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=4, chunk_size=4, max_num_requests=2, block_size=4)
-    sched = Scheduler(cfg, 32, 0, [], 100)
+    sched = Scheduler(cfg, 32, 0, eos_token_ids=[], max_model_len=100)
     req = Request("a", [0, 1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
     req.output_token_ids = [0, 8]  # a preempted request: context is prompt + output
     sched.add(req)

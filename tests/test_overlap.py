@@ -70,7 +70,9 @@ def overlap_engine(overlap: bool, k: int = 0, ahead: int = 1) -> tuple[LLMEngine
         eng = tiny_engine(args, w, mimic_head(args, w), model=model, speculative={"num_draft_tokens": k})
         runner = eng.target
         assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
-        runner.fused = FusedSpecStep(runner.model, runner.cache, eng.draft, k, 8, 12, "cpu", use_graphs=False)
+        runner.fused = FusedSpecStep(
+            runner.model, runner.cache, eng.draft, k, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+        )
     else:
         eng = tiny_engine(args, w, model={"overlap_steps": overlap, "steps_ahead": ahead})
         with_uniform(eng, 0)
@@ -138,7 +140,9 @@ def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact(ahead: i
         runner = eng.target
         assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
         blocks = -(-(max_len + 2 * k) // eng.cfg.scheduler.block_size)  # as the engine sizes captured tables
-        runner.fused = FusedSpecStep(runner.model, runner.cache, eng.draft, k, 8, blocks, "cpu", use_graphs=False)
+        runner.fused = FusedSpecStep(
+            runner.model, runner.cache, eng.draft, k, max_batch=8, max_blocks=blocks, device="cpu", use_graphs=False
+        )
         leads: list[int] = []
         plan_ahead = eng.scheduler.plan_ahead
 
@@ -172,7 +176,9 @@ def test_speculative_overlap_can_be_turned_off() -> None:
     runner = eng.target
     assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
     assert eng.cfg.model.overlap_steps and not eng.cfg.model.overlap_speculative
-    runner.fused = FusedSpecStep(runner.model, runner.cache, eng.draft, 2, 8, 12, "cpu", use_graphs=False)
+    runner.fused = FusedSpecStep(
+        runner.model, runner.cache, eng.draft, 2, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+    )
     launches: list[object] = []
     launch = runner.launch
     runner.launch = lambda plan, after=None: launches.append(plan) or launch(plan, after)  # type: ignore[method-assign]

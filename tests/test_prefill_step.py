@@ -28,9 +28,9 @@ def with_prefill(eng: LLMEngine, k: int) -> tuple[CapturedPrefill, list[tuple[in
         runner.cache,
         eng.draft,
         k,
-        CHUNK,
-        16,
-        "cpu",
+        max_tokens=CHUNK,
+        max_blocks=16,
+        device="cpu",
         use_graphs=False,  # type: ignore[attr-defined,arg-type]
     )
     runner.prefill = step  # type: ignore[attr-defined]
@@ -222,7 +222,9 @@ def test_capture_warm_ups_read_a_real_chunk() -> None:
     attend over a key at a positive temperature, so no NaN logits reach the steps that index with tokens."""
     args, w = mimic_target()
     eng = tiny_engine(args, w, mimic_head(args, w), scheduler={"chunk_size": CHUNK})
-    step = CapturedPrefill(eng.target.model, eng.target.cache, eng.draft, 3, CHUNK, 8, "cpu")  # type: ignore[arg-type]
+    step = CapturedPrefill(
+        eng.target.model, eng.target.cache, eng.draft, 3, max_tokens=CHUNK, max_blocks=8, device="cpu"
+    )  # type: ignore[arg-type]
     step.capture()
     b = step.buffers
     assert (b.real_len.item(), b.last_row.item(), b.q_len.item()) == (1, 0, step.sizes[0])

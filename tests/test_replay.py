@@ -60,12 +60,18 @@ def engine(
     r: Any = eng.target
     k = spec["num_draft_tokens"]
     if path == "fused":
-        r.fused = FusedSpecStep(r.model, r.cache, eng.draft, k, 8, 16, "cpu", use_graphs=False, replay=replay)
+        r.fused = FusedSpecStep(
+            r.model, r.cache, eng.draft, k, max_batch=8, max_blocks=16, device="cpu", use_graphs=False, replay=replay
+        )
         eng._overlap_runner = r  # queued steps take their inputs from the previous step's results
     elif path == "uniform":
-        r.uniform = UniformTargetStep(r.model, r.cache, k + 1, 8, 16, "cpu", use_graphs=False, replay=replay)
+        r.uniform = UniformTargetStep(
+            r.model, r.cache, k + 1, max_batch=8, max_blocks=16, device="cpu", use_graphs=False, replay=replay
+        )
     elif path == "tree":
-        r.tree_step = FusedTreeStep(r.model, r.cache, eng.draft, 8, 16, "cpu", use_graphs=False, replay=replay)
+        r.tree_step = FusedTreeStep(
+            r.model, r.cache, eng.draft, max_batch=8, max_blocks=16, device="cpu", use_graphs=False, replay=replay
+        )
     return eng
 
 

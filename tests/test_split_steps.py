@@ -23,11 +23,15 @@ def fixed_shape_steps(eng: LLMEngine, k: int) -> list[tuple[int, int, int]]:
     returns a log of (generation rows, the first chunk's rows, prompt chunks) for every split step."""
     runner = eng.target
     model, cache = runner.model, runner.cache  # type: ignore[attr-defined]
-    runner.prefill = CapturedPrefill(model, cache, eng.draft, k, CHUNK, 16, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
+    runner.prefill = CapturedPrefill(
+        model, cache, eng.draft, k, max_tokens=CHUNK, max_blocks=16, device="cpu", use_graphs=False
+    )  # type: ignore[attr-defined,arg-type]
     if k:
-        runner.fused = FusedSpecStep(model, cache, eng.draft, k, 8, 16, "cpu", use_graphs=False)  # type: ignore[attr-defined,arg-type]
+        runner.fused = FusedSpecStep(
+            model, cache, eng.draft, k, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
+        )  # type: ignore[attr-defined,arg-type]
     else:
-        runner.uniform = UniformTargetStep(model, cache, 1, 8, 16, "cpu", use_graphs=False)  # type: ignore[attr-defined]
+        runner.uniform = UniformTargetStep(model, cache, 1, max_batch=8, max_blocks=16, device="cpu", use_graphs=False)  # type: ignore[attr-defined]
     log: list[tuple[int, int, int]] = []
     orig = runner.run_split  # type: ignore[attr-defined]
 

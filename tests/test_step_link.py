@@ -45,14 +45,29 @@ class LocalRank:
         assert runner is not None
         if isinstance(self.worker.draft, MTPEagleTree):
             runner.tree_step = FusedTreeStep(
-                runner.model, runner.cache, self.worker.draft, 8, 12, "cpu", use_graphs=False
+                runner.model,
+                runner.cache,
+                self.worker.draft,
+                max_batch=8,
+                max_blocks=12,
+                device="cpu",
+                use_graphs=False,
             )
         elif isinstance(self.worker.draft, MTPEagleChain):
             runner.fused = FusedSpecStep(
-                runner.model, runner.cache, self.worker.draft, K, 8, 12, "cpu", use_graphs=False
+                runner.model,
+                runner.cache,
+                self.worker.draft,
+                K,
+                max_batch=8,
+                max_blocks=12,
+                device="cpu",
+                use_graphs=False,
             )
         else:
-            runner.uniform = UniformTargetStep(runner.model, runner.cache, 1, 8, 12, "cpu", use_graphs=False)
+            runner.uniform = UniformTargetStep(
+                runner.model, runner.cache, 1, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+            )
         self.spec: LaunchSpec | None = self.worker.launch_spec()
         self.step_costs = None
         address, name, _ = self.worker.endpoint()

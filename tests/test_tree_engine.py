@@ -201,7 +201,9 @@ def with_tree_step(eng: LLMEngine, max_blocks: int = 16) -> FusedTreeStep:
     drafter = eng.draft
     assert isinstance(drafter, MTPEagleTree)
     runner = eng.target
-    step = FusedTreeStep(runner.model, runner.cache, drafter, 8, max_blocks, "cpu", use_graphs=False)
+    step = FusedTreeStep(
+        runner.model, runner.cache, drafter, max_batch=8, max_blocks=max_blocks, device="cpu", use_graphs=False
+    )
     runner.tree_step = step  # type: ignore[attr-defined]
     return step
 

@@ -30,7 +30,9 @@ def tree_engine(overlap: bool, spec: dict[str, int] = TREE, ahead: int = 1) -> t
     eng = tiny_engine(args, w, mimic_head(args, w), model=model, speculative=spec, scheduler=sched)
     runner, drafter = eng.target, eng.draft
     assert isinstance(runner, TargetRunner) and isinstance(drafter, MTPEagleTree)
-    runner.tree_step = FusedTreeStep(runner.model, runner.cache, drafter, 8, 16, "cpu", use_graphs=False)
+    runner.tree_step = FusedTreeStep(
+        runner.model, runner.cache, drafter, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
+    )
     chained: list[int] = []
     launch = runner.launch
 

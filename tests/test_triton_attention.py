@@ -26,7 +26,7 @@ def uniform_case(
     seq_lens = torch.tensor(lens)
     q = torch.randn(len(lens) * q_len, heads, dim, generator=g)
     got = triton_attention.triton_uniform_attention(q, kc, vc, tables, seq_lens, q_len, dim**-0.5, early=early)
-    ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
+    ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, scale=dim**-0.5)
     return (q, kc, vc, tables, seq_lens), got, ref
 
 
@@ -110,9 +110,11 @@ def tree_attention_error(
     got = triton_attention.triton_uniform_attention(
         q, kc, vc, tables, seq_lens, q_len, dim**-0.5, bits, width, **kernel
     )
-    ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5, mask)
+    ref = uniform_paged_attention(
+        q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, scale=dim**-0.5, tree_mask=mask
+    )
     return float((got.double() - ref).abs().max())
-    causal = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, dim**-0.5)
+    causal = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, scale=dim**-0.5)
     assert (causal - ref).abs().max().item() > 1e-2, "the mask must matter"
 
 

@@ -157,7 +157,9 @@ def with_uniform(eng: LLMEngine, k: int, max_blocks: int = 8) -> UniformTargetSt
     """Give an in-process engine the fixed-buffer generation step (Q = k + 1 rows, buckets up to 8) that
     CUDA builds, run eagerly on CPU over the same buffers."""
     runner = eng.target
-    uniform = UniformTargetStep(runner.model, runner.cache, k + 1, 8, max_blocks, "cpu", use_graphs=False)  # type: ignore[attr-defined]
+    uniform = UniformTargetStep(
+        runner.model, runner.cache, k + 1, max_batch=8, max_blocks=max_blocks, device="cpu", use_graphs=False
+    )  # type: ignore[attr-defined]
     runner.uniform = uniform  # type: ignore[attr-defined]
     return uniform
 

@@ -91,6 +91,7 @@ def build_target(
     weights: dict[str, torch.Tensor],
     dtype: torch.dtype,
     device: str,
+    *,
     tp: Any = None,
     fused_kernels: bool = True,
     pdl_launch: bool = True,
@@ -122,7 +123,14 @@ def build_shared(
     """The target's embedding, final norm and lm_head without its layers, for a draft on another worker."""
     m = cfg.model
     return build_target(
-        replace(args, num_hidden_layers=0), weights, dtype, device, None, m.fused_kernels, m.pdl, m.gemv_tiles
+        replace(args, num_hidden_layers=0),
+        weights,
+        dtype,
+        device,
+        tp=None,
+        fused_kernels=m.fused_kernels,
+        pdl_launch=m.pdl,
+        gemv_tiles=m.gemv_tiles,
     )
 
 
@@ -151,7 +159,9 @@ def build_runner(
     if device.startswith("cuda") and cfg.model.cuda_graphs:
         max_blocks = graph_max_blocks(cfg, k, max_len)
         n = cfg.scheduler.max_num_requests
-        uniform = UniformTargetStep(model, cache, k + 1, n, max_blocks, device, replay=replay)
+        uniform = UniformTargetStep(
+            model, cache, k + 1, max_batch=n, max_blocks=max_blocks, device=device, replay=replay
+        )
         uniform.steps.capture()
     return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform, replay)
 
@@ -160,7 +170,16 @@ def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain,
     """Generation steps with the colocated draft (greedy and sampling), captured per batch bucket."""
     max_blocks = graph_max_blocks(cfg, k, max_len)
     n = cfg.scheduler.max_num_requests
-    fused = FusedSpecStep(target.model, target.cache, chain, k, n, max_blocks, target.device, replay=target.replay)
+    fused = FusedSpecStep(
+        target.model,
+        target.cache,
+        chain,
+        k,
+        max_batch=n,
+        max_blocks=max_blocks,
+        device=target.device,
+        replay=target.replay,
+    )
     fused.steps.capture()
     fused.warm_up()
     return fused
@@ -231,7 +250,13 @@ def build_prefill(
     sc = cfg.scheduler
     max_tokens = min(sc.chunk_size, sc.max_num_batched_tokens)
     step = CapturedPrefill(
-        target.model, target.cache, chain, k, max_tokens, graph_max_blocks(cfg, k, max_len), target.device
+        target.model,
+        target.cache,
+        chain,
+        k,
+        max_tokens=max_tokens,
+        max_blocks=graph_max_blocks(cfg, k, max_len),
+        device=target.device,
     )
     step.capture()
     return step
@@ -241,7 +266,15 @@ def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagle
     """Tree steps with the colocated drafter, captured per batch bucket and sampling mode."""
     max_blocks = graph_max_blocks(cfg, drafter.depth, max_len)
     n = cfg.scheduler.max_num_requests
-    step = FusedTreeStep(target.model, target.cache, drafter, n, max_blocks, target.device, replay=target.replay)
+    step = FusedTreeStep(
+        target.model,
+        target.cache,
+        drafter,
+        max_batch=n,
+        max_blocks=max_blocks,
+        device=target.device,
+        replay=target.replay,
+    )
     step.steps.try_capture()
     step.warm_up()
     return step

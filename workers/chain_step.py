@@ -45,8 +45,8 @@ class UniformChainStep:
         meta = UniformMetadata(b.slot_mapping[:n], b.block_tables[:bucket], b.seq_lens[:bucket], self.q)
         c = self.chain
         return propose_from_rows(
-            c.head, c.shared, c.cache, b.input_ids[:n], self.hidden[:n], b.positions[:n], meta,
-            self.num_accepted[:bucket], self.k,
+            c.head, c.shared, c.cache, b.input_ids[:n], self.hidden[:n], positions=b.positions[:n], meta=meta,
+            num_accepted=self.num_accepted[:bucket], k=self.k,
         )  # fmt: skip
 
     def bucket_for(self, inputs: DraftInputs) -> int | None:

@@ -45,6 +45,7 @@ class FusedSpecStep:
         cache: KVCache,
         chain: MTPEagleChain,
         k: int,
+        *,
         max_batch: int,
         max_blocks: int,
         device: torch.device | str,
@@ -74,7 +75,9 @@ class FusedSpecStep:
         forced = None if self.forced is None else self.forced.rows(bucket)
         n_acc, emitted = verify_step(self.target, hidden, ids, q, sampling, mode is SamplingMode.FILTERED, forced)
         c = self.chain
-        drafts = propose_from_rows(c.head, c.shared, c.cache, emitted.reshape(-1), features, pos, meta, n_acc, k)
+        drafts = propose_from_rows(
+            c.head, c.shared, c.cache, emitted.reshape(-1), features, positions=pos, meta=meta, num_accepted=n_acc, k=k
+        )
         next_start = pos.view(bucket, q)[:, 0] + n_acc + 1
         columns = [emitted, n_acc[:, None], drafts, next_start[:, None]]
         return torch.cat([t.to(emitted.dtype) for t in columns], dim=1)

@@ -143,6 +143,7 @@ class CapturedPrefill:
         cache: KVCache,
         chain: MTPEagleChain | None,
         k: int,
+        *,
         max_tokens: int,
         max_blocks: int,
         device: torch.device | str,

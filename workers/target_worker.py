@@ -125,7 +125,16 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
         m = cfg.model
-        model = build_target(args, weights, dtype, self.device, tp, m.fused_kernels, m.pdl, m.gemv_tiles)
+        model = build_target(
+            args,
+            weights,
+            dtype,
+            self.device,
+            tp=tp,
+            fused_kernels=m.fused_kernels,
+            pdl_launch=m.pdl,
+            gemv_tiles=m.gemv_tiles,
+        )
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)

@@ -60,6 +60,7 @@ class FusedTreeStep:
         target: LlamaModel,
         cache: KVCache,
         drafter: MTPEagleTree,
+        *,
         max_batch: int,
         max_blocks: int,
         device: torch.device | str,

@@ -30,6 +30,7 @@ class UniformTargetStep:
         model: LlamaModel,
         cache: KVCache,
         q_len: int,
+        *,
         max_batch: int,
         max_blocks: int,
         device: torch.device | str,

@@ -83,7 +83,10 @@ def step_times(args: argparse.Namespace, table: str) -> dict[int | str, float]:
         blocks = graph_max_blocks(eng.cfg, args.k, eng.max_model_len)
         model, cache, chain, dev = runner.model, runner.cache, eng.draft, runner.device
         chain = getattr(chain, "chain", chain)  # a tree drafter's chain steps
-        made = {d: FusedSpecStep(model, cache, chain, d, 1, blocks, dev, use_graphs=False) for d in range(args.k + 1)}
+        made = {
+            d: FusedSpecStep(model, cache, chain, d, max_batch=1, max_blocks=blocks, device=dev, use_graphs=False)
+            for d in range(args.k + 1)
+        }
         steps = FusedDepthSteps(made)
     times: dict[int | str, float] = {d: 1e3 * s for (b, d), s in steps.time_steps(args.repeats).items() if b == 1}
     if runner.tree_step is not None:

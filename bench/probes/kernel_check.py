@@ -145,7 +145,7 @@ def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
         q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
         inputs = (q, k_cache, v_cache, tables, lens)
         ref = uniform_paged_attention(
-            q.double(), k_cache.double(), v_cache.double(), tables, lens, q_len, HEAD_DIM**-0.5
+            q.double(), k_cache.double(), v_cache.double(), tables, lens, q_len, scale=HEAD_DIM**-0.5
         )
         entry: dict[str, object] = {"split_cap": triton_attention.split_cap(batch, KV_HEADS)}
         for name, programs in (("one_range", 0), ("split", programs0)):

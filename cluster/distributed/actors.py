@@ -405,7 +405,17 @@ def engine_over(cfg: MTPServeConfig, group: Any) -> LLMEngine:
     tree = config_tree_kind(cfg) if drafting else None
     if drafting and spec.adaptive:
         depth = depth_policy(cfg, spec.num_draft_tokens, timed=group.step_costs, tree=tree)
-    sched = Scheduler(cfg.scheduler, blocks, k, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth, tree)
+    sched = Scheduler(
+        cfg.scheduler,
+        blocks,
+        k,
+        eos_token_ids=args.eos_ids(),
+        max_model_len=max_len,
+        prefix_caching=cfg.prefix_caching,
+        scratch_slots=scratch,
+        depth=depth,
+        tree=tree,
+    )
     tok = source.tokenizer() if not source.dummy else None
     engine = LLMEngine(cfg, args, sched, target, None, tok)
     engine.health_listeners = target.listeners

@@ -165,7 +165,16 @@ class LLMEngine:
         device = resolve_device(cfg.model.device)
         dtype = to_dtype(cfg.model.dtype, device)
         m = cfg.model
-        model = build_target(args, weights, dtype, device, None, m.fused_kernels, m.pdl, m.gemv_tiles)
+        model = build_target(
+            args,
+            weights,
+            dtype,
+            device,
+            tp=None,
+            fused_kernels=m.fused_kernels,
+            pdl_launch=m.pdl,
+            gemv_tiles=m.gemv_tiles,
+        )
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
@@ -182,7 +191,15 @@ class LLMEngine:
         tree = tree_kind(draft) if isinstance(draft, MTPEagleTree) else None  # adaptive: its chains' tree
         depth = depth_policy(cfg, k, target.fused, tree=tree, tree_step=target.tree_step) if adaptive else None
         sched = Scheduler(
-            cfg.scheduler, num_blocks, proposed, args.eos_ids(), max_len, cfg.prefix_caching, scratch, depth, tree
+            cfg.scheduler,
+            num_blocks,
+            proposed,
+            eos_token_ids=args.eos_ids(),
+            max_model_len=max_len,
+            prefix_caching=cfg.prefix_caching,
+            scratch_slots=scratch,
+            depth=depth,
+            tree=tree,
         )
         return cls(cfg, args, sched, target, draft, tokenizer)
 

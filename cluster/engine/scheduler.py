@@ -54,6 +54,7 @@ class Scheduler:
         cfg: SchedulerConfig,
         num_blocks: int,
         num_draft_tokens: int,
+        *,
         eos_token_ids: list[int],
         max_model_len: int,
         prefix_caching: bool | None = None,

@@ -82,6 +82,7 @@ class HTTPSite:
         make_app: Callable[[], web.Application],
         host: str,
         port: int,
+        *,
         ssl_context: ssl.SSLContext | None = None,
         backlog: int = 1024,
         grace: float = 1.0,

@@ -107,6 +107,7 @@ class OpenAIAPI:
         loop: EngineCore,
         tokenizers: Tokenizers,
         model_id: str,
+        *,
         accepting: Callable[[], bool],
         serving: Callable[[], bool],
         token: bytes | None = None,
