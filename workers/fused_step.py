@@ -87,6 +87,10 @@ class FusedSpecStep:
         """CUDA-graph replays so far."""
         return self.steps.replays
 
+    def depth_steps(self) -> dict[int, FusedSpecStep]:
+        """This step by its depth (the one-depth view of FusedDepthSteps)."""
+        return {self.k: self}
+
     def bucket_for(self, plan: StepPlan) -> int | None:
         """A bucket when every request is generation with exactly K one-hot drafts and fits; else None."""
         if plan.num_draft_tokens != self.k:
@@ -154,6 +158,10 @@ class FusedDepthSteps:
     def replays(self) -> int:
         """CUDA-graph replays so far, every depth."""
         return sum(s.replays for s in self.by_depth.values())
+
+    def depth_steps(self) -> dict[int, FusedSpecStep]:
+        """The step of each depth."""
+        return self.by_depth
 
     def bucket_for(self, plan: StepPlan) -> int | None:
         """The bucket of the plan's depth step (see FusedSpecStep.bucket_for); None for another depth."""

@@ -26,8 +26,11 @@ from mtpserve.speculative.sampling import (
 from mtpserve.speculative.tree import DraftTree
 from mtpserve.speculative.verify import verify, verify_greedy
 from mtpserve.workers.eager_rows import Verified, processed_logits
+from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
 from mtpserve.workers.launch_spec import LaunchedStep, LaunchSpec
+from mtpserve.workers.prefill_step import CapturedPrefill
 from mtpserve.workers.step_buffers import HOST_TWINS
+from mtpserve.workers.tree_step import FusedTreeStep
 from mtpserve.workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
 from mtpserve.workers.uniform_step import UniformTargetStep, pack_verified, read_verified, token_results
 
@@ -54,10 +57,10 @@ class TargetRunner:
         self.model = model
         self.uniform = uniform
         self.replay = replay  # benchmarks only: greedy verify steps accept what it forces (speculative/replay.py)
-        self.fused: Any = None  # FusedSpecStep (FusedDepthSteps when adaptive) with the draft in this process
+        self.fused: FusedSpecStep | FusedDepthSteps | None = None  # the draft's chain steps, with it in process
         self.drafting = False  # a draft follows this target: every step's rows go to it, even at depth 0
-        self.tree_step: Any = None  # FusedTreeStep when a tree drafter is colocated in this process
-        self.prefill: Any = None  # CapturedPrefill: a lone request's prompt chunk in fixed shapes
+        self.tree_step: FusedTreeStep | None = None  # when a tree drafter is colocated in this process
+        self.prefill: CapturedPrefill | None = None  # a lone request's prompt chunk in fixed shapes
         self.cache = cache
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
@@ -114,7 +117,7 @@ class TargetRunner:
             trees = {"tree_budget": tree.q_len - 1, "tree_max_blocks": tree.buffers.max_blocks}
             trees["tree_sizes"] = tuple(tree.steps.sizes)
         if self.fused is not None:
-            by_depth = getattr(self.fused, "by_depth", {self.fused.k: self.fused})
+            by_depth = self.fused.depth_steps()
             steps = [by_depth[d] for d in sorted(by_depth)]
             blocks = tuple(s.buffers.max_blocks for s in steps)
             return LaunchSpec(tuple(sorted(by_depth)), blocks, tuple(steps[0].steps.sizes), **trees)
@@ -142,6 +145,7 @@ class TargetRunner:
             self._generators.pop(rid, None)
         previous = None if after is None else after.results
         if tree:
+            assert self.tree_step is not None  # a spec takes trees only with a tree step
             uniforms = self.uniforms(plan, self.tree_step.num_uniforms)
             results = self.tree_step.launch(plan, bucket, uniforms, previous)
         elif self.fused is not None:
@@ -175,9 +179,10 @@ class TargetRunner:
         if step.ready is not None:
             step.ready.synchronize()
         if step.tree:
-            return self.tree_step.read(step.plan, step.host)  # type: ignore[no-any-return]
+            assert self.tree_step is not None
+            return self.tree_step.read(step.plan, step.host)
         if self.fused is not None:
-            return self.fused.read(step.plan, step.host)  # type: ignore[no-any-return]
+            return self.fused.read(step.plan, step.host)
         return token_results(step.plan, step.host.tolist())
 
     @torch.no_grad()
@@ -195,14 +200,12 @@ class TargetRunner:
                 return self.run_split(plan, *split)
             bucket = self.prefill.bucket_for(plan)
             if bucket is not None:
-                return self.prefill.run(plan, bucket, self._context_uniform(plan.seqs[0]))  # type: ignore[no-any-return]
+                return self.prefill.run(plan, bucket, self._context_uniform(plan.seqs[0]))
         q_len = len(plan.seqs[0].token_ids)
-        tree_bucket = self.tree_step.bucket_for(plan) if self.tree_step is not None else None
-        if tree_bucket is not None:
+        if self.tree_step is not None and (tree_bucket := self.tree_step.bucket_for(plan)) is not None:
             uniforms = self.uniforms(plan, self.tree_step.num_uniforms)
-            return self.tree_step.run(plan, tree_bucket, uniforms)  # type: ignore[no-any-return]
-        fused_bucket = self.fused.bucket_for(plan) if self.fused is not None else None
-        if fused_bucket is not None:
+            return self.tree_step.run(plan, tree_bucket, uniforms)
+        if self.fused is not None and (fused_bucket := self.fused.bucket_for(plan)) is not None:
             return self.fused.run(plan, fused_bucket, self.uniforms(plan, q_len))
         bucket = self.uniform.bucket_for(plan) if self.uniform is not None else None
         trees = plan_trees(plan.seqs)
@@ -245,7 +248,7 @@ class TargetRunner:
         none) when a step holds 1 to MAX_SPLIT_CHUNKS prompt chunks (two or more if nothing else) that the captured
         prefill step takes, beside generation rows that the captured steps take; else None."""
         ctx = [i for i, s in enumerate(plan.seqs) if s.is_context]
-        if not ctx or len(ctx) > MAX_SPLIT_CHUNKS or len(plan.seqs) < 2:
+        if self.prefill is None or not ctx or len(ctx) > MAX_SPLIT_CHUNKS or len(plan.seqs) < 2:
             return None
         chunks = []
         for i in ctx:
@@ -266,6 +269,7 @@ class TargetRunner:
 
         Requests A (a prompt chunk), B and C (decoding, K=3) and D (a prompt chunk): prefill(A), prefill(D),
         then one generation step over [B, C]; results [A, B, C, D]; draft outputs those of A, D, B, C."""
+        assert self.prefill is not None  # split_buckets found the chunks' buckets in it
         results: list[SeqResult | None] = [None] * len(plan.seqs)
         drafts = []
         for i, bucket in chunks:

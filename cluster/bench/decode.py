@@ -18,6 +18,7 @@ from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.modeling.layer_ops import TritonOps
 from mtpserve.speculative.sampling import SamplingMode
 from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.runner import TargetRunner
 
 WEIGHT_FLOOR_MS = 0.063  # SmolLM2-135M bf16: its weights read once at the H200's 4.8 TB/s
 
@@ -196,10 +197,15 @@ def decode_run(
 
 def sampled_graphs(engine: LLMEngine) -> bool | None:
     """Whether every sampling variant of the captured step was captured (None without captured steps)."""
-    step = getattr(engine.target, "fused", None) or getattr(engine.target, "uniform", None)
-    if step is None:
+    runner = engine.target
+    if not isinstance(runner, TargetRunner):
         return None
-    steps = step.by_depth[step.k].steps if hasattr(step, "by_depth") else step.steps
+    fused = runner.fused
+    steps = fused.depth_steps()[fused.k].steps if fused is not None else None
+    if steps is None and runner.uniform is not None:
+        steps = runner.uniform.steps
+    if steps is None:
+        return None
     return all(v.graphs for m, v in steps.variants.items() if m is not SamplingMode.GREEDY)
 
 
