@@ -59,6 +59,7 @@ class TargetRunner:
         self.replay = replay  # benchmarks only: greedy verify steps accept what it forces (speculative/replay.py)
         self.fused: FusedSpecStep | FusedDepthSteps | None = None  # the draft's chain steps, with it in process
         self.drafting = False  # a draft follows this target: every step's rows go to it, even at depth 0
+        self.steps_ahead: int | None = None  # the engine's config chooses (a remote target says its own)
         self.tree_step: FusedTreeStep | None = None  # when a tree drafter is colocated in this process
         self.prefill: CapturedPrefill | None = None  # a lone request's prompt chunk in fixed shapes
         self.cache = cache
@@ -68,6 +69,12 @@ class TargetRunner:
         self._results: dict[int, list[torch.Tensor]] = {}  # by width: HOST_TWINS host buffers for results, rotating
         self._spec_key: tuple[Any, Any, Any, bool] | None = None  # the steps `_spec` describes
         self._spec: LaunchSpec | None = None
+
+    def discard(self) -> None:
+        """Nothing to forget: steps queued in this process go with the engine's queue."""
+
+    def shutdown(self) -> None:
+        """Nothing to release in process."""
 
     def _gen(self, sp: SeqPlan) -> torch.Generator:
         g = self._generators.get(sp.request_id)

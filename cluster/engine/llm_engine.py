@@ -44,8 +44,26 @@ from mtpserve.workers.config import MTPServeConfig
 class TargetExecutor(Protocol):
     """Runs a StepPlan on the target (one process, or a TP group of actors)."""
 
+    @property
+    def drafting(self) -> bool:
+        """Whether a draft follows the target (it may run inside the target's steps)."""
+        ...
+
+    @property
+    def steps_ahead(self) -> int | None:
+        """Steps a remote target keeps queued; None: the model config's choice."""
+        ...
+
     def execute(self, plan: StepPlan) -> TargetOutput:
         """Forward, sample/verify, and return tokens plus the draft's inputs."""
+        ...
+
+    def discard(self) -> None:
+        """Forget the steps queued ahead that a failed step dropped (a remote target owes their replies)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what the target holds (actors, process groups)."""
         ...
 
 
@@ -128,13 +146,13 @@ class LLMEngine:
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
         self._overlap_runner: OverlapTarget | None = None  # set when steps may be queued ahead (see `step`)
-        speculative = draft is not None or bool(getattr(target, "drafting", False))
+        speculative = draft is not None or target.drafting
         if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
             self._overlap_runner = target if isinstance(target, OverlapTarget) else None
         self._launched: deque[QueuedStep] = deque()  # queued steps whose tokens are not read yet (see `step`)
         self._refill = True  # plan ahead while fewer than `steps_ahead` steps follow the one to read
         # a remote target says how many steps it keeps queued; in process it is the model config's choice
-        self.steps_ahead: int = getattr(target, "steps_ahead", None) or cfg.model.queued_steps(remote=False)
+        self.steps_ahead: int = target.steps_ahead or cfg.model.queued_steps(remote=False)
         # Given, a step whose draft runs here after the target hands its tokens to this callback before the
         # draft proposes (the next step needs the drafts, the client does not), and `step` leaves them out.
         self.on_tokens: Callable[[list[RequestOutput]], None] | None = None
@@ -286,9 +304,7 @@ class LLMEngine:
         except Exception:
             self._launched.clear()
             self._refill = True
-            discard = getattr(self.target, "discard", None)  # a remote target owes replies for dropped steps
-            if discard is not None:
-                discard()
+            self.target.discard()
             raise
 
     def _step(self) -> list[RequestOutput]:
@@ -415,10 +431,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release executors (actors, process groups); the in-process engine has nothing to release."""
-        for part in (self.target, self.draft):
-            close = getattr(part, "shutdown", None)
-            if close is not None:
-                close()
+        self.target.shutdown()
+        close = getattr(self.draft, "shutdown", None)  # a draft worker actor has one
+        if close is not None:
+            close()
 
     # ---- text ------------------------------------------------------------------------------------
     def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
