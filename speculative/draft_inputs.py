@@ -29,6 +29,13 @@ def draft_input_tokens(
     sampled_tokens [B] the target's token at each sequence's last row
     A sequence's last row takes its lookahead when that is not -1 (a non-final context chunk under
     `prompt`), else the sampled token. Under `sampled` the lookahead is ignored (pre-fix behaviour).
+
+    Example: prompt [5, 6, 7, 8, 9] in chunks of 3, then a generation row.
+      chunk [5, 6, 7] (lookahead 8):    the draft reads [6, 7, 8]  (8 is the next prompt token)
+      chunk [8, 9] (final, lookahead -1), the target samples 11:  [9, 11]
+      generation [11, d1] with d1 accepted and the bonus 13:     [d1, 13]
+    Under `sampled` the first chunk's last row would read the target's guess after 7 instead of 8, so the
+    draft's KV would depend on where the chunks end.
     """
     shifted = torch.roll(token_ids, -1)
     ends = last_rows(seq_lens)

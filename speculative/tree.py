@@ -86,7 +86,11 @@ class DraftTree:
 
 def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[int], int]:
     """(accepted node indices along the walk, root excluded; bonus token) for the target's argmax [N] at each
-    node's row."""
+    node's row.
+
+    Example: root 0 (the last token) with children 1 ("the") and 2 ("a"); node 1 has children 3 ("cat") and
+    4 ("dog"). The target's argmax is "the" at row 0, "dog" at row 1 and "sat" at row 4: the walk accepts
+    nodes [1, 4] and the bonus "sat", so the step emits "the dog sat"."""
     path: list[int] = []
     node = 0
     while True:
@@ -186,6 +190,12 @@ def sample_accept(
     distribution becomes the normalised residual max(p - q, 0) and the draft's loses x_j (renormalised);
     when every child is rejected the bonus is drawn from the last residual. The emitted tokens are then
     distributed as the target's own sampling would give them.
+
+    Example: the root's children "the" then "a" were drawn from q with q("the") = 0.6, q("a") = 0.3; the
+    target has p("the") = 0.3, p("a") = 0.5. "the" is accepted with probability min(1, 0.3 / 0.6) = 0.5. If
+    it is rejected, p becomes max(p - q, 0) renormalised ("the" keeps no mass) and q loses "the" (q("a") =
+    0.3 / 0.4 = 0.75), and "a" is tried against those; if "a" is rejected too, the bonus is drawn from the
+    residual left after both.
     """
     path: list[int] = []
     node = 0

@@ -298,7 +298,13 @@ class LLMEngine:
         before this one's tokens are read, each with its inputs taken from the previous one's results on the
         device, so host work (and, over Ray, the ranks' round trip) overlaps GPU work. A request that stops
         at this step then computes up to `steps_ahead` extra steps, which are dropped. A step that raises
-        drops the queued steps with it."""
+        drops the queued steps with it.
+
+        Example, steps_ahead 2: with steps 10, 11 and 12 queued, this call waits for step 10 and returns its
+        outputs while 11 and 12 run; the next call first queues 13 (planned by `plan_ahead` from 12, its
+        tokens to come from 12's results on the device), then reads 11. If step 10 ends request A with a stop
+        token, A's rows in 11 and 12 are computed anyway and `update` drops them; a request that arrives
+        meanwhile waits until the queue is read and `schedule` runs again."""
         try:
             return self._step()
         except Exception:

@@ -208,7 +208,14 @@ class Scheduler:
         may finish (a stop token, or enough accepted drafts) stay in, and `update` drops their extra steps.
         Blocks are grown for the most tokens the unapplied steps can accept (a tree's depth + 1 each). None
         when the step should go through `schedule` instead: requests are waiting or running outside
-        `pending`, blocks would need a preemption, the kind changes, or nothing is left to run."""
+        `pending`, blocks would need a preemption, the kind changes, a request has logit rules (they read
+        the output so far), or nothing is left to run.
+
+        Example, K=3, pending = step 7 over requests A (row 0) and B (row 1), at positions 40 and 90, one
+        step unapplied: step 8 plans A as token_ids [0, 0, 0, 0] (row 0 of step 7; three placeholder drafts)
+        at start 44 and B as [1, 0, 0, 0] at start 94, since step 7 emits at most K + 1 = 4 tokens each; A's
+        blocks grow to hold positions up to 44 + 3. The runner reads A's last token and drafts from step 7's
+        results row 0 on the device. Had step 7 been A's last by max_tokens, A would be left out of step 8."""
         k = pending.num_draft_tokens
         planned = {sp.request_id for sp in pending.seqs}
         if self.waiting or any(r.request_id not in planned or r.processed for r in self.running):
