@@ -105,3 +105,26 @@ def test_bad_grammars_are_refused_by_field(engines: dict[str, LLMEngine], gramma
         eng.add_request([1, 2, 3], {"max_tokens": 4, "grammar": grammar})
     assert message in str(err.value)
     assert not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("spec", ["chain K=3", "tree"])
+def test_a_completed_grammar_ends_the_request_even_with_ignore_eos(engines: dict[str, LLMEngine], spec: str) -> None:
+    """With ignore_eos the stop token the grammar ends on does not stop the request by itself, and a verify row
+    after it allows every token: the grammar's end must still end the output there."""
+    eng = engines[spec]
+    for c in _run(eng, GrammarSpec("json_schema", json.dumps(SCHEMA)), ignore_eos=True, temperature=0.7, seed=9):
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+        assert c.token_ids[-1] in eng.args.eos_ids(), "the output ends on the grammar's stop token"
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
+
+
+def test_tokens_after_the_grammars_stop_token_are_not_output(engines: dict[str, LLMEngine]) -> None:
+    eng = engines["target-only"]
+    tok, eos = eng.tokenizer, eng.args.eos_ids()[0]
+    grammar = eng._grammars("response_format").matcher(GrammarSpec("regex", "(yes|no)"))
+    yes = tok.encode("yes", add_special_tokens=False)
+    assert grammar.accept([*yes, eos, *tok.encode("no", add_special_tokens=False)]) == len(yes) + 1
+    assert grammar.terminated
+    refused = eng._grammars("response_format").matcher(GrammarSpec("regex", "(yes|no)"))
+    assert refused.accept(tok.encode("maybe", add_special_tokens=False)) == 0 and refused.terminated

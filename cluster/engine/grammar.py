@@ -13,6 +13,7 @@ xgrammar was measured against llguidance on SmolLM2's tokenizer (a 3-field JSON 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ import torch
 
 from mtpserve.cluster.engine.errors import InvalidRequestError
 
+log = logging.getLogger(__name__)
 GrammarKind = Literal["json_object", "json_schema", "regex", "grammar"]
 MAX_ROLLBACK = 64  # drafts a matcher accepts and takes back per row (the deepest branch of a step)
 MAX_WHITESPACE = 16  # whitespace characters between two JSON tokens: room to indent, none to loop on
@@ -86,17 +88,26 @@ class RequestGrammar:
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher = matcher
         self.words = bitmask_words(vocab_size)
+        self.ended = False  # a token the matcher refused ended the output
 
-    def accept(self, tokens: list[int]) -> None:
-        """Follow emitted tokens (each was allowed by the mask it was chosen under)."""
-        for t in tokens:
+    def accept(self, tokens: list[int]) -> int:
+        """Follow a step's emitted tokens; returns how many belong to the output: all of them, or those up to
+        and including the stop token that ends the grammar (`terminated`). A row after that stop token had
+        every token allowed (with `ignore_eos` the stop token does not end the request), so what follows it
+        is dropped; so is a token the matcher refuses, which ends the output there."""
+        for i, t in enumerate(tokens):
+            if self.matcher.is_terminated():
+                return i
             if not self.matcher.accept_token(t):
-                raise RuntimeError(f"token {t} was emitted outside its grammar")
+                log.warning("token %d outside its grammar ends the output", t)
+                self.ended = True
+                return i
+        return len(tokens)
 
     @property
     def terminated(self) -> bool:
-        """Whether the output is complete (the grammar reached its end and took a stop token)."""
-        return bool(self.matcher.is_terminated())
+        """Whether the output is complete (the grammar took its stop token) or cannot go on."""
+        return self.ended or bool(self.matcher.is_terminated())
 
     def row_masks(self, branches: list[list[int]]) -> torch.Tensor:
         """Allowed-token bitmasks [rows, words] int32, row r following the output plus branches[r] (the drafts on

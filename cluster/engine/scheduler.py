@@ -438,16 +438,18 @@ class Scheduler:
     def _append(self, req: Request, tokens: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
         p = req.params
         out = req.output_token_ids
+        ended = False  # a grammar completed (structured outputs)
+        if req.grammar is not None:
+            keep = req.grammar.accept(tokens)
+            tokens, ended = tokens[:keep], req.grammar.terminated
         room = min(p.max_tokens - len(out), self.max_model_len - req.num_tokens)
         if len(tokens) < room and req.stop_set.isdisjoint(tokens):
             out += tokens  # the common step: no stop token, and no limit reached
             emitted, reason = list(tokens), None
         else:
             emitted, reason = self._append_until_stop(req, tokens)
-        if req.grammar is not None:
-            req.grammar.accept(emitted)
-            if reason is None and req.grammar.terminated:
-                reason = "stop"
+        if reason is None and ended:
+            reason = "stop"
         self._register(req)
         if emitted and req.first_token_time is None:
             req.first_token_time = time.monotonic()
