@@ -263,3 +263,19 @@ def test_stop_string_kept_over_http(served: Any) -> None:
     extra = {"include_stop_str_in_output": True}
     kept = client.completions.create(model=_model(proc), prompt=prompt, max_tokens=20, stop=[stop], extra_body=extra)
     assert kept.choices[0].text == full[: full.index(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
+
+
+def test_echo_returns_the_prompt_before_the_completion(served: Any) -> None:
+    proc, client, _ = served
+    alone = client.completions.create(model=_model(proc), prompt="Once upon a time", max_tokens=6).choices[0].text
+    echoed = client.completions.create(model=_model(proc), prompt="Once upon a time", max_tokens=6, echo=True)
+    assert echoed.choices[0].text == "Once upon a time" + alone
+    stream = client.completions.create(
+        model=_model(proc), prompt="Once upon a time", max_tokens=6, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "Once upon a time" + alone
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(proc.cmd[proc.cmd.index("--model") + 1])
+    by_ids = client.completions.create(model=_model(proc), prompt=PROMPTS[0], max_tokens=4, echo=True)
+    assert by_ids.choices[0].text.startswith(tok.decode(PROMPTS[0]))

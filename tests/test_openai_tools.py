@@ -116,16 +116,24 @@ def test_required_tool_call_streams_as_delta_tool_calls(served: Any) -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
     ]
     stream = client.chat.completions.create(
-        model=_model(proc), messages=messages, tools=TOOLS, tool_choice="required", max_tokens=80, stream=True
+        model=_model(proc),
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=80,
+        stream=True,
+        stream_options={"include_usage": True},
     )
-    deltas, reasons, content = [], [], ""
+    deltas, reasons, content, usage = [], [], "", None
     for chunk in stream:
+        usage = chunk.usage or usage
         for c in chunk.choices:
             deltas += c.delta.tool_calls or []
             content += c.delta.content or ""
             if c.finish_reason:
                 reasons.append(c.finish_reason)
     assert reasons == ["tool_calls"] and content == ""
+    assert usage is not None and usage.completion_tokens > 5, "the usage chunk counts the call's tokens"
     assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id and deltas[0].function is not None
     name, arguments = deltas[0].function.name, json.loads(deltas[0].function.arguments or "")
     assert name in ("get_weather", "get_time")

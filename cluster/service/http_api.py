@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -79,6 +80,17 @@ class APIError(Exception):
     def response(self) -> web.Response:
         """The error as an HTTP response."""
         return web.json_response(self.body(), status=self.status)
+
+
+@dataclass
+class ReplyShape:
+    """How a request's reply is written: its id, chat or text completion, the tools it may call, and the text it
+    starts with (the prompt, for a completion with `echo`)."""
+
+    request_id: str
+    chat: bool
+    tools: ToolUse | None = None
+    echo: str = ""
 
 
 def _usage(ended: list[Piece]) -> dict[str, Any]:
@@ -284,22 +296,28 @@ class OpenAIAPI:
                 ServerShuttingDown,
             ) as exc:
                 raise api_error(exc, prompt_field) from None
+            shape = ReplyShape(rid, chat, tools, self._echo(req, ids))
             if req.stream:
-                return await self._sse(request, req, choices, rid, chat, tools)
-            return await self._whole(req, choices, rid, chat, tools)
+                return await self._sse(request, req, choices, shape)
+            return await self._whole(req, choices, shape)
         finally:
             choices.close()
 
+    def _echo(self, req: ChatCompletionRequest | CompletionRequest, ids: list[int]) -> str:
+        """The prompt's text when a completion asks for it back (`echo`), else empty."""
+        if not isinstance(req, CompletionRequest) or not req.echo:
+            return ""
+        if isinstance(req.prompt, str):
+            return req.prompt
+        decoder = self.tokenizers.decoder
+        return "" if decoder is None else str(decoder.decode(ids))
+
     async def _whole(
-        self,
-        req: ChatCompletionRequest | CompletionRequest,
-        choices: Choices,
-        rid: str,
-        chat: bool,
-        tools: ToolUse | None = None,
+        self, req: ChatCompletionRequest | CompletionRequest, choices: Choices, shape: ReplyShape
     ) -> web.Response:
+        rid, chat, tools = shape.request_id, shape.chat, shape.tools
         n = len(choices.streams)
-        texts: list[list[str]] = [[] for _ in range(n)]
+        texts: list[list[str]] = [[shape.echo] for _ in range(n)]
         ids: list[list[int]] = [[] for _ in range(n)]
         logprobs = [TokenLogprobs([], [], []) for _ in range(n)]
         last: list[Piece | None] = [None] * n
@@ -337,10 +355,9 @@ class OpenAIAPI:
         request: web.Request,
         req: ChatCompletionRequest | CompletionRequest,
         choices: Choices,
-        rid: str,
-        chat: bool,
-        tools: ToolUse | None = None,
+        shape: ReplyShape,
     ) -> web.StreamResponse:
+        rid, chat, tools = shape.request_id, shape.chat, shape.tools
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         created, ids, n = int(time.time()), req.return_token_ids, len(choices.streams)
@@ -363,18 +380,17 @@ class OpenAIAPI:
         splitters = [StreamedCalls(tools.fmt) for _ in range(n)] if tools is not None else []
         ended: list[Piece] = []
         try:
-            if chat:
-                for i in range(n):
-                    await send(chunk(i, "", None, first=True))
+            for i in range(n) if chat or shape.echo else ():
+                await send(chunk(i, shape.echo, None, first=chat))
             try:
                 async for i, piece in choices.pieces():
+                    if piece.finish_reason is not None:
+                        ended.append(piece)
                     if tools is not None:
                         await self._send_calls(send, chunk, splitters[i], i, piece)
                         continue
                     await send(chunk(i, piece.text, piece.finish_reason, piece))
                     offsets[i] += len(piece.text)
-                    if piece.finish_reason is not None:
-                        ended.append(piece)
                 if req.include_usage:
                     last = completion_body(chat, rid, created, self.model_id, [], chunk=True)
                     last["usage"] = _usage(ended)

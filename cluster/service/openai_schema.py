@@ -28,7 +28,6 @@ INT32_MAX = 2**31 - 1
 # Known fields this server does not implement: refused unless absent or set to their neutral value.
 UNSUPPORTED = (
     "functions",
-    "echo",
     "suffix",
 )
 NEUTRAL_VALUES: tuple[Any, ...] = (None, False, 0, "", [], {})
@@ -350,6 +349,14 @@ class CompletionRequest(_Generation):
 
     prompt: Any
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("with logprobs would need the prompt's logprobs, which this server does not compute")
+        return value
 
     def logprobs_asked(self) -> int | None:
         """`logprobs`: alternatives per token (0: the tokens' own); None: no logprobs."""
