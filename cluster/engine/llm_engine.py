@@ -143,6 +143,7 @@ class LLMEngine:
         self.steps_run = 0  # steps applied, and the target rows they computed
         self.rows_run = 0
         self.kind_steps: Counter[str] = Counter()  # steps with generation rows, by kind ('0'..'K', 'tree<N>')
+        self._kind_names: dict[int, str] = {}  # a step's draft count -> its kind's name
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
         self._overlap_runner: OverlapTarget | None = None  # set when steps may be queued ahead (see `step`)
@@ -382,7 +383,10 @@ class LLMEngine:
         self.steps_run += 1
         self.rows_run += plan.num_tokens
         if plan.seqs and not plan.seqs[-1].is_context:  # generation rows come last: a step that verifies
-            self.kind_steps[str(self.scheduler.kind_of(plan.num_draft_tokens))] += 1
+            name = self._kind_names.get(plan.num_draft_tokens)
+            if name is None:
+                name = self._kind_names[plan.num_draft_tokens] = str(self.scheduler.kind_of(plan.num_draft_tokens))
+            self.kind_steps[name] += 1
         for o in outputs:
             if o.finished:
                 self.totals.merge(o.stats)

@@ -14,7 +14,7 @@ from mtpserve.cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 from mtpserve.cluster.engine.request import Request, RequestStatus
 from mtpserve.speculative.adaptive import AdaptiveDepth, StepKind
 from mtpserve.speculative.draft_shapes import chain_as_tree, fit_drafts
-from mtpserve.speculative.logits_processing import LogitsProcessing, TokenLogprobs, row_branches
+from mtpserve.speculative.logits_processing import TokenLogprobs, row_branches
 from mtpserve.speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.config import SchedulerConfig
@@ -317,11 +317,6 @@ class Scheduler:
             if req.processed
             else None,
         )
-
-    @staticmethod
-    def _processing(req: Request, token_ids: list[int], parents: list[int] | None) -> LogitsProcessing | None:
-        """A generation row's logit rules and logprobs, its verify rows following their drafts."""
-        return req.processing(row_branches(token_ids, parents, len(token_ids))) if req.processed else None
 
     def _reserve(self, req: Request, num_slots: int, scheduled: set[str]) -> bool:
         """Grow req's blocks to `num_slots`, preempting the latest unscheduled requests if needed."""

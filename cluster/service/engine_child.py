@@ -84,10 +84,6 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
     ]
 
 
-def _pack_logprobs(lp: TokenLogprobs | None) -> PackedLogprobs | None:
-    return None if lp is None else (lp.token_logprobs, lp.top_token_ids, lp.top_logprobs)
-
-
 def unpack_outputs(packed: list[PackedOutput]) -> list[RequestOutput]:
     """The outputs `pack_outputs` packed."""
     return [
