@@ -117,21 +117,26 @@ def build_target(
     return model.eval().prepare_for_inference(pick_ops(device, fused_kernels))
 
 
+def build_configured_target(
+    cfg: MTPServeConfig,
+    args: LlamaArgs,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: str,
+    tp: Any = None,
+) -> LlamaModel:
+    """`build_target` with the kernel choices of the model config (fused kernels, PDL, GEMV tiles)."""
+    m = cfg.model
+    return build_target(
+        args, weights, dtype, device, tp=tp, fused_kernels=m.fused_kernels, pdl_launch=m.pdl, gemv_tiles=m.gemv_tiles
+    )
+
+
 def build_shared(
     cfg: MTPServeConfig, args: LlamaArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str
 ) -> LlamaModel:
     """The target's embedding, final norm and lm_head without its layers, for a draft on another worker."""
-    m = cfg.model
-    return build_target(
-        replace(args, num_hidden_layers=0),
-        weights,
-        dtype,
-        device,
-        tp=None,
-        fused_kernels=m.fused_kernels,
-        pdl_launch=m.pdl,
-        gemv_tiles=m.gemv_tiles,
-    )
+    return build_configured_target(cfg, replace(args, num_hidden_layers=0), weights, dtype, device)
 
 
 def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:

@@ -25,10 +25,10 @@ from mtpserve.speculative.mtp_tree import MTPEagleTree
 from mtpserve.workers.builders import (
     bind_features,
     build_chain_graphs,
+    build_configured_target,
     build_draft,
     build_runner,
     build_shared,
-    build_target,
     capture_local_steps,
     load_heads,
     load_target,
@@ -124,17 +124,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         tp = init_tp_group(self.rank, self.world, master, self.device)
         _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
-        m = cfg.model
-        model = build_target(
-            args,
-            weights,
-            dtype,
-            self.device,
-            tp=tp,
-            fused_kernels=m.fused_kernels,
-            pdl_launch=m.pdl,
-            gemv_tiles=m.gemv_tiles,
-        )
+        model = build_configured_target(cfg, args, weights, dtype, self.device, tp=tp)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)

@@ -27,9 +27,9 @@ from mtpserve.speculative.replay import ReplayAcceptance
 from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.builders import (
     bind_features,
+    build_configured_target,
     build_draft,
     build_runner,
-    build_target,
     capture_local_steps,
     depth_policy,
     load_heads,
@@ -183,17 +183,7 @@ class LLMEngine:
         with the target's tokens (`speculative/replay.py`), so the output is not the model's."""
         device = resolve_device(cfg.model.device)
         dtype = to_dtype(cfg.model.dtype, device)
-        m = cfg.model
-        model = build_target(
-            args,
-            weights,
-            dtype,
-            device,
-            tp=None,
-            fused_kernels=m.fused_kernels,
-            pdl_launch=m.pdl,
-            gemv_tiles=m.gemv_tiles,
-        )
+        model = build_configured_target(cfg, args, weights, dtype, device)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
