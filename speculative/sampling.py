@@ -1,7 +1,12 @@
-"""Turning logits into token distributions (temperature, top-k, top-p) and sampling them from uniforms."""
+"""Turning logits into token distributions (temperature, top-k, top-p) and sampling them from uniforms.
+
+Every sampled token is drawn by inverse CDF from a uniform that depends only on the request's key and the
+token's position (`keyed_uniforms`); drafts are accepted where they equal those draws (`speculative/verify.py`).
+"""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from enum import Enum
 from typing import Protocol
@@ -73,11 +78,33 @@ def sample_from_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def request_generator(seed: int | None, salt: int = 0) -> torch.Generator:
-    """A CPU generator for one request: seeded deterministically, or from OS entropy when seed is None."""
-    g = torch.Generator()
+KEY_MASK = 0x7FFFFFFF  # a request's sampling key fits a non-negative int32 (so it can ride in float buffers)
+
+
+def sampling_key(seed: int | None) -> int:
+    """A request's sampling key: a hash of its seed, or a random one when it has none."""
     if seed is None:
-        g.seed()
-    else:
-        g.manual_seed((seed * 1_000_003 + salt) % (2**63))
-    return g
+        return secrets.randbits(31)
+    folded = (seed ^ (seed >> 31) ^ (seed >> 62)) & KEY_MASK
+    return int(_mix(torch.tensor(folded, dtype=torch.long))) & KEY_MASK
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of x (int64 holding values below 2**32; every product stays below 2**63)."""
+    m = 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & m
+    x = ((x >> 16) ^ x) * 0x45D9F3B & m
+    return (x >> 16) ^ x
+
+
+def keyed_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The uniform in [0, 1) that decides the token at each position, float32, broadcast over keys and positions
+    (int64; keys from `sampling_key`). A function of the key and the position alone, so a request samples the
+    same tokens however its steps fall: with or without drafts, any draft kind, any batch or chunking.
+
+    Example: a request with key 7 emits its tokens at positions 130, 131, ...; the token at 131 takes
+    u = keyed_uniforms(7, 131) whether it is a decode step's only row, the third row of a K=3 verify or
+    a tree node of depth 2, and whichever step it falls in."""
+    x = _mix((positions & 0xFFFFFFFF) ^ 0x5BD1E995)
+    x = _mix(x ^ keys.to(torch.long))
+    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))

@@ -7,10 +7,11 @@ Terms:
   distinct tokens. depth[i] is the distance from the root.
 - Verify: the target runs all N nodes in one pass. Node i sits at position start + depth[i] and attends
   to the whole prefix and to its own ancestors (and itself), never to other branches: `ancestor_mask`.
-- Sampling: `sample_accept`, recursive rejection sampling over each node's children drawn without
-  replacement from the draft (as in recursive speculative decoding); `sample_accept_candidates`, the same
-  for children chosen deterministically (the draft's top tokens, as the engine's trees are). Either way
-  the output follows the target's distribution.
+- Sampling: the engine's trees hold the draft's top tokens (children chosen deterministically); they are
+  walked as greedy trees over the target's keyed draws (`tree_draws`), so the output is the target's own
+  sampling. `sample_accept` is recursive rejection sampling for children drawn without replacement from a
+  draft distribution (as in recursive speculative decoding). Either way the output follows the target's
+  distribution.
 - Greedy acceptance: from the root, the target's argmax at node i is the token that follows it. If a
   child of i carries that token, the walk moves there and the token is accepted; otherwise the walk stops
   and the argmax is the bonus token. With a chain (each node one child) this is the longest matching
@@ -126,57 +127,17 @@ def greedy_walk(
     return n_acc, torch.stack(path, dim=1), target_argmax.gather(1, node[:, None])[:, 0]
 
 
-def walk_uniforms(depth: int, width: int) -> int:
-    """Uniform draws `sample_walk` reads per tree: one per candidate child, one per bonus draw."""
-    return depth * width + depth + 1
+def tree_draws(probs: torch.Tensor, uniforms: torch.Tensor, node_depth: torch.Tensor) -> torch.Tensor:
+    """The target's draw at every node [..., N]: node i's row sampled with the uniform of its depth's position.
 
-
-def sample_walk(
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    probs: torch.Tensor,
-    uniforms: torch.Tensor,
-    depth: int,
-    width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sample_accept_candidates` for B trees at once, in fixed shapes (safe to capture).
-
-    tokens / parents [B, N] as in `greedy_walk`; probs [B, N, V] the target's distribution at each node (a
-    one-hot row walks as greedy); uniforms [B, walk_uniforms(depth, width)]; no node has more than `width`
-    children. Returns (accepted counts [B], accepted node indices [B, depth] padded with 0, bonus tokens [B]).
-    """
-    bsz = tokens.shape[0]
-    rows = torch.arange(bsz, device=tokens.device)
-    node = torch.zeros(bsz, dtype=torch.long, device=tokens.device)
-    alive = torch.ones(bsz, dtype=torch.bool, device=tokens.device)
-    bonus = torch.zeros_like(node)
-    is_child = torch.ones_like(parents, dtype=torch.bool)
-    is_child[:, 0] = False
-    path = []
-    for level in range(depth):
-        p = probs[rows, node].clone()  # the residual: unnormalised, rejected children removed
-        kids = is_child & (parents == node[:, None])
-        rank = kids.long().cumsum(dim=1) - 1
-        found = torch.zeros_like(alive)
-        chosen = torch.zeros_like(node)
-        for j in range(width):
-            pick = kids & (rank == j)
-            tried = pick.any(dim=1) & alive & ~found
-            child = pick.long().argmax(dim=1)
-            x = tokens.gather(1, child[:, None])
-            px = p.gather(1, x)[:, 0]
-            take = tried & (uniforms[:, level * width + j] * p.sum(dim=-1) < px)
-            chosen = torch.where(take, child, chosen)
-            found |= take
-            p = p.scatter(1, x, torch.where((tried & ~take)[:, None], torch.zeros_like(px[:, None]), px[:, None]))
-        stops = alive & ~found
-        bonus = torch.where(stops, sample_from_uniform(p, uniforms[:, depth * width + level]), bonus)
-        alive &= found
-        node = torch.where(alive, chosen, node)
-        path.append(torch.where(alive, node, 0))
-    last = sample_from_uniform(probs[rows, node], uniforms[:, depth * width + depth])
-    bonus = torch.where(alive, last, bonus)
-    return (torch.stack(path, dim=1) > 0).sum(dim=1), torch.stack(path, dim=1), bonus
+    probs [..., N, V] the target's distribution at each node's row (a one-hot row draws its argmax);
+    uniforms [..., D+1], the keyed uniforms of positions start+1..start+D+1; node_depth [..., N]. Walking a
+    tree with these draws in place of the argmax (`greedy_accept`, `greedy_walk`) samples it: a child is
+    accepted where its token equals its parent's draw, with probability p(token), as recursive rejection
+    sampling over deterministic children accepts it, and the emitted tokens are the draws target-only
+    decoding makes at those positions. Nodes of one depth share a uniform; only one of them lies on the
+    walked branch."""
+    return sample_from_uniform(probs, uniforms.gather(-1, node_depth))
 
 
 def sample_accept(
@@ -217,35 +178,6 @@ def sample_accept(
             q /= q.sum()
         if chosen is None:
             return path, int(torch.multinomial(p, 1, generator=generator))
-        path.append(chosen)
-        node = chosen
-
-
-def sample_accept_candidates(
-    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator
-) -> tuple[list[int], int]:
-    """(accepted node indices, bonus token) by recursive rejection sampling over children that the draft
-    chose deterministically (each a one-hot draft distribution).
-
-    target_probs [N, V]: the target's next-token distribution at each node's row. At a node, child x_j is
-    accepted with probability p(x_j), where p is the target's distribution with the children rejected
-    before it removed and renormalised (the residual of a one-hot draft); when every child is rejected,
-    the bonus is drawn from that residual. The emitted tokens are distributed as the target's sampling.
-    """
-    path: list[int] = []
-    node = 0
-    while True:
-        p = target_probs[node].double().clone()
-        chosen = None
-        for c in tree.children(node):
-            x = int(tree.tokens[c])
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u * float(p.sum()) < float(p[x]):
-                chosen = c
-                break
-            p[x] = 0.0  # a child holding all the remaining mass is always accepted, so some mass is left
-        if chosen is None:
-            return path, int(torch.multinomial(p / p.sum(), 1, generator=generator))
         path.append(chosen)
         node = chosen
 

@@ -1,15 +1,22 @@
-"""Verification of K drafts against the target: rejection sampling that reduces to greedy matching.
+"""Verification of K drafts against the target.
 
-Terms. For one request with drafts d_1..d_K:
-- p_k: the target's distribution at draft position k (k = 0..K; p_K is the bonus position), after
-  temperature/top-k/top-p; a one-hot at the argmax when temperature is 0.
-- q_k: the distribution d_k was drawn from; a one-hot at d_k when the draft chose greedily.
-- Draft k is accepted when u_k < p_k(d_k) / q_k(d_k), and only if drafts 1..k-1 were accepted.
-- At the first rejected position j, one token is drawn from norm(max(0, p_j - q_j)); if all K are
-  accepted, the bonus token is drawn from p_K. So every verify step emits accepted + 1 tokens.
-This keeps the output distribution equal to the target's (Leviathan et al. 2023; Chen et al. 2023).
-With one-hot p and q the rule is exactly "longest prefix matching the target argmax, plus the argmax
-after it", so greedy speculative decoding is token-identical to target-only greedy decoding.
+Terms. For one request with drafts d_1..d_K, verify rows 0..K predict the tokens at positions s+1..s+K+1:
+- p_j: the target's distribution at row j, after temperature/top-k/top-p; a one-hot at the argmax when
+  temperature is 0.
+- u_j: the uniform of the token's position, from the request's key (`keyed_uniforms`).
+- y_j: the target's own draw at row j, the first token whose cumulative mass under p_j exceeds u_j.
+Drafts chosen by the draft model deterministically (every drafter here: greedy chains, top-k trees) are
+accepted while d_j = y_{j-1}; the step emits y_0..y_n, n the accepted count. Each emitted token is the draw
+target-only decoding would make at that position with the same uniform, so the output is the target's own
+sampling, token for token: it does not depend on the drafts, their kind or the step they fall in. A draft
+is accepted with probability p(d), as rejection sampling against a one-hot draft accepts it (Leviathan et
+al. 2023), so acceptance is the same. With one-hot p the rule is "longest prefix matching the argmax, plus
+the argmax after it". Drafts sampled from a distribution q (`draft_probs`) go through rejection sampling:
+accept d_j when u_j q(d_j) < p(d_j), else draw from norm(max(0, p - q)).
+
+Example, K=2, drafts "the", "cat": the keyed draws at rows 0, 1, 2 are "the", "dog", "sat". Draft 1 equals
+y_0 and is accepted; draft 2 does not equal y_1, so the step emits "the", "dog" (n = 1), and row 2 is
+discarded. Target-only decoding with the same key draws "the", then "dog" at those positions.
 """
 
 from __future__ import annotations
@@ -30,26 +37,23 @@ def verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each row's drafts; returns (num_accepted [B], tokens [B, K+1]).
 
-    target_probs [B, K+1, V]; draft_tokens [B, K]; uniforms [B, K+1] in [0, 1) (the last one draws the
-    correction or bonus token); draft_probs [B, K, V] or None for one-hot drafts.
-    tokens[b, :num_accepted[b] + 1] are the emitted tokens; the rest is padding. No host sync.
+    target_probs [B, K+1, V]; draft_tokens [B, K]; uniforms [B, K+1] in [0, 1), one per row (the keyed
+    uniforms of the positions the rows predict); draft_probs [B, K, V], or None for drafts chosen
+    deterministically. tokens[b, :num_accepted[b] + 1] are the emitted tokens; the rest is padding (for
+    deterministic drafts, the target's draws at every row). No host sync.
     """
     bsz, k1, _ = target_probs.shape
     k = k1 - 1
-    p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
     if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-    else:
-        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+        draws = sample_from_uniform(target_probs, uniforms)  # [B, K+1], the target's own tokens
+        match = (draft_tokens == draws[:, :k]).to(torch.int64)
+        return torch.cumprod(match, dim=1).sum(dim=1), draws
+    p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
     accept = uniforms[:, :k] * q_draft < p_draft  # u < p/q without dividing by zero
     num_accepted = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)  # [B]
-
     residual = target_probs.clone()
-    if draft_probs is None:
-        one_hot = torch.zeros_like(residual[:, :k]).scatter_(-1, draft_tokens[..., None], 1.0)
-        residual[:, :k] = (residual[:, :k] - one_hot).clamp_(min=0)
-    else:
-        residual[:, :k] = (residual[:, :k] - draft_probs).clamp_(min=0)
+    residual[:, :k] = (residual[:, :k] - draft_probs).clamp_(min=0)
     rows = torch.arange(bsz, device=target_probs.device)
     final_dist = residual[rows, num_accepted]  # [B, V]; p_K itself when all were accepted
     empty = final_dist.sum(-1, keepdim=True) <= 0  # p == q exactly: fall back to p

@@ -1,4 +1,5 @@
-"""Rejection sampling keeps the target's distribution, with an accept rate that matches theory."""
+"""Verification keeps the target's distribution: rejection sampling for sampled drafts, the target's keyed draws for
+deterministic ones, with accept rates that match theory."""
 
 from __future__ import annotations
 
@@ -77,3 +78,59 @@ def test_greedy_accepts_longest_matching_prefix_plus_bonus() -> None:
     n2, tokens2 = verify(one_hot, drafts, torch.rand(3, 4), None)
     assert n2.tolist() == n.tolist()
     assert [tokens2[i, : n2[i] + 1].tolist() for i in range(3)] == emitted
+
+
+def test_deterministic_drafts_emit_the_targets_own_draws() -> None:
+    """With drafts chosen deterministically, a step emits the target's inverse-CDF draws at its rows, and
+    accepts exactly the drafts that equal them: the output does not depend on the drafts."""
+    from mtpserve.speculative.sampling import sample_from_uniform
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 2_000, 3
+    target = torch.softmax(2 * torch.randn(n, k + 1, V, generator=g), dim=-1)
+    u = torch.rand(n, k + 1, generator=g)
+    draws = sample_from_uniform(target, u)
+    keep = torch.rand(n, k, generator=g) < 0.6  # drafts that equal the draws, others shifted away from them
+    drafts = torch.where(keep, draws[:, :k], (draws[:, :k] + 1) % V)
+    n_acc, tokens = verify(target, drafts, u, None)
+    want = torch.cumprod(keep.long(), dim=1).sum(dim=1)
+    assert n_acc.tolist() == want.tolist()
+    for b in range(n):
+        assert tokens[b, : int(n_acc[b]) + 1].tolist() == draws[b, : int(n_acc[b]) + 1].tolist()
+    assert 0 < int(n_acc.sum()) < n * k
+
+
+def test_second_position_with_deterministic_drafts() -> None:
+    """Greedy drafts (token 1 then token 3): the token emitted at position 2, given position 1 accepted,
+    follows p_2, and position 2 is accepted with probability p_2(3)."""
+    p1, _ = _dists()
+    p2 = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
+    g = torch.Generator().manual_seed(4)
+    drafts = torch.tensor([[1, 3]]).expand(TRIALS, 2)
+    target = torch.stack([p1, p2, p2])[None].expand(TRIALS, 3, V)
+    n_acc, tokens = verify(target, drafts, torch.rand(TRIALS, 3, generator=g), None)
+    second = tokens[n_acc >= 1, 1]
+    counts = torch.bincount(second, minlength=V).double()
+    _, pvalue = chisquare(counts.numpy(), expected(p2, counts))
+    assert pvalue > 1e-3
+    rate = (n_acc[n_acc >= 1] == 2).double().mean().item()
+    assert abs(rate - p2[3].item()) < 0.02
+
+
+def test_keyed_uniforms_are_uniform_and_a_function_of_key_and_position() -> None:
+    """The keyed uniforms pass a Kolmogorov-Smirnov test along positions and across keys, repeat for the
+    same key and position, and differ between neighbouring keys."""
+    from scipy.stats import kstest
+
+    from mtpserve.speculative.sampling import keyed_uniforms, sampling_key
+
+    key = sampling_key(1234)
+    assert key == sampling_key(1234) != sampling_key(1235)
+    along = keyed_uniforms(torch.tensor([[key]]), torch.arange(50_000)[None])[0]
+    across = keyed_uniforms(torch.tensor([sampling_key(s) for s in range(20_000)]), torch.tensor(77))
+    for u in (along, across):
+        assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+        assert kstest(u.double().numpy(), "uniform").pvalue > 1e-3
+    again = keyed_uniforms(torch.tensor([[key]]), torch.arange(100)[None])[0]
+    assert torch.equal(again, along[:100])
+    assert float(torch.corrcoef(torch.stack([along[:-1], along[1:]]))[0, 1]) < 0.02

@@ -17,9 +17,7 @@ from mtpserve.speculative.tree import (
     greedy_accept,
     greedy_walk,
     sample_accept,
-    sample_accept_candidates,
-    sample_walk,
-    walk_uniforms,
+    tree_draws,
 )
 
 from tiny import random_prompts, tiny_args, tiny_weights
@@ -242,8 +240,8 @@ def test_a_wrong_residual_would_be_caught() -> None:
 
 
 def candidate_counts(p: torch.Tensor, kids: list[int], trials: int, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """Counts of the first emitted token over `trials` draws with fixed candidate children `kids` of the root,
-    and how often each child was accepted."""
+    """Counts of the first emitted token over `trials` walks with fixed candidate children `kids` of the root,
+    each over the target's draws from fresh uniforms, and how often each child was accepted."""
     g = torch.Generator().manual_seed(seed)
     vocab = p.numel()
     tree = DraftTree(torch.tensor([0, *kids]), torch.tensor([-1] + [0] * len(kids)))
@@ -251,7 +249,8 @@ def candidate_counts(p: torch.Tensor, kids: list[int], trials: int, seed: int) -
     counts = torch.zeros(vocab, dtype=torch.float64)
     hits = [0] * len(kids)
     for _ in range(trials):
-        path, bonus = sample_accept_candidates(tree, target, g)
+        u = torch.rand(2, generator=g, dtype=torch.float64)
+        path, bonus = greedy_accept(tree, tree_draws(target, u, tree.depth()))
         if path:
             hits[path[0] - 1] += 1
         counts[int(tree.tokens[path[0]]) if path else bonus] += 1
@@ -260,8 +259,9 @@ def candidate_counts(p: torch.Tensor, kids: list[int], trials: int, seed: int) -
 
 @pytest.mark.parametrize(("kids", "seed"), [([3], 0), ([3, 0, 5], 1), ([6, 5, 4, 3, 2], 2)])
 def test_fixed_candidates_keep_the_target_distribution(kids: list[int], seed: int) -> None:
-    """Children chosen deterministically (the engine's top-k trees): the first emitted token follows the
-    target's distribution (chi-square, 20,000 trials), and every candidate gets accepted sometimes."""
+    """Children chosen deterministically (the engine's top-k trees), walked over the target's draws: the first
+    emitted token follows the target's distribution (chi-square, 20,000 trials), and each candidate is accepted
+    with its target probability, as recursive rejection sampling over fixed candidates accepts it."""
     from scipy.stats import chisquare
 
     g = torch.Generator().manual_seed(200 + seed)
@@ -270,7 +270,9 @@ def test_fixed_candidates_keep_the_target_distribution(kids: list[int], seed: in
     counts, hits = candidate_counts(p, kids, trials, seed)
     assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue > 1e-3, (counts / trials, p)
     assert all(h > 0 for h in hits)
-    assert hits[0] == pytest.approx(trials * float(p[kids[0]]), rel=0.05)  # the first child: accepted w.p. p(x)
+    assert sum(hits) == pytest.approx(trials * float(p[kids].sum()), rel=0.05)
+    for kid, h in zip(kids, hits, strict=True):
+        assert h == pytest.approx(trials * float(p[kid]), rel=0.1, abs=60)
 
 
 def test_fixed_candidates_without_the_residual_would_be_caught() -> None:
@@ -292,8 +294,8 @@ def test_fixed_candidates_without_the_residual_would_be_caught() -> None:
 
 
 def test_batched_walks_match_the_per_tree_rules() -> None:
-    """greedy_walk equals greedy_accept on random trees; sample_walk with one-hot distributions walks the same
-    way (the greedy rule inside a sampling step)."""
+    """greedy_walk equals greedy_accept on random trees; the target's draws from one-hot distributions are the
+    argmax (the greedy rule inside a sampling step), whatever the uniforms."""
     rng = random.Random(3)
     vocab, n, depth, width = 12, 9, 4, 3
     trees, argmaxes = [], []
@@ -315,8 +317,9 @@ def test_batched_walks_match_the_per_tree_rules() -> None:
     am = torch.stack(argmaxes)
     n_acc, path, bonus = greedy_walk(tok, par, am, depth)
     onehot = torch.nn.functional.one_hot(am, vocab).double()
-    u = torch.rand(64, walk_uniforms(depth, width), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    s_acc, s_path, s_bonus = sample_walk(tok, par, onehot, u, depth, width)
+    u = torch.rand(64, depth + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    node_depth = torch.stack([t.depth() for t in trees])
+    s_acc, s_path, s_bonus = greedy_walk(tok, par, tree_draws(onehot, u, node_depth), depth)
     for b, tree in enumerate(trees):
         ref_path, ref_bonus = greedy_accept(tree, am[b])
         assert n_acc[b] == len(ref_path) == s_acc[b]
@@ -335,18 +338,20 @@ def depth_of(parents: list[int], node: int) -> int:
 
 @pytest.mark.parametrize(("kids", "seed"), [([3], 0), ([3, 0, 5], 1), ([6, 5, 4, 3], 2)])
 def test_batched_sampling_walk_keeps_the_target_distribution(kids: list[int], seed: int) -> None:
-    """sample_walk over 20,000 copies of a tree with fixed root children: the first emitted token follows the
-    target's distribution (chi-square), as `sample_accept_candidates` does."""
+    """greedy_walk over the target's draws (`tree_draws`) for 20,000 copies of a tree with fixed root children,
+    in one batch: the first emitted token follows the target's distribution (chi-square)."""
     from scipy.stats import chisquare
 
     g = torch.Generator().manual_seed(300 + seed)
-    vocab, trials, width = 7, 20_000, 4
+    vocab, trials = 7, 20_000
     p = torch.softmax(1.5 * torch.randn(vocab, generator=g, dtype=torch.float64), dim=0)
     tok = torch.tensor([0, *kids]).expand(trials, -1)
     par = torch.tensor([-1] + [0] * len(kids)).expand(trials, -1)
     probs = torch.stack([p] + [torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)] * len(kids))
-    u = torch.rand(trials, walk_uniforms(1, width), generator=g, dtype=torch.float64)
-    n_acc, path, bonus = sample_walk(tok, par, probs.expand(trials, -1, -1), u, 1, width)
+    u = torch.rand(trials, 2, generator=g, dtype=torch.float64)
+    node_depth = torch.tensor([0] + [1] * len(kids)).expand(trials, -1)
+    draws = tree_draws(probs.expand(trials, -1, -1), u, node_depth)
+    n_acc, path, bonus = greedy_walk(tok, par, draws, 1)
     first = torch.where(n_acc > 0, tok.gather(1, path[:, :1])[:, 0], bonus)
     counts = torch.bincount(first, minlength=vocab).double()
     assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue > 1e-3, (counts / trials, p)

@@ -275,7 +275,7 @@ def test_tree_buffers_hold_each_trees_depths_and_ancestors() -> None:
     depths, parents and ancestor mask as `DraftTree` computes them, and padding rows see only themselves."""
     gen = torch.Generator().manual_seed(3)
     q = 9
-    bufs = TreeBuffers(8, q, 4, torch.device("cpu"))
+    bufs = TreeBuffers(8, q, torch.device("cpu"))
     for n, bucket in [(8, 8), (1, 1), (3, 4), (0, 2), (2, 8), (5, 8)]:
         parents = [[-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q)] for _ in range(n)]
         depths = bufs.fill(np.array(parents, dtype=np.int64).reshape(n, q), bucket)

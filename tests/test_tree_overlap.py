@@ -217,7 +217,7 @@ def test_the_device_advance_writes_what_the_host_fill_writes(kernel: bool) -> No
     rows = [6, 0, 3, 3, 5]
     tables = [torch.randperm(40, generator=g)[:10].tolist() for _ in range(m)]
     host, dev = (StepBuffers.allocate(8, q, 10, bs, 99, torch.device("cpu")) for _ in range(2))
-    host_trees, dev_trees = (TreeBuffers(8, q, 4, torch.device("cpu")) for _ in range(2))
+    host_trees, dev_trees = (TreeBuffers(8, q, torch.device("cpu")) for _ in range(2))
     src = previous[rows]
     tokens = torch.cat([src.gather(1, src[:, cols.accepted : cols.accepted + 1]), src[:, cols.drafts]], dim=1)
     starts = src[:, cols.next_start].tolist()

@@ -1,7 +1,7 @@
 """Speculative step as one fixed-shape function: target verify, draft re-run, K-step chain.
 
 For a batch of generation requests with K drafts, everything stays on the device: the target verifies
-(greedy, or by rejection sampling with the requests' temperature/top-k/top-p and uniforms read from
+(greedy, or over its draws with the requests' temperature/top-k/top-p and sampling keys read from
 fixed buffers), the draft re-runs over all K+1 rows (row i reads emitted token i: the accepted draft
 i+1 up to the first rejection and the correction or bonus token there; rows past it write draft KV
 that the chain overwrites before anything reads it), then the chain proposes K greedy tokens from each
@@ -98,14 +98,14 @@ class FusedSpecStep:
         return uniform_bucket(plan, self.k + 1, self.buffers.max_blocks, self.steps.sizes)
 
     def launch(
-        self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None, after: torch.Tensor | None = None
+        self, plan: StepPlan, bucket: int, keys: list[int] | None = None, after: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Fill the buffers and replay without waiting; returns the device results [m, 2K+3] of the real
         rows, per row [emitted K+1 | accepted | drafts K | next start] (valid until the next run).
-        `uniforms` [m, K+1] holds the verify step's random numbers; None for an all-greedy step. With
+        `keys` holds the requests' sampling keys; None for an all-greedy step. With
         `after` (a previous launch's results), each sequence's token_ids[0] is its row there, and its
         tokens and positions are taken from that row on the device."""
-        mode = fill_step(self.buffers, plan, bucket, uniforms, self.forced)
+        mode = fill_step(self.buffers, plan, bucket, keys, self.forced)
         m = len(plan.seqs)
         if after is not None:
             self._advance(m, after)
@@ -138,9 +138,9 @@ class FusedSpecStep:
         proposals = DraftOutputs(plan.step_id, [s.request_id for s in plan.seqs], drafts)
         return TargetOutput(plan.step_id, results, None, proposals)
 
-    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
+    def run(self, plan: StepPlan, bucket: int, keys: list[int] | None = None) -> TargetOutput:
         """Launch, then read back tokens, accept counts and next drafts in one copy."""
-        return self.read(plan, self.launch(plan, bucket, uniforms).cpu())
+        return self.read(plan, self.launch(plan, bucket, keys).cpu())
 
 
 class FusedDepthSteps:
@@ -169,18 +169,18 @@ class FusedDepthSteps:
         return None if step is None else step.bucket_for(plan)
 
     def launch(
-        self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None, after: torch.Tensor | None = None
+        self, plan: StepPlan, bucket: int, keys: list[int] | None = None, after: torch.Tensor | None = None
     ) -> torch.Tensor:
         """FusedSpecStep.launch on the plan's depth (`after` must come from a step of the same depth)."""
-        return self.by_depth[plan.num_draft_tokens].launch(plan, bucket, uniforms, after)
+        return self.by_depth[plan.num_draft_tokens].launch(plan, bucket, keys, after)
 
     def read(self, plan: StepPlan, host: torch.Tensor) -> TargetOutput:
         """FusedSpecStep.read on the plan's depth."""
         return self.by_depth[plan.num_draft_tokens].read(plan, host)
 
-    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
+    def run(self, plan: StepPlan, bucket: int, keys: list[int] | None = None) -> TargetOutput:
         """FusedSpecStep.run on the plan's depth."""
-        return self.by_depth[plan.num_draft_tokens].run(plan, bucket, uniforms)
+        return self.by_depth[plan.num_draft_tokens].run(plan, bucket, keys)
 
     def time_steps(self, repeats: int = 10) -> dict[tuple[int, int], float]:
         """Seconds per greedy step by (batch bucket, depth), each the mean of `repeats` runs over the padded

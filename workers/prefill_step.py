@@ -11,8 +11,8 @@ a CUDA graph captured per bucket.
   table is padded with the scratch block far enough that they read only real or scratch keys, so every
   value stays finite. Real rows never see them (causal order).
 - The first token is taken from the last real row on the device: greedy, or sampled with the request's
-  temperature, top-k and top-p and a uniform drawn from its generator (the eager path's draw), in fixed
-  buffers; one graph per sampling mode, as for generation steps.
+  temperature, top-k and top-p and its sampling key (the uniform of the token's position, as every step
+  draws it), in fixed buffers; one graph per sampling mode, as for generation steps.
 - With a colocated MTP chain the draft re-runs over the chunk in the same graph. Row i reads token i+1;
   the last row reads the worker's fixed-address lookahead tensor (the next prompt token for a non-final
   chunk) and, where that is -1 (a final chunk), the first token. So the draft KV is what the eager path
@@ -40,7 +40,13 @@ from mtpserve.modeling.model import LlamaModel
 from mtpserve.speculative.draft_inputs import draft_input_tokens
 from mtpserve.speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from mtpserve.speculative.mtp_chain import MTPEagleChain, chain_from
-from mtpserve.speculative.sampling import SamplingMode, processed_probs, sample_from_uniform, sampling_mode
+from mtpserve.speculative.sampling import (
+    SamplingMode,
+    keyed_uniforms,
+    processed_probs,
+    sample_from_uniform,
+    sampling_mode,
+)
 from mtpserve.workers.graph_runner import CapturedSteps, GreedyAndSampledSteps, pick_bucket
 
 SMALLEST_BUCKET = 16  # the ragged kernel's query tile
@@ -71,7 +77,7 @@ class PrefillBuffers:
     seq_len: torch.Tensor  # [1] start + T
     real_len: torch.Tensor  # [1] the chunk's rows n
     last_row: torch.Tensor  # [1] n - 1
-    fpacked: torch.Tensor  # device float32 [temperature | top-k | top-p | uniform] of a sampling final chunk
+    fpacked: torch.Tensor  # device float32 [temperature | top-k | top-p | key (int32 bits)] of a sampling final chunk
     fstaging: torch.Tensor  # its host twin
     block_size: int
     scratch_block: int
@@ -95,9 +101,10 @@ class PrefillBuffers:
         )  # fmt: skip
 
     def sampling(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(temperature, top_k, top_p, uniform) views, one row each."""
-        t, k, p, u = self.fpacked.split(1)
-        return t, k, p, u
+        """(temperature, top_k, top_p, uniform), one row each: the uniform of the position the chunk's last row
+        predicts, from the request's key."""
+        t, k, p, key = self.fpacked.split(1)
+        return t, k, p, keyed_uniforms(key.view(torch.int32), self.positions.index_select(0, self.last_row) + 1)
 
     @property
     def max_tokens(self) -> int:
@@ -126,9 +133,11 @@ class PrefillBuffers:
         host[3 * t_max + width :] = [0, bucket, seq.start + bucket, n, n - 1]
         self.packed.copy_(self.staging, non_blocking=True)
 
-    def fill_sampling(self, seq: SeqPlan, uniform: float) -> None:
-        """Copy a sampling chunk's temperature, top-k, top-p and uniform draw."""
-        self.fstaging.numpy()[:] = (seq.temperature, seq.top_k, seq.top_p, uniform)
+    def fill_sampling(self, seq: SeqPlan, key: int) -> None:
+        """Copy a sampling chunk's temperature, top-k, top-p and sampling key."""
+        host = self.fstaging.numpy()
+        host[:3] = (seq.temperature, seq.top_k, seq.top_p)
+        host[3:].view(np.int32)[0] = key
         self.fpacked.copy_(self.fstaging, non_blocking=True)
 
 
@@ -210,16 +219,16 @@ class CapturedPrefill:
             return None
         return pick_bucket(len(s.token_ids), self.sizes)
 
-    def run(self, plan: StepPlan, bucket: int, uniform: float | None = None) -> TargetOutput:
-        """Fill, replay and read the first token (final chunks) and, with a chain, the drafts. `uniform` is
-        the draw of a sampling final chunk, from its request's generator."""
+    def run(self, plan: StepPlan, bucket: int, key: int | None = None) -> TargetOutput:
+        """Fill, replay and read the first token (final chunks) and, with a chain, the drafts. `key` is a
+        sampling final chunk's sampling key."""
         s = plan.seqs[0]
         self.buffers.fill(s, bucket)
         mode = sampling_mode([s]) if s.is_final_chunk else SamplingMode.GREEDY
         if mode is not SamplingMode.GREEDY:
-            if uniform is None:
-                raise ValueError("a sampling final chunk needs its uniform draw")
-            self.buffers.fill_sampling(s, uniform)
+            if key is None:
+                raise ValueError("a sampling final chunk needs its sampling key")
+            self.buffers.fill_sampling(s, key)
         if self.chain is not None:
             self.chain.lookahead.write([s.lookahead_token])
         if self.partial is not None and not s.is_final_chunk:
@@ -242,7 +251,7 @@ class CapturedPrefill:
         NaN logits, and the steps that read their tokens would then index with them."""
         dummy = SeqPlan("capture", [0], 0, [], True, True, -1, temperature=1.0)
         self.buffers.fill(dummy, self.sizes[0])
-        self.buffers.fill_sampling(dummy, 0.5)
+        self.buffers.fill_sampling(dummy, 0)
         self.final.try_capture()
         if self.partial is not None:
             self.partial.try_capture(self.final.greedy.pool)

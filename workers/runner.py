@@ -18,9 +18,10 @@ from mtpserve.speculative.messages import DraftInputs, DraftOutputs, SeqPlan, Se
 from mtpserve.speculative.replay import ReplayAcceptance, forced_chain, forced_walk
 from mtpserve.speculative.sampling import (
     SamplingMode,
+    keyed_uniforms,
     processed_probs,
-    request_generator,
     sample_from_uniform,
+    sampling_key,
     sampling_mode,
 )
 from mtpserve.speculative.tree import DraftTree
@@ -65,7 +66,7 @@ class TargetRunner:
         self.cache = cache
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
-        self._generators: dict[str, torch.Generator] = {}
+        self._keys: dict[str, int] = {}  # each request's sampling key (`sampling_key`)
         self._results: dict[int, list[torch.Tensor]] = {}  # by width: HOST_TWINS host buffers for results, rotating
         self._spec_key: tuple[Any, Any, Any, bool] | None = None  # the steps `_spec` describes
         self._spec: LaunchSpec | None = None
@@ -76,11 +77,17 @@ class TargetRunner:
     def shutdown(self) -> None:
         """Nothing to release in process."""
 
-    def _gen(self, sp: SeqPlan) -> torch.Generator:
-        g = self._generators.get(sp.request_id)
-        if g is None:
-            g = self._generators[sp.request_id] = request_generator(sp.seed)
-        return g
+    def _key(self, sp: SeqPlan) -> int:
+        key = self._keys.get(sp.request_id)
+        if key is None:
+            key = self._keys[sp.request_id] = sampling_key(sp.seed)
+        return key
+
+    def _uniforms(self, seqs: list[SeqPlan], offsets: list[list[int]]) -> torch.Tensor:
+        """Keyed uniforms [len(seqs), n] of positions start + offset for each sequence (its rows' offsets)."""
+        keys = torch.tensor([[self._key(s)] for s in seqs], dtype=torch.long)
+        positions = torch.tensor([[s.start + o for o in offs] for s, offs in zip(seqs, offsets, strict=True)])
+        return keyed_uniforms(keys, positions).to(self.device)
 
     @torch.no_grad()
     def forward(self, plan: StepPlan) -> torch.Tensor:
@@ -149,18 +156,17 @@ class TargetRunner:
         if after is not None and after.tree != tree:
             raise ValueError(f"step {plan.step_id}: a queued step reads the results of a step of its own kind")
         for rid in plan.finished_request_ids:
-            self._generators.pop(rid, None)
+            self._keys.pop(rid, None)
         previous = None if after is None else after.results
         if tree:
             assert self.tree_step is not None  # a spec takes trees only with a tree step
-            uniforms = self.uniforms(plan, self.tree_step.num_uniforms)
-            results = self.tree_step.launch(plan, bucket, uniforms, previous)
+            results = self.tree_step.launch(plan, bucket, self.keys(plan), previous)
         elif self.fused is not None:
-            results = self.fused.launch(plan, bucket, self.uniforms(plan, len(plan.seqs[0].token_ids)), previous)
+            results = self.fused.launch(plan, bucket, self.keys(plan), previous)
         else:
             assert self.uniform is not None
             tokens = None if previous is None else previous[:, 1]
-            _, results = self.uniform.run(plan, bucket, self.uniforms(plan, 1), tokens)
+            _, results = self.uniform.run(plan, bucket, self.keys(plan), tokens)
         m, width = results.shape
         ring = self._results.get(width)
         if ring is None:
@@ -196,7 +202,7 @@ class TargetRunner:
     def execute(self, plan: StepPlan) -> TargetOutput:
         """Run the step: forward, sample final context rows, verify drafts, and build DraftInputs."""
         for rid in plan.finished_request_ids:
-            self._generators.pop(rid, None)
+            self._keys.pop(rid, None)
         if not plan.seqs:
             return TargetOutput(plan.step_id, [])
         if any(s.processing is not None for s in plan.seqs):
@@ -207,13 +213,12 @@ class TargetRunner:
                 return self.run_split(plan, *split)
             bucket = self.prefill.bucket_for(plan)
             if bucket is not None:
-                return self.prefill.run(plan, bucket, self._context_uniform(plan.seqs[0]))
+                return self.prefill.run(plan, bucket, self._context_key(plan.seqs[0]))
         q_len = len(plan.seqs[0].token_ids)
         if self.tree_step is not None and (tree_bucket := self.tree_step.bucket_for(plan)) is not None:
-            uniforms = self.uniforms(plan, self.tree_step.num_uniforms)
-            return self.tree_step.run(plan, tree_bucket, uniforms)
+            return self.tree_step.run(plan, tree_bucket, self.keys(plan))
         if self.fused is not None and (fused_bucket := self.fused.bucket_for(plan)) is not None:
-            return self.fused.run(plan, fused_bucket, self.uniforms(plan, q_len))
+            return self.fused.run(plan, fused_bucket, self.keys(plan))
         bucket = self.uniform.bucket_for(plan) if self.uniform is not None else None
         trees = plan_trees(plan.seqs)
         if bucket is None:
@@ -221,7 +226,7 @@ class TargetRunner:
         tokens: list[list[int]] = [[] for _ in plan.seqs]
         accepted = [0] * len(plan.seqs)
         last_token = [0] * len(plan.seqs)
-        features, packed = self.uniform.run(plan, bucket, self.uniforms(plan, q_len))  # type: ignore[union-attr]
+        features, packed = self.uniform.run(plan, bucket, self.keys(plan))  # type: ignore[union-attr]
         starts = [i * q_len for i in range(len(plan.seqs))]
         read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token)
         return self._output(plan, trees, features, Verified(tokens, accepted, last_token, starts))
@@ -281,17 +286,17 @@ class TargetRunner:
         drafts = []
         for i, bucket in chunks:
             ctx = plan.seqs[i]
-            out = self.prefill.run(_sub_plan(plan, [ctx]), bucket, self._context_uniform(ctx))
+            out = self.prefill.run(_sub_plan(plan, [ctx]), bucket, self._context_key(ctx))
             results[i] = out.results[0]
             drafts.append(out.draft_outputs)
         if gen_bucket is not None:
             rows = [i for i, s in enumerate(plan.seqs) if not s.is_context]
             gen = _sub_plan(plan, [plan.seqs[i] for i in rows])
             if self.fused is not None:
-                rest = self.fused.run(gen, gen_bucket, self.uniforms(gen, plan.num_draft_tokens + 1))
+                rest = self.fused.run(gen, gen_bucket, self.keys(gen))
             else:
                 assert self.uniform is not None
-                rest = token_results(gen, self.uniform.run(gen, gen_bucket, self.uniforms(gen, 1))[1].tolist())
+                rest = token_results(gen, self.uniform.run(gen, gen_bucket, self.keys(gen))[1].tolist())
             for i, r in zip(rows, rest.results, strict=True):
                 results[i] = r
             drafts.append(rest.draft_outputs)
@@ -304,12 +309,11 @@ class TargetRunner:
         tokens = torch.cat([d.draft_token_ids.reshape(len(d.request_ids), plan.num_draft_tokens) for d in made])
         return TargetOutput(plan.step_id, done, None, DraftOutputs(plan.step_id, ids, tokens))
 
-    def _context_uniform(self, s: SeqPlan) -> float | None:
-        """The draw a sampling final chunk's first token takes from its request's generator (as the eager
-        path draws it); None for other chunks."""
+    def _context_key(self, s: SeqPlan) -> int | None:
+        """A sampling final chunk's sampling key (its first token's draw); None for other chunks."""
         if s.temperature <= 0 or not s.is_final_chunk:
             return None
-        return float(torch.rand(1, generator=self._gen(s)))
+        return self._key(s)
 
     def _eager_verify(
         self,
@@ -382,8 +386,9 @@ class TargetRunner:
             if self.replay is not None:  # refuses sampling requests
                 path, bonus = self._replayed_branch(s, tree, lg)
             else:
-                probs = None if greedy else self._probs([s], lg).cpu()  # the walk draws from the CPU generator
-                path, bonus = accept(tree, lg, probs, None if greedy else self._gen(s))
+                probs = None if greedy else self._probs([s], lg)
+                depths = [list(range(1, int(tree.depth().max()) + 2))]
+                path, bonus = accept(tree, lg, probs, None if greedy else self._uniforms([s], depths)[0])
             done.paths[i] = path
             done.tokens[i] = [s.token_ids[n] for n in path] + [bonus]
             done.accepted[i], done.last_token[i] = len(path), bonus
@@ -398,14 +403,12 @@ class TargetRunner:
         n_acc, path, bonus = forced_walk(forced, logits.argmax(-1)[None], tree.size - 1)
         return path[0, : int(n_acc[0])].tolist(), int(bonus[0])
 
-    def uniforms(self, plan: StepPlan, q_len: int) -> torch.Tensor | None:
-        """Verify uniforms [m, Q] for a uniform step from each sampling request's generator (the same
-        draws the eager path makes), or None when every request is greedy."""
+    def keys(self, plan: StepPlan) -> list[int] | None:
+        """Each request's sampling key for a captured step (which draws its uniforms on the device), or None
+        when every request is greedy."""
         if all(s.temperature <= 0 for s in plan.seqs):
             return None
-        zeros = torch.zeros(q_len)
-        rows = [torch.rand(q_len, generator=self._gen(s)) if s.temperature > 0 else zeros for s in plan.seqs]
-        return torch.stack(rows)
+        return [self._key(s) if s.temperature > 0 else 0 for s in plan.seqs]
 
     def _sample_context(self, plan: StepPlan, members: list[int], logits: torch.Tensor, greedy: bool) -> list[int]:
         """Final chunks sample their first token; non-final chunks report the argmax guess (ablation only)."""
@@ -415,7 +418,7 @@ class TargetRunner:
             return out.tolist()
         seqs = [plan.seqs[members[j]] for j in final]
         probs = self._probs(seqs, logits[final])
-        u = torch.cat([torch.rand(1, generator=self._gen(s)) for s in seqs]).to(self.device)
+        u = self._uniforms(seqs, [[len(s.token_ids)] for s in seqs])[:, 0]
         out[final] = sample_from_uniform(probs, u)
         return out.tolist()
 
@@ -435,7 +438,7 @@ class TargetRunner:
         seqs = [plan.seqs[i] for i in members]
         g, k1, v = logits.shape
         probs = self._probs(seqs, logits.reshape(g * k1, v)).reshape(g, k1, v)
-        u = torch.stack([torch.rand(k1, generator=self._gen(s)) for s in seqs]).to(self.device)
+        u = self._uniforms(seqs, [list(range(1, k1 + 1))] * len(seqs))
         q = None
         if all(s.draft_probs is not None for s in seqs):
             q = torch.stack([s.draft_probs for s in seqs]).to(self.device)  # type: ignore[misc]

@@ -11,6 +11,7 @@ import torch
 
 from mtpserve.speculative.messages import SeqPlan
 from mtpserve.speculative.replay import ReplayAcceptance
+from mtpserve.speculative.sampling import keyed_uniforms
 from mtpserve.workers.config import MAX_STEPS_AHEAD
 
 HOST_TWINS = MAX_STEPS_AHEAD + 1  # a step's host copy is refilled only once the step is read
@@ -38,7 +39,7 @@ class StepBuffers:
     temperature: torch.Tensor  # [B_max] float32 (0 = greedy)
     top_k: torch.Tensor  # [B_max] float32 holding integers (0 = off)
     top_p: torch.Tensor  # [B_max] float32
-    uniforms: torch.Tensor  # [B_max, Q] float32, the verify step's random numbers
+    keys: torch.Tensor  # [B_max] int32 (a view of float32 storage): each request's sampling key
     q_len: int
     block_size: int
     scratch_block: int
@@ -56,10 +57,10 @@ class StepBuffers:
         pin = device.type == "cuda"
         stagings = (torch.zeros(sum(sizes), dtype=torch.long, pin_memory=pin) for _ in range(HOST_TWINS))
         ids, pos, slots, lens, tables = packed.split(sizes)
-        fsizes = [max_batch, max_batch, max_batch, rows]
+        fsizes = [max_batch, max_batch, max_batch, max_batch]
         fpacked = torch.zeros(sum(fsizes), dtype=torch.float32, device=device)
         fstagings = (torch.zeros(sum(fsizes), dtype=torch.float32, pin_memory=pin) for _ in range(HOST_TWINS))
-        temp, top_k, top_p, uniforms = fpacked.split(fsizes)
+        temp, top_k, top_p, keys = fpacked.split(fsizes)
         return cls(
             packed,
             tuple(stagings),
@@ -73,7 +74,7 @@ class StepBuffers:
             temp,
             top_k,
             top_p,
-            uniforms.view(max_batch, q_len),
+            keys.view(torch.int32),
             q_len,
             block_size,
             scratch_block,
@@ -92,37 +93,45 @@ class StepBuffers:
     def addresses(self) -> list[int]:
         """data_ptr of every buffer (must never change)."""
         ints = (self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.seq_lens)
-        return [t.data_ptr() for t in (*ints, self.temperature, self.top_k, self.top_p, self.uniforms)]
+        return [t.data_ptr() for t in (*ints, self.temperature, self.top_k, self.top_p, self.keys)]
 
     def sampling(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(temperature, top_k, top_p, uniforms) views of the first `bucket` sequences."""
-        return self.temperature[:bucket], self.top_k[:bucket], self.top_p[:bucket], self.uniforms[:bucket]
+        """(temperature, top_k, top_p, uniforms [bucket, Q]) of the first `bucket` sequences: the uniforms of
+        the positions their rows predict (`uniforms`)."""
+        return self.temperature[:bucket], self.top_k[:bucket], self.top_p[:bucket], self.uniforms(bucket, self.q_len)
+
+    def uniforms(self, bucket: int, n: int) -> torch.Tensor:
+        """Keyed uniforms [bucket, n] of positions start+1..start+n, start being each sequence's first row's
+        position (on the device, so steps whose inputs are advanced there get theirs too)."""
+        start = self.positions[: bucket * self.q_len].view(bucket, self.q_len)[:, :1]
+        offsets = torch.arange(1, n + 1, device=start.device)
+        return keyed_uniforms(self.keys[:bucket, None], start + offsets)
 
     def fill_sampling(
         self,
         temperature: list[float],
         top_k: list[int],
         top_p: list[float],
-        uniforms: torch.Tensor,
+        keys: list[int],
         bucket: int,
     ) -> None:
-        """Copy n rows of sampling parameters and verify uniforms [n, Q]; padding rows are greedy. Call
-        after `fill` for the same step (it uses that step's host twin)."""
-        n, b_max, q = len(temperature), self.max_batch, self.q_len
-        if n > bucket or bucket > b_max or tuple(uniforms.shape) != (n, q):
-            raise ValueError(f"sampling rows: {n} rows, uniforms {tuple(uniforms.shape)}, bucket {bucket}, Q {q}")
+        """Copy n rows of sampling parameters and sampling keys; padding rows are greedy. Call after `fill`
+        for the same step (it uses that step's host twin)."""
+        n, b_max = len(temperature), self.max_batch
+        if n > bucket or bucket > b_max or len(keys) != n:
+            raise ValueError(f"sampling rows: {n} rows, {len(keys)} keys, bucket {bucket}")
         staging = self.fstagings[self.turn]
         host = staging.numpy()
         host[:bucket] = 0.0
         host[b_max : b_max + bucket] = 0.0
         host[2 * b_max : 2 * b_max + bucket] = 1.0
-        u = host[3 * b_max :].reshape(b_max, q)
-        u[:bucket] = 0.0
+        key = host[3 * b_max :].view(np.int32)
+        key[:bucket] = 0
         if n:
             host[:n] = temperature
             host[b_max : b_max + n] = top_k
             host[2 * b_max : 2 * b_max + n] = top_p
-            u[:n] = uniforms.numpy()
+            key[:n] = keys
         self.fpacked.copy_(staging, non_blocking=True)
 
     def fill(

@@ -62,16 +62,14 @@ class TreeBuffers:
     from one of HOST_TWINS rotating host twins (so a step can be filled while the copies of the steps queued before
     it are waiting)."""
 
-    def __init__(self, max_batch: int, q_len: int, num_uniforms: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, q_len: int, device: torch.device) -> None:
         self.max_batch, self.q_len = max_batch, q_len
-        self.uniforms = torch.zeros(max_batch, num_uniforms, dtype=torch.float32, device=device)  # sampling walks
         rows = max_batch * q_len
         self.packed = torch.zeros(2 * rows + rows * q_len, dtype=torch.long, device=device)
         pin = device.type == "cuda"
         self.stagings = tuple(
             torch.zeros(self.packed.shape, dtype=torch.long, pin_memory=pin) for _ in range(HOST_TWINS)
         )
-        self.ustagings = tuple(torch.zeros(self.uniforms.shape, pin_memory=pin) for _ in range(HOST_TWINS))
         self.turn = 0  # the host twin the current step uses
         depth, parents, mask = self.packed.split([rows, rows, rows * q_len])
         self.depth = depth.view(max_batch, q_len)  # [B_max, Q]
@@ -119,14 +117,6 @@ class TreeBuffers:
         """Copy the current host twin's used prefix: depths and parents of every row, masks of the bucket's."""
         used = 2 * self.max_batch * self.q_len + bucket * self.q_len * self.q_len
         self.packed[:used].copy_(self.stagings[self.turn][:used], non_blocking=True)
-
-    def fill_uniforms(self, uniforms: torch.Tensor, bucket: int) -> None:
-        """Copy the sampling walk's uniforms [n, U] of n sequences; padding rows (up to `bucket`) get zeros.
-        Call after `fill` or `fill_queued` for the same step (it uses that step's host twin)."""
-        host = self.ustagings[self.turn]
-        host[:bucket] = 0.0
-        host[: uniforms.shape[0]] = uniforms
-        self.uniforms[:bucket].copy_(host[:bucket], non_blocking=True)
 
 
 def ancestor_masks(parents: np.ndarray) -> np.ndarray:

@@ -10,8 +10,8 @@ For B generation requests each carrying a tree of N drafted nodes, everything st
    rewritten);
 4. `MTPEagleTree.grow` grows each request's next tree from its last accepted row.
 
-Steps that sample walk each tree by rejection sampling over its fixed candidates (`sample_walk`, with the
-requests' temperature/top-k/top-p and uniforms in fixed buffers). One CUDA graph per batch bucket and
+Steps that sample walk each tree as a greedy one over the target's keyed draws (`tree_draws`, with the
+requests' temperature/top-k/top-p and sampling keys in fixed buffers). One CUDA graph per batch bucket and
 sampling mode, and one host copy of the results per step.
 
 A step can also take its inputs from the previous tree step's results on the device (`launch(..., after=...)`,
@@ -37,7 +37,7 @@ from mtpserve.speculative.mtp_chain import chain_slots
 from mtpserve.speculative.mtp_tree import MetaFor, MTPEagleTree
 from mtpserve.speculative.replay import ReplayAcceptance, forced_walk
 from mtpserve.speculative.sampling import SamplingMode, processed_probs, sampling_mode
-from mtpserve.speculative.tree import greedy_walk, sample_walk, walk_uniforms
+from mtpserve.speculative.tree import greedy_walk, tree_draws
 from mtpserve.workers import tree_kernels
 from mtpserve.workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
 from mtpserve.workers.step_buffers import ForcedRows, StepBuffers
@@ -76,8 +76,7 @@ class FusedTreeStep:
             max_batch, self.q_len, max_blocks, cache.block_size, cache.scratch_block, dev
         )
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
-        self.num_uniforms = walk_uniforms(self.depth, drafter.width)
-        self.trees = TreeBuffers(max_batch, self.q_len, self.num_uniforms, dev)
+        self.trees = TreeBuffers(max_batch, self.q_len, dev)
         self.columns = ResultColumns(self.depth, drafter.budget)  # the packed results' layout
         self.steps = GreedyAndSampledSteps(self._forward, capture_sizes(max_batch), dev, use_graphs)
         self.runs = 0  # steps run, captured or not
@@ -116,30 +115,29 @@ class FusedTreeStep:
     def _accept(
         self, tokens: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, bucket: int, mode: SamplingMode
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The walk over the trees (greedy, or rejection sampling with the buffers' parameters and uniforms),
+        """The walk over the trees (over the argmax, or over the target's keyed draws with the buffers' parameters),
         then the accepted branches' target KV moved to consecutive slots."""
         d, q, parents = self.depth, self.q_len, self.trees.parents[:bucket]
         if mode is SamplingMode.GREEDY:
-            argmax = self.target.greedy_tokens(hidden).view(bucket, q)
-            if self.forced is None and tree_kernels_apply(tokens):
-                n_acc, path, bonus, src, dst = tree_kernels.greedy_walk_moves(tokens, parents, argmax, slots, d)
-                self.cache.move(src.reshape(-1), dst.reshape(-1))
-                return n_acc, path, bonus
-            if self.forced is None:
-                n_acc, path, bonus = greedy_walk(tokens, parents, argmax, d)
-            else:
-                n_acc, path, bonus = forced_walk(self.forced.rows(bucket), argmax, d)
+            choice = self.target.greedy_tokens(hidden).view(bucket, q)
         else:
-            temperature, top_k, top_p, _ = self.buffers.sampling(bucket)
+            b = self.buffers
             probs = processed_probs(
                 self.target.logits(hidden),
-                temperature.repeat_interleave(q),
-                top_k.long().repeat_interleave(q),
-                top_p.repeat_interleave(q),
+                b.temperature[:bucket].repeat_interleave(q),
+                b.top_k[:bucket].long().repeat_interleave(q),
+                b.top_p[:bucket].repeat_interleave(q),
                 mode is SamplingMode.FILTERED,
             ).view(bucket, q, -1)
-            uniforms = self.trees.uniforms[:bucket]
-            n_acc, path, bonus = sample_walk(tokens, parents, probs, uniforms, d, self.drafter.width)
+            choice = tree_draws(probs, b.uniforms(bucket, d + 1), self.trees.depth[:bucket])
+        if self.forced is not None:  # greedy steps only (replays refuse sampling requests)
+            n_acc, path, bonus = forced_walk(self.forced.rows(bucket), choice, d)
+        elif tree_kernels_apply(tokens):
+            n_acc, path, bonus, src, dst = tree_kernels.greedy_walk_moves(tokens, parents, choice, slots, d)
+            self.cache.move(src.reshape(-1), dst.reshape(-1))
+            return n_acc, path, bonus
+        else:
+            n_acc, path, bonus = greedy_walk(tokens, parents, choice, d)
         steps = torch.arange(1, d + 1, device=tokens.device)
         dst = slots[:, 1 : d + 1]
         src = torch.where(steps[None, :] <= n_acc[:, None], slots.gather(1, path), dst)
@@ -185,11 +183,11 @@ class FusedTreeStep:
         return uniform_bucket(plan, self.q_len, self.buffers.max_blocks, self.steps.sizes, trees=True)
 
     def launch(
-        self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None, after: torch.Tensor | None = None
+        self, plan: StepPlan, bucket: int, keys: list[int] | None = None, after: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Fill the buffers and replay without waiting; returns the device results [m, columns.width] of the
-        real rows (`ResultColumns`; valid until the next run). `uniforms` [m, num_uniforms] are the sampling
-        walk's random numbers; None for an all-greedy step. With `after` (a previous tree launch's results),
+        real rows (`ResultColumns`; valid until the next run). `keys` are the requests' sampling keys; None
+        for an all-greedy step. With `after` (a previous tree launch's results),
         each sequence's token_ids[0] is its row there, and its tokens, positions and tree are taken from that
         row on the device (the plan's drafts and parents are placeholders)."""
         seqs = plan.seqs
@@ -201,12 +199,10 @@ class FusedTreeStep:
         if self.forced is not None:
             self.forced.fill(seqs, bucket)
         mode = SamplingMode.GREEDY
-        if uniforms is not None:
-            unused = torch.zeros(len(seqs), self.q_len)  # the chain's verify uniforms; trees read their own
+        if keys is not None:
             self.buffers.fill_sampling(
-                [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], unused, bucket
+                [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], keys, bucket
             )
-            self.trees.fill_uniforms(uniforms, bucket)
             mode = sampling_mode(seqs)
         if after is not None:
             self._advance(after, len(seqs))
@@ -230,6 +226,6 @@ class FusedTreeStep:
         proposals = DraftOutputs(plan.step_id, [s.request_id for s in plan.seqs], tokens, draft_parents=parents)
         return TargetOutput(plan.step_id, results, None, proposals)
 
-    def run(self, plan: StepPlan, bucket: int, uniforms: torch.Tensor | None = None) -> TargetOutput:
+    def run(self, plan: StepPlan, bucket: int, keys: list[int] | None = None) -> TargetOutput:
         """Launch, then read back tokens, accept counts and the next trees in one copy."""
-        return self.read(plan, self.launch(plan, bucket, uniforms).cpu())
+        return self.read(plan, self.launch(plan, bucket, keys).cpu())

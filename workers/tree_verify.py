@@ -13,7 +13,7 @@ import torch
 
 from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.speculative.messages import SeqPlan
-from mtpserve.speculative.tree import DraftTree, greedy_accept, sample_accept_candidates
+from mtpserve.speculative.tree import DraftTree, greedy_accept, tree_draws
 
 
 def plan_trees(seqs: list[SeqPlan]) -> list[DraftTree | None]:
@@ -34,14 +34,14 @@ def tree_positions(seqs: list[SeqPlan], trees: list[DraftTree | None]) -> torch.
 
 
 def accept(
-    tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None, generator: torch.Generator | None
+    tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None, uniforms: torch.Tensor | None
 ) -> tuple[list[int], int]:
-    """(accepted node indices, bonus token) for one tree: greedy when `probs` is None, else rejection
-    sampling against the target's processed distributions probs [N, V]."""
+    """(accepted node indices, bonus token) for one tree: greedy when `probs` is None, else over the target's
+    draws from its processed distributions probs [N, V] with the keyed uniforms [D+1] of the tree's depths."""
     if probs is None:
         return greedy_accept(tree, logits.argmax(-1))
-    assert generator is not None
-    return sample_accept_candidates(tree, probs, generator)
+    assert uniforms is not None
+    return greedy_accept(tree, tree_draws(probs, uniforms.to(probs.device), tree.depth().to(probs.device)))
 
 
 def branch_moves(seq: SeqPlan, path: list[int], block_size: int) -> tuple[list[int], list[int]]:

@@ -21,7 +21,7 @@ from mtpserve.workers.step_buffers import ForcedRows, StepBuffers
 class UniformTargetStep:
     """The target forward and verify of a generation step (B sequences x Q rows) over fixed buffers,
     captured per batch bucket on CUDA, once for all-greedy steps and once for steps that sample (their
-    temperature, top-k, top-p and uniforms are fixed buffers too). Returns the draft's features (the
+    temperature, top-k, top-p and sampling keys are fixed buffers too). Returns the draft's features (the
     hidden states, or the concatenated outputs of the model's `feature_layers`), accept counts and emitted
     tokens. With `replay` (benchmarks), greedy verify steps accept what it forces (`speculative/replay.py`)."""
 
@@ -66,15 +66,15 @@ class UniformTargetStep:
         self,
         plan: StepPlan,
         bucket: int,
-        uniforms: torch.Tensor | None,
+        keys: list[int] | None,
         tokens_from: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the buffers and replay; returns (features [m*Q, n*d], packed verify results [m, 1+Q], see
-        `pack_verified`) of the real rows, valid until the next run. `uniforms` [m, Q] is None for an
-        all-greedy step. With `tokens_from` (a device tensor of the previous step's tokens, Q = 1), each
+        `pack_verified`) of the real rows, valid until the next run. `keys` (each request's sampling key) is
+        None for an all-greedy step. With `tokens_from` (a device tensor of the previous step's tokens, Q = 1), each
         sequence's token_ids hold a row of it instead of a token, and the token is gathered on the device."""
         seqs = plan.seqs
-        mode = fill_step(self.buffers, plan, bucket, uniforms, self.forced)
+        mode = fill_step(self.buffers, plan, bucket, keys, self.forced)
         if tokens_from is not None:
             ids = self.buffers.input_ids[: len(seqs)]
             ids.copy_(tokens_from.index_select(0, ids))
@@ -93,21 +93,19 @@ def fill_step(
     buffers: StepBuffers,
     plan: StepPlan,
     bucket: int,
-    uniforms: torch.Tensor | None,
+    keys: list[int] | None,
     forced: ForcedRows | None = None,
 ) -> SamplingMode:
-    """Copy a uniform step's inputs (and, when it samples, its sampling parameters; when it replays
+    """Copy a uniform step's inputs (and, when it samples, its sampling parameters and keys; when it replays
     acceptance, its forced rows) into `buffers`; returns the captured variant the step runs (greedy when
-    there are no uniforms)."""
+    there are no keys)."""
     seqs = plan.seqs
     buffers.fill([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_ids for s in seqs], bucket)
     if forced is not None:
         forced.fill(seqs, bucket)
-    if uniforms is None:
+    if keys is None:
         return SamplingMode.GREEDY
-    buffers.fill_sampling(
-        [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], uniforms, bucket
-    )
+    buffers.fill_sampling([s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], keys, bucket)
     return sampling_mode(seqs)
 
 
