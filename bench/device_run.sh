@@ -11,6 +11,8 @@
 #                                     depth and a 15-node tree (batch 1; tensor-core tiles for the tree's 16 rows),
 #                                     the chosen table's b1 rates against the default tiles, then
 #                                     adaptive speculation with the chosen table at batch 1, 8, 64
+#   bash bench/device_run.sh default  SmolLM2 + shipped head: target-only, fixed chains K=1..3 and the adaptive default
+#                                     at batch 1, 8, 64 and 256, 128 tokens (bench/gpu.py decode)
 #   bash bench/device_run.sh serve    SmolLM2: `bench serve`, served over gRPC and HTTP (FRONTENDS front ends, default
 #                                     4) against the engine alone, target-only and K=3, at 1, 64 and 256 streams,
 #                                     CLIENTS client processes (default 8)
@@ -26,7 +28,7 @@
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, tiles, serve, served, e3a, e3b or e3"}
+PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, tiles, default, serve, served, e3a, e3b or e3"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
@@ -99,6 +101,10 @@ case $PHASE in
     table=$(python3 -c "import json; print(json.load(open('$R/gemv_tiles.json')).get('chosen_table', ''))" 2>/dev/null)
     [ -n "$table" ] && step adaptive 150 python3 bench/probes/adaptive_depths.py --model "$M" --gemv-tiles "$table" \
       --tree-budget 15 --tree-width 4 --batches 1,8,64 --out "$R"
+    ;;
+  default)  # the served default (adaptive speculation) against target-only and fixed chains, engine alone
+    step decode 330 python3 bench/gpu.py --model "$M" --groups decode --ks 1,2,3 --batches 1,8,64,256 \
+      --variants adaptive --skip-hf --max-tokens 128 --out "$R"
     ;;
   serve)
     step serve 560 python3 -m mtpserve bench serve --model "$M" --device cuda --configs target-only,speculative \

@@ -17,6 +17,13 @@ Terms:
 - Request r of a run (in the order requests first reach a verify step) replays stream r mod n, cycling
   through it. A replayed tree path need not be a branch of the tree the step drafted (its shape comes from
   the weights at hand); the KV moves and re-run rows follow the recorded nodes all the same.
+- positional streams (adaptive speculation, whose steps change depth): one entry per position of the
+  recorded answer instead of per step, the drafts a chain of the recording's K accepts when it starts
+  there (teacher-forced on the recorded greedy answer, so it does not depend on which steps ran before).
+  A step of depth d at offset o accepts min(run[o], d) and moves the request to o + that + 1; a depth-0
+  step moves it by one. A step deeper than the one before it for the same request verifies padding past
+  the previous step's drafts, so it accepts at most that step's depth, as a real run would (padding is
+  the last token again, which the target rarely accepts).
 
 Only greedy requests are replayed (`ReplayAcceptance.take` refuses others). Nothing in the served
 configuration turns this on: the benchmark hands a `ReplayAcceptance` to the engine builder.
@@ -35,8 +42,10 @@ from mtpserve.speculative.messages import SeqPlan, SeqResult
 class ReplayAcceptance:
     """Recorded streams and each request's place in them; gives every verify row its forced row."""
 
-    def __init__(self, streams: Sequence[Sequence[Sequence[int]]]) -> None:
+    def __init__(self, streams: Sequence[Sequence[Sequence[int]]], positional: bool = False) -> None:
+        self.positional = positional
         self.streams: list[list[list[int]]] = []
+        self._width: dict[str, int] = {}  # request -> the width of its last step (positional streams)
         self.handed: dict[str, list[int]] = {}  # accepted counts handed out per request, in step order
         self._index: dict[str, int] = {}  # request -> its stream
         self._cursor: dict[str, int] = {}  # request -> its next step in the stream
@@ -60,6 +69,7 @@ class ReplayAcceptance:
         self.handed.clear()
         self._index.clear()
         self._cursor.clear()
+        self._width.clear()
 
     def take(self, seqs: Sequence[SeqPlan], width: int) -> np.ndarray:
         """Forced rows [len(seqs), width] of a step's verify rows, advancing each request in its stream;
@@ -75,12 +85,22 @@ class ReplayAcceptance:
             index = self._index.setdefault(rid, len(self._index))
             stream = self.streams[index % len(self.streams)]
             step = self._cursor.get(rid, 0)
-            self._cursor[rid] = step + 1
-            path = stream[step % len(stream)][: width - 1]
+            most = self._most(rid, width)
+            path = stream[step % len(stream)][:most]
+            self._cursor[rid] = step + (1 + len(path) if self.positional else 1)
             out[b, 0] = len(path)
             out[b, 1 : 1 + len(path)] = path
-            self.handed.setdefault(rid, []).append(len(path))
+            if most > 0:  # a step without real drafts verifies nothing (and is not counted)
+                self.handed.setdefault(rid, []).append(len(path))
         return out
+
+    def _most(self, rid: str, width: int) -> int:
+        """The most drafts a step of `width` verify rows may accept for request `rid`."""
+        if not self.positional:
+            return width - 1
+        before = self._width.get(rid, width)
+        self._width[rid] = width
+        return min(width, before) - 1
 
 
 def forced_chain(

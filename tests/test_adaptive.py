@@ -313,12 +313,18 @@ def test_fused_depth_steps_time_every_depth_and_bucket() -> None:
 
 
 def test_adaptive_config_and_flag() -> None:
-    """`--spec-adaptive` sets speculative.adaptive; it applies to chains of one reused head, and to trees of
-    more nodes than the deepest chain's drafts."""
+    """Adaptive is the default where it applies (chains of one reused head, trees of more nodes than the
+    deepest chain's drafts) and off where it cannot, unless asked for, which is refused there;
+    `--no-spec-adaptive` turns it off."""
     p = argparse.ArgumentParser()
     add_engine_flags(p)
+    assert config_from_args(p.parse_args([])).speculative.adaptive is True
     assert config_from_args(p.parse_args(["--spec-adaptive"])).speculative.adaptive is True
-    assert config_from_args(p.parse_args([])).speculative.adaptive is False
+    assert config_from_args(p.parse_args(["--no-spec-adaptive"])).speculative.adaptive is False
+    vanilla = config_from_args(p.parse_args(["--spec-method", "mtp_vanilla"])).speculative
+    assert vanilla.adaptive is False
+    assert SpeculativeConfig(tree_budget=3, tree_width=2).adaptive is False  # a tree no bigger than the chain
+    assert SpeculativeConfig(tree_budget=8, tree_width=3).adaptive is True
     with pytest.raises(ValidationError, match="adaptive"):
         SpeculativeConfig(adaptive=True, tree_budget=3, tree_width=2)  # no more nodes than the deepest chain
     with pytest.raises(ValidationError, match="adaptive"):

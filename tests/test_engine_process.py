@@ -61,7 +61,7 @@ def _config(model: Path, head: Path) -> MTPServeConfig:
     return MTPServeConfig.from_dict(
         {
             "model": {"path": str(model), "device": "cpu"},
-            "speculative": {"draft": str(head), "num_draft_tokens": 2},
+            "speculative": {"draft": str(head), "num_draft_tokens": 2, "adaptive": False},  # counters compared
             "scheduler": {"num_kv_blocks": 64, "max_num_requests": 4},
             "server": {"host": "127.0.0.1", "port": 0, "http_port": 0, "metrics_port": 0},
         }

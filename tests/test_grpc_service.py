@@ -42,6 +42,7 @@ MAX_RUNNING = 2
 PROMPT = [17, 404, 2000, 31, 9, 77, 1234, 5]
 SERVER_YAML = {
     "model": {"device": "cpu", "dtype": "float32"},
+    "speculative": {"adaptive": False},  # K drafts every step: the counters below count them
     "scheduler": {"max_num_requests": MAX_RUNNING, "max_queue": 1, "num_kv_blocks": 128, "block_size": 16},
     "server": {"port": 1},  # overridden by --port 0: proves flags win over the file
 }

@@ -70,9 +70,7 @@ def test_adaptive_chains_sample_the_target_only_tokens(reference: Any, fused: bo
 
 
 @pytest.mark.parametrize("fused,overlap", [(False, False), (True, False), (True, True)])
-def test_switching_trees_and_chains_sample_the_target_only_tokens(
-    reference: Any, fused: bool, overlap: bool
-) -> None:
+def test_switching_trees_and_chains_sample_the_target_only_tokens(reference: Any, fused: bool, overlap: bool) -> None:
     """The draft tree at one and four requests, depth 1 at two (eager, fixed-buffer steps, steps queued
     ahead): each seeded request's tokens equal its target-only tokens alone, and trees accept drafts."""
     prompts, alone = reference

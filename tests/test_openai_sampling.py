@@ -74,7 +74,8 @@ def test_completion_logprobs_equal_a_recomputation(served: Any, reference: Refer
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
         streamed = client.completions.create(model=_model(proc), prompt=prompt, max_tokens=12, logprobs=3, stream=True)
         parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
-        assert [v for p in parts for v in p.token_logprobs] == lp.token_logprobs
+        # (adaptive steps verify the same token in rows of other shapes: float sums may differ in the last bits)
+        assert [v for p in parts for v in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
         assert [o for p in parts for o in p.text_offset] == lp.text_offset
         over_grpc = grpc_client.generate(token_ids=prompt, max_tokens=12, logprobs=3)
         assert over_grpc["token_ids"] == ids

@@ -94,7 +94,7 @@ def test_named_tool_call_is_parsed_whole(served: Any) -> None:
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
     choice = {"type": "function", "function": {"name": "get_weather"}}
     reply = client.chat.completions.create(
-        model=_model(proc), messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=0.9, seed=1
+        model=_model(proc), messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=0.9, seed=2
     )
     c = reply.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None

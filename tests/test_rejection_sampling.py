@@ -129,7 +129,7 @@ def test_keyed_uniforms_are_uniform_and_a_function_of_key_and_position() -> None
     along = keyed_uniforms(torch.tensor([[key]]), torch.arange(50_000)[None])[0]
     across = keyed_uniforms(torch.tensor([sampling_key(s) for s in range(20_000)]), torch.tensor(77))
     for u in (along, across):
-        assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+        assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
         assert kstest(u.double().numpy(), "uniform").pvalue > 1e-3
     again = keyed_uniforms(torch.tensor([[key]]), torch.arange(100)[None])[0]
     assert torch.equal(again, along[:100])

@@ -26,6 +26,7 @@ from mtpserve.cluster.bench.replay_record import (
 from mtpserve.cluster.bench.report import BenchError
 from mtpserve.cluster.cli.mtpserve import main
 from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.speculative.messages import SeqPlan
 from mtpserve.speculative.mtp_head import MTPEagleHead
 from mtpserve.speculative.replay import ReplayAcceptance, forced_chain, forced_walk
 from mtpserve.speculative.tree import greedy_walk
@@ -246,7 +247,7 @@ def test_bench_replay_reports_replayed_acceptance(tmp_path: Path, capsys: pytest
 
 def test_bench_replay_records_then_replays(tmp_path: Path) -> None:
     """--record writes the recording from a model's greedy run (here random weights and head, no tokenizer)
-    and the replay reads it back."""
+    and the replay reads it back; recording another configuration into the file adds it."""
     model = write_dummy_model(tmp_path / "model")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello there"}\n{"prompt": "def f(x):", "format": "raw"}\n')
@@ -260,6 +261,10 @@ def test_bench_replay_records_then_replays(tmp_path: Path) -> None:
     assert recording.max_tokens == 5 and list(recording.sets) == ["p"]
     assert recording.sets["p"].prompt_tokens == [11, 9]  # UTF-8 bytes without a tokenizer
     assert json.loads(out.read_text())["results"][0]["steps_as_recorded"] == 1.0
+    argv[argv.index("--configs") + 1] = "adaptive K=3"  # a second recording into the same file keeps the first
+    assert main(argv) == 0
+    both = load_recording(rec, shapes()).sets["p"]
+    assert set(both.streams) == {"chain K=1", "adaptive K=3"} and both.positional == {"adaptive K=3"}
 
 
 @pytest.mark.parametrize(
@@ -316,3 +321,91 @@ def test_gpu_set_replay_group_dry_run_on_cpu(tmp_path: Path) -> None:
     ]
     recording = load_recording(out / "gpu_replay_recording.json", shapes())
     assert [len(s.prompt_tokens) for s in recording.sets.values()] == [2, 2, 2]
+
+
+def test_positional_replay_moves_each_request_by_what_its_steps_accept() -> None:
+    """Per-position runs: a step of depth d at offset o accepts min(run[o], d) and moves the request past the
+    accepted drafts and the bonus; a depth-0 step moves it by one; a step deeper than the request's last one
+    accepts at most that one's depth (the rest of its drafts are padding)."""
+    runs = [[list(range(1, n + 1)) for n in (3, 1, 0, 2, 3, 3, 0, 1)]]
+    replay = ReplayAcceptance(runs, positional=True)
+    seq = [SeqPlan("a", [0], 0, [], False, False, -1)]
+    counts = [int(replay.take(seq, width)[0, 0]) for width in (4, 2, 1, 4, 4, 2)]
+    # offsets: 0 (run 3, depth 3) -> 4 (run 3, depth 1) -> 6 (depth 0) -> 7 (run 1; depth 3 after depth 0: none)
+    # -> 8 = 0 (run 3, depth 3) -> 4 (run 3, depth 1)
+    assert counts == [3, 1, 0, 0, 3, 1]
+    assert replay.handed["a"] == [3, 1, 3, 1]  # steps without real drafts verify nothing and are not counted
+
+
+def test_position_runs_match_the_steps_a_fixed_chain_takes(tmp_path: Path) -> None:
+    """Teacher-forced per-position runs from the mimic engine, walked as a K=3 chain walks them (start at 0,
+    then past each step's accepted drafts and bonus), equal the accepted counts the engine's own K=3 run
+    records, request by request; written and read back they are unchanged."""
+    from mtpserve.cluster.bench.replay_record import position_runs, walked
+
+    prompts = random_prompts(5, 96, [21, 1, 40, 9, 13], seed=3)
+    want = record_engine(engine(CHAIN, None, trained=True), prompts, 24)
+    runs = position_runs(engine({**CHAIN, "adaptive": True}, None, trained=True), prompts, 24, 3)
+    for stream, run in zip(want, runs, strict=True):
+        along = [len(run[o]) for o in walked(run)]
+        assert along[: len(stream) - 1] == [len(p) for p in stream][:-1]  # the last chain may pass the answer
+    assert sum(len(p) for r in runs for p in r) > 0
+    out = tmp_path / "rec.json"
+    rec = RecordedSet("p.jsonl", [len(p) for p in prompts], {"adaptive K=3": runs}, {"adaptive K=3"})
+    Recording("tiny", "mimic", 24, {"set": rec}).save(out, shapes())
+    loaded = load_recording(out, shapes()).sets["set"]
+    assert loaded.streams["adaptive K=3"] == runs and loaded.positional == {"adaptive K=3"}
+    assert loaded.acceptance_length("adaptive K=3") > 1.5
+
+
+@pytest.mark.parametrize("path", ["eager", "fused"])
+def test_adaptive_steps_replay_the_recorded_runs(path: str) -> None:
+    """An adaptive engine forced to switch depths with the batch replays per-position runs: every verify step
+    accepts what the replay hands it (so measured and replayed acceptance agree), at more than one depth."""
+    from test_adaptive import PARAMS, forced_policy, run
+
+    runs = [[list(range(1, n + 1)) for n in (3, 2, 0, 1, 3, 3, 2, 0, 1, 2, 3, 0)]] * 2
+    replay = ReplayAcceptance(runs, positional=True)
+    eng = engine({**CHAIN, "adaptive": True}, replay)
+    if path == "fused":
+        r: Any = eng.target
+        from mtpserve.workers.fused_step import FusedDepthSteps
+
+        r.fused = FusedDepthSteps(
+            {
+                d: FusedSpecStep(
+                    r.model, r.cache, eng.draft, d, max_batch=8, max_blocks=16, device="cpu", use_graphs=False,
+                    replay=replay,
+                )
+                for d in range(4)
+            }
+        )  # fmt: skip
+    eng.scheduler.depth = policy = forced_policy({1: 3, 2: 1, 4: 0, 8: 2})
+    recorder = AcceptanceRecorder(eng, paths=False)
+    prompts = random_prompts(4, 96, [17, 5, 11, 23], seed=4)
+    run(eng, prompts, PARAMS)  # requests of different lengths: the batch shrinks, the depth changes
+    assert sum(1 for d, n in enumerate(policy.steps_per_depth) if d and n) >= 2, policy.steps_per_depth
+    for rid, got in recorder.counts.items():
+        assert got == replay.handed[rid][: len(got)]
+    assert sum(sum(c) for c in recorder.counts.values()) > 0
+
+
+def test_bench_replay_replays_the_adaptive_default(tmp_path: Path) -> None:
+    """`bench replay --configs adaptive K=3` reads per-position runs and replays them through the adaptive
+    engine: every counted verify step accepts what the replay handed it."""
+    model = write_dummy_model(tmp_path / "model")
+    runs = [[3, 1, 0, 2, 3, 3, 0, 1, 2, 0, 3, 1], [2, 2, 0, 3, 1, 0, 0, 3]]
+    rec = write_recording(tmp_path / "rec.json", {"adaptive K=3": {"runs": runs}})
+    out = tmp_path / "replay.json"
+    argv = ["bench", "replay", "--model", str(model), "--load-format", "dummy", "--device", "cpu"]
+    argv += ["--acceptance", str(rec), "--configs", "target-only,adaptive K=3", "--batches", "1,2"]
+    argv += ["--max-tokens", "12", "--num-requests", "2", "--threads", "1", "--json", str(out), "--draft", "random"]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    rows = [r for r in doc["results"] if r["config"] == "adaptive K=3"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["steps_as_recorded"] == 1.0
+        assert r["acceptance_length"] == r["acceptance_length_replayed"]
+    # along a K=3 chain: offsets 0 (3), 4 (3), 8 (2), 11 (1) -> 9 / 4; 0 (2), 3 (3), 7 (3) -> 8 / 3; pooled 17 / 7
+    assert doc["acceptance_source"]["sets"]["chat"]["acceptance_length"]["adaptive K=3"] == round(1 + 17 / 7, 4)

@@ -98,7 +98,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def config(
     model: tuple[str, str], k: int, tree: bool = False, max_model_len: int | None = None, steps_ahead: int | None = None
 ) -> MTPServeConfig:
-    spec: dict[str, Any] = {"draft": model[1], "num_draft_tokens": K, "enabled": k > 0}
+    spec: dict[str, Any] = {"draft": model[1], "num_draft_tokens": K, "enabled": k > 0, "adaptive": False}
     if tree:
         spec.update(tree_budget=8, tree_width=3)
     return MTPServeConfig.from_dict(

@@ -30,8 +30,9 @@ SCHEMA = {
 }
 SPECULATION: dict[str, dict[str, Any]] = {
     "target-only": {"enabled": False},
-    "chain K=3": {"num_draft_tokens": 3},
-    "tree": {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3},
+    "chain K=3": {"num_draft_tokens": 3, "adaptive": False},
+    "tree": {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3, "adaptive": False},
+    "adaptive": {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3},  # the default, over a tree too
 }
 
 
@@ -69,9 +70,8 @@ def test_json_schema_replies_validate_and_speculation_is_exact(
         for c in out:
             assert c.finish_reason == "stop", (spec, c.text)
             jsonschema.validate(json.loads(c.text), SCHEMA)
-    if not temperature:
-        assert [c.token_ids for c in outs["chain K=3"]] == [c.token_ids for c in outs["target-only"]]
-        assert [c.token_ids for c in outs["tree"]] == [c.token_ids for c in outs["target-only"]]
+    for spec in ("chain K=3", "tree", "adaptive"):  # greedy, and seeded sampling (keyed by position)
+        assert [c.token_ids for c in outs[spec]] == [c.token_ids for c in outs["target-only"]], spec
     assert engines["chain K=3"].totals.accepted > 0, "drafts that fit the grammar are accepted"
     plain = engines["target-only"].generate([engines["target-only"].encode_prompt("Hi")], {"max_tokens": 20})
     with pytest.raises(ValueError):

@@ -52,7 +52,7 @@ def engine_config(**sections: dict[str, Any]) -> MTPServeConfig:
     data: dict[str, Any] = {
         "model": {"device": "cpu", "dtype": "float32"},
         "scheduler": {"num_kv_blocks": 256, "block_size": 8, "max_num_requests": 8},
-        "speculative": {"draft": None, "num_draft_tokens": 3},
+        "speculative": {"draft": None, "num_draft_tokens": 3, "adaptive": False},  # a fixed K unless a test asks
     }
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)

@@ -153,11 +153,27 @@ class SpeculativeConfig(_Strict):
         "reduced draft vocabulary (`train-draft --stage vocab`) at any shape",
     )
     adaptive: bool = Field(
-        False,
+        True,
         description="choose each step's chain depth in [0, num_draft_tokens] from the batch size, the measured "
         "step cost and the running acceptance per position (depth 0 keeps the draft's KV current, drafts "
-        "nothing); with tree_budget set (above num_draft_tokens), the draft tree is a candidate too",
+        "nothing); with tree_budget set (above num_draft_tokens), the draft tree is a candidate too. On by "
+        "default where it applies (method 'mtp_eagle' or 'eagle3', a tree budget above num_draft_tokens if "
+        "any); false: every step drafts num_draft_tokens (or the tree)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_adaptive(cls, data: Any) -> Any:
+        """Left unset, adaptive is off where it cannot apply (vanilla MTP, a tree no bigger than the chain)."""
+        if not isinstance(data, dict) or "adaptive" in data:
+            return data
+        try:
+            k, budget = int(data.get("num_draft_tokens", 3)), int(data.get("tree_budget", 0))
+        except (TypeError, ValueError):
+            return data  # the fields' own validation names the bad value
+        if data.get("method", "mtp_eagle") == "mtp_vanilla" or (budget and budget <= k):
+            return {**data, "adaptive": False}
+        return data
 
     @model_validator(mode="after")
     def _check_tree(self) -> SpeculativeConfig:

@@ -58,7 +58,7 @@ class FusedSpecStep:
         dev = torch.device(device)
         sizes = capture_sizes(max_batch)
         self.buffers = StepBuffers.allocate(max_batch, k + 1, max_blocks, cache.block_size, cache.scratch_block, dev)
-        self.forced = None if replay is None or k == 0 else ForcedRows(replay, max_batch, k + 1, dev)
+        self.forced = None if replay is None else ForcedRows(replay, max_batch, k + 1, dev)  # depth 0: moves it on
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
         self._row_offsets = torch.arange(k + 1, device=dev)  # a request's Q rows, for `_advance`

@@ -354,7 +354,7 @@ class TargetRunner:
                     tokens[i] = [t] if plan.seqs[i].is_final_chunk else []
                 continue
             drafts = torch.tensor([plan.seqs[i].token_ids[1:] for i in members], dtype=torch.long, device=self.device)
-            if self.replay is not None and k > 0:  # refuses sampling requests
+            if self.replay is not None:  # refuses sampling requests; at depth 0 it only moves the requests on
                 forced = self.replay.take([plan.seqs[i] for i in members], k + 1)
                 n_acc, out = forced_chain(lg.argmax(-1), drafts, torch.from_numpy(forced).to(self.device))
             elif greedy:

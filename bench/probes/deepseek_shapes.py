@@ -199,7 +199,10 @@ def main() -> None:
     variants = [
         ("target-only", {"enabled": False}),
         ("native MTP, K=1", {"draft": "native", "num_draft_tokens": 1, "method": "mtp_vanilla"}),
-        ("native MTP as MTP Eagle, K=2", {"draft": "native", "num_draft_tokens": 2, "method": "mtp_eagle"}),
+        (
+            "native MTP as MTP Eagle, K=2",
+            {"draft": "native", "num_draft_tokens": 2, "method": "mtp_eagle", "adaptive": False},
+        ),
     ]
     for label, spec in variants:
         t0 = time.perf_counter()

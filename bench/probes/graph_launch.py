@@ -127,7 +127,7 @@ def main() -> int:
                           "max_model_len": 2048, "pdl": pdl == "on"},
                 "scheduler": {"max_num_requests": 8},
                 "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1),
-                                "tree_budget": budget, "tree_width": width},
+                                "tree_budget": budget, "tree_width": width, "adaptive": False},
             })  # fmt: skip
             with torch_tree_ops(name.endswith("-torch")):
                 eng = LLMEngine.from_config(cfg, load_tokenizer=False)

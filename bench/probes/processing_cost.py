@@ -64,7 +64,7 @@ def main() -> None:
     args = p.parse_args()
     rows = []
     for k in [int(x) for x in args.ks.split(",")]:
-        spec = {"enabled": k > 0, "num_draft_tokens": max(k, 1)}
+        spec = {"enabled": k > 0, "num_draft_tokens": max(k, 1), "adaptive": False}
         cfg = MTPServeConfig.from_dict({"model": {"path": args.model, "device": args.device}, "speculative": spec})
         engine = LLMEngine.from_config(cfg)
         engine.warm_up()

@@ -225,7 +225,8 @@ def main() -> int:
                       "dtype": "bfloat16" if args.device == "cuda" else "float32"},
             "scheduler": {"max_num_requests": max(args.max_num_requests, args.batch)},
             "speculative": {"enabled": k > 0, "draft": "random", "num_draft_tokens": max(k, 1),
-                            "tree_budget": budget, "tree_width": width, "draft_vocab": args.draft_vocab},
+                            "tree_budget": budget, "tree_width": width, "draft_vocab": args.draft_vocab,
+                            "adaptive": False},
         })  # fmt: skip
         eng = LLMEngine.from_config(cfg)
         for i in range(args.batch):

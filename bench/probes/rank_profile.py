@@ -69,7 +69,7 @@ def main() -> None:
         cfg = MTPServeConfig.from_dict(
             {
                 "model": {"path": args.model, "device": args.device},
-                "speculative": {"enabled": k > 0, "num_draft_tokens": max(k, 1)},
+                "speculative": {"enabled": k > 0, "num_draft_tokens": max(k, 1), "adaptive": False},
                 "parallel": {"distributed": True, "draft_placement": "colocated"},
                 "scheduler": {"max_num_requests": args.batch},
             }

@@ -132,12 +132,13 @@ class AcceptanceResult:
 
 
 def setting_config(cfg: MTPServeConfig, setting: AcceptanceSetting, longest_prompt: int) -> MTPServeConfig:
-    """cfg with the setting's lookahead source and chunk size; the step budget never splits a chunk further."""
+    """cfg with the setting's lookahead source and chunk size, drafting K every step (not adaptive, so the
+    counters read acceptance at K); the step budget never splits a chunk further."""
     chunk = setting.chunk_size if setting.chunk_size is not None else longest_prompt
     budget = max(cfg.scheduler.max_num_batched_tokens, chunk)
     return with_sections(
         cfg,
-        speculative={"lookahead_source": setting.lookahead_source, "enabled": True},
+        speculative={"lookahead_source": setting.lookahead_source, "enabled": True, "adaptive": False},
         scheduler={"chunk_size": chunk, "max_num_batched_tokens": budget},
     )
 

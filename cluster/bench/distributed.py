@@ -100,7 +100,7 @@ def config(args: argparse.Namespace, k: int, shape_dir: Path | None) -> dict[str
     base: dict[str, Any] = {
         "model": {"device": args.device, "dtype": args.dtype, "path": args.model, "max_model_len": 2048},
         "scheduler": {"max_num_requests": max(args.batches), "prefix_caching": False},
-        "speculative": {"num_draft_tokens": max(k, 1), "enabled": k > 0, "draft": args.draft},
+        "speculative": {"num_draft_tokens": max(k, 1), "enabled": k > 0, "draft": args.draft, "adaptive": False},
     }
     if shape_dir is not None:
         base["model"].update(path=str(shape_dir), load_format="dummy")

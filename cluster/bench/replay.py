@@ -100,7 +100,8 @@ def record_labels(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def record_into(args: argparse.Namespace, configs: list[str]) -> None:
-    """Record `configs` on the real model (--record-model) into --acceptance."""
+    """Record `configs` on the real model (--record-model) into --acceptance, keeping the file's other
+    configurations where it was recorded on the same prompts, model, head and length."""
     rec = argparse.Namespace(
         model=args.record_model,
         load_format=args.record_load_format,
@@ -119,9 +120,14 @@ def record_into(args: argparse.Namespace, configs: list[str]) -> None:
         args.prompts or heldout_files(),
         args.max_tokens,
         record_labels(args),
+        shapes(),
         args.record_num_prompts,
         lambda line: print(line, file=sys.stderr, flush=True),
     )
+    if Path(args.acceptance).is_file():
+        kept = recording.keep_from(load_recording(args.acceptance, shapes()))
+        if kept:
+            print(f"kept from {args.acceptance}: {', '.join(kept)}", file=sys.stderr, flush=True)
     recording.save(args.acceptance, shapes())
 
 
@@ -195,7 +201,8 @@ def run(args: argparse.Namespace, recording: Recording | None = None, sets: list
     for name in args.configs:
         spec = bench_trees.CONFIGS[name]
         key = recording_key(name)
-        replay = None if spec is None else ReplayAcceptance(recording.sets[sets[0]].streams[key])
+        positional = key in recording.sets[sets[0]].positional
+        replay = None if spec is None else ReplayAcceptance(recording.sets[sets[0]].streams[key], positional)
         t0 = time.perf_counter()
         eager = name.endswith(bench_trees.EAGER_SUFFIX)
         engine = LLMEngine.from_config(engine_config(args, spec, recording, sets, not eager), replay=replay)

@@ -14,14 +14,18 @@ The file (JSON):
           "prompt_tokens": [41, 57, ...],                     # each request's prompt length, in order
           "configs": {                                        # names of `mtpserve bench trees` configurations
             "chain K=3": {"accepted": [[3, 0, 2, ...], ...]}, # per request, per verify step: drafts accepted
-            "tree K=4 N=16 w=4": {"paths": [[[1, 5, 9], [2], [], ...], ...]}
+            "tree K=4 N=16 w=4": {"paths": [[[1, 5, 9], [2], [], ...], ...]},
+            "adaptive K=3": {"runs": [[3, 1, 0, 3, ...], ...]}
           }                                                   # trees: per request, per verify step, the accepted
-        }                                                     # nodes (node j = draft j, the tree step's numbering)
+        }                                                     # nodes (node j = draft j, the tree step's numbering);
+      }                                                       # adaptive: per request, per position of the answer,
+    }                                                         # what a K-chain starting there accepts
       }
     }
 
 `record` writes it from an engine on the real model (`AcceptanceRecorder` listens to the scheduler's counted
-verify steps); `load_recording` reads it and names the field of anything wrong.
+verify steps; an adaptive configuration's runs are teacher-forced on the greedy answers, `position_runs`);
+`load_recording` reads it and names the field of anything wrong.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mtpserve.cluster.bench.report import BenchError
 from mtpserve.cluster.engine.llm_engine import LLMEngine, encode_text
 from mtpserve.speculative.messages import SeqPlan, SeqResult
@@ -43,15 +49,17 @@ FORMAT = "mtpserve-acceptance-recording/1"
 
 @dataclass(frozen=True)
 class Shape:
-    """What a configuration drafts: K (a tree's depth) and, for trees, the node budget (0 for chains)."""
+    """What a configuration drafts: K (a tree's depth) and, for trees, the node budget (0 for chains); adaptive
+    configurations (chain depths 0..K) are recorded per position."""
 
     k: int
     budget: int = 0
+    positional: bool = False
 
     @classmethod
     def of(cls, spec: dict[str, int]) -> Shape:
         """The shape of a configuration's speculative settings."""
-        return cls(spec["num_draft_tokens"], spec.get("tree_budget", 0))
+        return cls(spec["num_draft_tokens"], spec.get("tree_budget", 0), bool(spec.get("adaptive")))
 
 
 @dataclass
@@ -61,15 +69,31 @@ class RecordedSet:
     source: str
     prompt_tokens: list[int]
     streams: dict[str, list[list[list[int]]]] = field(default_factory=dict)  # config -> request -> step -> path
+    positional: set[str] = field(default_factory=set)  # configs whose entries are per position, not per step
 
     def acceptance_length(self, config: str) -> float:
-        """Tokens per verify step over the whole recording: 1 + accepted drafts / verify steps."""
-        steps = [len(p) for s in self.streams[config] for p in s]
+        """Tokens per verify step over the whole recording: 1 + accepted drafts / verify steps (per-position
+        runs: along the steps a K-chain takes through them)."""
+        streams = self.streams[config]
+        if config in self.positional:
+            streams = [[s[o] for o in walked(s)] for s in streams]
+        steps = [len(p) for s in streams for p in s]
         return 1.0 + sum(steps) / len(steps) if steps else 1.0
 
     def verify_steps(self, config: str) -> int:
-        """Verify steps recorded for a configuration."""
+        """Verify steps recorded for a configuration (per-position runs: the steps a K-chain takes)."""
+        if config in self.positional:
+            return sum(len(walked(s)) for s in self.streams[config])
         return sum(len(s) for s in self.streams[config])
+
+
+def walked(runs: list[list[int]]) -> list[int]:
+    """The offsets a K-chain visits through per-position runs: 0, then o + accepted + 1."""
+    out, o = [], 0
+    while o < len(runs):
+        out.append(o)
+        o += len(runs[o]) + 1
+    return out
 
 
 @dataclass
@@ -88,7 +112,9 @@ class Recording:
         for name, s in self.sets.items():
             configs: dict[str, Any] = {}
             for config, streams in s.streams.items():
-                if shapes[config].budget:
+                if shapes[config].positional:
+                    configs[config] = {"runs": [[len(p) for p in stream] for stream in streams]}
+                elif shapes[config].budget:
                     configs[config] = {"paths": streams}
                 else:
                     configs[config] = {"accepted": [[len(p) for p in stream] for stream in streams]}
@@ -101,6 +127,24 @@ class Recording:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(self.to_json(shapes), separators=(",", ":")) + "\n")
         self.path = str(path)
+
+    def keep_from(self, old: Recording) -> list[str]:
+        """Add `old`'s configurations that this recording lacks, where both were recorded on the same model,
+        head, length and prompts; returns the configurations added."""
+        if (old.model, old.draft, old.max_tokens) != (self.model, self.draft, self.max_tokens):
+            return []
+        same = all(n in old.sets and old.sets[n].prompt_tokens == s.prompt_tokens for n, s in self.sets.items())
+        if not same:
+            return []
+        added: set[str] = set()
+        for name, s in self.sets.items():
+            for config, streams in old.sets[name].streams.items():
+                if config not in s.streams:
+                    s.streams[config] = streams
+                    if config in old.sets[name].positional:
+                        s.positional.add(config)
+                    added.add(config)
+        return sorted(added)
 
     def check_covers(self, sets: Sequence[str], configs: Sequence[str]) -> None:
         """BenchError naming the field when a set or configuration to replay is not recorded."""
@@ -153,17 +197,46 @@ def record_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) 
     return [recorder.paths.get(c.request_id, []) for c in done]
 
 
+def position_runs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, k: int) -> list[list[list[int]]]:
+    """Greedy-decode every prompt, then, per request, the drafts a K-chain of the engine's head accepts from each
+    position of its answer (as paths 1..n), teacher-forced on the answer (`speculative/train/eval.py`): the
+    chain at offset o starts from the step whose first row is the answer's token o."""
+    from mtpserve.speculative.mtp_chain import MTPEagleChain
+    from mtpserve.speculative.train.batches import HiddenStore
+    from mtpserve.speculative.train.data import TokenDataset
+    from mtpserve.speculative.train.eval import accepted_runs
+
+    chain = engine.draft
+    if not isinstance(chain, MTPEagleChain):
+        raise BenchError(f"per-position runs need an MTP Eagle chain drafter, not {type(chain).__name__}")
+    done = engine.generate(prompts, {"max_tokens": max_tokens, "temperature": 0.0})
+    ids = [torch.tensor(p + c.token_ids, dtype=torch.long) for p, c in zip(prompts, done, strict=True)]
+    data = TokenDataset(ids, [len(p) for p in prompts], [True] * len(ids), ["recorded"] * len(ids))
+    device = next(chain.shared.parameters()).device
+    store = HiddenStore(chain.shared, data, device, keep=False, layers=chain.head.feature_layers)
+    out: list[list[list[int]]] = []
+    for lo in range(0, len(ids), 16):
+        batch = store.batch(list(range(lo, min(lo + 16, len(ids)))))
+        run, base_ok = accepted_runs(chain.head, chain.shared, batch, k)
+        for b in range(run.shape[0]):
+            bases = base_ok[b].nonzero().flatten().tolist()
+            out.append([list(range(1, int(run[b, q]) + 1)) for q in bases])
+    return out
+
+
 def record(
     build: Callable[[str], LLMEngine],
     configs: Sequence[str],
     prompt_files: Sequence[str],
     max_tokens: int,
     labels: tuple[str, str],
+    shapes: dict[str, Shape],
     num_prompts: int | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> Recording:
     """Record every configuration (`build(name)` gives an engine on the real model) over every prompt file;
-    `labels` are the (model, draft) the file names."""
+    `labels` are the (model, draft) the file names; `shapes` tells which configurations are recorded per
+    position."""
     from mtpserve.cluster.bench.acceptance import load_prompt_records
 
     records = {Path(f).stem: (str(f), load_prompt_records(f, num_prompts)) for f in prompt_files}
@@ -176,7 +249,11 @@ def record(
             for name, (source, recs) in records.items():
                 prompts = encode_prompts(engine, recs)
                 rec = sets.setdefault(name, RecordedSet(source, [len(p) for p in prompts]))
-                rec.streams[config] = record_engine(engine, prompts, max_tokens)
+                if shapes[config].positional:
+                    rec.streams[config] = position_runs(engine, prompts, max_tokens, shapes[config].k)
+                    rec.positional.add(config)
+                else:
+                    rec.streams[config] = record_engine(engine, prompts, max_tokens)
                 progress(f"recorded {name} / {config}: acceptance length {rec.acceptance_length(config):.3f}")
         finally:
             engine.shutdown()
@@ -219,11 +296,13 @@ def _read_set(where: str, raw: Any, shapes: dict[str, Shape]) -> RecordedSet:
         at = f'{where}.configs["{config}"]'
         _need(config in shapes, at, f"not a speculative configuration (choose from {', '.join(shapes)})")
         out.streams[config] = _read_streams(at, body, shapes[config], len(lengths))
+        if shapes[config].positional:
+            out.positional.add(config)
     return out
 
 
 def _read_streams(where: str, body: Any, shape: Shape, n: int) -> list[list[list[int]]]:
-    key = "paths" if shape.budget else "accepted"
+    key = "runs" if shape.positional else "paths" if shape.budget else "accepted"
     _need(isinstance(body, dict) and key in body, where, f"expected an object with '{key}'")
     streams = body[key]
     at = f"{where}.{key}"

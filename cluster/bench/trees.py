@@ -23,7 +23,7 @@ from mtpserve.cluster.bench.decode import bench_prompts, decode_run
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.workers.config import MTPServeConfig
 
-CONFIGS = {  # name: speculative settings (None: target-only)
+CONFIGS = {  # name: speculative settings (None: target-only); a fixed kind unless it says adaptive
     "target-only": None,
     "chain K=1": {"num_draft_tokens": 1},
     "chain K=2": {"num_draft_tokens": 2},
@@ -33,6 +33,7 @@ CONFIGS = {  # name: speculative settings (None: target-only)
     "tree K=5 N=24 w=4": {"num_draft_tokens": 5, "tree_budget": 24, "tree_width": 4},
     "tree K=6 N=32 w=4": {"num_draft_tokens": 6, "tree_budget": 32, "tree_width": 4},
     "tree K=4 N=16 w=4 (eager)": {"num_draft_tokens": 4, "tree_budget": 16, "tree_width": 4},
+    "adaptive K=3": {"num_draft_tokens": 3, "adaptive": True},  # the served default: chain depths 0..3 per step
 }
 EAGER_SUFFIX = " (eager)"  # the same tree drafting with the captured tree step left out
 
@@ -93,6 +94,7 @@ def config(
                 "enabled": spec is not None,
                 "draft": args.draft,
                 "draft_vocab": getattr(args, "draft_vocab", 0) if spec is not None else 0,
+                "adaptive": False,
                 **(spec or {"num_draft_tokens": 1}),
             },
         }

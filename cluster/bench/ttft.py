@@ -87,7 +87,7 @@ def config(args: argparse.Namespace, k: int, prefill_graphs: bool, num_blocks: i
                 "num_kv_blocks": num_blocks,
                 "prefix_caching": False,  # the same prompt repeats: measure its prefill, not a cache hit
             },
-            "speculative": {"enabled": k > 0, "draft": args.draft, "num_draft_tokens": max(k, 1)},
+            "speculative": {"enabled": k > 0, "draft": args.draft, "num_draft_tokens": max(k, 1), "adaptive": False},
         }
     )
 
