@@ -138,7 +138,14 @@ KindLike = int | StepKind  # a chain depth, or any kind
 class StepCosts:
     """Seconds per step by (batch bucket, kind): measured once (`set`; `online` False), or kept as a moving
     average of the engine's observed steps (`observe`; `online` True). Kinds are the chain depths 0..max_depth
-    and the draft trees in `trees`."""
+    and the draft trees in `trees`.
+
+    Measured costs time the device's work alone. With steps queued ahead, a step also takes at least the host's
+    work per step (scheduling, reading, routing tokens), which grows with the batch and hides the device's
+    differences between kinds once it is the longer: `observe_host` keeps it per bucket and `get` returns the
+    longer of the two. Example, SmolLM2 at batch 256 on one H100: the device needs about 1.2 ms for a depth-1
+    step and 1.6 ms for depth 3, the host 2.0 ms for either, so both cost 2.0 ms and depth 3, which emits more
+    tokens per step, wins."""
 
     def __init__(
         self,
@@ -161,6 +168,7 @@ class StepCosts:
         self.smoothing = smoothing
         self.trees = tuple(trees)
         self.seconds: dict[tuple[int, StepKind], float] = {}
+        self.host: dict[int, float] = {}  # the host's seconds per step by bucket (steps queued ahead)
 
     def bucket(self, batch: int) -> int:
         """The bucket a batch of `batch` requests runs in (the largest one for bigger batches)."""
@@ -180,9 +188,20 @@ class StepCosts:
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
+    def observe_host(self, batch: int, seconds: float) -> None:
+        """Fold the host's time for one step of `batch` requests into its bucket's moving average."""
+        if not seconds > 0:
+            return
+        bucket = self.bucket(batch)
+        old = self.host.get(bucket)
+        self.host[bucket] = seconds if old is None else old + self.smoothing * (seconds - old)
+
     def get(self, bucket: int, kind: KindLike) -> float | None:
-        """The cost of a step, or None when it was never measured."""
-        return self.seconds.get((bucket, as_kind(kind)))
+        """The cost of a step: the longer of its measured cost and the host's time per step in the bucket; None
+        when it was never measured."""
+        seconds = self.seconds.get((bucket, as_kind(kind)))
+        host = self.host.get(bucket)
+        return seconds if seconds is None or host is None else max(seconds, host)
 
     def _check(self, key: tuple[int, StepKind], seconds: float) -> None:
         bucket, kind = key

@@ -389,3 +389,34 @@ def test_warm_up_runs_the_input_advance_and_leaves_the_buffers_padded() -> None:
         step.buffers.input_ids.fill_(5)
         step.warm_up()
         assert torch.equal(step.buffers.packed, fresh)
+
+
+def test_a_step_costs_at_least_the_hosts_time_per_step() -> None:
+    """Measured device costs 1.0 (depth 1) and 1.5 (depth 3) at bucket 8; once the host is seen taking 2.0 per
+    step there, both cost 2.0 and the deeper chain, which emits more per step, is chosen; in a bucket where
+    the host is quicker the device costs stand."""
+    costs = StepCosts([1, 8], K, online=False)
+    for bucket in (1, 8):
+        for depth, seconds in ((0, 0.8), (1, 1.0), (2, 1.25), (3, 1.5)):
+            costs.set(bucket, depth, seconds)
+    policy = AdaptiveDepth(costs, AcceptanceTracker(K, prior=0.5), explore_steps=0, margin=0.0)
+    assert policy.best(8) == StepKind(1)  # 1.5 / 1.0 against 1.875 / 1.5
+    for _ in range(40):
+        costs.observe_host(8, 2.0)
+        costs.observe_host(1, 0.1)
+    assert costs.get(8, 1) == pytest.approx(2.0) and costs.get(8, 3) == pytest.approx(2.0)
+    assert costs.get(1, 3) == 1.5
+    assert policy.best(8) == StepKind(3) and policy.best(1) == StepKind(1)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_engine_reports_its_host_time_per_step_when_steps_queue_ahead(overlap: bool) -> None:
+    """With steps queued ahead (fixed-buffer steps, measured costs) the engine tells the policy its host time
+    per step; without queueing it has nothing to report."""
+    policy = forced_policy({1: 3, 2: 1, 4: 0, 8: 0})
+    eng = adaptive_engine(policy, fused=True, overlap=overlap)
+    args, _ = mimic_target()
+    run(eng, random_prompts(4, args.vocab_size, [17, 5, 11, 23], seed=4), PARAMS)
+    seen = policy.costs.host
+    assert bool(seen) == overlap, seen
+    assert all(0 < s < 5.0 for s in seen.values())

@@ -151,6 +151,8 @@ class LLMEngine:
         if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
             self._overlap_runner = target if isinstance(target, OverlapTarget) else None
         self._launched: deque[QueuedStep] = deque()  # queued steps whose tokens are not read yet (see `step`)
+        self._host_mark: float | None = None  # when the last step began (`_observe_host`)
+        self._host_waited, self._host_batch = 0.0, 0  # what it waited for the device, and its batch
         self._refill = True  # plan ahead while fewer than `steps_ahead` steps follow the one to read
         # a remote target says how many steps it keeps queued; in process it is the model config's choice
         self.steps_ahead: int = target.steps_ahead or cfg.model.queued_steps(remote=False)
@@ -306,6 +308,10 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         runner = self._overlap_runner
+        started = time.perf_counter()
+        if self._launched:
+            self._observe_host(started)
+        self._host_mark = started
         if not self._launched:
             self._refill = True
             plan = self.scheduler.schedule()
@@ -317,11 +323,22 @@ class LLMEngine:
         while self._refill and len(self._launched) <= self.steps_ahead:
             self._refill = self._queue_ahead(runner)
         current = self._launched.popleft()
+        waited = time.perf_counter()
         out = runner.collect(current)
+        self._host_waited = time.perf_counter() - waited
+        self._host_batch = len(current.plan.seqs)
         outputs = self._apply(current.plan, out, out.draft_outputs)
         if self._launched and not self.has_unfinished():
             self.drain()  # every request in the steps queued ahead has finished: wait for them now, not later
         return outputs
+
+    def _observe_host(self, now: float) -> None:
+        """Tell an adaptive policy with measured costs how long the host took per step: the time since the
+        previous step began, less what that step waited for the device."""
+        policy = self.scheduler.depth
+        if policy is None or policy.costs.online or self._host_mark is None or not self._host_batch:
+            return
+        policy.costs.observe_host(self._host_batch, now - self._host_mark - self._host_waited)
 
     def _queue_ahead(self, runner: OverlapTarget) -> bool:
         """Plan and queue the step after the last queued one; False when it goes through `schedule` instead
