@@ -161,24 +161,13 @@ class SpeculativeConfig(_Strict):
         "any); false: every step drafts num_draft_tokens (or the tree)",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_adaptive(cls, data: Any) -> Any:
-        """Left unset, adaptive is off where it cannot apply (vanilla MTP, a tree no bigger than the chain)."""
-        if not isinstance(data, dict) or "adaptive" in data:
-            return data
-        try:
-            k, budget = int(data.get("num_draft_tokens", 3)), int(data.get("tree_budget", 0))
-        except (TypeError, ValueError):
-            return data  # the fields' own validation names the bad value
-        if data.get("method", "mtp_eagle") == "mtp_vanilla" or (budget and budget <= k):
-            return {**data, "adaptive": False}
-        return data
-
     @model_validator(mode="after")
     def _check_tree(self) -> SpeculativeConfig:
         if self.draft_vocab and self.draft != "random":
             raise ValueError("draft_vocab: applies to draft 'random' only (a trained head carries its own vocabulary)")
+        cannot = self.method == "mtp_vanilla" or 0 < self.tree_budget <= self.num_draft_tokens
+        if self.adaptive and cannot and "adaptive" not in self.model_fields_set:
+            object.__setattr__(self, "adaptive", False)  # left unset: off where it cannot apply (no re-validation)
         if self.adaptive and self.method == "mtp_vanilla":
             raise ValueError(
                 "adaptive: chooses among the chains (and trees) of one reused head (method 'mtp_eagle' or 'eagle3')"

@@ -113,10 +113,11 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
 
 
 def with_sections(cfg: MTPServeConfig, **sections: dict[str, Any]) -> MTPServeConfig:
-    """A validated copy of cfg with some section fields replaced."""
-    data = cfg.model_dump()
+    """A validated copy of cfg with some section fields replaced (fields left unset stay unset, so defaults
+    that follow other fields follow the new values)."""
+    data = cfg.model_dump(exclude_unset=True)
     for name, values in sections.items():
-        data[name].update(values)
+        data.setdefault(name, {}).update(values)
     return MTPServeConfig.model_validate(data)
 
 
