@@ -2,6 +2,8 @@
 # The one-H200 benchmark runs behind bench/README.md's GPU tables, one device run per phase:
 #   bash bench/device_run.sh 8b       Llama-3-8B shape, random weights: step profiles, replayed acceptance, graph
 #                                     launches (DRAFT_VOCAB=32768: the random head scores a 32k draft vocabulary)
+#   bash bench/device_run.sh adaptive8b  Llama-3-8B shape: target-only, chains K=1 and K=3 and the adaptive default
+#                                     at batch 1, 8, 64 and 256 with acceptance replayed per position
 #   bash bench/device_run.sh ray8b    Llama-3-8B shape: Ray TP=1 against in-process
 #   bash bench/device_run.sh smollm2  real SmolLM2 + shipped head: tree kernels, trees against chains, adaptive
 #   bash bench/device_run.sh ray      SmolLM2: Ray TP=1 against in-process (REPEATS, SETUPS), trees against target-only
@@ -13,6 +15,8 @@
 #                                     adaptive speculation with the chosen table at batch 1, 8, 64
 #   bash bench/device_run.sh default  SmolLM2 + shipped head: target-only, fixed chains K=1..3 and the adaptive default
 #                                     at batch 1, 8, 64 and 256, 128 tokens (bench/gpu.py decode)
+#   bash bench/device_run.sh serveprof  SmolLM2: where each process of `bench serve` spends its time (py-spy; carry
+#                                     .device/tools)
 #   bash bench/device_run.sh serve    SmolLM2: `bench serve`, served over gRPC and HTTP (FRONTENDS front ends, default
 #                                     4) against the engine alone, target-only and K=3, at 1, 64 and 256 streams,
 #                                     CLIENTS client processes (default 8)
@@ -28,7 +32,7 @@
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, ray8b, smollm2, ray, prof, tiles, default, serve, served, e3a, e3b or e3"}
+PHASE=${1:?"phase: 8b, adaptive8b, ray8b, smollm2, ray, prof, tiles, default, serveprof, serve, served, e3a, e3b or e3"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
@@ -74,6 +78,11 @@ case $PHASE in
     step graph_launch 110 python3 bench/probes/graph_launch.py --shape "$L8B" --pdl on \
       --steps target,chain3,tree4x16,tree4x16-torch --repeats 10 --out "$R"
     ;;
+  adaptive8b)  # the adaptive default against fixed chains at Llama-3-8B's shape, acceptance replayed per position
+    step replay 540 python3 -m mtpserve bench replay --acceptance bench/results/replay_recording_smollm2.json \
+      --model "$L8B" --load-format dummy --device cuda --draft random --batches 1,8,64,256 --max-tokens 128 \
+      --num-requests 4 --configs "target-only,chain K=1,chain K=3,adaptive K=3" --json "$R/replay_8b_adaptive.json"
+    ;;
   ray8b)
     step distributed 400 python3 -m mtpserve bench distributed --device cuda --shape "$L8B" \
       --setups "$SETUPS" --batches 1,16 --ks 0,3 --steps 24 --json "$R/distributed_8b.json"
@@ -105,6 +114,11 @@ case $PHASE in
   default)  # the served default (adaptive speculation) against target-only and fixed chains, engine alone
     step decode 330 python3 bench/gpu.py --model "$M" --groups decode --ks 1,2,3 --batches 1,8,64,256 \
       --variants adaptive --skip-hf --max-tokens 128 --out "$R"
+    ;;
+  serveprof)  # py-spy over every process of `bench serve` (target-only, 64 streams, HTTP, 4 front ends); carry .device/tools
+    step serveprof 200 python3 bench/probes/serve_profile.py --model "$M" --streams "${STREAMS:-64}" --api "${API:-http}" \
+      --frontends "${FRONTENDS:-4}" --py-spy .device/tools/py-spy --out "$R"
+    rm -f "$R"/serve_prof_raw.txt
     ;;
   serve)
     step serve 560 python3 -m mtpserve bench serve --model "$M" --device cuda --configs target-only,speculative \
