@@ -10,8 +10,8 @@ second, never one below depth 0 (target-only: the draft re-runs over the step's 
 so speculation can come back at any step without a gap in the draft's context).
 
 Kinds the policy does not pick are measured only when it explores: every `explore_every` decisions it runs
-another kind for `explore_steps` decisions, one depth deeper than a chosen chain or, in turn, the tree
-(the deepest chain while a tree is chosen). The first of them verifies drafts proposed for the kind before
+another kind for `explore_steps` decisions, one depth deeper or shallower than a chosen chain or, in turn, the
+tree (the deepest chain while a tree is chosen). The first of them verifies drafts proposed for the kind before
 (padded, or reshaped: `speculative/draft_shapes.py`). A kind is explored only where it could win: its
 most tokens per step (depth + 1) over its cost must beat the chosen kind's expected rate.
 """
@@ -140,12 +140,13 @@ class StepCosts:
     average of the engine's observed steps (`observe`; `online` True). Kinds are the chain depths 0..max_depth
     and the draft trees in `trees`.
 
-    Measured costs time the device's work alone. With steps queued ahead, a step also takes at least the host's
-    work per step (scheduling, reading, routing tokens), which grows with the batch and hides the device's
-    differences between kinds once it is the longer: `observe_host` keeps it per bucket and `get` returns the
-    longer of the two. Example, SmolLM2 at batch 256 on one H100: the device needs about 1.2 ms for a depth-1
-    step and 1.6 ms for depth 3, the host 2.0 ms for either, so both cost 2.0 ms and depth 3, which emits more
-    tokens per step, wins."""
+    Timed costs measure the device's work alone. With steps queued ahead, what a step really costs is the period
+    between steps in steady decoding: the longer of the host's work per step and the device's, and their
+    overlap is never perfect. `observe_period` keeps that period per (bucket, kind) where the engine saw steps of
+    one kind in a row; `get` returns it where seen, and elsewhere the timed cost scaled by how much the seen
+    periods exceed their timed costs in that bucket. Example, SmolLM2 at batch 64 on one H100: timed 0.9 / 1.0 /
+    1.2 ms at depth 1 / 2 / 3; depth 2 runs at a period of 1.32 ms (1.32x its timed cost), so depth 3 is
+    estimated at 1.58 ms until it runs, and depth 1 at 1.19 ms."""
 
     def __init__(
         self,
@@ -168,7 +169,7 @@ class StepCosts:
         self.smoothing = smoothing
         self.trees = tuple(trees)
         self.seconds: dict[tuple[int, StepKind], float] = {}
-        self.host: dict[int, float] = {}  # the host's seconds per step by bucket (steps queued ahead)
+        self.periods: dict[tuple[int, StepKind], float] = {}  # seconds between queued steps of one kind in a row
 
     def bucket(self, batch: int) -> int:
         """The bucket a batch of `batch` requests runs in (the largest one for bigger batches)."""
@@ -188,20 +189,26 @@ class StepCosts:
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
-    def observe_host(self, batch: int, seconds: float) -> None:
-        """Fold the host's time for one step of `batch` requests into its bucket's moving average."""
+    def observe_period(self, batch: int, kind: KindLike, seconds: float) -> None:
+        """Fold one steady period between queued steps of `kind` over `batch` requests into its moving average."""
         if not seconds > 0:
             return
-        bucket = self.bucket(batch)
-        old = self.host.get(bucket)
-        self.host[bucket] = seconds if old is None else old + self.smoothing * (seconds - old)
+        key = (self.bucket(batch), as_kind(kind))
+        old = self.periods.get(key)
+        self.periods[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def get(self, bucket: int, kind: KindLike) -> float | None:
-        """The cost of a step: the longer of its measured cost and the host's time per step in the bucket; None
-        when it was never measured."""
-        seconds = self.seconds.get((bucket, as_kind(kind)))
-        host = self.host.get(bucket)
-        return seconds if seconds is None or host is None else max(seconds, host)
+        """The cost of a step: its observed period where seen, else its timed cost scaled by the bucket's seen
+        periods over their timed costs (1 where none is seen); None when neither exists."""
+        key = (bucket, as_kind(kind))
+        seen = self.periods.get(key)
+        if seen is not None:
+            return seen
+        timed = self.seconds.get(key)
+        if timed is None:
+            return None
+        ratios = [p / self.seconds[k] for k, p in self.periods.items() if k[0] == bucket and k in self.seconds]
+        return timed * (sum(ratios) / len(ratios)) if ratios else timed
 
     def _check(self, key: tuple[int, StepKind], seconds: float) -> None:
         bucket, kind = key
@@ -308,13 +315,13 @@ class AdaptiveDepth:
 
     def _explore(self, batch: int, best: StepKind) -> StepKind:
         """The kind an exploring decision runs instead of `best` (`best` itself when none could win): one
-        depth deeper than a chain, or a tree; the deepest chain while a tree is best. Where both apply,
-        successive exploring cycles alternate."""
+        depth deeper or shallower than a chain, or a tree; the deepest chain while a tree is best. Where several
+        apply, successive exploring cycles take them in turn."""
         options: list[StepKind] = []
         if best.is_tree:
             options.append(StepKind(self.max_depth))
-        elif best.depth < self.max_depth:
-            options.append(StepKind(best.depth + 1))
+        else:
+            options += [StepKind(d) for d in (best.depth + 1, best.depth - 1) if 0 <= d <= self.max_depth]
         cycle = self.decisions // self.explore_every
         others = [t for t in self.trees if t != best]
         if others:

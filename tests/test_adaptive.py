@@ -391,32 +391,44 @@ def test_warm_up_runs_the_input_advance_and_leaves_the_buffers_padded() -> None:
         assert torch.equal(step.buffers.packed, fresh)
 
 
-def test_a_step_costs_at_least_the_hosts_time_per_step() -> None:
-    """Measured device costs 1.0 (depth 1) and 1.5 (depth 3) at bucket 8; once the host is seen taking 2.0 per
-    step there, both cost 2.0 and the deeper chain, which emits more per step, is chosen; in a bucket where
-    the host is quicker the device costs stand."""
+def test_observed_periods_replace_timed_costs_and_calibrate_the_rest() -> None:
+    """Timed 0.8 / 1.0 / 1.1 / 1.15 at depth 0..3 in bucket 8 favour depth 3. Seen running, depth 3's period is
+    2.0 and depth 2's 1.2: they cost that, depth 1 its timed cost x the mean seen / timed ratio, and depth 2
+    wins. Another bucket keeps its timed costs."""
     costs = StepCosts([1, 8], K, online=False)
     for bucket in (1, 8):
-        for depth, seconds in ((0, 0.8), (1, 1.0), (2, 1.25), (3, 1.5)):
+        for depth, seconds in ((0, 0.8), (1, 1.0), (2, 1.1), (3, 1.15)):
             costs.set(bucket, depth, seconds)
     policy = AdaptiveDepth(costs, AcceptanceTracker(K, prior=0.5), explore_steps=0, margin=0.0)
-    assert policy.best(8) == StepKind(1)  # 1.5 / 1.0 against 1.875 / 1.5
-    for _ in range(40):
-        costs.observe_host(8, 2.0)
-        costs.observe_host(1, 0.1)
-    assert costs.get(8, 1) == pytest.approx(2.0) and costs.get(8, 3) == pytest.approx(2.0)
-    assert costs.get(1, 3) == 1.5
-    assert policy.best(8) == StepKind(3) and policy.best(1) == StepKind(1)
+    assert policy.best(8) == StepKind(3)
+    for _ in range(60):
+        costs.observe_period(8, 3, 2.0)
+        costs.observe_period(8, 2, 1.2)
+    assert costs.get(8, 3) == pytest.approx(2.0) and costs.get(8, 2) == pytest.approx(1.2)
+    assert costs.get(8, 1) == pytest.approx(1.0 * (2.0 / 1.15 + 1.2 / 1.1) / 2)
+    assert costs.get(1, 3) == 1.15
+    assert policy.best(8) == StepKind(2) and policy.best(1) == StepKind(3)
+
+
+def test_policy_explores_one_depth_shallower_too() -> None:
+    """With depth 3 best, exploring runs depth 2 (the deepest has nothing deeper), so its real cost gets seen."""
+    costs = StepCosts([1], K, online=False)
+    for d, c in enumerate([1.0, 1.05, 1.1, 1.12]):
+        costs.set(1, d, c)
+    policy = AdaptiveDepth(costs, AcceptanceTracker(K, prior=0.8), explore_every=8, explore_steps=2)
+    picks = [policy.choose(1).depth for _ in range(24)]
+    assert picks == [(2 if i % 8 < 2 else 3) for i in range(1, 25)]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_the_engine_reports_its_host_time_per_step_when_steps_queue_ahead(overlap: bool) -> None:
-    """With steps queued ahead (fixed-buffer steps, measured costs) the engine tells the policy its host time
-    per step; without queueing it has nothing to report."""
+def test_the_engine_reports_steady_periods_when_steps_queue_ahead(overlap: bool) -> None:
+    """With steps queued ahead (fixed-buffer steps, timed costs) the engine reports the period of steps of one
+    kind in a row, per bucket and kind; without queueing it has nothing to report."""
     policy = forced_policy({1: 3, 2: 1, 4: 0, 8: 0})
     eng = adaptive_engine(policy, fused=True, overlap=overlap)
     args, _ = mimic_target()
     run(eng, random_prompts(4, args.vocab_size, [17, 5, 11, 23], seed=4), PARAMS)
-    seen = policy.costs.host
+    seen = policy.costs.periods
     assert bool(seen) == overlap, seen
     assert all(0 < s < 5.0 for s in seen.values())
+    assert {kind for _, kind in seen} <= {StepKind(0), StepKind(1), StepKind(3)}

@@ -151,8 +151,9 @@ class LLMEngine:
         if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
             self._overlap_runner = target if isinstance(target, OverlapTarget) else None
         self._launched: deque[QueuedStep] = deque()  # queued steps whose tokens are not read yet (see `step`)
-        self._host_mark: float | None = None  # when the last step began (`_observe_host`)
-        self._host_waited, self._host_batch = 0.0, 0  # what it waited for the device, and its batch
+        self._period_start = 0.0  # when the last step began (`_observe_period`)
+        self._read: tuple[int, int] | None = None  # (batch, draft count) of the queued step the last call read
+        self._steady = False  # whether the step read before it was of the same kind
         self._refill = True  # plan ahead while fewer than `steps_ahead` steps follow the one to read
         # a remote target says how many steps it keeps queued; in process it is the model config's choice
         self.steps_ahead: int = target.steps_ahead or cfg.model.queued_steps(remote=False)
@@ -310,35 +311,37 @@ class LLMEngine:
         runner = self._overlap_runner
         started = time.perf_counter()
         if self._launched:
-            self._observe_host(started)
-        self._host_mark = started
+            self._observe_period(started)
+        self._period_start = started
         if not self._launched:
             self._refill = True
             plan = self.scheduler.schedule()
             first = runner.launch(plan) if runner is not None else None
             if first is None:
+                self._read, self._steady = None, False  # a step run in turn: the next period is not a queued one
                 return self._execute(plan)
             self._launched.append(first)
         assert runner is not None
         while self._refill and len(self._launched) <= self.steps_ahead:
             self._refill = self._queue_ahead(runner)
         current = self._launched.popleft()
-        waited = time.perf_counter()
         out = runner.collect(current)
-        self._host_waited = time.perf_counter() - waited
-        self._host_batch = len(current.plan.seqs)
+        read = (len(current.plan.seqs), current.plan.num_draft_tokens)
+        self._steady = self._read is not None and self._read[1] == read[1]
+        self._read = read
         outputs = self._apply(current.plan, out, out.draft_outputs)
         if self._launched and not self.has_unfinished():
             self.drain()  # every request in the steps queued ahead has finished: wait for them now, not later
         return outputs
 
-    def _observe_host(self, now: float) -> None:
-        """Tell an adaptive policy with measured costs how long the host took per step: the time since the
-        previous step began, less what that step waited for the device."""
+    def _observe_period(self, now: float) -> None:
+        """Tell an adaptive policy with timed costs the period since the previous step began, when that step read a
+        queued step of the same kind as the one read before it (steady decoding of one kind)."""
         policy = self.scheduler.depth
-        if policy is None or policy.costs.online or self._host_mark is None or not self._host_batch:
+        if policy is None or policy.costs.online or self._read is None or not self._steady or not self._read[0]:
             return
-        policy.costs.observe_host(self._host_batch, now - self._host_mark - self._host_waited)
+        batch, count = self._read
+        policy.costs.observe_period(batch, policy.kind_of(count), now - self._period_start)
 
     def _queue_ahead(self, runner: OverlapTarget) -> bool:
         """Plan and queue the step after the last queued one; False when it goes through `schedule` instead
