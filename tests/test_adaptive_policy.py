@@ -67,15 +67,17 @@ def test_target_only_when_speculation_does_not_pay() -> None:
 
 
 def test_the_tree_is_explored_where_it_could_win_and_taken_once_it_does() -> None:
-    """Before any tree step the tree's expected tokens are the chain's at its depth, so it is not chosen; every
-    other exploring cycle runs it; once it is recorded emitting 4 tokens it is chosen. A tree whose most tokens
-    per step (depth + 1) cannot beat the best rate is never run, not even to explore."""
+    """Before any tree step the tree's expected tokens are the chain's at its depth, so it is not chosen; exploring
+    cycles run, in turn, one depth shallower (nothing is deeper) and the tree; once the tree is recorded emitting 4
+    tokens it is chosen. A tree whose most tokens per step (depth + 1) cannot beat the best rate is never run, not
+    even to explore."""
     table = {1: [1.0, 1.1, 1.2, 1.3, 1.6]}
     policy = policy_over(table, [0.6, 0.4, 0.2], explore_every=8, explore_steps=2, margin=0.0)
     assert policy.expected_tokens(TREE) == pytest.approx(policy.expected_tokens(3))
     picks = [policy.choose(1) for _ in range(40)]
-    assert policy.kind == StepKind(3)  # the best: nothing deeper to explore but the tree
-    assert picks == [TREE if i % 8 < 2 else StepKind(3) for i in range(1, 41)]
+    assert policy.kind == StepKind(3)  # the best: nothing deeper, so depth 2 and the tree are explored
+    explored = [StepKind(2), TREE]
+    assert picks == [explored[(i // 8) % 2] if i % 8 < 2 else StepKind(3) for i in range(1, 41)]
     for _ in range(2000):
         policy.record(TREE, 3, 3)
     assert policy.best(1) == TREE

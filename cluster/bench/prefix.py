@@ -220,14 +220,15 @@ def run_mode(
 
 
 def bench_config(cfg: MTPServeConfig, num_conversations: int, longest: int, max_tokens: int) -> MTPServeConfig:
-    """cfg with room for every conversation at once and a cache that holds all their turns unevicted."""
+    """cfg with room for every conversation at once and a cache that holds all their turns unevicted, drafting K
+    every step (not adaptive: the two modes' acceptance must be comparable)."""
     block = cfg.scheduler.block_size
     per_conv = 2 * (longest + 2 * max_tokens + 16)  # both turns stay cached
     sched: dict[str, Any] = {"max_num_requests": max(cfg.scheduler.max_num_requests, num_conversations)}
     if cfg.scheduler.num_kv_blocks is None:
         sched["num_kv_blocks"] = -(-(num_conversations + 2) * per_conv // block)
     model = {"max_model_len": max(cfg.model.max_model_len or 0, longest + 4 * max_tokens + 64)}
-    return with_sections(cfg, scheduler=sched, model=model)
+    return with_sections(cfg, scheduler=sched, model=model, speculative={"adaptive": False})
 
 
 def run_prefix_bench(
