@@ -88,12 +88,10 @@ class RecordedSet:
 
 
 def walked(runs: list[list[int]]) -> list[int]:
-    """The offsets a K-chain visits through per-position runs: 0, then o + accepted + 1."""
-    out, o = [], 0
-    while o < len(runs):
-        out.append(o)
-        o += len(runs[o]) + 1
-    return out
+    """The offsets a K-chain visits through per-position runs: 0, then o + accepted + 1 (`path_bases`)."""
+    from mtpserve.speculative.train.eval import path_bases
+
+    return path_bases([len(p) for p in runs], 0, len(runs) - 1)
 
 
 @dataclass
