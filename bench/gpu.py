@@ -170,7 +170,9 @@ def decode_group(args: argparse.Namespace, errors: list[str], path: Path) -> dic
             else guarded(
                 errors,
                 f"engine {label}",
-                lambda k=k, g=graphs, f=fused, v=variant: bench_decode.engine_for(args, k, g, max(batches), f, v),
+                lambda k=k, g=graphs, f=fused, v=variant: bench_decode.engine_for(
+                    args, k, g, max(batches), fused=f, variant=v
+                ),
             )
         )
         if eng is None:

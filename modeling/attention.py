@@ -187,7 +187,8 @@ class RaggedMetadata:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Ragged paged attention (Triton; CUDA, or CPU under TRITON_INTERPRET)."""
         return triton_attention.triton_ragged_attention(
-            q, k_cache, v_cache, self.block_tables, self.q_starts, self.q_lens, self.seq_lens, self.max_q_len, scale,
+            q, k_cache, v_cache, self.block_tables, self.q_starts, self.q_lens, self.seq_lens,
+            max_q_len=self.max_q_len, scale=scale,
             tree_bits=self.tree_bits, tree_width=self.tree_width,
         )  # fmt: skip
 
@@ -273,8 +274,8 @@ class UniformMetadata:
                     self.seq_lens,
                     self.q_len,
                     scale,
-                    self._tree_bits,
-                    tree.shape[-1],
+                    tree_bits=self._tree_bits,
+                    tree_width=tree.shape[-1],
                 )
         return self.attend_sdpa(q, k_cache, v_cache, scale)
 

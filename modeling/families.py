@@ -13,7 +13,7 @@ from mtpserve.modeling.deepseek_config import MODEL_TYPES as DEEPSEEK_TYPES
 from mtpserve.modeling.deepseek_config import DeepseekV3Args
 from mtpserve.modeling.deepseek_weights import init_dummy_, random_deepseek_weights
 from mtpserve.modeling.errors import ModelLoadError
-from mtpserve.modeling.model import LlamaArgs, LlamaModel, random_llama_weights
+from mtpserve.modeling.model import KeptInFp32, LlamaArgs, LlamaModel, random_llama_weights
 from mtpserve.modeling.qwen import MODEL_TYPES as QWEN_TYPES
 from mtpserve.modeling.qwen import QwenArgs, QwenModel, is_qwen_style, random_qwen_weights
 
@@ -87,12 +87,12 @@ def model_class(args: LlamaArgs) -> type[LlamaModel]:
 
 @torch.no_grad()
 def allocate_on_device(module: nn.Module, device: str | torch.device, dtype: torch.dtype) -> None:
-    """Give a module laid out on the meta device storage on `device` in `dtype` (modules marked `keep_fp32`
+    """Give a module laid out on the meta device storage on `device` in `dtype` (`KeptInFp32` modules
     in fp32): parameters hold NaN until loaded, buffers zero, the RoPE table is rebuilt (the module needs
     `args` and `rotary`, as models and draft heads have)."""
     module.to(dtype)
     for m in module.modules():
-        if getattr(m, "keep_fp32", False):
+        if isinstance(m, KeptInFp32):
             m.float()
     module.to_empty(device=device)
     if isinstance(module, LlamaModel):

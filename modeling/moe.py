@@ -15,15 +15,14 @@ from torch import nn
 
 from mtpserve.modeling.deepseek_config import DeepseekV3Args
 from mtpserve.modeling.layer_ops import TORCH_OPS, TorchOps
-from mtpserve.modeling.model import MLP
+from mtpserve.modeling.model import MLP, KeptInFp32
 from mtpserve.modeling.parallel import TPContext
 
 
-class Router(nn.Module):
+class Router(KeptInFp32, nn.Module):
     """Sigmoid scores per expert; choice among the best `topk_group` groups with a load-balancing bias."""
 
     e_score_correction_bias: torch.Tensor
-    keep_fp32 = True  # bf16 would round the bias by about the gaps between experts' scores
 
     def __init__(self, args: DeepseekV3Args) -> None:
         super().__init__()

@@ -225,8 +225,7 @@ def hf_config(
     }
     if spec.norm_before_residual:
         cfg["norm_before_residual"] = True
-    for key in ("bos_token_id", "eos_token_id"):
-        if getattr(target, key) is not None:
-            cfg[key] = getattr(target, key)
+    ids = {"bos_token_id": target.bos_token_id, "eos_token_id": target.eos_token_id}
+    cfg.update({key: value for key, value in ids.items() if value is not None})
     cfg.update(extra or {})
     return cfg

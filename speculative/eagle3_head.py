@@ -35,8 +35,7 @@ from mtpserve.speculative.mtp_head import check_vocab_ids
 
 def layer_args_for(target: LlamaArgs) -> LlamaArgs:
     """Hyper-parameters of a draft layer shaped like the target's layers (what train-draft builds)."""
-    fields = {f.name: getattr(target, f.name) for f in dataclasses.fields(LlamaArgs)}
-    return LlamaArgs(**{**fields, "num_hidden_layers": 1})
+    return dataclasses.replace(target, num_hidden_layers=1)
 
 
 class Eagle3Layer(nn.Module):

@@ -16,3 +16,6 @@ class DraftMethod(ABC):
 
     def release(self, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
         """Forget per-request state of finished requests."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release what the method holds; one in this process holds nothing beyond its tensors."""

@@ -35,13 +35,12 @@ class SpecStats:
         self.accepted += other.accepted
         self.verify_steps += other.verify_steps
         n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        for name in ("accepted_per_position", "drafted_per_position"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            setattr(
-                self,
-                name,
-                [(mine[i] if i < len(mine) else 0) + (theirs[i] if i < len(theirs) else 0) for i in range(n)],
-            )
+
+        def added(mine: list[int], theirs: list[int]) -> list[int]:
+            return [(mine[i] if i < len(mine) else 0) + (theirs[i] if i < len(theirs) else 0) for i in range(n)]
+
+        self.accepted_per_position = added(self.accepted_per_position, other.accepted_per_position)
+        self.drafted_per_position = added(self.drafted_per_position, other.drafted_per_position)
 
     @property
     def acceptance_rate(self) -> float:

@@ -108,7 +108,7 @@ def tree_attention_error(
         mask[:, torch.arange(q_len), width - q_len + torch.arange(q_len)] = True
         bits = triton_attention.tree_mask_bits(mask)
     got = triton_attention.triton_uniform_attention(
-        q, kc, vc, tables, seq_lens, q_len, dim**-0.5, bits, width, **kernel
+        q, kc, vc, tables, seq_lens, q_len, dim**-0.5, tree_bits=bits, tree_width=width, **kernel
     )
     ref = uniform_paged_attention(
         q.double(), kc.double(), vc.double(), tables, seq_lens, q_len, scale=dim**-0.5, tree_mask=mask

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -324,7 +324,8 @@ DEFAULT_HEAD_TARGET = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size"
 
 def default_head_fits(args: LlamaArgs) -> bool:
     """Whether a target has the shape the shipped head was trained for (SmolLM2-135M, wherever it is read from)."""
-    return all(getattr(args, k) == v for k, v in DEFAULT_HEAD_TARGET.items())
+    shape = asdict(args)
+    return all(shape[k] == v for k, v in DEFAULT_HEAD_TARGET.items())
 
 
 def draft_source(cfg: MTPServeConfig, args: LlamaArgs) -> str | None:

@@ -83,7 +83,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         try:
             return self._propose(request)
         except StepFailure as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            context.abort(grpc.StatusCode[exc.code], str(exc))
             raise  # abort raises; this line is never reached
 
     def _propose(self, request: wpb.DraftInputs) -> wpb.DraftOutputs:

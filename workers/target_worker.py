@@ -100,11 +100,11 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
     def step_costs(self) -> dict[tuple[int, int], float] | None:
         """Seconds per (batch bucket, draft count) of this rank's fused depth steps and, adaptive over a tree,
         its tree step (keyed by the tree's budget), timed here once; None without fused depth steps."""
-        fused = None if self.runner is None else self.runner.fused
-        if not isinstance(fused, FusedDepthSteps):
+        runner = self.runner
+        if runner is None or not isinstance(runner.fused, FusedDepthSteps):
             return None
-        costs = fused.time_steps()
-        drafter, tree_step = self.draft, getattr(self.runner, "tree_step", None)
+        costs = runner.fused.time_steps()
+        drafter, tree_step = self.draft, runner.tree_step
         if isinstance(drafter, MTPEagleTree) and drafter.chains and tree_step is not None:
             costs.update({(bucket, drafter.budget): s for bucket, s in tree_step.time_steps().items()})
         return costs
@@ -174,7 +174,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
             with self._lock:
                 out = session.execute(plan)
         except StepFailure as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            context.abort(grpc.StatusCode[exc.code], str(exc))
         return target_output_to_proto(out) if self.rank == 0 else wpb.TargetOutput(step_id=out.step_id)
 
     def Steps(

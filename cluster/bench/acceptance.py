@@ -149,6 +149,7 @@ def run_acceptance(
     setting: AcceptanceSetting,
     prompts: list[list[int]],
     max_tokens: int,
+    *,
     ignore_eos: bool = False,
     progress: bool = True,
     groups: Sequence[str] | None = None,
@@ -208,12 +209,16 @@ def run_acceptance_settings(
     settings: Sequence[AcceptanceSetting],
     prompts: list[list[int]],
     max_tokens: int,
+    *,
     ignore_eos: bool = False,
     progress: bool = True,
     groups: Sequence[str] | None = None,
 ) -> list[AcceptanceResult]:
     """`run_acceptance` for each setting on the same prompts."""
-    return [run_acceptance(factory, cfg, s, prompts, max_tokens, ignore_eos, progress, groups) for s in settings]
+    return [
+        run_acceptance(factory, cfg, s, prompts, max_tokens, ignore_eos=ignore_eos, progress=progress, groups=groups)
+        for s in settings
+    ]
 
 
 def acceptance_report(

@@ -16,9 +16,9 @@ import torch
 from mtpserve.cluster.bench import report as bench_report
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.modeling.layer_ops import TritonOps
+from mtpserve.speculative.mtp_chain import MTPEagleChain
 from mtpserve.speculative.sampling import SamplingMode
 from mtpserve.workers.config import MTPServeConfig
-from mtpserve.workers.runner import TargetRunner
 
 WEIGHT_FLOOR_MS = 0.063  # SmolLM2-135M bf16: its weights read once at the H200's 4.8 TB/s
 
@@ -70,6 +70,7 @@ def engine_for(
     k: int,
     graphs: bool,
     max_batch: int,
+    *,
     fused: bool = True,
     variant: str = "",
     gemv_tiles: str | None = None,
@@ -79,7 +80,7 @@ def engine_for(
     tree_width); k=0 is target-only; fused picks the Triton layer kernels; `variant` is one of VARIANTS;
     `gemv_tiles` is `model.gemv_tiles` (default: args.gemv_tiles, else auto); `tree` drafts a tree of depth k
     (the adaptive variant offers it among the chain depths)."""
-    small_rows = TritonOps.small_rows
+    small_rows, opts = TritonOps.small_rows, vars(args)  # options other callers' arguments may lack
     if variant == "no-gemv":
         TritonOps.small_rows = 0
     try:
@@ -87,7 +88,7 @@ def engine_for(
             {
                 "model": {
                     "path": args.model,
-                    "load_format": getattr(args, "load_format", "auto"),
+                    "load_format": opts.get("load_format", "auto"),
                     "device": args.device,
                     "dtype": args.dtype,
                     "cuda_graphs": graphs,
@@ -96,7 +97,7 @@ def engine_for(
                     "fused_kernels": fused,
                     "fused_steps": variant != "chain-graphs",
                     "pdl": variant != "no-pdl",
-                    "gemv_tiles": gemv_tiles or getattr(args, "gemv_tiles", "auto"),
+                    "gemv_tiles": gemv_tiles or opts.get("gemv_tiles", "auto"),
                     "max_model_len": args.max_model_len,
                 },
                 "scheduler": {
@@ -104,7 +105,7 @@ def engine_for(
                     "max_num_batched_tokens": 4096,
                     "chunk_size": 512,
                     "prefix_caching": False,  # prompts repeat across rows: time prefill, not cache hits
-                    "num_kv_blocks": getattr(args, "num_kv_blocks", None),
+                    "num_kv_blocks": opts.get("num_kv_blocks", None),
                 },
                 "speculative": {
                     "enabled": k > 0,
@@ -112,8 +113,8 @@ def engine_for(
                     "num_draft_tokens": max(k, 1),
                     "adaptive": variant == "adaptive" and k > 0,
                     # adaptive over a draft tree too, where the caller asks for one
-                    "tree_budget": getattr(args, "tree_budget", 0) if (variant == "adaptive" or tree) and k > 0 else 0,
-                    "tree_width": getattr(args, "tree_width", 4),
+                    "tree_budget": opts.get("tree_budget", 0) if (variant == "adaptive" or tree) and k > 0 else 0,
+                    "tree_width": opts.get("tree_width", 4),
                 },
             }
         )
@@ -170,6 +171,7 @@ def decode_run(
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
     verify = sum(r.stats.verify_steps for r in reqs)
+    runner = bench_report.local_runner(engine)
     return {
         "batch": len(prompts),
         "tok_s": tokens / dt,
@@ -183,9 +185,9 @@ def decode_run(
         "full_tokens": full_tokens,
         "acceptance_length": 1 + accepted / verify if verify else None,
         "acceptance_rate": accepted / drafted if drafted else None,
-        "fused_replays": replays(getattr(engine.target, "fused", None)),
-        "uniform_replays": replays(getattr(engine.target, "uniform", None)),
-        "chain_replays": replays(getattr(engine.draft, "uniform", None)),
+        "fused_replays": replays(None if runner is None else runner.fused),
+        "uniform_replays": replays(None if runner is None else runner.uniform),
+        "chain_replays": replays(engine.draft.uniform if isinstance(engine.draft, MTPEagleChain) else None),
         "outputs": [emitted[r] for r in ids],
         "steps_per_depth": None
         if policy is None
@@ -197,8 +199,8 @@ def decode_run(
 
 def sampled_graphs(engine: LLMEngine) -> bool | None:
     """Whether every sampling variant of the captured step was captured (None without captured steps)."""
-    runner = engine.target
-    if not isinstance(runner, TargetRunner):
+    runner = bench_report.local_runner(engine)
+    if runner is None:
         return None
     fused = runner.fused
     steps = fused.depth_steps()[fused.k].steps if fused is not None else None

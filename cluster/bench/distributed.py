@@ -26,8 +26,9 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from mtpserve.cluster.bench import report as bench_report
 from mtpserve.cluster.engine.llm_engine import LLMEngine
@@ -110,6 +111,14 @@ def config(args: argparse.Namespace, k: int, shape_dir: Path | None) -> dict[str
     return base
 
 
+@runtime_checkable
+class HopCounting(Protocol):
+    """A target over Ray ranks that counts its hops and stamps each answered step (`RemoteTarget`)."""
+
+    hops: dict[str, float]
+    timeline: Iterable[dict[str, float]]
+
+
 def measure(engine: LLMEngine, batch: int, steps: int) -> dict[str, Any]:
     """Mean wall time of generation steps (after every prompt is prefilled), and the hop counters per step."""
     ids = engine.encode_prompt(PROMPT) if engine.tokenizer is not None else list(range(10, 40))
@@ -119,7 +128,8 @@ def measure(engine: LLMEngine, batch: int, steps: int) -> dict[str, Any]:
         engine.step()
     for _ in range(3):  # warm: the first generation steps may compile or fill caches
         engine.step()
-    hops0 = dict(getattr(engine.target, "hops", {}))
+    counting = engine.target if isinstance(engine.target, HopCounting) else None
+    hops0 = dict(counting.hops) if counting is not None else {}
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -129,12 +139,12 @@ def measure(engine: LLMEngine, batch: int, steps: int) -> dict[str, Any]:
     engine.drain()
     while engine.has_unfinished():
         engine.step()
-    hops = getattr(engine.target, "hops", None)
+    hops = counting.hops if counting is not None else None
     per_step: dict[str, float] = {}
     if hops:
         n = max(hops["steps"] - hops0.get("steps", 0), 1)
         per_step = {k: (hops.get(k, 0.0) - hops0.get(k, 0.0)) / n for k in HOP_KEYS}
-    timeline = getattr(engine.target, "timeline", None)
+    timeline = counting.timeline if counting is not None else None
     row: dict[str, Any] = {"batch": batch, "step_ms": 1e3 * dt, "hops_per_step": per_step}
     if timeline:
         row["timeline_ms"] = segments([r for r in timeline if t0 <= r["sent"] and "next_send" in r])
@@ -222,9 +232,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = MTPServeConfig.from_dict(config(args, 0, shape_dir))
     return bench_report.report(
         "distributed",
-        bench_report.command_line(getattr(args, "argv", None)),
+        bench_report.command_of(args),
         cfg,
-        {key: getattr(args, key) for key in SETTINGS},
+        bench_report.settings_of(args, SETTINGS),
         best_rows(runs),
         model={"shape": args.shape, "path": args.model, "draft": args.draft if args.shape == "smollm2" else "random"},
         runs=runs,

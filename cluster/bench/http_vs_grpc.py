@@ -238,9 +238,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bench_report.stop_subprocess(proc)
     return bench_report.report(
         "http_vs_grpc",
-        bench_report.command_line(getattr(args, "argv", None)),
+        bench_report.command_of(args),
         MTPServeConfig.from_dict({"model": {"device": args.device, "dtype": args.dtype}}),
-        {key: getattr(args, key) for key in SETTINGS},
+        bench_report.settings_of(args, SETTINGS),
         summarize(rounds),
         model=model if not args.tiny else {"tiny": TINY_CONFIG},
         server_config=config,

@@ -325,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "json", "plot", "command", "bench")}
     doc = bench_report.report(
         "load",
-        bench_report.command_line(getattr(args, "argv", None)),
+        bench_report.command_of(args),
         cfg,
         settings,
         rounds,

@@ -195,6 +195,7 @@ class LoopClients:
         output_len: int,
         warmup_s: float,
         window_s: float,
+        *,
         api_key: str = "unused",
     ) -> LoopResult:
         """`streams` closed-loop streams spread over the client processes: a warm-up, then the measured window."""

@@ -111,7 +111,8 @@ def chat_ids(tokenizer: Any, conv: Conversation, turn: int) -> list[int]:
 
 
 def _sync(engine: LLMEngine) -> None:
-    if torch.cuda.is_available() and str(getattr(engine.target, "device", "")).startswith("cuda"):
+    runner = bench_report.local_runner(engine)
+    if runner is not None and runner.device.type == "cuda":
         torch.cuda.synchronize()
 
 
@@ -239,6 +240,7 @@ def run_prefix_bench(
     warmup_document: str,
     num_conversations: int,
     max_tokens: int,
+    *,
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     """Run both modes; the results, the equality checks and the uncached/cached ratios."""

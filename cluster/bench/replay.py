@@ -121,8 +121,8 @@ def record_into(args: argparse.Namespace, configs: list[str]) -> None:
         args.max_tokens,
         record_labels(args),
         shapes(),
-        args.record_num_prompts,
-        lambda line: print(line, file=sys.stderr, flush=True),
+        num_prompts=args.record_num_prompts,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     if Path(args.acceptance).is_file():
         kept = recording.keep_from(load_recording(args.acceptance, shapes()))
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace, recording: Recording | None = None, sets: list
             del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        if getattr(args, "json", None):  # what is measured so far survives a run stopped early
+        if vars(args).get("json"):  # what is measured so far survives a run stopped early
             bench_report.write_json(args.json, report(args, recording, sets, rows))
     return report(args, recording, sets, rows)
 
@@ -275,7 +275,7 @@ def report(
             r[out] = own / ref if ref and own else None
     return bench_report.report(
         "replay",
-        bench_report.command_line(getattr(args, "argv", None)),
+        bench_report.command_of(args),
         bench_trees.config(args, None, max(args.batches)),
         settings(args, sets),
         rows,
@@ -299,7 +299,7 @@ def settings(args: argparse.Namespace, sets: list[str]) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "acceptance": args.acceptance,
         "recorded_here": bool(args.record),
-        "draft_vocab": getattr(args, "draft_vocab", 0),
+        "draft_vocab": vars(args).get("draft_vocab", 0),
     }
 
 

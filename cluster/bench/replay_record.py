@@ -229,6 +229,7 @@ def record(
     max_tokens: int,
     labels: tuple[str, str],
     shapes: dict[str, Shape],
+    *,
     num_prompts: int | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> Recording:

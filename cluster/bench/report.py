@@ -26,6 +26,7 @@ from mtpserve.modeling.families import family_of, model_class
 from mtpserve.modeling.loader import resolve_device, to_dtype
 from mtpserve.modeling.model import LlamaArgs
 from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.runner import TargetRunner
 
 EngineFactory = Callable[[MTPServeConfig], LLMEngine]
 
@@ -38,6 +39,22 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     """The command as typed, shell-quoted (`mtpserve` plus the arguments after the program name)."""
     args = list(sys.argv[1:] if argv is None else argv)
     return shlex.join(["mtpserve", *args])
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """`command_line` of the arguments the CLI parsed into `args` (this process's own when it recorded none)."""
+    return command_line(vars(args).get("argv"))
+
+
+def local_runner(engine: LLMEngine) -> TargetRunner | None:
+    """The engine's target when it runs in this process (its captured steps can be inspected), else None."""
+    return engine.target if isinstance(engine.target, TargetRunner) else None
+
+
+def settings_of(args: argparse.Namespace, keys: Sequence[str]) -> dict[str, Any]:
+    """The options `keys` of parsed arguments, as a report's settings."""
+    given = vars(args)
+    return {key: given[key] for key in keys}
 
 
 def num_params(args: LlamaArgs) -> int:

@@ -140,7 +140,7 @@ def engine_alone(cfg: dict[str, Any], args: dict[str, Any], streams: int) -> dic
 def run_engine_alone(cfg: dict[str, Any], args: argparse.Namespace, streams: int, vocab: int) -> dict[str, Any]:
     """`engine_alone` in a spawned process, so that its device memory is gone when it returns."""
     ctx = multiprocessing.get_context("spawn")
-    plain = {k: getattr(args, k) for k in ("prompt_len", "output_len", "warmup_s", "window_s", "seed")}
+    plain = bench_report.settings_of(args, ("prompt_len", "output_len", "warmup_s", "window_s", "seed"))
     with ctx.Pool(1) as pool:
         return pool.apply(engine_alone, (cfg, plain | {"vocab": vocab}, streams))
 
@@ -244,9 +244,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         clients.close()
     return bench_report.report(
         "serve",
-        bench_report.command_line(getattr(args, "argv", None)),
+        bench_report.command_of(args),
         MTPServeConfig.from_dict({"model": {"device": args.device, "dtype": args.dtype}}),
-        {key: getattr(args, key) for key in SETTINGS},
+        bench_report.settings_of(args, SETTINGS),
         rows,
         model=model if not args.tiny else {"tiny": TINY_CONFIG},
     )

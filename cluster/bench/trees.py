@@ -93,7 +93,7 @@ def config(
             "speculative": {
                 "enabled": spec is not None,
                 "draft": args.draft,
-                "draft_vocab": getattr(args, "draft_vocab", 0) if spec is not None else 0,
+                "draft_vocab": vars(args).get("draft_vocab", 0) if spec is not None else 0,
                 "adaptive": False,
                 **(spec or {"num_draft_tokens": 1}),
             },
@@ -109,7 +109,8 @@ def measure(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens:
     lengths = [r["acceptance_length"] for r in runs if r["acceptance_length"]]
     full_tokens = sum(r["full_tokens"] for r in runs)
     full_s = sum(r["full_s"] for r in runs)
-    tree_step = getattr(engine.target, "tree_step", None)
+    runner = bench_report.local_runner(engine)
+    tree_step = None if runner is None else runner.tree_step
     return {
         "batch": batch,
         "tok_s": tokens / seconds,
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = config(args, None, max(args.batches))
     return bench_report.report(
         "trees",
-        bench_report.command_line(getattr(args, "argv", None)),
+        bench_report.command_of(args),
         cfg,
         settings,
         rows,

@@ -131,8 +131,8 @@ def random_ids(n: int, vocab: int, g: torch.Generator) -> list[int]:
 
 def prefill_replays(engine: LLMEngine) -> int | None:
     """CUDA-graph replays of the captured prefill step so far (None without one)."""
-    step = getattr(engine.target, "prefill", None)
-    return None if step is None else int(step.replays)
+    runner = bench_report.local_runner(engine)
+    return None if runner is None or runner.prefill is None else int(runner.prefill.replays)
 
 
 def measure(args: argparse.Namespace, k: int, prefill_graphs: bool) -> list[dict[str, Any]]:
@@ -180,10 +180,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every K (with and without captured prefill if asked): the report."""
     modes = [True, False] if args.compare_eager_prefill else [True]
     rows = [row for k in args.ks for graphs in modes for row in measure(args, k, graphs)]
-    settings = {key: getattr(args, key) for key in SETTINGS}
+    settings = bench_report.settings_of(args, SETTINGS)
     return bench_report.report(
         "ttft",
-        bench_report.command_line(getattr(args, "argv", None)),
+        bench_report.command_of(args),
         config(args, 0, True),
         settings,
         rows,

@@ -161,7 +161,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         size_slots="scheduler.max_num_requests" not in given,
         size_cache="scheduler.num_kv_blocks" not in given,
     )
-    command = bench_report.command_line(getattr(args, "argv", None))
+    command = bench_report.command_of(args)
     try:
         engine = build_engine(cfg)
         try:
@@ -209,7 +209,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
         return 2
     _set_threads(args.threads)
     cfg = config_from_args(args)
-    command = bench_report.command_line(getattr(args, "argv", None))
+    command = bench_report.command_of(args)
     try:
         records = {path: bench_acceptance.load_prompt_records(path, args.num_prompts) for path in args.prompts}
         source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
@@ -232,7 +232,14 @@ def run_acceptance(args: argparse.Namespace) -> int:
                 )
             ]
         results = bench_acceptance.run_acceptance_settings(
-            build_engine, cfg, settings, prompts, args.max_tokens, args.ignore_eos, not args.quiet, groups
+            build_engine,
+            cfg,
+            settings,
+            prompts,
+            args.max_tokens,
+            ignore_eos=args.ignore_eos,
+            progress=not args.quiet,
+            groups=groups,
         )
     except MTPServeError as exc:
         print(f"mtpserve: {exc}", file=sys.stderr)
@@ -271,7 +278,7 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
         print(
             "mtpserve: bench prefix-cache runs with and without caching; --prefix-caching is ignored", file=sys.stderr
         )
-    command = bench_report.command_line(getattr(args, "argv", None))
+    command = bench_report.command_of(args)
     try:
         source = resolve_model(cfg.model.path, cfg.model.load_format, cfg.model.cache_dir)
         if source.dummy:
@@ -283,7 +290,7 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
         document, warmup = bench_prefix.load_documents(docs, tok, args.prefix_len)
         progress = (lambda line: None) if args.quiet else _err
         result = bench_prefix.run_prefix_bench(
-            build_engine, cfg, tok, document, warmup, args.conversations, args.max_tokens, progress
+            build_engine, cfg, tok, document, warmup, args.conversations, args.max_tokens, progress=progress
         )
     except MTPServeError as exc:
         print(f"mtpserve: {exc}", file=sys.stderr)

@@ -118,7 +118,7 @@ def run_remote(args: argparse.Namespace) -> int:
     import grpc
 
     sampling = sampling_dict(args)
-    raw = bool(getattr(args, "raw", False))
+    raw = bool(vars(args).get("raw", False))
     try:
         client = client_for(args)
     except (OSError, ValueError, MTPServeError) as exc:

@@ -93,6 +93,10 @@ class DraftExecutor(Protocol):
         """Draft K tokens for the requests that asked."""
         ...
 
+    def shutdown(self) -> None:
+        """Release what the draft holds (a draft worker actor)."""
+        ...
+
 
 @dataclass
 class Completion:
@@ -452,9 +456,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release executors (actors, process groups); the in-process engine has nothing to release."""
         self.target.shutdown()
-        close = getattr(self.draft, "shutdown", None)  # a draft worker actor has one
-        if close is not None:
-            close()
+        if self.draft is not None:
+            self.draft.shutdown()
 
     # ---- text ------------------------------------------------------------------------------------
     def encode_prompt(self, text: str, chat: bool = True) -> list[int]:

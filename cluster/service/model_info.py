@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.modeling.loader import to_dtype
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
@@ -30,7 +32,8 @@ def model_info(engine: LLMEngine) -> pb.ModelInfo:
         if conf.is_file():
             arch = (json.loads(conf.read_text()).get("architectures") or [arch])[0]
     spec = cfg.speculative
-    device = getattr(engine.target, "device", None) or cfg.model.device
+    device = getattr(engine.target, "device", None) or cfg.model.device  # a remote target has none
+    kind = device.type if isinstance(device, torch.device) else str(device)
     return pb.ModelInfo(
         model_name=name,
         architecture=arch,
@@ -39,8 +42,8 @@ def model_info(engine: LLMEngine) -> pb.ModelInfo:
         hidden_size=args.hidden_size,
         num_layers=args.num_hidden_layers,
         tp_size=cfg.parallel.tp_size,
-        device=str(getattr(device, "type", device)),
-        dtype=served_dtype(cfg.model.dtype, str(getattr(device, "type", device))),
+        device=kind,
+        dtype=served_dtype(cfg.model.dtype, kind),
         has_tokenizer=engine.tokenizer is not None,
         block_size=cfg.scheduler.block_size,
         draft=pb.DraftInfo(

@@ -175,7 +175,8 @@ class StructuredOutputs(_Body):
 
     def spec(self) -> GrammarSpec:
         """The grammar it asks for."""
-        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        options = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        given = [name for name, value in options.items() if value is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar")
         if self.json_ is not None:

@@ -160,12 +160,15 @@ def evaluate(
     store: HiddenStore,
     indices: list[int],
     k: int,
+    *,
     batch_size: int = 16,
     dtype: torch.dtype = torch.float32,
     first_tokens: int = FIRST_TOKENS,
 ) -> dict[str, Any]:
     """Acceptance over `indices` of the store's dataset, overall and per prompt source."""
-    return evaluate_heads({"head": head}, shared, store, indices, k, batch_size, dtype, first_tokens)["head"]
+    return evaluate_heads(
+        {"head": head}, shared, store, indices, k, batch_size=batch_size, dtype=dtype, first_tokens=first_tokens
+    )["head"]
 
 
 @torch.no_grad()
@@ -175,6 +178,7 @@ def evaluate_heads(
     store: HiddenStore,
     indices: list[int],
     k: int,
+    *,
     batch_size: int = 16,
     dtype: torch.dtype = torch.float32,
     first_tokens: int = FIRST_TOKENS,

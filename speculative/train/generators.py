@@ -8,6 +8,7 @@ CUDA-graphed and its per-step Python cost makes thousands of long responses too 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,8 @@ class Generator(Protocol):
     """Anything that continues a batch of token-id prompts."""
 
     name: str
+    tokens_generated: int  # new tokens so far, stop tokens included
+    busy_s: float  # seconds spent generating so far
 
     def generate(self, prompts: list[list[int]], settings: GenSettings, desc: str = "") -> list[GenResult]:
         """Continue every prompt; results in input order."""
@@ -96,6 +99,8 @@ class HFGenerator:
         self.device = device
         self.batch_size = batch_size
         self.pad_id = 0
+        self.tokens_generated = 0
+        self.busy_s = 0.0
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], settings: GenSettings, desc: str = "") -> list[GenResult]:
@@ -115,6 +120,7 @@ class HFGenerator:
             pad_token_id=self.pad_id,
         )
         results: list[GenResult | None] = [None] * len(prompts)
+        t0 = time.perf_counter()
         with tqdm(total=len(prompts), desc=desc or "generate (hf)", unit="seq") as bar:
             for b, lo in enumerate(range(0, len(order), self.batch_size)):
                 idx = order[lo : lo + self.batch_size]
@@ -134,4 +140,6 @@ class HFGenerator:
                 for r, i in enumerate(idx):
                     results[i] = cut_at_stop(new[r], stop) if stop else GenResult(new[r], "length")
                 bar.update(len(idx))
+        self.busy_s += time.perf_counter() - t0
+        self.tokens_generated += sum(len(r.token_ids) for r in results if r is not None)
         return [r if r is not None else GenResult([], "length") for r in results]

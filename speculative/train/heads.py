@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -82,7 +82,8 @@ class HeadSpec:
         path = f",path={self.path:g}" if self.path else ""
         decoder = f",decoder={self.decoder}" if self.decoder != 1 else ""
         repeat = f",repeat={self.repeat:g}" if self.repeat != 1.0 else ""
-        eagle3 = "".join(f",{key}={getattr(self, key)}" for key, v in CHOICES.items() if getattr(self, key) != v[0])
+        chosen = asdict(self)
+        eagle3 = "".join(f",{key}={chosen[key]}" for key, v in CHOICES.items() if chosen[key] != v[0])
         return f"{self.name}:layers={self.layers},vocab={self.draft_vocab}{k}{mlp}{path}{decoder}{repeat}{eagle3}"
 
     def describe(self, args: LlamaArgs, k: int) -> str:
@@ -177,10 +178,11 @@ def check_specs(specs: Sequence[HeadSpec], args: LlamaArgs, k: int, head_format:
                 check_feature_layers(s.feature_layers(args), args)
         except ValueError as exc:
             raise TrainSetupError("--head-spec", f"{s.name}: {exc}") from None
+        chosen = asdict(s)
         for key, values in CHOICES.items():
-            if getattr(s, key) != values[0] and head_format != "eagle3":
+            if chosen[key] != values[0] and head_format != "eagle3":
                 why = "only an EAGLE-3 head (--format eagle3) has it; this layout scores with the target's lm_head"
-                raise TrainSetupError("--head-spec", f"{s.name}: {key}={getattr(s, key)}: {why}")
+                raise TrainSetupError("--head-spec", f"{s.name}: {key}={chosen[key]}: {why}")
         if s.draft_vocab > args.vocab_size:
             raise TrainSetupError("--head-spec", f"{s.name}: vocab {s.draft_vocab} > the target's {args.vocab_size}")
         if s.mlp and s.mlp < args.intermediate_size:

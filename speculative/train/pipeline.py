@@ -144,8 +144,8 @@ def build_data(
     deadline = opts.train.start_time + budget if budget is not None else None
     gen = make_generator(opts, target, engine_generator)
     status = build_parts(root, gen, target.tokenizer, target.args, opts.data, opts.shard, deadline)
-    status["tokens_generated"] = getattr(gen, "tokens_generated", None)
-    status["generate_s"] = round(getattr(gen, "busy_s", 0.0), 1)
+    status["tokens_generated"] = gen.tokens_generated
+    status["generate_s"] = round(gen.busy_s, 1)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the generator's weights and KV are garbage now
     return status
@@ -200,7 +200,7 @@ def run_eval_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDat
     head = load_head_file(path, target.args).to(device)
     _, dev = data.split(cfg.dev_fraction, cfg.seed, cfg.holdout_sources)
     store = HiddenStore(shared, data, device, keep=False, layers=head.feature_layers)
-    res = evaluate(head, shared, store, dev, cfg.num_draft_tokens, cfg.eval_batch_size, dtype)
+    res = evaluate(head, shared, store, dev, cfg.num_draft_tokens, batch_size=cfg.eval_batch_size, dtype=dtype)
     return {"head": str(path), "dev": res, "command": opts.command}
 
 

@@ -317,8 +317,8 @@ class Trainer:
             self.store,
             self.dev_idx,
             self.cfg.num_draft_tokens,
-            self.cfg.eval_batch_size,
-            self.dtype,
+            batch_size=self.cfg.eval_batch_size,
+            dtype=self.dtype,
         )
 
     def best(self, dev: dict[str, dict[str, Any]]) -> str:
