@@ -19,7 +19,7 @@ from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
 from mtpserve.workers.prefill_step import CapturedPrefill
 from mtpserve.workers.runner import TargetRunner
 
-from tiny import draft_kv, mimic_head, mimic_target, random_prompts, same_distribution_pvalue, tiny_engine
+from tiny import draft_kv, mimic_head, mimic_target, random_prompts, same_distribution_pvalue, tiny_engine, with_steps
 
 K = 3
 
@@ -54,11 +54,12 @@ def adaptive_engine(
             )
             for d in range(K + 1)
         }
-        runner.fused = FusedDepthSteps(steps)
+        runner = with_steps(eng, chain=FusedDepthSteps(steps))
     if prefill:
-        runner.prefill = CapturedPrefill(
+        prefill_step = CapturedPrefill(
             runner.model, runner.cache, eng.draft, K, max_tokens=32, max_blocks=16, device="cpu", use_graphs=False
         )
+        runner = with_steps(eng, prefill=prefill_step)
     if policy is not None:
         eng.scheduler.depth = policy
     return eng
@@ -232,13 +233,13 @@ def test_captured_prefill_proposes_the_step_depth() -> None:
     runner = eng.target
     assert isinstance(runner, TargetRunner)
     used: list[int] = []
-    orig = runner.prefill.run
+    orig = runner.steps.prefill.run
 
     def counted(plan: Any, bucket: int, uniform: float | None = None) -> Any:
         used.append(plan.num_draft_tokens)
         return orig(plan, bucket, uniform)
 
-    runner.prefill.run = counted
+    runner.steps.prefill.run = counted
     assert staggered(eng, prompts, params) == want
     assert len(set(used)) >= 2, used
 
@@ -306,7 +307,7 @@ def test_online_costs_come_from_the_engines_own_steps() -> None:
 def test_fused_depth_steps_time_every_depth_and_bucket() -> None:
     """The timed costs cover every (bucket, depth) and are positive."""
     eng = adaptive_engine(None, fused=True)
-    fused = eng.target.fused  # type: ignore[attr-defined]
+    fused = eng.target.steps.chain  # type: ignore[attr-defined]
     costs = fused.time_steps(repeats=1)
     assert sorted(costs) == sorted((b, d) for d in range(K + 1) for b in fused.by_depth[d].steps.sizes)
     assert all(c > 0 for c in costs.values())

@@ -19,7 +19,7 @@ from mtpserve.workers.prefill_step import CapturedPrefill
 from mtpserve.workers.runner import TargetRunner
 from mtpserve.workers.tree_step import FusedTreeStep
 
-from tiny import draft_kv, mimic_head, mimic_target, random_prompts, same_distribution_pvalue, tiny_engine
+from tiny import draft_kv, mimic_head, mimic_target, random_prompts, same_distribution_pvalue, tiny_engine, with_steps
 
 K = 3
 SPEC = {"num_draft_tokens": K, "adaptive": True, "tree_budget": 8, "tree_width": 3}
@@ -57,14 +57,15 @@ def tree_adaptive_engine(fused: bool = False, overlap: bool = False, prefill: bo
             )
             for d in range(K + 1)
         }
-        runner.fused = FusedDepthSteps(steps)
-        runner.tree_step = FusedTreeStep(
+        tree_step = FusedTreeStep(
             runner.model, runner.cache, drafter, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
         )
+        runner = with_steps(eng, chain=FusedDepthSteps(steps), tree=tree_step)
     if prefill:
-        runner.prefill = CapturedPrefill(
+        prefill_step = CapturedPrefill(
             runner.model, runner.cache, drafter.chain, K, max_tokens=32, max_blocks=16, device="cpu", use_graphs=False
         )
+        runner = with_steps(eng, prefill=prefill_step)
     return eng
 
 
@@ -86,7 +87,7 @@ def test_switching_between_trees_and_chains_gives_the_target_only_tokens(fused: 
     policy = forced(eng, {1: TREE, 2: 1, 4: TREE, 8: 3})
     chain_reads: list[int] = []
     if fused:  # count the fixed-buffer chain steps read back, by depth
-        for step in eng.target.fused.by_depth.values():  # type: ignore[attr-defined]
+        for step in eng.target.steps.chain.by_depth.values():  # type: ignore[attr-defined]
             step.read = lambda plan, host, read=step.read: chain_reads.append(plan.num_draft_tokens) or read(plan, host)
     proposed: list[tuple[int, int, bool]] = []  # the in-process drafter's proposals: (asked, drafts, a tree)
     drafter = eng.draft
@@ -102,14 +103,14 @@ def test_switching_between_trees_and_chains_gives_the_target_only_tokens(fused: 
     drafter.propose = counted  # type: ignore[method-assign]
     tree_after = 0
     if fused:
-        tree_launch = eng.target.tree_step.launch  # type: ignore[attr-defined]
+        tree_launch = eng.target.steps.tree.launch  # type: ignore[attr-defined]
 
         def launch(plan: Any, bucket: int, uniforms: Any = None, after: Any = None) -> Any:
             nonlocal tree_after
             tree_after += after is not None
             return tree_launch(plan, bucket, uniforms, after)
 
-        eng.target.tree_step.launch = launch  # type: ignore[attr-defined]
+        eng.target.steps.tree.launch = launch  # type: ignore[attr-defined]
     assert run(eng, prompts, PARAMS) == want
     more = random_prompts(6, args.vocab_size, [9, 14, 3, 20, 7, 12], seed=7)
     params = [{"max_tokens": m} for m in (12, 30, 8, 16, 22, 5)]
@@ -123,7 +124,7 @@ def test_switching_between_trees_and_chains_gives_the_target_only_tokens(fused: 
     if not fused:
         assert {n for n, _, _ in proposed} == {1, 3, budget}
     if fused:  # the fixed-buffer steps ran both kinds
-        assert eng.target.tree_step.runs > 5 and {1, 3} <= set(chain_reads), chain_reads  # type: ignore[attr-defined]
+        assert eng.target.steps.tree.runs > 5 and {1, 3} <= set(chain_reads), chain_reads  # type: ignore[attr-defined]
     if overlap:
         assert tree_after > 5, "tree steps were queued ahead, their inputs taken from the tree step before"
 
@@ -187,13 +188,13 @@ def test_prompt_chunks_of_tree_steps_take_the_captured_prefill() -> None:
     runner = eng.target
     assert isinstance(runner, TargetRunner)
     used: list[int] = []
-    run_prefill = runner.prefill.run
+    run_prefill = runner.steps.prefill.run
 
     def counted(plan: Any, bucket: int, uniform: float | None = None) -> Any:
         used.append(plan.num_draft_tokens)
         return run_prefill(plan, bucket, uniform)
 
-    runner.prefill.run = counted
+    runner.steps.prefill.run = counted
     assert staggered(eng, prompts, params) == want
     assert SPEC["tree_budget"] in used and 2 in used, used
     assert policy.tree_steps > 0 and eng.totals.accepted > 0
@@ -220,9 +221,9 @@ def test_timed_tree_costs_join_the_depth_costs() -> None:
     eng = tree_adaptive_engine(fused=True)
     runner = eng.target
     assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleTree)
-    policy = depth_policy(eng.cfg, K, runner.fused, tree=tree_kind(eng.draft), tree_step=runner.tree_step)
+    policy = depth_policy(eng.cfg, K, runner.steps.chain, tree=tree_kind(eng.draft), tree_step=runner.steps.tree)
     assert not policy.costs.online and len(policy.kinds) == K + 2
-    assert all(policy.costs.get(b, kind) for b in runner.tree_step.steps.sizes for kind in policy.kinds)
+    assert all(policy.costs.get(b, kind) for b in runner.steps.tree.steps.sizes for kind in policy.kinds)
     tree = policy.kind_of(SPEC["tree_budget"])
     for d in range(K + 1):
         policy.costs.set(1, d, 100.0)  # the tree wins at batch 1
@@ -230,7 +231,7 @@ def test_timed_tree_costs_join_the_depth_costs() -> None:
     eng.scheduler.depth = policy
     args, _ = mimic_target()
     run(eng, random_prompts(1, args.vocab_size, [12], seed=5), [{"max_tokens": 20}])
-    assert policy.tree_steps > 3 and eng.target.tree_step.runs > 3  # type: ignore[attr-defined]
+    assert policy.tree_steps > 3 and eng.target.steps.tree.runs > 3  # type: ignore[attr-defined]
     assert policy.costs.get(1, tree) == timed, "the timed tree cost stays"
     assert all(policy.costs.get(1, d) == 100.0 for d in range(K + 1)), "timed chain costs stay"
 

@@ -14,7 +14,7 @@ from mtpserve.workers.graph_runner import CapturedSteps, pick_bucket
 from mtpserve.workers.step_buffers import StepBuffers
 from mtpserve.workers.uniform_step import UniformTargetStep
 
-from tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_uniform
+from tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_steps, with_uniform
 
 
 def test_pick_bucket() -> None:
@@ -116,7 +116,7 @@ def test_fused_greedy_step_matches_unfused(k: int) -> None:
     fused = FusedSpecStep(
         runner.model, runner.cache, eng.draft, k, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
     )  # type: ignore[attr-defined,arg-type]
-    runner.fused = fused  # type: ignore[attr-defined]
+    with_steps(eng, chain=fused)
     ptrs = fused.buffers.addresses()
     runs = []
     orig = fused.launch
@@ -181,7 +181,7 @@ def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool, mode: str) -> N
         step = FusedSpecStep(
             runner.model, runner.cache, eng.draft, 3, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
         )  # type: ignore[attr-defined,arg-type]
-        runner.fused = step  # type: ignore[attr-defined]
+        with_steps(eng, chain=step)
     else:
         step = with_uniform(eng, 3)
     ptrs = step.buffers.addresses()

@@ -18,7 +18,7 @@ from mtpserve.workers.chain_step import UniformChainStep
 from mtpserve.workers.fused_step import FusedSpecStep
 from mtpserve.workers.runner import TargetRunner
 
-from tiny import draft_kv, mimic_target, random_prompts, tiny_engine
+from tiny import draft_kv, mimic_target, random_prompts, tiny_engine, with_steps
 
 EXCLUDED = [3, 17, 40, 41, 77]  # ids the reduced draft vocabulary leaves out
 
@@ -89,9 +89,10 @@ def check_step_paths_agree(args: LlamaArgs, w: dict[str, torch.Tensor], head: MT
     fused_eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": k}, scheduler={"chunk_size": 6})
     runner = fused_eng.target
     assert isinstance(runner, TargetRunner)
-    runner.fused = FusedSpecStep(
+    chain_step = FusedSpecStep(
         runner.model, runner.cache, fused_eng.draft, k, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
     )  # type: ignore[arg-type]
+    with_steps(fused_eng, chain=chain_step)
     chain_eng = tiny_engine(args, w, head, speculative={"num_draft_tokens": k}, scheduler={"chunk_size": 6})
     chain = chain_eng.draft
     chain.uniform = UniformChainStep(chain, k, 8, 12, use_graphs=False)  # type: ignore[arg-type,union-attr]

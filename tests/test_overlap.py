@@ -16,7 +16,7 @@ from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.fused_step import FusedSpecStep
 from mtpserve.workers.runner import TargetRunner
 
-from tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_uniform
+from tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_steps, with_uniform
 
 PARAMS: list[dict[str, Any]] = [
     {"max_tokens": 24},
@@ -70,8 +70,11 @@ def overlap_engine(overlap: bool, k: int = 0, ahead: int = 1) -> tuple[LLMEngine
         eng = tiny_engine(args, w, mimic_head(args, w), model=model, speculative={"num_draft_tokens": k})
         runner = eng.target
         assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
-        runner.fused = FusedSpecStep(
-            runner.model, runner.cache, eng.draft, k, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+        with_steps(
+            eng,
+            chain=FusedSpecStep(
+                runner.model, runner.cache, eng.draft, k, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+            ),
         )
     else:
         eng = tiny_engine(args, w, model={"overlap_steps": overlap, "steps_ahead": ahead})
@@ -140,8 +143,11 @@ def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact(ahead: i
         runner = eng.target
         assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
         blocks = -(-(max_len + 2 * k) // eng.cfg.scheduler.block_size)  # as the engine sizes captured tables
-        runner.fused = FusedSpecStep(
-            runner.model, runner.cache, eng.draft, k, max_batch=8, max_blocks=blocks, device="cpu", use_graphs=False
+        with_steps(
+            eng,
+            chain=FusedSpecStep(
+                runner.model, runner.cache, eng.draft, k, max_batch=8, max_blocks=blocks, device="cpu", use_graphs=False
+            ),
         )
         leads: list[int] = []
         plan_ahead = eng.scheduler.plan_ahead
@@ -176,14 +182,17 @@ def test_speculative_overlap_can_be_turned_off() -> None:
     runner = eng.target
     assert isinstance(runner, TargetRunner) and isinstance(eng.draft, MTPEagleChain)
     assert eng.cfg.model.overlap_steps and not eng.cfg.model.overlap_speculative
-    runner.fused = FusedSpecStep(
-        runner.model, runner.cache, eng.draft, 2, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+    runner = with_steps(
+        eng,
+        chain=FusedSpecStep(
+            runner.model, runner.cache, eng.draft, 2, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+        ),
     )
     launches: list[object] = []
     launch = runner.launch
     runner.launch = lambda plan, after=None: launches.append(plan) or launch(plan, after)  # type: ignore[method-assign]
     eng.generate(random_prompts(2, args.vocab_size, [9, 4], seed=3), {"max_tokens": 12})
-    assert launches == [] and runner.fused.steps.greedy.replays == 0 and eng.totals.drafted > 0
+    assert launches == [] and runner.steps.chain.steps.greedy.replays == 0 and eng.totals.drafted > 0
 
 
 def test_plan_ahead_keeps_rows_and_leaves_out_requests_that_end_by_length() -> None:

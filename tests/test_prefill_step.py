@@ -11,9 +11,10 @@ import torch
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.speculative.messages import SeqPlan, StepPlan
 from mtpserve.speculative.sampling import SamplingMode
-from mtpserve.workers.builders import build_prefill
 from mtpserve.workers.prefill_step import CapturedPrefill, prefill_sizes
-from tests.tiny import mimic_head, mimic_target, random_prompts, slots_of, tiny_engine
+from mtpserve.workers.runner import TargetRunner
+from mtpserve.workers.step_builders import TargetParts, build_prefill
+from tests.tiny import mimic_head, mimic_target, random_prompts, slots_of, tiny_engine, with_steps
 
 CHUNK = 20  # buckets 16 and 20: a 3-token prompt pads 13 rows, a 45-token one takes chunks of 20, 20, 5
 LENGTHS = [3, 17, 45, 20, 1]
@@ -33,7 +34,7 @@ def with_prefill(eng: LLMEngine, k: int) -> tuple[CapturedPrefill, list[tuple[in
         device="cpu",
         use_graphs=False,  # type: ignore[attr-defined,arg-type]
     )
-    runner.prefill = step  # type: ignore[attr-defined]
+    with_steps(eng, prefill=step)
     log: list[tuple[int, int, bool]] = []
     orig = step.run
 
@@ -194,6 +195,13 @@ def test_which_steps_take_the_prefill_step() -> None:
     assert step.bucket_for(plan_of(chunk(4, block_ids=list(range(17))))) is None
 
 
+def parts(eng: LLMEngine) -> TargetParts:
+    """What an in-process engine's target steps run over."""
+    runner = eng.target
+    assert isinstance(runner, TargetRunner)
+    return TargetParts(runner.model, runner.cache, runner.device)
+
+
 def test_build_prefill_applies_only_where_it_is_exact() -> None:
     """The builder gives the step for target-only and MTP Eagle chain engines, and none when it is turned
     off, under `sampled` lookahead, or for another draft method (a tree)."""
@@ -201,19 +209,19 @@ def test_build_prefill_applies_only_where_it_is_exact() -> None:
     head = mimic_head(args, w)
     chain_eng = tiny_engine(args, w, head)
     base = chain_eng.cfg
-    step = build_prefill(base, chain_eng.target, chain_eng.draft, 3, 64)  # type: ignore[arg-type]
+    step = build_prefill(base, parts(chain_eng), chain_eng.draft, 3, 64)  # type: ignore[arg-type]
     assert isinstance(step, CapturedPrefill) and step.chain is chain_eng.draft
     assert step.sizes == prefill_sizes(base.scheduler.chunk_size)
     off = base.model_copy(update={"model": base.model.model_copy(update={"prefill_graphs": False})})
-    assert build_prefill(off, chain_eng.target, chain_eng.draft, 3, 64) is None  # type: ignore[arg-type]
+    assert build_prefill(off, parts(chain_eng), chain_eng.draft, 3, 64) is None  # type: ignore[arg-type]
     sampled = base.model_copy(
         update={"speculative": base.speculative.model_copy(update={"lookahead_source": "sampled"})}
     )
-    assert build_prefill(sampled, chain_eng.target, chain_eng.draft, 3, 64) is None  # type: ignore[arg-type]
+    assert build_prefill(sampled, parts(chain_eng), chain_eng.draft, 3, 64) is None  # type: ignore[arg-type]
     tree_eng = tiny_engine(args, w, head, speculative={"tree_budget": 6, "tree_width": 2})
-    assert build_prefill(tree_eng.cfg, tree_eng.target, tree_eng.draft, 3, 64) is None  # type: ignore[arg-type]
+    assert build_prefill(tree_eng.cfg, parts(tree_eng), tree_eng.draft, 3, 64) is None  # type: ignore[arg-type]
     plain = tiny_engine(args, w)
-    step = build_prefill(plain.cfg, plain.target, None, 0, 64)  # type: ignore[arg-type]
+    step = build_prefill(plain.cfg, parts(plain), None, 0, 64)  # type: ignore[arg-type]
     assert isinstance(step, CapturedPrefill) and step.chain is None
 
 

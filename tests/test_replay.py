@@ -36,7 +36,7 @@ from mtpserve.workers.tree_step import FusedTreeStep
 from mtpserve.workers.uniform_step import UniformTargetStep
 
 from helpers_service import ROOT, child_env, write_dummy_model
-from tiny import engine_config, mimic_head, mimic_target, random_prompts
+from tiny import engine_config, mimic_head, mimic_target, random_prompts, with_steps
 
 CHAIN = {"num_draft_tokens": 3}
 TREE = {"num_draft_tokens": 4, "tree_budget": 16, "tree_width": 4}
@@ -61,17 +61,34 @@ def engine(
     r: Any = eng.target
     k = spec["num_draft_tokens"]
     if path == "fused":
-        r.fused = FusedSpecStep(
-            r.model, r.cache, eng.draft, k, max_batch=8, max_blocks=16, device="cpu", use_graphs=False, replay=replay
+        with_steps(
+            eng,
+            chain=FusedSpecStep(
+                r.model,
+                r.cache,
+                eng.draft,
+                k,
+                max_batch=8,
+                max_blocks=16,
+                device="cpu",
+                use_graphs=False,
+                replay=replay,
+            ),
         )
-        eng._overlap_runner = r  # queued steps take their inputs from the previous step's results
+        eng._overlap_runner = eng.target  # queued steps take their inputs from the previous step's results
     elif path == "uniform":
-        r.uniform = UniformTargetStep(
-            r.model, r.cache, k + 1, max_batch=8, max_blocks=16, device="cpu", use_graphs=False, replay=replay
+        with_steps(
+            eng,
+            target=UniformTargetStep(
+                r.model, r.cache, k + 1, max_batch=8, max_blocks=16, device="cpu", use_graphs=False, replay=replay
+            ),
         )
     elif path == "tree":
-        r.tree_step = FusedTreeStep(
-            r.model, r.cache, eng.draft, max_batch=8, max_blocks=16, device="cpu", use_graphs=False, replay=replay
+        with_steps(
+            eng,
+            tree=FusedTreeStep(
+                r.model, r.cache, eng.draft, max_batch=8, max_blocks=16, device="cpu", use_graphs=False, replay=replay
+            ),
         )
     return eng
 
@@ -100,7 +117,7 @@ def test_every_verify_step_accepts_what_the_recording_says(spec: dict[str, int],
     replay = ReplayAcceptance.from_counts(streams) if spec is CHAIN else ReplayAcceptance(streams)
     eng = engine(spec, replay, path)
     r: Any = eng.target
-    step = {"fused": r.fused, "uniform": r.uniform, "tree": r.tree_step}.get(path)
+    step = {"fused": r.steps.chain, "uniform": r.steps.target, "tree": r.steps.tree}.get(path)
     calls = count_steps(step) if step is not None else []
     recorder = AcceptanceRecorder(eng, paths=spec is CHAIN)
     prompts = random_prompts(7, eng.args.vocab_size, [21, 1, 40, 9, 13], seed=3)
@@ -156,8 +173,8 @@ def test_recording_through_tree_steps_queued_ahead_gives_the_eager_streams() -> 
     eng = engine(TREE, None, "tree", trained=True)
     r: Any = eng.target
     queued: list[bool] = []
-    launch = r.tree_step.launch
-    r.tree_step.launch = lambda plan, bucket, u=None, after=None: (
+    launch = r.steps.tree.launch
+    r.steps.tree.launch = lambda plan, bucket, u=None, after=None: (
         queued.append(after is not None) or launch(plan, bucket, u, after)
     )
     assert record_engine(eng, prompts, 24) == want
@@ -371,7 +388,7 @@ def test_adaptive_steps_replay_the_recorded_runs(path: str) -> None:
         r: Any = eng.target
         from mtpserve.workers.fused_step import FusedDepthSteps
 
-        r.fused = FusedDepthSteps(
+        r = with_steps(eng, chain=FusedDepthSteps(
             {
                 d: FusedSpecStep(
                     r.model, r.cache, eng.draft, d, max_batch=8, max_blocks=16, device="cpu", use_graphs=False,
@@ -379,7 +396,7 @@ def test_adaptive_steps_replay_the_recorded_runs(path: str) -> None:
                 )
                 for d in range(4)
             }
-        )  # fmt: skip
+        ))  # fmt: skip
     eng.scheduler.depth = policy = forced_policy({1: 3, 2: 1, 4: 0, 8: 2})
     recorder = AcceptanceRecorder(eng, paths=False)
     prompts = random_prompts(4, 96, [17, 5, 11, 23], seed=4)

@@ -13,7 +13,7 @@ from mtpserve.speculative.messages import StepPlan
 from mtpserve.workers.fused_step import FusedSpecStep
 from mtpserve.workers.prefill_step import CapturedPrefill
 from mtpserve.workers.uniform_step import UniformTargetStep
-from tests.tiny import mimic_head, mimic_target, random_prompts, tiny_engine
+from tests.tiny import mimic_head, mimic_target, random_prompts, tiny_engine, with_steps
 
 CHUNK = 20
 
@@ -23,15 +23,15 @@ def fixed_shape_steps(eng: LLMEngine, k: int) -> list[tuple[int, int, int]]:
     returns a log of (generation rows, the first chunk's rows, prompt chunks) for every split step."""
     runner = eng.target
     model, cache = runner.model, runner.cache  # type: ignore[attr-defined]
-    runner.prefill = CapturedPrefill(
+    prefill = CapturedPrefill(
         model, cache, eng.draft, k, max_tokens=CHUNK, max_blocks=16, device="cpu", use_graphs=False
-    )  # type: ignore[attr-defined,arg-type]
+    )  # type: ignore[arg-type]
     if k:
-        runner.fused = FusedSpecStep(
-            model, cache, eng.draft, k, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
-        )  # type: ignore[attr-defined,arg-type]
+        chain = FusedSpecStep(model, cache, eng.draft, k, max_batch=8, max_blocks=16, device="cpu", use_graphs=False)  # type: ignore[arg-type]
+        runner = with_steps(eng, prefill=prefill, chain=chain)
     else:
-        runner.uniform = UniformTargetStep(model, cache, 1, max_batch=8, max_blocks=16, device="cpu", use_graphs=False)  # type: ignore[attr-defined]
+        target = UniformTargetStep(model, cache, 1, max_batch=8, max_blocks=16, device="cpu", use_graphs=False)
+        runner = with_steps(eng, prefill=prefill, target=target)
     log: list[tuple[int, int, int]] = []
     orig = runner.run_split  # type: ignore[attr-defined]
 

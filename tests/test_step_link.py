@@ -28,7 +28,7 @@ from mtpserve.workers.target_worker import TargetWorker
 from mtpserve.workers.tree_step import FusedTreeStep
 from mtpserve.workers.uniform_step import UniformTargetStep
 
-from tiny import mimic_target, random_prompts, save_mimic
+from tiny import mimic_target, random_prompts, rebuilt, save_mimic
 
 K = 3
 
@@ -44,30 +44,40 @@ class LocalRank:
         runner = self.worker.runner
         assert runner is not None
         if isinstance(self.worker.draft, MTPEagleTree):
-            runner.tree_step = FusedTreeStep(
-                runner.model,
-                runner.cache,
-                self.worker.draft,
-                max_batch=8,
-                max_blocks=12,
-                device="cpu",
-                use_graphs=False,
+            runner = rebuilt(
+                runner,
+                tree=FusedTreeStep(
+                    runner.model,
+                    runner.cache,
+                    self.worker.draft,
+                    max_batch=8,
+                    max_blocks=12,
+                    device="cpu",
+                    use_graphs=False,
+                ),
             )
         elif isinstance(self.worker.draft, MTPEagleChain):
-            runner.fused = FusedSpecStep(
-                runner.model,
-                runner.cache,
-                self.worker.draft,
-                K,
-                max_batch=8,
-                max_blocks=12,
-                device="cpu",
-                use_graphs=False,
+            runner = rebuilt(
+                runner,
+                chain=FusedSpecStep(
+                    runner.model,
+                    runner.cache,
+                    self.worker.draft,
+                    K,
+                    max_batch=8,
+                    max_blocks=12,
+                    device="cpu",
+                    use_graphs=False,
+                ),
             )
         else:
-            runner.uniform = UniformTargetStep(
-                runner.model, runner.cache, 1, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+            runner = rebuilt(
+                runner,
+                target=UniformTargetStep(
+                    runner.model, runner.cache, 1, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
+                ),
             )
+        self.worker.runner = runner
         self.spec: LaunchSpec | None = self.worker.launch_spec()
         self.step_costs = None
         address, name, _ = self.worker.endpoint()

@@ -32,6 +32,7 @@ from tiny import (
     same_distribution_pvalue,
     second_token_counts,
     tiny_engine,
+    with_steps,
 )
 
 TREES = [
@@ -204,7 +205,7 @@ def with_tree_step(eng: LLMEngine, max_blocks: int = 16) -> FusedTreeStep:
     step = FusedTreeStep(
         runner.model, runner.cache, drafter, max_batch=8, max_blocks=max_blocks, device="cpu", use_graphs=False
     )
-    runner.tree_step = step  # type: ignore[attr-defined]
+    with_steps(eng, tree=step)
     return step
 
 

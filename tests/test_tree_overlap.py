@@ -16,7 +16,7 @@ from mtpserve.workers.message_checks import StepLimits, check_plan
 from mtpserve.workers.runner import TargetRunner
 from mtpserve.workers.tree_step import FusedTreeStep
 
-from tiny import draft_kv, mimic_head, mimic_target, random_prompts, tiny_engine
+from tiny import draft_kv, mimic_head, mimic_target, random_prompts, tiny_engine, with_steps
 
 TREE = {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3}
 
@@ -30,8 +30,11 @@ def tree_engine(overlap: bool, spec: dict[str, int] = TREE, ahead: int = 1) -> t
     eng = tiny_engine(args, w, mimic_head(args, w), model=model, speculative=spec, scheduler=sched)
     runner, drafter = eng.target, eng.draft
     assert isinstance(runner, TargetRunner) and isinstance(drafter, MTPEagleTree)
-    runner.tree_step = FusedTreeStep(
-        runner.model, runner.cache, drafter, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
+    runner = with_steps(
+        eng,
+        tree=FusedTreeStep(
+            runner.model, runner.cache, drafter, max_batch=8, max_blocks=16, device="cpu", use_graphs=False
+        ),
     )
     chained: list[int] = []
     launch = runner.launch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from mtpserve.modeling.model import LlamaArgs, random_llama_weights
 from mtpserve.speculative.draft_head import DraftHead
 from mtpserve.speculative.mtp_head import MTPEagleHead
 from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.runner import TargetRunner
 from mtpserve.workers.uniform_step import UniformTargetStep
 
 
@@ -153,14 +155,42 @@ def save_model_dir(
     return str(out)
 
 
+def rebuilt(runner: Any, **steps: Any) -> TargetRunner:
+    """The same target runner built again with these captured steps (`CapturedSteps` fields; off CUDA they run
+    eagerly over the fixed buffers CUDA replays); its model, cache and settings carry over."""
+    assert isinstance(runner, TargetRunner)
+    again = TargetRunner(
+        runner.model,
+        runner.cache,
+        runner.device,
+        steps=replace(runner.steps, **steps),
+        drafting=runner.drafting,
+        lookahead_source=runner.lookahead_source,
+        replay=runner.replay,
+    )
+    again.steps_ahead = runner.steps_ahead
+    return again
+
+
+def with_steps(eng: LLMEngine, **steps: Any) -> TargetRunner:
+    """Give an in-process engine's target runner these captured steps (`rebuilt`); returns the new runner."""
+    old = eng.target
+    runner = rebuilt(old, **steps)
+    eng.target = runner
+    if eng._overlap_runner is old:
+        eng._overlap_runner = runner
+    return runner
+
+
 def with_uniform(eng: LLMEngine, k: int, max_blocks: int = 8) -> UniformTargetStep:
     """Give an in-process engine the fixed-buffer generation step (Q = k + 1 rows, buckets up to 8) that
     CUDA builds, run eagerly on CPU over the same buffers."""
     runner = eng.target
+    assert isinstance(runner, TargetRunner)
     uniform = UniformTargetStep(
         runner.model, runner.cache, k + 1, max_batch=8, max_blocks=max_blocks, device="cpu", use_graphs=False
-    )  # type: ignore[attr-defined]
-    runner.uniform = uniform  # type: ignore[attr-defined]
+    )
+    with_steps(eng, target=uniform)
     return uniform
 
 

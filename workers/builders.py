@@ -41,15 +41,10 @@ from mtpserve.speculative.mtp_head import MTPEagleHead
 from mtpserve.speculative.mtp_native import native_heads, num_native_modules
 from mtpserve.speculative.mtp_tree import MTPEagleTree
 from mtpserve.speculative.mtp_vanilla import VanillaMTPChain
-from mtpserve.speculative.replay import ReplayAcceptance
-from mtpserve.workers.chain_step import UniformChainStep
 from mtpserve.workers.config import MTPServeConfig, cpu_threads
-from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
+from mtpserve.workers.fused_step import FusedDepthSteps
 from mtpserve.workers.graph_runner import capture_sizes
-from mtpserve.workers.prefill_step import CapturedPrefill
-from mtpserve.workers.runner import TargetRunner
 from mtpserve.workers.tree_step import FusedTreeStep
-from mtpserve.workers.uniform_step import UniformTargetStep
 
 log = logging.getLogger(__name__)
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "speculative" / "heads" / "smollm2-135m-mtp.safetensors"
@@ -139,64 +134,6 @@ def build_shared(
     return build_configured_target(cfg, replace(args, num_hidden_layers=0), weights, dtype, device)
 
 
-def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:
-    """Blocks per request the captured steps' block tables hold: a full-length request plus draft slots."""
-    spec = cfg.speculative
-    extra = 2 * k if not spec.tree_budget else spec.proposed_tokens + 1 + spec.scratch_slots
-    return -(-(max_len + extra) // cfg.scheduler.block_size)
-
-
-def build_runner(
-    cfg: MTPServeConfig,
-    model: LlamaModel,
-    cache: KVCache,
-    device: str,
-    k: int,
-    max_len: int,
-    replay: ReplayAcceptance | None = None,
-) -> TargetRunner:
-    """The target runner, with captured generation steps (Q = K+1 rows per request) on CUDA; draft trees
-    are verified eagerly, so with trees only target-only steps (Q = 1) are captured. `replay` (benchmarks
-    only) makes its greedy verify steps, and those `capture_local_steps` adds, accept recorded drafts."""
-    uniform = None
-    if cfg.speculative.tree_budget:
-        k = 0
-    if device.startswith("cuda") and cfg.model.cuda_graphs:
-        max_blocks = graph_max_blocks(cfg, k, max_len)
-        n = cfg.scheduler.max_num_requests
-        uniform = UniformTargetStep(
-            model, cache, k + 1, max_batch=n, max_blocks=max_blocks, device=device, replay=replay
-        )
-        uniform.steps.capture()
-    return TargetRunner(model, cache, device, cfg.speculative.lookahead_source, uniform, replay)
-
-
-def build_fused(cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int) -> FusedSpecStep:
-    """Generation steps with the colocated draft (greedy and sampling), captured per batch bucket."""
-    max_blocks = graph_max_blocks(cfg, k, max_len)
-    n = cfg.scheduler.max_num_requests
-    fused = FusedSpecStep(
-        target.model,
-        target.cache,
-        chain,
-        k,
-        max_batch=n,
-        max_blocks=max_blocks,
-        device=target.device,
-        replay=target.replay,
-    )
-    fused.steps.capture()
-    fused.warm_up()
-    return fused
-
-
-def build_fused_depths(
-    cfg: MTPServeConfig, target: TargetRunner, chain: MTPEagleChain, k: int, max_len: int
-) -> FusedDepthSteps:
-    """Fused steps for every draft depth 0..K (adaptive speculation), each captured per batch bucket."""
-    return FusedDepthSteps({d: build_fused(cfg, target, chain, d, max_len) for d in range(k + 1)})
-
-
 def tree_kind(drafter: MTPEagleTree) -> StepKind:
     """The step kind of a tree drafter's trees (its width capped by the draft vocabulary, as it grows them)."""
     return StepKind.tree(min(drafter.depth, drafter.budget), drafter.budget, drafter.width)
@@ -237,86 +174,6 @@ def depth_policy(
     for (bucket, count), seconds in (timed or {}).items():
         costs.set(bucket, policy.kind_of(count), seconds)
     return policy
-
-
-def build_prefill(
-    cfg: MTPServeConfig, target: TargetRunner, draft: DraftMethod | None, k: int, max_len: int
-) -> CapturedPrefill | None:
-    """A lone greedy prompt chunk's step, target and colocated chain together, captured per chunk-length
-    bucket; None where it does not apply (config, a latent-attention model, `sampled` lookahead, another
-    draft method)."""
-    chain = draft if isinstance(draft, MTPEagleChain) else None
-    if isinstance(draft, MTPEagleTree) and draft.chains:
-        chain = draft.chain  # adaptive: chain steps' prompt chunks (a tree step's chunks run eagerly)
-    if not cfg.model.prefill_graphs or not target.model.ragged_capture or (draft is not None and chain is None):
-        return None
-    if cfg.speculative.lookahead_source != "prompt":
-        return None
-    sc = cfg.scheduler
-    max_tokens = min(sc.chunk_size, sc.max_num_batched_tokens)
-    step = CapturedPrefill(
-        target.model,
-        target.cache,
-        chain,
-        k,
-        max_tokens=max_tokens,
-        max_blocks=graph_max_blocks(cfg, k, max_len),
-        device=target.device,
-    )
-    step.capture()
-    return step
-
-
-def build_tree_step(cfg: MTPServeConfig, target: TargetRunner, drafter: MTPEagleTree, max_len: int) -> FusedTreeStep:
-    """Tree steps with the colocated drafter, captured per batch bucket and sampling mode."""
-    max_blocks = graph_max_blocks(cfg, drafter.depth, max_len)
-    n = cfg.scheduler.max_num_requests
-    step = FusedTreeStep(
-        target.model,
-        target.cache,
-        drafter,
-        max_batch=n,
-        max_blocks=max_blocks,
-        device=target.device,
-        replay=target.replay,
-    )
-    step.steps.try_capture()
-    step.warm_up()
-    return step
-
-
-def capture_local_steps(
-    cfg: MTPServeConfig, target: TargetRunner, draft: DraftMethod | None, k: int, max_len: int
-) -> None:
-    """Give a target whose draft (if any) runs in its process the captured steps that fold the draft in:
-    fused generation steps (one per depth when adaptive) for a chain, the tree step for trees (both when
-    adaptive over trees), and the prefill step; nothing off CUDA or without CUDA graphs. With model.fused_steps
-    off, the draft's chain is captured apart instead. The in-process
-    engine and a TP=1 Ray rank share this."""
-    if not (target.device.type == "cuda" and cfg.model.cuda_graphs):
-        return
-    if not cfg.model.fused_steps:
-        build_chain_graphs(cfg, draft, max_len)
-    elif isinstance(draft, MTPEagleChain):
-        build = build_fused_depths if cfg.speculative.adaptive else build_fused
-        target.fused = build(cfg, target, draft, k, max_len)
-    elif isinstance(draft, MTPEagleTree):
-        if draft.chains:
-            target.fused = build_fused_depths(cfg, target, draft.chain, k, max_len)
-        target.tree_step = build_tree_step(cfg, target, draft, max_len)
-    target.prefill = build_prefill(cfg, target, draft, k, max_len)
-
-
-def build_chain_graphs(cfg: MTPServeConfig, draft: DraftMethod | None, max_len: int) -> None:
-    """Capture the chain's generation-only steps on CUDA, for a draft that runs apart from the target's
-    fused step (a separate draft worker, or rank 0 of a Ray target group)."""
-    k = cfg.speculative.num_draft_tokens
-    if isinstance(draft, MTPEagleTree) and draft.chains:
-        draft = draft.chain  # adaptive: its chains of depth K are captured (other depths and trees run eagerly)
-    if isinstance(draft, MTPEagleChain) and draft.device.type == "cuda" and cfg.model.cuda_graphs:
-        max_blocks = graph_max_blocks(cfg, k, max_len)
-        draft.uniform = UniformChainStep(draft, k, cfg.scheduler.max_num_requests, max_blocks)
-        draft.uniform.capture()
 
 
 DEFAULT_HEAD_TARGET = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152}  # SmolLM2-135M's shape

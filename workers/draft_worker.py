@@ -15,7 +15,6 @@ from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
 from mtpserve.proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from mtpserve.speculative.methods import DraftMethod
 from mtpserve.workers.builders import (
-    build_chain_graphs,
     build_draft,
     build_shared,
     load_heads,
@@ -27,6 +26,7 @@ from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.convert import draft_inputs_from_proto, draft_outputs_to_proto
 from mtpserve.workers.grpc_util import node_ip, start_server
 from mtpserve.workers.message_checks import StepLimits, check_draft_inputs
+from mtpserve.workers.step_builders import build_chain_graphs
 from mtpserve.workers.step_link import draft_listener
 from mtpserve.workers.step_session import StepFailure
 from mtpserve.workers.target_worker import step_limits, worker_device

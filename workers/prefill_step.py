@@ -219,16 +219,16 @@ class CapturedPrefill:
             return None
         return pick_bucket(len(s.token_ids), self.sizes)
 
-    def run(self, plan: StepPlan, bucket: int, key: int | None = None) -> TargetOutput:
-        """Fill, replay and read the first token (final chunks) and, with a chain, the drafts. `key` is a
+    def run(self, plan: StepPlan, bucket: int, keys: list[int] | None = None) -> TargetOutput:
+        """Fill, replay and read the first token (final chunks) and, with a chain, the drafts. `keys` holds a
         sampling final chunk's sampling key."""
         s = plan.seqs[0]
         self.buffers.fill(s, bucket)
         mode = sampling_mode([s]) if s.is_final_chunk else SamplingMode.GREEDY
         if mode is not SamplingMode.GREEDY:
-            if key is None:
+            if not keys:
                 raise ValueError("a sampling final chunk needs its sampling key")
-            self.buffers.fill_sampling(s, key)
+            self.buffers.fill_sampling(s, keys[0])
         if self.chain is not None:
             self.chain.lookahead.write([s.lookahead_token])
         if self.partial is not None and not s.is_final_chunk:

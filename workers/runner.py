@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import torch
 
@@ -26,14 +25,12 @@ from mtpserve.speculative.sampling import (
 )
 from mtpserve.speculative.tree import DraftTree
 from mtpserve.speculative.verify import verify, verify_greedy
+from mtpserve.workers.captured_steps import CapturedSteps, QueueableStep
 from mtpserve.workers.eager_rows import Verified, processed_logits
-from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
 from mtpserve.workers.launch_spec import LaunchedStep, LaunchSpec
-from mtpserve.workers.prefill_step import CapturedPrefill
 from mtpserve.workers.step_buffers import HOST_TWINS
-from mtpserve.workers.tree_step import FusedTreeStep
 from mtpserve.workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
-from mtpserve.workers.uniform_step import UniformTargetStep, pack_verified, read_verified, token_results
+from mtpserve.workers.uniform_step import pack_verified, read_verified, token_results
 
 MAX_SPLIT_CHUNKS = 8  # more prompt chunks in one step run eagerly: one eager step beats that many replays
 
@@ -51,25 +48,23 @@ class TargetRunner:
         model: LlamaModel,
         cache: KVCache,
         device: torch.device | str,
+        *,
+        steps: CapturedSteps | None = None,
+        drafting: bool = False,
         lookahead_source: str = "prompt",
-        uniform: UniformTargetStep | None = None,
         replay: ReplayAcceptance | None = None,
     ):
         self.model = model
-        self.uniform = uniform
+        self.steps = steps or CapturedSteps()
         self.replay = replay  # benchmarks only: greedy verify steps accept what it forces (speculative/replay.py)
-        self.fused: FusedSpecStep | FusedDepthSteps | None = None  # the draft's chain steps, with it in process
-        self.drafting = False  # a draft follows this target: every step's rows go to it, even at depth 0
+        self.drafting = drafting  # a draft follows this target: every step's rows go to it, even at depth 0
         self.steps_ahead: int | None = None  # the engine's config chooses (a remote target says its own)
-        self.tree_step: FusedTreeStep | None = None  # when a tree drafter is colocated in this process
-        self.prefill: CapturedPrefill | None = None  # a lone request's prompt chunk in fixed shapes
         self.cache = cache
         self.device = torch.device(device)
         self.lookahead_source = lookahead_source
         self._keys: dict[str, int] = {}  # each request's sampling key (`sampling_key`)
         self._results: dict[int, list[torch.Tensor]] = {}  # by width: HOST_TWINS host buffers for results, rotating
-        self._spec_key: tuple[Any, Any, Any, bool] | None = None  # the steps `_spec` describes
-        self._spec: LaunchSpec | None = None
+        self._spec = self._build_launch_spec()
 
     def discard(self) -> None:
         """Nothing to forget: steps queued in this process go with the engine's queue."""
@@ -116,30 +111,24 @@ class TargetRunner:
         return self.model.forward_features(ids, positions, self.cache, meta)
 
     def launch_spec(self) -> LaunchSpec | None:
-        """What `launch` queues: generation steps through the fused speculative step and tree steps through
-        the tree step when the draft is colocated, else target-only steps through the uniform step; None
-        when it queues nothing. Kept until the steps it describes are replaced (`launch` asks every step)."""
-        key = (self.fused, self.tree_step, self.uniform, self.drafting)
-        if self._spec_key is None or any(a is not b for a, b in zip(self._spec_key, key, strict=True)):
-            self._spec_key, self._spec = key, self._build_launch_spec()
+        """What `launch` queues: generation steps through the fused chain step and tree steps through the tree
+        step when the draft is colocated, else target-only steps through the target step; None when it queues
+        nothing."""
         return self._spec
 
     def _build_launch_spec(self) -> LaunchSpec | None:
-        tree = self.tree_step
-        trees: dict[str, Any] = {}
+        tree, target, chain = self.steps.tree, self.steps.target, self.steps.chain_steps()
+        trees: tuple[int, int, tuple[int, ...]] = (0, 0, ())
         if tree is not None:
-            trees = {"tree_budget": tree.q_len - 1, "tree_max_blocks": tree.buffers.max_blocks}
-            trees["tree_sizes"] = tuple(tree.steps.sizes)
-        if self.fused is not None:
-            by_depth = self.fused.depth_steps()
-            steps = [by_depth[d] for d in sorted(by_depth)]
-            blocks = tuple(s.buffers.max_blocks for s in steps)
-            return LaunchSpec(tuple(sorted(by_depth)), blocks, tuple(steps[0].steps.sizes), **trees)
+            trees = (tree.q_len - 1, tree.buffers.max_blocks, tuple(tree.steps.sizes))
+        if chain:
+            depths, blocks = tuple(c.k for c in chain), tuple(c.buffers.max_blocks for c in chain)
+            return LaunchSpec(depths, blocks, tuple(chain[0].steps.sizes), *trees)
         if tree is not None:
-            return LaunchSpec((), (), (), **trees)
-        if self.uniform is None or self.drafting or self.uniform.q_len != 1:
+            return LaunchSpec((), (), (), *trees)
+        if target is None or self.drafting or target.q_len != 1:
             return None
-        return LaunchSpec((0,), (self.uniform.buffers.max_blocks,), tuple(self.uniform.steps.sizes))
+        return LaunchSpec((0,), (target.buffers.max_blocks,), tuple(target.steps.sizes))
 
     @torch.no_grad()
     def launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep | None:
@@ -158,21 +147,20 @@ class TargetRunner:
         for rid in plan.finished_request_ids:
             self._keys.pop(rid, None)
         previous = None if after is None else after.results
-        if tree:
-            assert self.tree_step is not None  # a spec takes trees only with a tree step
-            results = self.tree_step.launch(plan, bucket, self.keys(plan), previous)
-        elif self.fused is not None:
-            results = self.fused.launch(plan, bucket, self.keys(plan), previous)
+        queued: QueueableStep | None = self.steps.tree if tree else self.steps.chain
+        if queued is not None:
+            results = queued.launch(plan, bucket, self.keys(plan), previous)
         else:
-            assert self.uniform is not None
+            assert self.steps.target is not None  # a spec without tree or chain steps takes target-only steps
             tokens = None if previous is None else previous[:, 1]
-            _, results = self.uniform.run(plan, bucket, self.keys(plan), tokens)
+            _, results = self.steps.target.run(plan, bucket, self.keys(plan), tokens)
         m, width = results.shape
         ring = self._results.get(width)
         if ring is None:
             pin = self.device.type == "cuda"
             ring = self._results[width] = [
-                torch.zeros((self._max_batch(), width), dtype=torch.long, pin_memory=pin) for _ in range(HOST_TWINS)
+                torch.zeros((self.steps.max_batch(), width), dtype=torch.long, pin_memory=pin)
+                for _ in range(HOST_TWINS)
             ]
         ring.append(ring.pop(0))
         host = ring[-1][:m]
@@ -183,19 +171,13 @@ class TargetRunner:
             ready.record()
         return LaunchedStep(plan, results, host, ready, tree)
 
-    def _max_batch(self) -> int:
-        step = next(s for s in (self.fused, self.tree_step, self.uniform) if s is not None)
-        return int(step.buffers.max_batch)
-
     def collect(self, step: LaunchedStep) -> TargetOutput:
         """Wait for a launched step and return its tokens (and, with the fused or tree step, the next drafts)."""
         if step.ready is not None:
             step.ready.synchronize()
-        if step.tree:
-            assert self.tree_step is not None
-            return self.tree_step.read(step.plan, step.host)
-        if self.fused is not None:
-            return self.fused.read(step.plan, step.host)
+        queued: QueueableStep | None = self.steps.tree if step.tree else self.steps.chain
+        if queued is not None:
+            return queued.read(step.plan, step.host)
         return token_results(step.plan, step.host.tolist())
 
     @torch.no_grad()
@@ -207,26 +189,27 @@ class TargetRunner:
             return TargetOutput(plan.step_id, [])
         if any(s.processing is not None for s in plan.seqs):
             return self._run_eager(plan, plan_trees(plan.seqs))
-        if self.prefill is not None:
+        prefill = self.steps.prefill
+        if prefill is not None:
             split = self.split_buckets(plan)
             if split is not None:
                 return self.run_split(plan, *split)
-            bucket = self.prefill.bucket_for(plan)
+            bucket = prefill.bucket_for(plan)
             if bucket is not None:
-                return self.prefill.run(plan, bucket, self._context_key(plan.seqs[0]))
+                return prefill.run(plan, bucket, self._context_keys(plan.seqs[0]))
         q_len = len(plan.seqs[0].token_ids)
-        if self.tree_step is not None and (tree_bucket := self.tree_step.bucket_for(plan)) is not None:
-            return self.tree_step.run(plan, tree_bucket, self.keys(plan))
-        if self.fused is not None and (fused_bucket := self.fused.bucket_for(plan)) is not None:
-            return self.fused.run(plan, fused_bucket, self.keys(plan))
-        bucket = self.uniform.bucket_for(plan) if self.uniform is not None else None
+        for step in self.steps.generation():
+            if (step_bucket := step.bucket_for(plan)) is not None:
+                return step.run(plan, step_bucket, self.keys(plan))
+        target = self.steps.target
+        bucket = target.bucket_for(plan) if target is not None else None
         trees = plan_trees(plan.seqs)
-        if bucket is None:
+        if target is None or bucket is None:
             return self._run_eager(plan, trees)
         tokens: list[list[int]] = [[] for _ in plan.seqs]
         accepted = [0] * len(plan.seqs)
         last_token = [0] * len(plan.seqs)
-        features, packed = self.uniform.run(plan, bucket, self.keys(plan))  # type: ignore[union-attr]
+        features, packed = target.run(plan, bucket, self.keys(plan))
         starts = [i * q_len for i in range(len(plan.seqs))]
         read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token)
         return self._output(plan, trees, features, Verified(tokens, accepted, last_token, starts))
@@ -259,12 +242,12 @@ class TargetRunner:
         """([(row of a prompt chunk, its prefill bucket), ...], the generation rows' bucket or None when there are
         none) when a step holds 1 to MAX_SPLIT_CHUNKS prompt chunks (two or more if nothing else) that the captured
         prefill step takes, beside generation rows that the captured steps take; else None."""
-        ctx = [i for i, s in enumerate(plan.seqs) if s.is_context]
-        if self.prefill is None or not ctx or len(ctx) > MAX_SPLIT_CHUNKS or len(plan.seqs) < 2:
+        ctx, prefill = [i for i, s in enumerate(plan.seqs) if s.is_context], self.steps.prefill
+        if prefill is None or not ctx or len(ctx) > MAX_SPLIT_CHUNKS or len(plan.seqs) < 2:
             return None
         chunks = []
         for i in ctx:
-            bucket = self.prefill.bucket_for(_sub_plan(plan, [plan.seqs[i]]))
+            bucket = prefill.bucket_for(_sub_plan(plan, [plan.seqs[i]]))
             if bucket is None:
                 return None
             chunks.append((i, bucket))
@@ -281,22 +264,23 @@ class TargetRunner:
 
         Requests A (a prompt chunk), B and C (decoding, K=3) and D (a prompt chunk): prefill(A), prefill(D),
         then one generation step over [B, C]; results [A, B, C, D]; draft outputs those of A, D, B, C."""
-        assert self.prefill is not None  # split_buckets found the chunks' buckets in it
+        prefill = self.steps.prefill
+        assert prefill is not None  # split_buckets found the chunks' buckets in it
         results: list[SeqResult | None] = [None] * len(plan.seqs)
         drafts = []
         for i, bucket in chunks:
             ctx = plan.seqs[i]
-            out = self.prefill.run(_sub_plan(plan, [ctx]), bucket, self._context_key(ctx))
+            out = prefill.run(_sub_plan(plan, [ctx]), bucket, self._context_keys(ctx))
             results[i] = out.results[0]
             drafts.append(out.draft_outputs)
         if gen_bucket is not None:
             rows = [i for i, s in enumerate(plan.seqs) if not s.is_context]
             gen = _sub_plan(plan, [plan.seqs[i] for i in rows])
-            if self.fused is not None:
-                rest = self.fused.run(gen, gen_bucket, self.keys(gen))
+            if self.steps.chain is not None:
+                rest = self.steps.chain.run(gen, gen_bucket, self.keys(gen))
             else:
-                assert self.uniform is not None
-                rest = token_results(gen, self.uniform.run(gen, gen_bucket, self.keys(gen))[1].tolist())
+                assert self.steps.target is not None
+                rest = token_results(gen, self.steps.target.run(gen, gen_bucket, self.keys(gen))[1].tolist())
             for i, r in zip(rows, rest.results, strict=True):
                 results[i] = r
             drafts.append(rest.draft_outputs)
@@ -309,11 +293,11 @@ class TargetRunner:
         tokens = torch.cat([d.draft_token_ids.reshape(len(d.request_ids), plan.num_draft_tokens) for d in made])
         return TargetOutput(plan.step_id, done, None, DraftOutputs(plan.step_id, ids, tokens))
 
-    def _context_key(self, s: SeqPlan) -> int | None:
-        """A sampling final chunk's sampling key (its first token's draw); None for other chunks."""
+    def _context_keys(self, s: SeqPlan) -> list[int] | None:
+        """[the sampling key] of a sampling final chunk (its first token's draw); None for other chunks."""
         if s.temperature <= 0 or not s.is_final_chunk:
             return None
-        return self._key(s)
+        return [self._key(s)]
 
     def _eager_verify(
         self,

@@ -24,12 +24,9 @@ from mtpserve.speculative.methods import DraftMethod
 from mtpserve.speculative.mtp_tree import MTPEagleTree
 from mtpserve.workers.builders import (
     bind_features,
-    build_chain_graphs,
     build_configured_target,
     build_draft,
-    build_runner,
     build_shared,
-    capture_local_steps,
     load_heads,
     load_target,
     max_model_len,
@@ -43,6 +40,7 @@ from mtpserve.workers.grpc_util import channel_options, node_ip, start_server
 from mtpserve.workers.launch_spec import LaunchSpec
 from mtpserve.workers.message_checks import StepLimits
 from mtpserve.workers.runner import TargetRunner
+from mtpserve.workers.step_builders import TargetParts, build_chain_graphs, build_runner
 from mtpserve.workers.step_link import FrameLink, LinkClosed, draft_link, step_listener
 from mtpserve.workers.step_session import StepFailure, StepSession, decode_plan
 
@@ -101,10 +99,10 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         """Seconds per (batch bucket, draft count) of this rank's fused depth steps and, adaptive over a tree,
         its tree step (keyed by the tree's budget), timed here once; None without fused depth steps."""
         runner = self.runner
-        if runner is None or not isinstance(runner.fused, FusedDepthSteps):
+        if runner is None or not isinstance(runner.steps.chain, FusedDepthSteps):
             return None
-        costs = runner.fused.time_steps()
-        drafter, tree_step = self.draft, runner.tree_step
+        costs = runner.steps.chain.time_steps()
+        drafter, tree_step = self.draft, runner.steps.tree
         if isinstance(drafter, MTPEagleTree) and drafter.chains and tree_step is not None:
             costs.update({(bucket, drafter.budget): s for bucket, s in tree_step.time_steps().items()})
         return costs
@@ -131,10 +129,9 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         heads = load_heads(cfg, args, weights) if cfg.speculative.enabled else None
         bind_features(model, heads)
         k = cfg.speculative.num_draft_tokens if heads else 0
-        self.runner = build_runner(cfg, model, cache, self.device, k, max_len)
-        self.runner.drafting = self.rank == 0 and bool(heads)
         proposed = cfg.speculative.proposed_tokens if heads else 0
         self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, proposed)
+        local = self.world == 1  # this process holds the whole target: its steps can fold a colocated draft in
         if self.rank == 0 and heads:
             if draft is not None:
                 address, name, node = draft
@@ -142,15 +139,18 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
                     self.draft_link = draft_link(name)
                 else:
                     self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(address, channel_options()))
+                local = False
             elif self.world == 1:  # the draft shares this process's model: the same captured steps as in process
                 self.draft = build_draft(cfg, heads, model, num_blocks, self.device, dtype)
-                capture_local_steps(cfg, self.runner, self.draft, k, max_len)
             else:
                 shared = build_shared(cfg, args, weights, dtype, self.device)
                 self.draft = build_draft(cfg, heads, shared, num_blocks, self.device, dtype)
                 build_chain_graphs(cfg, self.draft, max_len)
-        elif self.world == 1:
-            capture_local_steps(cfg, self.runner, None, 0, max_len)
+        parts = TargetParts(model, cache, torch.device(self.device))
+        drafting = self.rank == 0 and bool(heads)
+        self.runner = build_runner(
+            cfg, parts, self.draft if local else None, k, max_len, local=local, drafting=drafting
+        )
         return num_blocks
 
     def ready(self) -> int:

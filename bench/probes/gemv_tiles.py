@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mtpserve.cluster.bench.decode import add_probe_flags, bench_prompts, decode_run, engine_for
 from mtpserve.modeling.gemv_tiles import GROUPED_ONLY, GemvTiles, padded_rows, table_text
-from mtpserve.workers.builders import graph_max_blocks
 from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
+from mtpserve.workers.step_builders import graph_max_blocks
 
 DEPTHS_OF_ROWS: dict[int, tuple[int | str, ...]] = {1: (0,), 2: (1,), 4: (2, 3)}  # padded verify rows -> the
 # batch-1 steps they run (chain depths); the tree's padded rows run the step keyed TREE
@@ -78,7 +78,7 @@ def step_times(args: argparse.Namespace, table: str) -> dict[int | str, float]:
     adaptive engine with `model.gemv_tiles` = table."""
     eng = engine_for(args, args.k, True, 1, variant="adaptive", gemv_tiles=table)
     runner: Any = eng.target
-    steps = runner.fused
+    steps = runner.steps.chain
     if steps is None:  # off CUDA nothing is captured: the same fixed-buffer steps, run eagerly
         blocks = graph_max_blocks(eng.cfg, args.k, eng.max_model_len)
         model, cache, chain, dev = runner.model, runner.cache, eng.draft, runner.device
@@ -89,8 +89,8 @@ def step_times(args: argparse.Namespace, table: str) -> dict[int | str, float]:
         }
         steps = FusedDepthSteps(made)
     times: dict[int | str, float] = {d: 1e3 * s for (b, d), s in steps.time_steps(args.repeats).items() if b == 1}
-    if runner.tree_step is not None:
-        times[TREE] = 1e3 * runner.tree_step.time_steps(args.repeats)[1]
+    if runner.steps.tree is not None:
+        times[TREE] = 1e3 * runner.steps.tree.time_steps(args.repeats)[1]
     del eng, runner, steps
     release()
     return times

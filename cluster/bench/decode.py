@@ -185,8 +185,8 @@ def decode_run(
         "full_tokens": full_tokens,
         "acceptance_length": 1 + accepted / verify if verify else None,
         "acceptance_rate": accepted / drafted if drafted else None,
-        "fused_replays": replays(None if runner is None else runner.fused),
-        "uniform_replays": replays(None if runner is None else runner.uniform),
+        "fused_replays": replays(None if runner is None else runner.steps.chain),
+        "uniform_replays": replays(None if runner is None else runner.steps.target),
         "chain_replays": replays(engine.draft.uniform if isinstance(engine.draft, MTPEagleChain) else None),
         "outputs": [emitted[r] for r in ids],
         "steps_per_depth": None
@@ -202,10 +202,10 @@ def sampled_graphs(engine: LLMEngine) -> bool | None:
     runner = bench_report.local_runner(engine)
     if runner is None:
         return None
-    fused = runner.fused
+    fused = runner.steps.chain
     steps = fused.depth_steps()[fused.k].steps if fused is not None else None
-    if steps is None and runner.uniform is not None:
-        steps = runner.uniform.steps
+    if steps is None and runner.steps.target is not None:
+        steps = runner.steps.target.steps
     if steps is None:
         return None
     return all(v.graphs for m, v in steps.variants.items() if m is not SamplingMode.GREEDY)

@@ -110,7 +110,7 @@ def measure(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens:
     full_tokens = sum(r["full_tokens"] for r in runs)
     full_s = sum(r["full_s"] for r in runs)
     runner = bench_report.local_runner(engine)
-    tree_step = None if runner is None else runner.tree_step
+    tree_step = None if runner is None else runner.steps.tree
     return {
         "batch": batch,
         "tok_s": tokens / seconds,

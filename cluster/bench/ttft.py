@@ -132,7 +132,7 @@ def random_ids(n: int, vocab: int, g: torch.Generator) -> list[int]:
 def prefill_replays(engine: LLMEngine) -> int | None:
     """CUDA-graph replays of the captured prefill step so far (None without one)."""
     runner = bench_report.local_runner(engine)
-    return None if runner is None or runner.prefill is None else int(runner.prefill.replays)
+    return None if runner is None or runner.steps.prefill is None else int(runner.steps.prefill.replays)
 
 
 def measure(args: argparse.Namespace, k: int, prefill_graphs: bool) -> list[dict[str, Any]]:

@@ -29,8 +29,6 @@ from mtpserve.workers.builders import (
     bind_features,
     build_configured_target,
     build_draft,
-    build_runner,
-    capture_local_steps,
     depth_policy,
     load_heads,
     load_target,
@@ -39,6 +37,7 @@ from mtpserve.workers.builders import (
     tree_kind,
 )
 from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.step_builders import TargetParts, build_runner
 
 
 class TargetExecutor(Protocol):
@@ -199,13 +198,11 @@ class LLMEngine:
         draft = build_draft(cfg, heads, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
         spec = cfg.speculative
         k = spec.num_draft_tokens if draft is not None else 0
-        target = build_runner(cfg, model, cache, device, k, max_len, replay)
-        target.drafting = draft is not None
+        target = build_runner(cfg, TargetParts(model, cache, torch.device(device), replay), draft, k, max_len)
         adaptive = spec.adaptive and isinstance(draft, (MTPEagleChain, MTPEagleTree))
-        capture_local_steps(cfg, target, draft, k, max_len)
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
         tree = tree_kind(draft) if isinstance(draft, MTPEagleTree) else None  # adaptive: its chains' tree
-        depth = depth_policy(cfg, k, target.fused, tree=tree, tree_step=target.tree_step) if adaptive else None
+        depth = depth_policy(cfg, k, target.steps.chain, tree=tree, tree_step=target.steps.tree) if adaptive else None
         sched = Scheduler(
             cfg.scheduler,
             num_blocks,
