@@ -16,7 +16,8 @@ for p in (str(ROOT), str(ROOT / "tests")):
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # run Triton kernels on CPU (numpy interpreter)
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # pytest-xdist workers share the cores
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="module")
