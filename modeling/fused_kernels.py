@@ -14,7 +14,8 @@
 The two projection kernels are matrix-vector products: each program loads its slice of weight rows, the
 input rows and the norm weight at once (one memory round trip) and reduces the products in registers.
 That suits the 1-4 rows of a small-batch step, where latency costs more than arithmetic; larger steps
-keep cuBLAS. `GEMV_TILES` sets, per padded row count, the output columns and warps of a program, whether
+keep cuBLAS. The model's tiles table (`KernelChoices.gemv_tiles`) sets, per padded row count, the output
+columns and warps of a program, whether
 it reduces the rows one at a time, and how many rows one program holds: a step's rows split into groups
 (the grid's second axis) lets steps of 5-32 rows, such as a tree's verify, take the kernels in 1-4-row
 programs (`bench/probes/gemv_tiles.py` times candidates in the served step).
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpserve.modeling import pdl
+from mtpserve.modeling import kernel_choices, pdl
 from mtpserve.modeling.gemv_tiles import ROW_COUNTS, GemvTiles, padded_rows
 from mtpserve.modeling.kv_cache import KVWrite
 
@@ -323,19 +324,18 @@ GEMV_MAX_ROWS = pdl.SMALL_STEP_ROWS  # beyond this, cuBLAS wins (measured on an 
 GEMV_ROWS_CAP = ROW_COUNTS[-1]  # the most rows a tiles table can give the kernels (in groups)
 
 
-GEMV_TILES: dict[int, GemvTiles] = {}  # by padded row count (gemv_tiles.ROW_COUNTS), process-wide
 _DEFAULT_TILES = GemvTiles()
 
 
 def gemv_tiles(rows: int) -> GemvTiles:
     """The tiles the matrix-vector kernels use for `rows` input rows (padded to a power of two)."""
-    return GEMV_TILES.get(padded_rows(rows), _DEFAULT_TILES)
+    return kernel_choices.current().gemv_tiles.get(padded_rows(rows), _DEFAULT_TILES)
 
 
 def gemv_max_rows() -> int:
     """The most rows the matrix-vector kernels take: GEMV_MAX_ROWS, or a larger padded row count the tiles
     table gives tiles (`gemv_tiles.parse_table` lets those only split the rows into groups)."""
-    return max(GEMV_MAX_ROWS, max(GEMV_TILES, default=0))
+    return max(GEMV_MAX_ROWS, max(kernel_choices.current().gemv_tiles, default=0))
 
 
 def gemv_fits(rows: int, k: int) -> bool:

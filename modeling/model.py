@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtpserve.modeling import kernel_choices
 from mtpserve.modeling.attention import Metadata
 from mtpserve.modeling.kv_cache import KVCache, KVWrite
 from mtpserve.modeling.layer_ops import TORCH_OPS, TorchOps
@@ -303,6 +304,7 @@ class LlamaModel(nn.Module):
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(self.vocab_sizes[self.tp.rank], args.hidden_size))
         self.rotary = self.rotary_for(args)
+        self.kernel_choices = kernel_choices.KernelChoices()  # how its Triton kernels launch (the builder's choice)
         self.feature_layers: tuple[int, ...] = (args.num_hidden_layers - 1,)  # what the draft head reads
         self.normed_features = False  # the draft reads the final-normed hidden state (DeepSeek's MTP modules)
 
@@ -351,6 +353,12 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, plus the draft's features [T, n*d]: the outputs of `feature_layers`, concatenated in
         that order (the hidden states themselves when that is only the last layer)."""
+        with kernel_choices.in_force(self.kernel_choices):
+            return self._forward_features(ids, positions, cache, meta)
+
+    def _forward_features(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: Metadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.embed(ids)
         rope = self.rotary.table(positions)
         residual = None
@@ -383,7 +391,8 @@ class LlamaModel(nn.Module):
         """The argmax token of each row's logits [N], without materialising them where the ops allow."""
         if self.tp.size > 1:
             return self.logits(hidden).argmax(-1)
-        return self.norm.ops.norm_argmax(hidden, self.norm.weight, self.norm.eps, self.lm_head_weight)
+        with kernel_choices.in_force(self.kernel_choices):
+            return self.norm.ops.norm_argmax(hidden, self.norm.weight, self.norm.eps, self.lm_head_weight)
 
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """A paged cache sized for this rank's KV heads."""

@@ -12,8 +12,8 @@ grid waited for its own predecessor, so all earlier kernels are done too; when a
 but its immediate predecessor has finished. Kernels without PDL (cuBLAS, torch) start after their
 predecessor ends, as always. CUDA graphs keep the launch attribute.
 
-The switch is process-wide (`set_enabled`, from `model.pdl` when a model is built); on CPU, under Triton's
-interpreter and before compute capability 9.0 it is always off. The matrix-vector and greedy-token
+The switch is each model's (`KernelChoices.pdl`, from `model.pdl`, in force while the model runs); on CPU,
+under Triton's interpreter and before compute capability 9.0 it is always off. The matrix-vector and greedy-token
 kernels use it in steps of at most `SMALL_STEP_ROWS` rows (`active`), and the matrix-vector kernels in the larger
 steps a tiles table splits into row groups: other large steps run their projections through cuBLAS, which
 never releases the next kernel early. Uniform attention and the RoPE kernel before
@@ -28,27 +28,18 @@ import os
 
 import torch
 
+from mtpserve.modeling import kernel_choices
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
-_enabled = [True]
 SMALL_STEP_ROWS = 4  # the matrix-vector kernels' row limit (GEMV_MAX_ROWS); larger steps use cuBLAS
 # RoPE and uniform attention: up to 32 rows (batch 8 with K=3) PDL made steps 1-2% shorter on an H200; from
 # 64 rows (batch 64) 1-5% longer, the early attention programs holding SMs that RoPE's later waves need
 ATTENTION_STEP_ROWS = 32
-
-
-def set_enabled(flag: bool) -> None:
-    """Turn PDL launches on or off for kernels launched from now on (captured graphs keep theirs)."""
-    _enabled[0] = bool(flag)
-
-
-def enabled() -> bool:
-    """Whether PDL launches are switched on (they still need a capable CUDA device)."""
-    return _enabled[0]
 
 
 @functools.cache
@@ -65,7 +56,8 @@ def active(t: torch.Tensor, max_rows: int = SMALL_STEP_ROWS) -> bool:
 def device_supports(t: torch.Tensor) -> bool:
     """Whether PDL is switched on and t's device can use it: CUDA, compute capability >= 9.0, and not
     Triton's CPU interpreter."""
-    if not (_enabled[0] and t.is_cuda and triton is not None) or os.environ.get("TRITON_INTERPRET") == "1":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not (kernel_choices.current().pdl and t.is_cuda and triton is not None) or interpreted:
         return False
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mtpserve.modeling import kernel_choices
 from mtpserve.modeling.attention import Metadata
 from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.model import LlamaArgs, LlamaModel, Rope, Rotary
@@ -50,7 +51,6 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         """The dtype of the head's weights (what its inputs are cast to)."""
         return next(self.parameters()).dtype
 
-    @abstractmethod
     def step(
         self,
         shared: LlamaModel,
@@ -62,15 +62,35 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         rope: Rope | None = None,
     ) -> torch.Tensor:
         """Draft hidden states [T, d] for token ids [T] (row i: the token at i+1) and target features [T, n*d]
-        or the head's own outputs [T, d]; `shared` is the target (its embedding, and maybe its output head).
-        `rope` may hold the cos/sin rows of `positions`, computed ahead."""
+        or the head's own outputs [T, d]; `shared` is the target (its embedding, and maybe its output head),
+        whose kernel choices hold meanwhile. `rope` may hold the cos/sin rows of `positions`, computed ahead."""
+        with kernel_choices.in_force(shared.kernel_choices):
+            return self._step(shared, tokens, hidden, positions, cache, meta, rope)
+
+    @abstractmethod
+    def _step(
+        self,
+        shared: LlamaModel,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: Metadata,
+        rope: Rope | None,
+    ) -> torch.Tensor:
+        """`step` itself, in its layout."""
 
     @abstractmethod
     def logits(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V'] over the draft vocabulary (differentiable through `hidden`)."""
 
     def greedy_tokens(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
-        """The draft's argmax token per row [N], as target token ids."""
+        """The draft's argmax token per row [N], as target token ids (under `shared`'s kernel choices)."""
+        with kernel_choices.in_force(shared.kernel_choices):
+            return self._greedy_tokens(shared, hidden)
+
+    def _greedy_tokens(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+        """`greedy_tokens` itself: the argmax of the logits, unless a layout has a faster way."""
         return self.token_ids(self.logits(shared, hidden).argmax(-1))
 
     def top_logprobs(self, shared: LlamaModel, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

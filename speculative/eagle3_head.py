@@ -154,7 +154,7 @@ class Eagle3Head(DraftHead):
         rope = self.rotary.table(positions)
         return self.midlayer(embeds.to(self.dtype), self.project(hidden), rope, cache.keys[0], cache.values[0], meta)
 
-    def step(
+    def _step(
         self,
         shared: LlamaModel,
         tokens: torch.Tensor,
@@ -162,7 +162,7 @@ class Eagle3Head(DraftHead):
         positions: torch.Tensor,
         cache: KVCache,
         meta: Metadata,
-        rope: Rope | None = None,
+        rope: Rope | None,
     ) -> torch.Tensor:
         """`forward` for token ids [T]; `rope` may hold the cos/sin rows of `positions`, computed ahead."""
         rope = self.rotary.table(positions) if rope is None else rope
@@ -178,7 +178,7 @@ class Eagle3Head(DraftHead):
         local = F.linear(normed.to(shared.lm_head_weight.dtype), shared.lm_head_weight)
         return shared.tp.all_gather_last(local, shared.vocab_sizes).float()
 
-    def greedy_tokens(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+    def _greedy_tokens(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's argmax token per row [N], as target token ids (without logits where the ops allow)."""
         n = self.norm
         if self.lm_head is not None:

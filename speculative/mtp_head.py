@@ -147,7 +147,7 @@ class MTPEagleHead(DraftHead):
         """Draft hidden states [T, d] for rows reading (embedding of token i+1, hidden or features at i)."""
         return self._layer(self._input(embeds, hidden), self.rotary.table(positions), cache, meta)
 
-    def step(
+    def _step(
         self,
         shared: LlamaModel,
         tokens: torch.Tensor,
@@ -155,7 +155,7 @@ class MTPEagleHead(DraftHead):
         positions: torch.Tensor,
         cache: KVCache,
         meta: Metadata,
-        rope: Rope | None = None,
+        rope: Rope | None,
     ) -> torch.Tensor:
         """`forward` for token ids [T], embedded with `shared`'s table (one kernel with the input norms and
         eh_proj where the ops allow). `rope` may hold the cos/sin rows of `positions`, computed ahead."""
@@ -205,7 +205,7 @@ class MTPEagleHead(DraftHead):
         assert self._lm_rows is not None
         return F.linear(shared.norm(hidden), self._lm_rows).float()
 
-    def greedy_tokens(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+    def _greedy_tokens(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's argmax token per row [N], as target token ids."""
         if self.final_norm is not None:
             if shared.tp.size > 1 or self.vocab_ids is not None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,3 +31,13 @@ def ray_local():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def kernels_in_force() -> Iterator[Callable[..., Any]]:
+    """Put kernel choices (`KernelChoices` fields: pdl, gemv_tiles) in force for the rest of a test, for kernels
+    called outside a model's run (a model's run puts its own in force)."""
+    from mtpserve.modeling import kernel_choices
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(kernel_choices.in_force(kernel_choices.KernelChoices(**fields)))

@@ -6,6 +6,8 @@ checked here in fp32; bench/probes/kernel_check.py checks it in bf16 on the GPU 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -84,12 +86,12 @@ def test_model_greedy_tokens_match_logits_argmax() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "tiles"), [(1, None), (4, None), (3, GemvTiles(4, 2, row_loop=True))])
 def test_draft_input_matches_reference(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, tiles: GemvTiles | None
+    kernels_in_force: Any, dtype: torch.dtype, rows: int, tiles: GemvTiles | None
 ) -> None:
     """Embedding lookup, both input norms, concat and eh_proj in one launch agree with the five-step
     reference (width not a power of 2, repeated and far-apart token ids), also with other tiles."""
     if tiles is not None:
-        monkeypatch.setattr(fused_kernels, "GEMV_TILES", {4: tiles})
+        kernels_in_force(gemv_tiles={4: tiles})
     g = torch.Generator().manual_seed(rows)
     vocab, d = 300, 96
     emb = torch.randn(vocab, d, generator=g).to(dtype)

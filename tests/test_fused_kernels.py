@@ -3,12 +3,15 @@ model run with them against the same model on torch ops."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from mtpserve.modeling import fused_kernels
 from mtpserve.modeling.attention import AttentionMetadata, RaggedMetadata, UniformMetadata
 from mtpserve.modeling.gemv_tiles import GemvTiles, parse_table
+from mtpserve.modeling.kernel_choices import KernelChoices
 from mtpserve.modeling.kv_cache import KVWrite
 from mtpserve.modeling.layer_ops import TORCH_OPS, TritonOps, pick_ops
 from mtpserve.modeling.model import LlamaModel, Rotary
@@ -180,11 +183,11 @@ TILE_CASES = [
 
 
 @pytest.mark.parametrize("tiles", TILE_CASES)
-def test_other_tiles_compute_the_same_products(monkeypatch: pytest.MonkeyPatch, tiles: GemvTiles) -> None:
+def test_other_tiles_compute_the_same_products(kernels_in_force: Any, tiles: GemvTiles) -> None:
     """A row count given other tiles (output columns and warps per program, rows one at a time) still matches
     the torch ops in every matrix-vector kernel; the other row counts keep theirs; a head size the tiles
     cannot split into rotation pairs is refused by rope_fits."""
-    monkeypatch.setattr(fused_kernels, "GEMV_TILES", {4: tiles})
+    kernels_in_force(gemv_tiles={4: tiles})
     assert fused_kernels.gemv_tiles(3) == tiles and fused_kernels.gemv_tiles(2) == GemvTiles()
     g = torch.Generator().manual_seed(6)
     x, r = torch.randn(3, 96, generator=g), torch.randn(3, 96, generator=g)
@@ -249,16 +252,14 @@ def _model(ops: object) -> LlamaModel:
 
 @torch.no_grad()
 @pytest.mark.parametrize(("small_rows", "table"), [(0, ""), (4, ""), (32, "4=8x0g2,8=4x0g4")])
-def test_model_with_fused_kernels_matches_torch_ops(
-    monkeypatch: pytest.MonkeyPatch, small_rows: int, table: str
-) -> None:
+def test_model_with_fused_kernels_matches_torch_ops(small_rows: int, table: str) -> None:
     """A mixed prefill/decode batch (masked SDPA vs the ragged Triton kernel) and a uniform verify step give
     the same hidden states and caches, with the matrix-vector kernels (4-row verify), without them, and with
     their rows in groups (the 8-row batch too)."""
-    monkeypatch.setattr(fused_kernels, "GEMV_TILES", parse_table(table))
     ops = TritonOps()
     ops.small_rows = small_rows
     ref_model, fused_model = _model(TORCH_OPS), _model(ops)
+    fused_model.kernel_choices = KernelChoices(gemv_tiles=parse_table(table))
     assert ref_model.layers[0].self_attn.qkv_weight is not None  # type: ignore[union-attr]
     bs = 8
     starts, counts, tables = [0, 5], [5, 3], [[0, 1], [2]]

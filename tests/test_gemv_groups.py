@@ -11,6 +11,7 @@ import torch
 
 from mtpserve.modeling import fused_kernels
 from mtpserve.modeling.gemv_tiles import ROW_COUNTS, GemvTiles, parse_table
+from mtpserve.modeling.kernel_choices import KernelChoices
 from mtpserve.modeling.kv_cache import KVWrite
 from mtpserve.modeling.layer_ops import TORCH_OPS, TorchOps, TritonOps
 from mtpserve.modeling.model import Rotary, prepare_for_inference
@@ -64,11 +65,11 @@ def _all_outputs(ops: TorchOps, t: dict[str, torch.Tensor]) -> list[torch.Tensor
     [(GemvTiles(16, 0, group=1), 5), (GemvTiles(16, 2, True, group=2), 3), (GemvTiles(16, 2, True, group=2), 17),
      (GemvTiles(32, 0, group=4), 1), (GemvTiles(32, 0, group=4), 32)],
 )  # fmt: skip
-def test_grouped_rows_match_the_torch_ops(monkeypatch: pytest.MonkeyPatch, tiles: GemvTiles, rows: int) -> None:
+def test_grouped_rows_match_the_torch_ops(kernels_in_force: Any, tiles: GemvTiles, rows: int) -> None:
     """Every matrix-vector kernel with its rows split into groups equals the torch reference in fp32 within
     rounding, for one row, a partial group, whole groups and many groups (each group's residual stored
     once, every group's q/k/v rotated and written at its own slots)."""
-    monkeypatch.setattr(fused_kernels, "GEMV_TILES", _grouped(tiles))
+    kernels_in_force(gemv_tiles=_grouped(tiles))
     ops = TritonOps()
     assert all(ops._small(torch.zeros(rows, WIDTH), w) for w in (torch.zeros(70, WIDTH), torch.zeros(40, 72)))
     t = _inputs(rows, rows)
@@ -78,10 +79,10 @@ def test_grouped_rows_match_the_torch_ops(monkeypatch: pytest.MonkeyPatch, tiles
         assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item() + 1e-6
 
 
-def test_a_row_sums_alike_whatever_the_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_row_sums_alike_whatever_the_step_size(kernels_in_force: Any) -> None:
     """With one-row groups, a row's outputs are bit-for-bit the same computed alone (a decode step), among 4
     rows, or among 32 (a tree verify): each is summed by a program of the same shape."""
-    monkeypatch.setattr(fused_kernels, "GEMV_TILES", _grouped(GemvTiles(32, 0, group=1)))
+    kernels_in_force(gemv_tiles=_grouped(GemvTiles(32, 0, group=1)))
     ops = TritonOps()
     big = _inputs(32, 9)
     whole = _all_outputs(ops, big)
@@ -91,13 +92,12 @@ def test_a_row_sums_alike_whatever_the_step_size(monkeypatch: pytest.MonkeyPatch
             assert torch.equal(a, b[lo:hi])
 
 
-def test_steps_past_four_rows_take_the_kernels_only_in_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_steps_past_four_rows_take_the_kernels_only_in_groups(kernels_in_force: Any) -> None:
     """Without tiles for them, steps of 5 or more rows keep cuBLAS; a table that groups 8-row steps opens the
     kernels to steps of up to 8; larger row counts refuse tiles without groups, naming the item; a group
     holds 1, 2 or 4 rows."""
-    monkeypatch.setattr(fused_kernels, "GEMV_TILES", {})
     assert fused_kernels.gemv_max_rows() == 4 and not fused_kernels.gemv_fits(5, 64)
-    monkeypatch.setattr(fused_kernels, "GEMV_TILES", parse_table("4=8x0r,8=8x2g4"))
+    kernels_in_force(gemv_tiles=parse_table("4=8x0r,8=8x2g4"))
     assert fused_kernels.gemv_max_rows() == 8 and fused_kernels.gemv_fits(8, 64) and not fused_kernels.gemv_fits(9, 64)
     with pytest.raises(ValueError, match="need groups"):
         parse_table("16=8x0")
@@ -122,10 +122,8 @@ def test_a_tree_verified_in_row_groups_keeps_target_only_tokens(monkeypatch: pyt
     eng = tiny_engine(args, w, mimic_head(args, w), scheduler={"max_num_batched_tokens": 128}, speculative=spec)
     runner: Any = eng.target
     prepare_for_inference(runner.model, TritonOps())
-    # after the builds, which set the process's tiles from model.gemv_tiles
-    monkeypatch.setattr(
-        fused_kernels, "GEMV_TILES", parse_table("1=16x0g1,2=16x0g1,4=16x0g1,8=16x0g1,16=16x0g1,32=16x0g1")
-    )
+    grouped = parse_table("1=16x0g1,2=16x0g1,4=16x0g1,8=16x0g1,16=16x0g1,32=16x0g1")
+    runner.model.kernel_choices = KernelChoices(gemv_tiles=grouped)  # the target's, and so its draft's
     calls: list[int] = []
     real = fused_kernels.norm_linear
     monkeypatch.setattr(fused_kernels, "norm_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))

@@ -4,6 +4,7 @@ model's kernels use it (the kernels' results with other tiles are in test_fused_
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 
 from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
 from mtpserve.modeling import fused_kernels, gemv_tiles
+from mtpserve.modeling.attention import ragged_metadata
 from mtpserve.modeling.gemv_tiles import GemvTiles, parse_table, resolve, table_text
 from mtpserve.workers.builders import build_target
 from mtpserve.workers.config import MTPServeConfig
@@ -56,7 +58,7 @@ def test_the_config_names_the_field_and_the_model_build_applies_it(
 ) -> None:
     """A bad `model.gemv_tiles` (in a config or from `--gemv-tiles`) is refused naming the field; building a
     target sets the process's tiles from it (so every later launch uses them), and `default` puts the
-    defaults back."""
+    defaults back; the choice is the model's, so two models in one process keep their own."""
     with pytest.raises(ValidationError, match=r"model\.gemv_tiles"):
         MTPServeConfig.from_dict({"model": {"gemv_tiles": "2=8x"}})
     p = argparse.ArgumentParser()
@@ -66,9 +68,20 @@ def test_the_config_names_the_field_and_the_model_build_applies_it(
     with pytest.raises(SystemExit):
         config_from_args(p.parse_args(["--gemv-tiles", "5=8x0"]))
     assert "model.gemv_tiles" in capsys.readouterr().err
-    monkeypatch.setattr(fused_kernels, "GEMV_TILES", {})
     args = tiny_args()
-    build_target(args, tiny_weights(args), torch.float32, "cpu", gemv_tiles="4=4x2r")
-    assert fused_kernels.gemv_tiles(3) == GemvTiles(4, 2, True) and fused_kernels.gemv_tiles(1) == GemvTiles()
-    build_target(args, tiny_weights(args), torch.float32, "cpu", gemv_tiles="default")
-    assert fused_kernels.GEMV_TILES == {}
+    tuned = build_target(args, tiny_weights(args), torch.float32, "cpu", gemv_tiles="4=4x2r")
+    plain = build_target(args, tiny_weights(args), torch.float32, "cpu", gemv_tiles="default")
+    assert fused_kernels.gemv_tiles(3) == GemvTiles(), "building a model changes nothing outside its runs"
+    seen: list[tuple[GemvTiles, GemvTiles]] = []
+    for model in (tuned, plain):
+        real = model.layers[0].step
+
+        def spy(*a: Any, real: Any = real, **k: Any) -> Any:
+            seen.append((fused_kernels.gemv_tiles(3), fused_kernels.gemv_tiles(1)))
+            return real(*a, **k)
+
+        monkeypatch.setattr(model.layers[0], "step", spy)
+        cache = model.allocate_cache(4, 16, "cpu")
+        meta = ragged_metadata([0], [3], [[0]], 16, "cpu")
+        model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, meta)
+    assert seen == [(GemvTiles(4, 2, True), GemvTiles()), (GemvTiles(), GemvTiles())]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
-from mtpserve.modeling import fused_kernels, pdl
+from mtpserve.modeling import fused_kernels, kernel_choices, pdl
+from mtpserve.modeling.attention import ragged_metadata
 from mtpserve.workers.config import MTPServeConfig
 
 pytestmark = pytest.mark.skipif(not fused_kernels.available(), reason="triton is not installed")
@@ -105,7 +106,7 @@ def test_without_pdl_the_kernels_do_not_wait(compiled: dict[str, list[str]]) -> 
 def test_pdl_is_off_on_cpu_and_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The switch alone never turns PDL on: it needs a CUDA tensor on a Hopper-class device, outside
     Triton's interpreter; launch_args adds the attribute only when on."""
-    assert pdl.enabled()
+    assert kernel_choices.current().pdl
     assert not pdl.active(torch.zeros(1))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.active(torch.zeros(1))
@@ -123,9 +124,9 @@ def test_pdl_only_for_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl.active(torch.zeros(wide, 3, 8), wide) and not pdl.active(torch.zeros(64, 3, 8), wide)
 
 
-def test_model_pdl_flag_reaches_the_process_switch() -> None:
-    """`--no-pdl` sets model.pdl false, and building a target with it turns the process-wide switch off;
-    the default turns it back on."""
+def test_model_pdl_flag_reaches_the_models_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--no-pdl` sets model.pdl false; a target built with it launches without PDL while one built by default
+    launches with it, in the same process, and building either changes nothing outside their runs."""
     import argparse
 
     from mtpserve.workers.builders import build_target
@@ -138,10 +139,18 @@ def test_model_pdl_flag_reaches_the_process_switch() -> None:
     assert MTPServeConfig().model.pdl is True
 
     args = tiny_args()
-    try:
-        build_target(args, tiny_weights(args), torch.float32, "cpu", pdl_launch=False)
-        assert not pdl.enabled()
-        build_target(args, tiny_weights(args), torch.float32, "cpu")
-        assert pdl.enabled()
-    finally:
-        pdl.set_enabled(True)
+    off = build_target(args, tiny_weights(args), torch.float32, "cpu", pdl_launch=False)
+    on = build_target(args, tiny_weights(args), torch.float32, "cpu")
+    assert kernel_choices.current().pdl
+    seen: list[bool] = []
+    for model in (off, on):
+        real = model.layers[0].step
+
+        def spy(*a: Any, real: Any = real, **k: Any) -> Any:
+            seen.append(kernel_choices.current().pdl)
+            return real(*a, **k)
+
+        monkeypatch.setattr(model.layers[0], "step", spy)
+        cache = model.allocate_cache(4, 16, "cpu")
+        model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, ragged_metadata([0], [3], [[0]], 16, "cpu"))
+    assert seen == [False, True]

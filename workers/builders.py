@@ -14,8 +14,6 @@ from typing import Any, cast
 
 import torch
 
-from mtpserve.modeling import fused_kernels as kernels
-from mtpserve.modeling import pdl
 from mtpserve.modeling.errors import ModelLoadError
 from mtpserve.modeling.families import (
     InPlaceDummy,
@@ -25,6 +23,7 @@ from mtpserve.modeling.families import (
     unloaded_parameters,
 )
 from mtpserve.modeling.gemv_tiles import resolve as resolve_tiles
+from mtpserve.modeling.kernel_choices import KernelChoices
 from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.layer_ops import pick_ops
 from mtpserve.modeling.loader import ModelSource, resolve_device, resolve_model
@@ -94,13 +93,14 @@ def build_target(
 ) -> LlamaModel:
     """Construct the (sharded) target model on `device` in `dtype`, load its weights straight into it (no
     fp32 copy on the host) and prepare it for inference; for an in-place dummy load, random weights are made
-    on the device. `pdl_launch` sets whether this process's small-step kernels launch with PDL
-    (`modeling/pdl.py`), `gemv_tiles` their matrix-vector tiles (`modeling/gemv_tiles.py`)."""
-    pdl.set_enabled(pdl_launch)
+    on the device. `pdl_launch` sets whether the model's small-step kernels launch with PDL
+    (`modeling/pdl.py`), `gemv_tiles` their matrix-vector tiles (`modeling/gemv_tiles.py`): the model's
+    `kernel_choices`, in force while it runs."""
     on_cuda = torch.device(device).type == "cuda"
-    kernels.GEMV_TILES = resolve_tiles(gemv_tiles, torch.cuda.get_device_name(device) if on_cuda else None)
+    tiles = resolve_tiles(gemv_tiles, torch.cuda.get_device_name(device) if on_cuda else None)
     with torch.device("meta"):
         model = model_class(args)(args, tp)
+    model.kernel_choices = KernelChoices(pdl=pdl_launch, gemv_tiles=tiles)
     if isinstance(weights, InPlaceDummy):
         materialize_dummy(model, device, dtype)
     else:

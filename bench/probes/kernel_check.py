@@ -31,9 +31,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mtpserve.modeling import argmax_kernels, draft_kernels, fused_kernels, topk_kernels, triton_attention
+from mtpserve.modeling import (
+    argmax_kernels,
+    draft_kernels,
+    fused_kernels,
+    kernel_choices,
+    topk_kernels,
+    triton_attention,
+)
 from mtpserve.modeling.attention import uniform_paged_attention
 from mtpserve.modeling.gemv_tiles import GemvTiles
+from mtpserve.modeling.kernel_choices import KernelChoices
 from mtpserve.modeling.layer_ops import TORCH_OPS, TritonOps
 from mtpserve.speculative.tree import greedy_walk
 from mtpserve.workers.tree_kernels import greedy_walk_moves
@@ -264,12 +272,10 @@ def gemv_report(dev: str, g: torch.Generator) -> dict[str, object]:
             got = triton_fn()
             entry = {"triton_us": graph_us(triton_fn), "cublas_us": graph_us(cublas_fn),
                      "max_abs_err_vs_fp32": (got.float() - ref).abs().max().item()}  # fmt: skip
-            built_tiles = fused_kernels.GEMV_TILES
             for label, tiles in GROUP_TILES.items():
-                fused_kernels.GEMV_TILES = {rows: tiles}
-                entry[f"{label}_us"] = graph_us(triton_fn)
-                entry[f"{label}_max_abs_err_vs_fp32"] = (triton_fn().float() - ref).abs().max().item()
-            fused_kernels.GEMV_TILES = built_tiles
+                with kernel_choices.in_force(KernelChoices(gemv_tiles={rows: tiles})):
+                    entry[f"{label}_us"] = graph_us(triton_fn)
+                    entry[f"{label}_max_abs_err_vs_fp32"] = (triton_fn().float() - ref).abs().max().item()
             out[f"{name}_{rows}"] = entry
             print("gemv", name, rows, json.dumps(entry), flush=True)
     fused_kernels.GEMV_MAX_ROWS = built_rows  # the later groups see the kernels as built
