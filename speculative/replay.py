@@ -10,7 +10,7 @@ Terms:
   path 1..c; a tree's path is its accepted branch, root excluded.
 - stream: one recorded request's paths, one per verify step.
 - forced rows [B, Q] int64: per sequence of a step, column 0 the accepted count, columns 1.. its path
-  (0-padded). `forced_chain` and `forced_walk` read them in fixed shapes (safe to capture) in place of the
+  (0-padded). `verify.forced_chain` and `tree.forced_walk` read them in fixed shapes (safe to capture) in place of the
   greedy comparison: the step accepts the count (clamped to what it drafted) along the path, and emits the
   drafts there followed by the target's own token after the last of them. So every KV move, draft re-run
   and copy of an accepted step runs as in real use; the tokens mean nothing (random weights).
@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from mtpserve.speculative.messages import SeqPlan, SeqResult
 
@@ -101,32 +100,6 @@ class ReplayAcceptance:
         before = self._width.get(rid, width)
         self._width[rid] = width
         return min(width, before) - 1
-
-
-def forced_chain(
-    target_argmax: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify_greedy` with the accepted counts read from forced rows [B, >=1]: returns (num_accepted [B],
-    tokens [B, K+1]), the first num_accepted drafts then the target's token after them. target_argmax
-    [B, K+1], drafts [B, K]."""
-    k = drafts.shape[1]
-    n_acc = forced[:, 0].clamp(0, k)
-    padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
-    columns = torch.arange(k + 1, device=drafts.device)
-    return n_acc, torch.where(columns[None, :] < n_acc[:, None], padded, target_argmax)
-
-
-def forced_walk(
-    forced: torch.Tensor, target_argmax: torch.Tensor, depth: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`greedy_walk` with the accepted branch read from forced rows [B, >=1+depth]: returns (accepted counts
-    [B], node indices [B, depth] padded with 0, bonus tokens [B]: the target's token at the last accepted
-    node, or at the root). target_argmax [B, N]."""
-    n_acc = forced[:, 0].clamp(0, depth)
-    steps = torch.arange(depth, device=forced.device)
-    path = torch.where(steps[None, :] < n_acc[:, None], forced[:, 1 : depth + 1], 0)
-    last = path.gather(1, (n_acc - 1).clamp(min=0)[:, None])  # node 0 (the root) when nothing is accepted
-    return n_acc, path, target_argmax.gather(1, last)[:, 0]
 
 
 def accepted_path(seq: SeqPlan, result: SeqResult) -> list[int]:

@@ -220,3 +220,16 @@ def expand_topk(
         torch.tensor([root_token] + [tokens[i] for i in kept]),
         torch.tensor([-1] + [remap[parents[i]] for i in kept]),
     )
+
+
+def forced_walk(
+    forced: torch.Tensor, target_argmax: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`greedy_walk` with the accepted branch read from forced rows [B, >=1+depth]: returns (accepted counts
+    [B], node indices [B, depth] padded with 0, bonus tokens [B]: the target's token at the last accepted
+    node, or at the root). target_argmax [B, N]."""
+    n_acc = forced[:, 0].clamp(0, depth)
+    steps = torch.arange(depth, device=forced.device)
+    path = torch.where(steps[None, :] < n_acc[:, None], forced[:, 1 : depth + 1], 0)
+    last = path.gather(1, (n_acc - 1).clamp(min=0)[:, None])  # node 0 (the root) when nothing is accepted
+    return n_acc, path, target_argmax.gather(1, last)[:, 0]

@@ -21,11 +21,13 @@ discarded. Target-only decoding with the same key draws "the", then "dog" at tho
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from mtpserve.speculative.replay import forced_chain
+from mtpserve.speculative.messages import SeqPlan
 from mtpserve.speculative.sampling import processed_probs, sample_from_uniform
 
 
@@ -73,6 +75,29 @@ def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     """
     match = (draft_tokens == target_argmax[:, :-1]).to(torch.int64)
     return torch.cumprod(match, dim=1).sum(dim=1), target_argmax
+
+
+class ForcedAcceptance(Protocol):
+    """Benchmarks only: recorded acceptance that greedy verify steps take in place of comparing drafts with the
+    target's tokens (`speculative/replay.py`'s `ReplayAcceptance`; the served path never makes one)."""
+
+    def take(self, seqs: Sequence[SeqPlan], width: int) -> np.ndarray:
+        """Rows [len(seqs), width] for a step: each sequence's accepted count, then its accepted node indices
+        (a tree's branch), 0-padded; read by `forced_chain` and `tree.forced_walk`."""
+        ...
+
+
+def forced_chain(
+    target_argmax: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_greedy` with the accepted counts read from forced rows [B, >=1]: returns (num_accepted [B],
+    tokens [B, K+1]), the first num_accepted drafts then the target's token after them. target_argmax
+    [B, K+1], drafts [B, K]."""
+    k = drafts.shape[1]
+    n_acc = forced[:, 0].clamp(0, k)
+    padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
+    columns = torch.arange(k + 1, device=drafts.device)
+    return n_acc, torch.where(columns[None, :] < n_acc[:, None], padded, target_argmax)
 
 
 class Scorer(Protocol):

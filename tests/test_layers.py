@@ -138,3 +138,10 @@ def test_no_source_file_over_limit() -> None:
     ]
     too_long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert files and not too_long, f"files over {MAX_LINES} lines: {too_long}"
+
+
+def test_served_path_cannot_import_replayed_acceptance(tree: Path) -> None:
+    add_line(tree / "workers" / "runner.py", "from mtpserve.speculative.replay import ReplayAcceptance")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert "The served path never imports replayed (forced) acceptance BROKEN" in res.stdout

@@ -28,9 +28,9 @@ from mtpserve.cluster.cli.mtpserve import main
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.speculative.messages import SeqPlan
 from mtpserve.speculative.mtp_head import MTPEagleHead
-from mtpserve.speculative.replay import ReplayAcceptance, forced_chain, forced_walk
-from mtpserve.speculative.tree import greedy_walk
-from mtpserve.speculative.verify import verify_greedy
+from mtpserve.speculative.replay import ReplayAcceptance
+from mtpserve.speculative.tree import forced_walk, greedy_walk
+from mtpserve.speculative.verify import forced_chain, verify_greedy
 from mtpserve.workers.fused_step import FusedSpecStep
 from mtpserve.workers.tree_step import FusedTreeStep
 from mtpserve.workers.uniform_step import UniformTargetStep

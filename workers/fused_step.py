@@ -26,9 +26,8 @@ from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.model import LlamaModel
 from mtpserve.speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from mtpserve.speculative.mtp_chain import MTPEagleChain, propose_from_rows
-from mtpserve.speculative.replay import ReplayAcceptance
 from mtpserve.speculative.sampling import SamplingMode
-from mtpserve.speculative.verify import verify_step
+from mtpserve.speculative.verify import ForcedAcceptance, verify_step
 from mtpserve.workers import step_kernels
 from mtpserve.workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
 from mtpserve.workers.step_buffers import ForcedRows, StepBuffers
@@ -50,7 +49,7 @@ class FusedSpecStep:
         max_blocks: int,
         device: torch.device | str,
         use_graphs: bool = True,
-        replay: ReplayAcceptance | None = None,
+        replay: ForcedAcceptance | None = None,
     ) -> None:
         if k < 0:
             raise ValueError("the fused step's draft depth must be >= 0")

@@ -14,7 +14,6 @@ from mtpserve.speculative.logits_processing import (
     min_p_filter,
 )
 from mtpserve.speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
-from mtpserve.speculative.replay import ReplayAcceptance, forced_chain, forced_walk
 from mtpserve.speculative.sampling import (
     SamplingMode,
     keyed_uniforms,
@@ -23,8 +22,8 @@ from mtpserve.speculative.sampling import (
     sampling_key,
     sampling_mode,
 )
-from mtpserve.speculative.tree import DraftTree
-from mtpserve.speculative.verify import verify, verify_greedy
+from mtpserve.speculative.tree import DraftTree, forced_walk
+from mtpserve.speculative.verify import ForcedAcceptance, forced_chain, verify, verify_greedy
 from mtpserve.workers.captured_steps import CapturedSteps, QueueableStep
 from mtpserve.workers.eager_rows import Verified, processed_logits
 from mtpserve.workers.launch_spec import LaunchedStep, LaunchSpec
@@ -52,7 +51,7 @@ class TargetRunner:
         steps: CapturedSteps | None = None,
         drafting: bool = False,
         lookahead_source: str = "prompt",
-        replay: ReplayAcceptance | None = None,
+        replay: ForcedAcceptance | None = None,
     ):
         self.model = model
         self.steps = steps or CapturedSteps()

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from mtpserve.speculative.messages import SeqPlan
-from mtpserve.speculative.replay import ReplayAcceptance
 from mtpserve.speculative.sampling import keyed_uniforms
+from mtpserve.speculative.verify import ForcedAcceptance
 from mtpserve.workers.config import MAX_STEPS_AHEAD
 
 HOST_TWINS = MAX_STEPS_AHEAD + 1  # a step's host copy is refilled only once the step is read
@@ -228,7 +228,7 @@ class ForcedRows:
     host fills them per step with the step's other inputs (one copy from one of HOST_TWINS rotating host
     twins), the captured verify reads them in place of its comparison."""
 
-    def __init__(self, replay: ReplayAcceptance, max_batch: int, q_len: int, device: torch.device) -> None:
+    def __init__(self, replay: ForcedAcceptance, max_batch: int, q_len: int, device: torch.device) -> None:
         self.replay = replay
         self.rows_device = torch.zeros(max_batch, q_len, dtype=torch.long, device=device)
         pin = device.type == "cuda"

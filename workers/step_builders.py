@@ -11,7 +11,7 @@ from mtpserve.modeling.model import LlamaModel
 from mtpserve.speculative.methods import DraftMethod
 from mtpserve.speculative.mtp_chain import MTPEagleChain
 from mtpserve.speculative.mtp_tree import MTPEagleTree
-from mtpserve.speculative.replay import ReplayAcceptance
+from mtpserve.speculative.verify import ForcedAcceptance
 from mtpserve.workers.captured_steps import CapturedSteps
 from mtpserve.workers.chain_step import UniformChainStep
 from mtpserve.workers.config import MTPServeConfig
@@ -30,7 +30,7 @@ class TargetParts:
     model: LlamaModel
     cache: KVCache
     device: torch.device
-    replay: ReplayAcceptance | None = None
+    replay: ForcedAcceptance | None = None
 
 
 def graph_max_blocks(cfg: MTPServeConfig, k: int, max_len: int) -> int:

@@ -35,9 +35,9 @@ from mtpserve.modeling.model import LlamaModel
 from mtpserve.speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from mtpserve.speculative.mtp_chain import chain_slots
 from mtpserve.speculative.mtp_tree import MetaFor, MTPEagleTree
-from mtpserve.speculative.replay import ReplayAcceptance, forced_walk
 from mtpserve.speculative.sampling import SamplingMode, processed_probs, sampling_mode
-from mtpserve.speculative.tree import greedy_walk, tree_draws
+from mtpserve.speculative.tree import forced_walk, greedy_walk, tree_draws
+from mtpserve.speculative.verify import ForcedAcceptance
 from mtpserve.workers import tree_kernels
 from mtpserve.workers.graph_runner import GreedyAndSampledSteps, capture_sizes, time_call, uniform_bucket
 from mtpserve.workers.step_buffers import ForcedRows, StepBuffers
@@ -65,7 +65,7 @@ class FusedTreeStep:
         max_blocks: int,
         device: torch.device | str,
         use_graphs: bool = True,
-        replay: ReplayAcceptance | None = None,
+        replay: ForcedAcceptance | None = None,
     ) -> None:
         self.target, self.cache, self.drafter = target, cache, drafter
         self.q_len = drafter.budget + 1

@@ -11,9 +11,8 @@ from mtpserve.modeling.attention import UniformMetadata
 from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.model import LlamaModel
 from mtpserve.speculative.messages import SeqResult, StepPlan, TargetOutput
-from mtpserve.speculative.replay import ReplayAcceptance
 from mtpserve.speculative.sampling import SamplingMode, sampling_mode
-from mtpserve.speculative.verify import verify_step
+from mtpserve.speculative.verify import ForcedAcceptance, verify_step
 from mtpserve.workers.graph_runner import GreedyAndSampledSteps, capture_sizes, uniform_bucket
 from mtpserve.workers.step_buffers import ForcedRows, StepBuffers
 
@@ -35,7 +34,7 @@ class UniformTargetStep:
         max_blocks: int,
         device: torch.device | str,
         use_graphs: bool = True,
-        replay: ReplayAcceptance | None = None,
+        replay: ForcedAcceptance | None = None,
     ) -> None:
         self.model = model
         self.cache = cache

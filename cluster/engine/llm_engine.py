@@ -23,8 +23,8 @@ from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from mtpserve.speculative.mtp_chain import MTPEagleChain
 from mtpserve.speculative.mtp_tree import MTPEagleTree
-from mtpserve.speculative.replay import ReplayAcceptance
 from mtpserve.speculative.stats import SpecStats
+from mtpserve.speculative.verify import ForcedAcceptance
 from mtpserve.workers.builders import (
     bind_features,
     build_configured_target,
@@ -167,7 +167,7 @@ class LLMEngine:
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
     def from_config(
-        cls, cfg: MTPServeConfig, load_tokenizer: bool = True, replay: ReplayAcceptance | None = None
+        cls, cfg: MTPServeConfig, load_tokenizer: bool = True, replay: ForcedAcceptance | None = None
     ) -> LLMEngine:
         """Load the target (and draft) in this process; `replay` as in `from_weights`."""
         source, args, weights = load_target(cfg)
@@ -182,7 +182,7 @@ class LLMEngine:
         weights: dict[str, torch.Tensor],
         tokenizer: Any = None,
         head: DraftHead | None = None,
-        replay: ReplayAcceptance | None = None,
+        replay: ForcedAcceptance | None = None,
     ) -> LLMEngine:
         """Build from in-memory weights; `head` overrides the configured draft head. `replay` is for
         benchmarks only: greedy verify steps accept the recorded drafts it holds instead of comparing them
