@@ -140,7 +140,7 @@ class StepCosts:
     average of the engine's observed steps (`observe`; `online` True). Kinds are the chain depths 0..max_depth
     and the draft trees in `trees`.
 
-    Timed costs measure the device's work alone. With steps queued ahead, what a step really costs is the period
+    Timed costs measure the device's work alone. With steps launched ahead, what a step really costs is the period
     between steps in steady decoding: the longer of the host's work per step and the device's, and their
     overlap is never perfect. `observe_period` keeps that period per (bucket, kind) where the engine saw steps of
     one kind in a row; `get` returns it where seen, and elsewhere the timed cost scaled by how much the seen
@@ -169,7 +169,7 @@ class StepCosts:
         self.smoothing = smoothing
         self.trees = tuple(trees)
         self.seconds: dict[tuple[int, StepKind], float] = {}
-        self.periods: dict[tuple[int, StepKind], float] = {}  # seconds between queued steps of one kind in a row
+        self.periods: dict[tuple[int, StepKind], float] = {}  # seconds between launched steps of one kind in a row
 
     def bucket(self, batch: int) -> int:
         """The bucket a batch of `batch` requests runs in (the largest one for bigger batches)."""
@@ -190,7 +190,7 @@ class StepCosts:
         self.seconds[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def observe_period(self, batch: int, kind: KindLike, seconds: float) -> None:
-        """Fold one steady period between queued steps of `kind` over `batch` requests into its moving average."""
+        """Fold one steady period between launched steps of `kind` over `batch` requests into its moving average."""
         if not seconds > 0:
             return
         key = (self.bucket(batch), as_kind(kind))

@@ -1,7 +1,7 @@
-"""Turning logits into token distributions (temperature, top-k, top-p) and sampling them from uniforms.
+"""Turning logits into token distributions (temperature, top-k, top-p) and sampling them from thresholds.
 
-Every sampled token is drawn by inverse CDF from a uniform that depends only on the request's key and the
-token's position (`keyed_uniforms`); drafts are accepted where they equal those draws (`speculative/verify.py`).
+Every sampled token is drawn by inverse CDF at a threshold (a number in [0, 1)) that depends only on the request's key and the
+token's position (`keyed_thresholds`); drafts are accepted where they equal those draws (`speculative/verify.py`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def processed_probs(
     return torch.where(greedy[:, None], one_hot, probs)
 
 
-def sample_from_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_at_threshold(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample: the first token whose cumulative mass exceeds u * total. probs [..., V], u [...]."""
     cdf = torch.cumsum(probs, dim=-1)
     target = (u * cdf[..., -1]).unsqueeze(-1)
@@ -97,13 +97,13 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def keyed_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The uniform in [0, 1) that decides the token at each position, float32, broadcast over keys and positions
+def keyed_thresholds(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The threshold in [0, 1) that decides the token at each position, float32, broadcast over keys and positions
     (int64; keys from `sampling_key`). A function of the key and the position alone, so a request samples the
     same tokens however its steps fall: with or without drafts, any draft kind, any batch or chunking.
 
     Example: a request with key 7 emits its tokens at positions 130, 131, ...; the token at 131 takes
-    u = keyed_uniforms(7, 131) whether it is a decode step's only row, the third row of a K=3 verify or
+    u = keyed_thresholds(7, 131) whether it is a decode step's only row, the third row of a K=3 verify or
     a tree node of depth 2, and whichever step it falls in."""
     x = _mix((positions & 0xFFFFFFFF) ^ 0x5BD1E995)
     x = _mix(x ^ keys.to(torch.long))

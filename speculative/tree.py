@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpserve.speculative.sampling import sample_from_uniform
+from mtpserve.speculative.sampling import sample_at_threshold
 
 
 @dataclass
@@ -127,17 +127,17 @@ def greedy_walk(
     return n_acc, torch.stack(path, dim=1), target_argmax.gather(1, node[:, None])[:, 0]
 
 
-def tree_draws(probs: torch.Tensor, uniforms: torch.Tensor, node_depth: torch.Tensor) -> torch.Tensor:
-    """The target's draw at every node [..., N]: node i's row sampled with the uniform of its depth's position.
+def tree_draws(probs: torch.Tensor, thresholds: torch.Tensor, node_depth: torch.Tensor) -> torch.Tensor:
+    """The target's draw at every node [..., N]: node i's row sampled at the threshold of its depth's position.
 
     probs [..., N, V] the target's distribution at each node's row (a one-hot row draws its argmax);
-    uniforms [..., D+1], the keyed uniforms of positions start+1..start+D+1; node_depth [..., N]. Walking a
+    thresholds [..., D+1], the keyed thresholds of positions start+1..start+D+1; node_depth [..., N]. Walking a
     tree with these draws in place of the argmax (`greedy_accept`, `greedy_walk`) samples it: a child is
     accepted where its token equals its parent's draw, with probability p(token), as recursive rejection
     sampling over deterministic children accepts it, and the emitted tokens are the draws target-only
-    decoding makes at those positions. Nodes of one depth share a uniform; only one of them lies on the
+    decoding makes at those positions. Nodes of one depth share a threshold; only one of them lies on the
     walked branch."""
-    return sample_from_uniform(probs, uniforms.gather(-1, node_depth))
+    return sample_at_threshold(probs, thresholds.gather(-1, node_depth))
 
 
 def sample_accept(

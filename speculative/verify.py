@@ -3,11 +3,11 @@
 Terms. For one request with drafts d_1..d_K, verify rows 0..K predict the tokens at positions s+1..s+K+1:
 - p_j: the target's distribution at row j, after temperature/top-k/top-p; a one-hot at the argmax when
   temperature is 0.
-- u_j: the uniform of the token's position, from the request's key (`keyed_uniforms`).
+- u_j: the threshold of the token's position, from the request's key (`keyed_thresholds`).
 - y_j: the target's own draw at row j, the first token whose cumulative mass under p_j exceeds u_j.
 Drafts chosen by the draft model deterministically (every drafter here: greedy chains, top-k trees) are
 accepted while d_j = y_{j-1}; the step emits y_0..y_n, n the accepted count. Each emitted token is the draw
-target-only decoding would make at that position with the same uniform, so the output is the target's own
+target-only decoding would make at that position with the same threshold, so the output is the target's own
 sampling, token for token: it does not depend on the drafts, their kind or the step they fall in. A draft
 is accepted with probability p(d), as rejection sampling against a one-hot draft accepts it (Leviathan et
 al. 2023), so acceptance is the same. With one-hot p the rule is "longest prefix matching the argmax, plus
@@ -28,31 +28,31 @@ import numpy as np
 import torch
 
 from mtpserve.speculative.messages import SeqPlan
-from mtpserve.speculative.sampling import processed_probs, sample_from_uniform
+from mtpserve.speculative.sampling import processed_probs, sample_at_threshold
 
 
 def verify(
     target_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    uniforms: torch.Tensor,
+    thresholds: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each row's drafts; returns (num_accepted [B], tokens [B, K+1]).
 
-    target_probs [B, K+1, V]; draft_tokens [B, K]; uniforms [B, K+1] in [0, 1), one per row (the keyed
-    uniforms of the positions the rows predict); draft_probs [B, K, V], or None for drafts chosen
+    target_probs [B, K+1, V]; draft_tokens [B, K]; thresholds [B, K+1] in [0, 1), one per row (the keyed
+    thresholds of the positions the rows predict); draft_probs [B, K, V], or None for drafts chosen
     deterministically. tokens[b, :num_accepted[b] + 1] are the emitted tokens; the rest is padding (for
     deterministic drafts, the target's draws at every row). No host sync.
     """
     bsz, k1, _ = target_probs.shape
     k = k1 - 1
     if draft_probs is None:
-        draws = sample_from_uniform(target_probs, uniforms)  # [B, K+1], the target's own tokens
+        draws = sample_at_threshold(target_probs, thresholds)  # [B, K+1], the target's own tokens
         match = (draft_tokens == draws[:, :k]).to(torch.int64)
         return torch.cumprod(match, dim=1).sum(dim=1), draws
     p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
     q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    accept = uniforms[:, :k] * q_draft < p_draft  # u < p/q without dividing by zero
+    accept = thresholds[:, :k] * q_draft < p_draft  # u < p/q without dividing by zero
     num_accepted = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)  # [B]
     residual = target_probs.clone()
     residual[:, :k] = (residual[:, :k] - draft_probs).clamp_(min=0)
@@ -60,7 +60,7 @@ def verify(
     final_dist = residual[rows, num_accepted]  # [B, V]; p_K itself when all were accepted
     empty = final_dist.sum(-1, keepdim=True) <= 0  # p == q exactly: fall back to p
     final_dist = torch.where(empty, target_probs[rows, num_accepted], final_dist)
-    final_tok = sample_from_uniform(final_dist, uniforms[:, k])
+    final_tok = sample_at_threshold(final_dist, thresholds[:, k])
 
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(bsz, 1)], dim=1)
     tokens[rows, num_accepted] = final_tok
@@ -125,7 +125,7 @@ def verify_step(
 
     hidden [B*Q, d] are the target's rows; input_ids [B*Q], each sequence's last accepted token then its
     Q-1 drafts. sampling is None for an all-greedy step (only argmax tokens are computed), else
-    (temperature [B], top_k [B] (float), top_p [B], uniforms [B, Q]); greedy rows within it (temperature 0)
+    (temperature [B], top_k [B] (float), top_p [B], thresholds [B, Q]); greedy rows within it (temperature 0)
     verify exactly as greedy; `filtered` False skips top-k/top-p (see `processed_probs`). `forced` [B, >=1]
     replays recorded accept counts in an all-greedy step (`speculative/replay.py`). Returns
     (num_accepted [B], tokens [B, Q]).
@@ -135,7 +135,7 @@ def verify_step(
     if sampling is None:
         argmax = target.greedy_tokens(hidden).view(bsz, q_len)
         return verify_greedy(argmax, drafts) if forced is None else forced_chain(argmax, drafts, forced)
-    temperature, top_k, top_p, uniforms = sampling
+    temperature, top_k, top_p, thresholds = sampling
     probs = processed_probs(
         target.logits(hidden),
         temperature.repeat_interleave(q_len),
@@ -143,4 +143,4 @@ def verify_step(
         top_p.repeat_interleave(q_len),
         filtered,
     )
-    return verify(probs.view(bsz, q_len, -1), drafts, uniforms)
+    return verify(probs.view(bsz, q_len, -1), drafts, thresholds)

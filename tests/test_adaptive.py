@@ -193,7 +193,7 @@ PARAMS = [{"max_tokens": 40}, {"max_tokens": 6}, {"max_tokens": 14}, {"max_token
 def test_adaptive_depths_give_the_target_only_tokens(fused: bool, overlap: bool) -> None:
     """Greedy requests of different lengths, so the batch shrinks and the depth changes (0 at four
     requests, 1 at three or two, 3 alone): tokens equal target-only decoding, through the eager runner and
-    the fused steps of every depth (with steps queued ahead too), and drafts still get accepted."""
+    the fused steps of every depth (with steps launched ahead too), and drafts still get accepted."""
     args, w = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [17, 5, 11, 23], seed=4)
     want = run(tiny_engine(args, w), prompts, PARAMS)
@@ -253,7 +253,7 @@ def token_counts(eng: LLMEngine, prompt: list[int], n: int, vocab: int, index: i
 
 def test_adaptive_sampling_keeps_the_target_distribution() -> None:
     """Sampling while the depth changes with the batch (0, 1, 2 and 3 all used, through the fused steps with
-    steps queued ahead): the fourth token has the target's distribution at temperature 1 (chi-square over
+    steps launched ahead): the fourth token has the target's distribution at temperature 1 (chi-square over
     600 requests against target-only sampling)."""
     args, w = mimic_target()
     prompt = random_prompts(1, args.vocab_size, [10], seed=2)[0]
@@ -377,7 +377,7 @@ def test_prometheus_counts_steps_per_depth() -> None:
 
 
 def test_warm_up_runs_the_input_advance_and_leaves_the_buffers_padded() -> None:
-    """A fused step's warm-up (run at build, so the first queued step of a depth does not compile) leaves
+    """A fused step's warm-up (run at build, so the first launched step of a depth does not compile) leaves
     its buffers as freshly padded ones, at depth 0 and at depth K."""
     eng = adaptive_engine(None)
     runner = eng.target
@@ -423,7 +423,7 @@ def test_policy_explores_one_depth_shallower_too() -> None:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_engine_reports_steady_periods_when_steps_queue_ahead(overlap: bool) -> None:
-    """With steps queued ahead (fixed-buffer steps, timed costs) the engine reports the period of steps of one
+    """With steps launched ahead (fixed-buffer steps, timed costs) the engine reports the period of steps of one
     kind in a row, per bucket and kind; without queueing it has nothing to report."""
     policy = forced_policy({1: 3, 2: 1, 4: 0, 8: 0})
     eng = adaptive_engine(policy, fused=True, overlap=overlap)

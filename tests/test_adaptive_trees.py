@@ -79,7 +79,7 @@ def test_switching_between_trees_and_chains_gives_the_target_only_tokens(fused: 
     """Greedy requests of different lengths, so the batch shrinks and the kind changes (the tree alone and at
     three or four requests, depth 1 at two, then depth 3 at eight when a second wave comes): tokens equal
     target-only decoding through the eager runner and the fixed-buffer steps (with chain and tree steps
-    queued ahead too), and both trees and chains ran and got drafts accepted."""
+    launched ahead too), and both trees and chains ran and got drafts accepted."""
     args, w = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [17, 5, 11, 23], seed=4)
     want = run(tiny_engine(args, w), prompts, PARAMS)
@@ -105,10 +105,10 @@ def test_switching_between_trees_and_chains_gives_the_target_only_tokens(fused: 
     if fused:
         tree_launch = eng.target.steps.tree.launch  # type: ignore[attr-defined]
 
-        def launch(plan: Any, bucket: int, uniforms: Any = None, after: Any = None) -> Any:
+        def launch(plan: Any, bucket: int, thresholds: Any = None, after: Any = None) -> Any:
             nonlocal tree_after
             tree_after += after is not None
-            return tree_launch(plan, bucket, uniforms, after)
+            return tree_launch(plan, bucket, thresholds, after)
 
         eng.target.steps.tree.launch = launch  # type: ignore[attr-defined]
     assert run(eng, prompts, PARAMS) == want
@@ -126,7 +126,7 @@ def test_switching_between_trees_and_chains_gives_the_target_only_tokens(fused: 
     if fused:  # the fixed-buffer steps ran both kinds
         assert eng.target.steps.tree.runs > 5 and {1, 3} <= set(chain_reads), chain_reads  # type: ignore[attr-defined]
     if overlap:
-        assert tree_after > 5, "tree steps were queued ahead, their inputs taken from the tree step before"
+        assert tree_after > 5, "tree steps were launched ahead, their inputs taken from the tree step before"
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -215,7 +215,7 @@ def test_online_costs_cover_the_tree() -> None:
 
 def test_timed_tree_costs_join_the_depth_costs() -> None:
     """With fixed-buffer steps the policy's costs are timed per bucket for every depth and for the tree, and
-    all stay as timed while the engine runs them (tree steps are queued ahead as chain steps are)."""
+    all stay as timed while the engine runs them (tree steps are launched ahead as chain steps are)."""
     from mtpserve.workers.builders import depth_policy
 
     eng = tree_adaptive_engine(fused=True)

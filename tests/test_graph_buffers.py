@@ -84,9 +84,9 @@ def test_uniform_step_matches_eager_and_keeps_addresses(k: int) -> None:
     used = []
     orig = uniform.run
 
-    def spy(plan, bucket, uniforms, tokens_from=None):  # type: ignore[no-untyped-def]
+    def spy(plan, bucket, thresholds, tokens_from=None):  # type: ignore[no-untyped-def]
         used.append((len(plan.seqs), bucket))
-        return orig(plan, bucket, uniforms, tokens_from)
+        return orig(plan, bucket, thresholds, tokens_from)
 
     uniform.run = spy  # type: ignore[method-assign]
     got = [c.token_ids for c in eng.generate(prompts, {"max_tokens": 24})]
@@ -121,9 +121,9 @@ def test_fused_greedy_step_matches_unfused(k: int) -> None:
     runs = []
     orig = fused.launch
 
-    def spy(plan, bucket, uniforms=None, after=None):  # type: ignore[no-untyped-def]
+    def spy(plan, bucket, thresholds=None, after=None):  # type: ignore[no-untyped-def]
         runs.append((len(plan.seqs), bucket))
-        return orig(plan, bucket, uniforms, after)
+        return orig(plan, bucket, thresholds, after)
 
     fused.launch = spy  # type: ignore[method-assign]
     out = eng.generate(prompts, {"max_tokens": 30})
@@ -164,7 +164,7 @@ def run_mixed(eng: LLMEngine, prompts: list[list[int]], params: list[dict[str, A
 )
 def test_sampled_steps_in_fixed_buffers_match_eager(fused: bool, mode: str) -> None:
     """Sampling and greedy requests batched together take the fixed-buffer step of their sampling mode
-    (sampling parameters and uniforms copied into fixed buffers) and emit exactly the eager path's tokens
+    (sampling parameters and thresholds copied into fixed buffers) and emit exactly the eager path's tokens
     for the same seeds: with top-k/top-p, and with temperature only (no sort over the vocabulary)."""
     from mtpserve.workers.fused_step import FusedSpecStep
 

@@ -1,5 +1,5 @@
 """Sampling keyed by position: a seeded request emits the same tokens whatever decodes it (target-only, any
-chain depth, a draft tree, adaptive switches between them, steps queued ahead), however its prompt is
+chain depth, a draft tree, adaptive switches between them, steps launched ahead), however its prompt is
 chunked and whatever shares its batch; drafts still get accepted while sampling."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_fixed_chains_sample_the_target_only_tokens(reference: Any, k: int) -> N
 
 @pytest.mark.parametrize("fused,overlap", [(False, False), (True, False), (True, True)])
 def test_adaptive_chains_sample_the_target_only_tokens(reference: Any, fused: bool, overlap: bool) -> None:
-    """Depths 0..3 switching with the batch (eager, the fixed-buffer depth steps, steps queued ahead): each
+    """Depths 0..3 switching with the batch (eager, the fixed-buffer depth steps, steps launched ahead): each
     seeded request's tokens equal its target-only tokens alone."""
     prompts, alone = reference
     eng = adaptive_engine(forced_policy({1: 3, 2: 1, 4: 2, 8: 0}), fused, overlap)
@@ -71,7 +71,7 @@ def test_adaptive_chains_sample_the_target_only_tokens(reference: Any, fused: bo
 
 @pytest.mark.parametrize("fused,overlap", [(False, False), (True, False), (True, True)])
 def test_switching_trees_and_chains_sample_the_target_only_tokens(reference: Any, fused: bool, overlap: bool) -> None:
-    """The draft tree at one and four requests, depth 1 at two (eager, fixed-buffer steps, steps queued
+    """The draft tree at one and four requests, depth 1 at two (eager, fixed-buffer steps, steps launched
     ahead): each seeded request's tokens equal its target-only tokens alone, and trees accept drafts."""
     prompts, alone = reference
     eng: LLMEngine = tree_adaptive_engine(fused, overlap)

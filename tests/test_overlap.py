@@ -62,7 +62,7 @@ def drive(
 
 def overlap_engine(overlap: bool, k: int = 0, ahead: int = 1) -> tuple[LLMEngine, list[int]]:
     """A tiny engine with the fixed-buffer step: target-only (k = 0) or speculative with the fused step and
-    a head that mimics the target, `ahead` steps queued; records which launches read their inputs from the
+    a head that mimics the target, `ahead` steps launched; records which launches read their inputs from the
     previous step."""
     args, w = mimic_target()
     if k:
@@ -98,8 +98,8 @@ def overlap_engine(overlap: bool, k: int = 0, ahead: int = 1) -> tuple[LLMEngine
 @pytest.mark.parametrize("k", [0, 3])
 def test_overlapped_decoding_emits_the_same_tokens(k: int, ahead: int) -> None:
     """Greedy and sampling requests, a stop token, a late arrival and an abort: the same tokens, finish
-    reasons and acceptance with and without overlap (one or two steps queued ahead), target-only (k = 0) and
-    speculative, most steps queued ahead, and every KV block returned."""
+    reasons and acceptance with and without overlap (one or two steps launched ahead), target-only (k = 0) and
+    speculative, most steps launched ahead, and every KV block returned."""
     args, _ = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [21, 5, 13, 9], seed=11)
     params = [dict(p) for p in PARAMS]
@@ -121,13 +121,13 @@ def test_overlapped_decoding_emits_the_same_tokens(k: int, ahead: int) -> None:
     assert want["blocks_held"] == 0 and got["blocks_held"] == 0
     assert ref_chained == [], "without overlap nothing is launched ahead"
     least = 15 if k == 0 else 5  # speculative requests finish in fewer, longer steps
-    assert sum(chained) >= least and sum(chained) > len(chained) // 2, f"most steps must be queued ahead: {chained}"
+    assert sum(chained) >= least and sum(chained) > len(chained) // 2, f"most steps must be launched ahead: {chained}"
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
 def test_speculative_overlap_with_poor_acceptance_keeps_positions_exact(ahead: int) -> None:
     """An untrained head (nearly nothing accepted) over long generations near max_model_len, one or two steps
-    queued ahead: each is planned from the request's real position plus the most the steps before it can
+    launched ahead: each is planned from the request's real position plus the most the steps before it can
     accept (the device then takes the real position from the previous step's results), so blocks grow at
     the real rate, the captured tables always fit, and the tokens match the sequential path."""
     args, w = mimic_target()

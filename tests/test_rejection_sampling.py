@@ -83,13 +83,13 @@ def test_greedy_accepts_longest_matching_prefix_plus_bonus() -> None:
 def test_deterministic_drafts_emit_the_targets_own_draws() -> None:
     """With drafts chosen deterministically, a step emits the target's inverse-CDF draws at its rows, and
     accepts exactly the drafts that equal them: the output does not depend on the drafts."""
-    from mtpserve.speculative.sampling import sample_from_uniform
+    from mtpserve.speculative.sampling import sample_at_threshold
 
     g = torch.Generator().manual_seed(3)
     n, k = 2_000, 3
     target = torch.softmax(2 * torch.randn(n, k + 1, V, generator=g), dim=-1)
     u = torch.rand(n, k + 1, generator=g)
-    draws = sample_from_uniform(target, u)
+    draws = sample_at_threshold(target, u)
     keep = torch.rand(n, k, generator=g) < 0.6  # drafts that equal the draws, others shifted away from them
     drafts = torch.where(keep, draws[:, :k], (draws[:, :k] + 1) % V)
     n_acc, tokens = verify(target, drafts, u, None)
@@ -118,19 +118,19 @@ def test_second_position_with_deterministic_drafts() -> None:
 
 
 def test_keyed_uniforms_are_uniform_and_a_function_of_key_and_position() -> None:
-    """The keyed uniforms pass a Kolmogorov-Smirnov test along positions and across keys, repeat for the
+    """The keyed thresholds pass a Kolmogorov-Smirnov test along positions and across keys, repeat for the
     same key and position, and differ between neighbouring keys."""
     from scipy.stats import kstest
 
-    from mtpserve.speculative.sampling import keyed_uniforms, sampling_key
+    from mtpserve.speculative.sampling import keyed_thresholds, sampling_key
 
     key = sampling_key(1234)
     assert key == sampling_key(1234) != sampling_key(1235)
-    along = keyed_uniforms(torch.tensor([[key]]), torch.arange(50_000)[None])[0]
-    across = keyed_uniforms(torch.tensor([sampling_key(s) for s in range(20_000)]), torch.tensor(77))
+    along = keyed_thresholds(torch.tensor([[key]]), torch.arange(50_000)[None])[0]
+    across = keyed_thresholds(torch.tensor([sampling_key(s) for s in range(20_000)]), torch.tensor(77))
     for u in (along, across):
         assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
         assert kstest(u.double().numpy(), "uniform").pvalue > 1e-3
-    again = keyed_uniforms(torch.tensor([[key]]), torch.arange(100)[None])[0]
+    again = keyed_thresholds(torch.tensor([[key]]), torch.arange(100)[None])[0]
     assert torch.equal(again, along[:100])
     assert float(torch.corrcoef(torch.stack([along[:-1], along[1:]]))[0, 1]) < 0.02

@@ -75,7 +75,7 @@ def engine(
                 replay=replay,
             ),
         )
-        eng._overlap_runner = eng.target  # queued steps take their inputs from the previous step's results
+        eng._launcher = eng.target  # launched steps take their inputs from the previous step's results
     elif path == "uniform":
         with_steps(
             eng,
@@ -164,9 +164,9 @@ def test_a_recording_matches_the_engines_counters_and_replays_to_the_same_tokens
     assert [c.token_ids for c in replayed.generate(prompts, {"max_tokens": 24})] == [c.token_ids for c in reference]
 
 
-def test_recording_through_tree_steps_queued_ahead_gives_the_eager_streams() -> None:
-    """A tree step queued ahead carries placeholder drafts (its tree comes from the step before on the device);
-    the recorder is told the tree each step verified, so recording through queued tree steps gives the eager
+def test_recording_through_tree_steps_launched_ahead_gives_the_eager_streams() -> None:
+    """A tree step launched ahead carries placeholder drafts (its tree comes from the step before on the device);
+    the recorder is told the tree each step verified, so recording through launched tree steps gives the eager
     engine's paths."""
     prompts = random_prompts(5, 96, [21, 1, 40, 9, 13], seed=3)
     want = record_engine(engine(TREE, None, trained=True), prompts, 24)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpserve.speculative.sampling import processed_probs, sample_from_uniform
+from mtpserve.speculative.sampling import processed_probs, sample_at_threshold
 
 from tiny import random_prompts, tiny_args, tiny_engine, tiny_weights
 
@@ -25,7 +25,7 @@ def test_top_k_and_top_p_restrict_support() -> None:
 def test_inverse_cdf_sampling_frequencies() -> None:
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3]).expand(40000, 4)
     u = torch.rand(40000, generator=torch.Generator().manual_seed(0))
-    counts = torch.bincount(sample_from_uniform(probs, u), minlength=4).float() / 40000
+    counts = torch.bincount(sample_at_threshold(probs, u), minlength=4).float() / 40000
     assert counts[1] == 0
     assert torch.allclose(counts, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.01)
 

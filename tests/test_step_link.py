@@ -139,7 +139,7 @@ def rank(request: pytest.FixtureRequest, model: tuple[str, str]) -> Iterator[Loc
 )
 def test_remote_steps_match_the_in_process_engine(rank: LocalRank, model: tuple[str, str]) -> None:
     """Greedy and seeded sampling requests, a late arrival and an abort through the step link: the same
-    tokens and finish reasons as the in-process engine, most decode steps queued ahead on the rank, every
+    tokens and finish reasons as the in-process engine, most decode steps launched ahead on the rank, every
     KV block returned."""
     args, _ = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [21, 5, 13, 9], seed=11)
@@ -150,7 +150,7 @@ def test_remote_steps_match_the_in_process_engine(rank: LocalRank, model: tuple[
     assert got["tokens"] == want["tokens"] and got["reasons"] == want["reasons"]
     assert got["blocks_held"] == 0
     hops = eng.target.hops  # type: ignore[attr-defined]
-    assert rank.launches > hops["steps"] / 2, "most decode steps must be queued ahead"
+    assert rank.launches > hops["steps"] / 2, "most decode steps must be launched ahead"
     assert hops["worker_s"] > 0 and hops["output_bytes"] > 0
 
 
@@ -171,7 +171,7 @@ def test_tree_steps_queue_ahead_on_a_rank_drafting_in_process(model: tuple[str, 
         assert got["blocks_held"] == 0 and want["acceptance"] > 0
         assert r.launches_after >= 5 and r.launches_after > eng.target.hops["steps"] / 2  # type: ignore[attr-defined]
         rid = eng.add_request([1, 2, 3], {"max_tokens": 20})
-        for _ in range(4):  # the aborted request's queued step is read first, then the prompt, then trees
+        for _ in range(4):  # the aborted request's launched step is read first, then the prompt, then trees
             eng.step()
         plan = eng._launched[-1].plan
         assert [s.request_id for s in plan.seqs] == [rid]
@@ -261,10 +261,10 @@ def expected_replies(requests: list[wpb.StepRequest]) -> list[list[int]]:
 def test_launched_steps_are_answered_in_order_and_early_when_finished(
     model: tuple[str, str], monkeypatch: pytest.MonkeyPatch, ahead: int
 ) -> None:
-    """With 1 or 2 steps queued ahead, each message releases the replies the protocol says (the launched
+    """With 1 or 2 steps launched ahead, each message releases the replies the protocol says (the launched
     steps past `unanswered`, oldest first). When the device has finished such a step by the time a LAUNCH
     arrives, the rank answers it before queueing the new step (the scheduler plans meanwhile); while the
-    device still runs it, the new step is queued first. Both orders give the same replies."""
+    device still runs it, the new step is launched first. Both orders give the same replies."""
     from mtpserve.workers.step_session import StepSession
 
     for k in (0, K):
@@ -352,7 +352,7 @@ def test_a_broken_link_fails_the_step_as_unavailable(model: tuple[str, str]) -> 
 @pytest.mark.parametrize("k", [0, K])
 def test_a_step_that_raises_leaves_no_reply_behind(model: tuple[str, str], k: int) -> None:
     """An engine step that raises after its next step was queued on the rank (here the scheduler's update,
-    once): the queued step's reply is read and dropped, so the next request's steps get their own replies
+    once): the launched step's reply is read and dropped, so the next request's steps get their own replies
     and the in-process engine's tokens, and the target stays healthy."""
     r = LocalRank(config(model, k), "socket")
     try:

@@ -241,7 +241,7 @@ def test_a_wrong_residual_would_be_caught() -> None:
 
 def candidate_counts(p: torch.Tensor, kids: list[int], trials: int, seed: int) -> tuple[torch.Tensor, list[int]]:
     """Counts of the first emitted token over `trials` walks with fixed candidate children `kids` of the root,
-    each over the target's draws from fresh uniforms, and how often each child was accepted."""
+    each over the target's draws from fresh thresholds, and how often each child was accepted."""
     g = torch.Generator().manual_seed(seed)
     vocab = p.numel()
     tree = DraftTree(torch.tensor([0, *kids]), torch.tensor([-1] + [0] * len(kids)))
@@ -295,7 +295,7 @@ def test_fixed_candidates_without_the_residual_would_be_caught() -> None:
 
 def test_batched_walks_match_the_per_tree_rules() -> None:
     """greedy_walk equals greedy_accept on random trees; the target's draws from one-hot distributions are the
-    argmax (the greedy rule inside a sampling step), whatever the uniforms."""
+    argmax (the greedy rule inside a sampling step), whatever the thresholds."""
     rng = random.Random(3)
     vocab, n, depth, width = 12, 9, 4, 3
     trees, argmaxes = [], []

@@ -1,4 +1,4 @@
-"""Tree steps queued ahead: the next tree step is launched before this one's tokens are read, its tokens,
+"""Tree steps launched ahead: the next tree step is launched before this one's tokens are read, its tokens,
 positions and tree taken from this step's results on the device. Run eagerly on CPU over the fixed buffers
 that CUDA captures, against the same engine reading every tree step before planning the next."""
 
@@ -22,7 +22,7 @@ TREE = {"num_draft_tokens": 3, "tree_budget": 8, "tree_width": 3}
 
 
 def tree_engine(overlap: bool, spec: dict[str, int] = TREE, ahead: int = 1) -> tuple[LLMEngine, list[int]]:
-    """A tiny mimic engine drafting trees through the fixed-buffer tree step, `ahead` tree steps queued ahead
+    """A tiny mimic engine drafting trees through the fixed-buffer tree step, `ahead` tree steps launched ahead
     or none; records, per tree launch, whether it read its inputs from the previous step."""
     args, w = mimic_target()
     model = {"overlap_steps": overlap, "overlap_speculative": overlap, "steps_ahead": ahead}
@@ -79,12 +79,12 @@ def stop_on(prompt: list[int], params: dict[str, Any], at: int) -> dict[str, Any
     ],
     ids=["d3", "d4", "d3-triton", "d3-two-ahead"],
 )
-def test_greedy_trees_queued_ahead_emit_the_same_tokens(
+def test_greedy_trees_launched_ahead_emit_the_same_tokens(
     spec: dict[str, int], kernels: bool, ahead: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stop token, max_tokens, a late arrival and an abort: the same tokens, finish reasons and acceptance
-    counts as reading every tree step before planning the next, target-only's tokens, most tree steps queued
-    ahead (one or two), and every KV block returned; with `kernels`, the queued steps' walks and inputs go
+    counts as reading every tree step before planning the next, target-only's tokens, most tree steps launched
+    ahead (one or two), and every KV block returned; with `kernels`, the launched steps' walks and inputs go
     through the tree step's Triton kernels (as on CUDA; interpreted here) and the torch ones never run."""
     if kernels:
         from mtpserve.modeling import fused_kernels
@@ -113,13 +113,13 @@ def test_greedy_trees_queued_ahead_emit_the_same_tokens(
     target_only = tiny_engine(args, w).generate([prompts[1], prompts[3]], {"max_tokens": 9})
     assert got["tokens"]["r1"] == target_only[0].token_ids
     assert got["tokens"]["r3"][:9] == target_only[1].token_ids
-    assert sum(chained) >= 5 and sum(chained) > len(chained) // 2, f"most tree steps must be queued ahead: {chained}"
+    assert sum(chained) >= 5 and sum(chained) > len(chained) // 2, f"most tree steps must be launched ahead: {chained}"
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
-def test_seeded_sampling_trees_queued_ahead_draw_the_same_tokens(ahead: int) -> None:
+def test_seeded_sampling_trees_launched_ahead_draw_the_same_tokens(ahead: int) -> None:
     """Sampling requests (temperature only, top-k / top-p) next to a greedy one, one stopping on a token and
-    one aborted: each request draws its walk's uniforms in the same order queued ahead (one or two steps)
+    one aborted: each request draws its walk's thresholds in the same order launched ahead (one or two steps)
     or not, so the tokens and finish reasons are the same."""
     args, _ = mimic_target()
     prompts = random_prompts(4, args.vocab_size, [12, 7, 16, 10], seed=5)
@@ -139,8 +139,8 @@ def test_seeded_sampling_trees_queued_ahead_draw_the_same_tokens(ahead: int) -> 
     assert sum(chained) >= 5 and sum(chained) > len(chained) // 2, chained
 
 
-def test_tree_steps_queued_ahead_keep_the_draft_kv() -> None:
-    """Two requests decoding: after many tree steps queued ahead, each request's draft KV over its computed
+def test_tree_steps_launched_ahead_keep_the_draft_kv() -> None:
+    """Two requests decoding: after many tree steps launched ahead, each request's draft KV over its computed
     positions equals that of the run that reads every step first."""
     args, _ = mimic_target()
     prompts = random_prompts(2, args.vocab_size, [15, 22], seed=8)
@@ -229,7 +229,7 @@ def test_the_device_advance_writes_what_the_host_fill_writes(kernel: bool) -> No
     dev.fill([[r] + [0] * budget for r in rows], [0] * m, tables, bucket)
     for _ in range(2):  # stale trees in both host twins, then the queued fill
         dev_trees.fill(torch.zeros(m, q, dtype=torch.long).numpy(), bucket)
-    dev_trees.fill_queued(m, bucket)
+    dev_trees.fill_launched(m, bucket)
     advance_trees(previous, cols, dev, dev_trees, m)
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"):
         assert torch.equal(getattr(dev, name), getattr(host, name)), name

@@ -177,8 +177,8 @@ def with_steps(eng: LLMEngine, **steps: Any) -> TargetRunner:
     old = eng.target
     runner = rebuilt(old, **steps)
     eng.target = runner
-    if eng._overlap_runner is old:
-        eng._overlap_runner = runner
+    if eng._launcher is old:
+        eng._launcher = runner
     return runner
 
 

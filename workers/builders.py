@@ -159,7 +159,7 @@ def depth_policy(
     """The adaptive policy over chain depths 0..k and the draft tree `tree` (if any): step costs per (batch
     bucket, kind) timed once on the fused depth steps and the tree step when there are some (`fused` and
     `tree_step`, or their times from another process in `timed`, keyed by (bucket, draft count): a depth,
-    or the tree's budget), else observed from the engine's own steps. Tree steps are queued ahead like chain
+    or the tree's budget), else observed from the engine's own steps. Tree steps are launched ahead like chain
     steps, so their timed replays stand for them as the chains' do."""
     if isinstance(fused, FusedDepthSteps):
         timed = fused.time_steps()

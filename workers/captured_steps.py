@@ -1,5 +1,5 @@
 """The fixed-shape steps a target runner replays (`CapturedSteps`), given to it when it is built, and what each
-kind of step offers (`CapturedStep`, `QueueableStep`)."""
+kind of step offers (`CapturedStep`, `LaunchableStep`)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ class CapturedStep(Protocol):
         ...
 
 
-class QueueableStep(CapturedStep, Protocol):
-    """A captured step that can be queued before the one ahead of it is read: chain and tree steps."""
+class LaunchableStep(CapturedStep, Protocol):
+    """A captured step that can be launched before the one ahead of it is read: chain and tree steps."""
 
     def launch(
         self, plan: StepPlan, bucket: int, keys: list[int] | None = None, after: torch.Tensor | None = None

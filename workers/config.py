@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mtpserve.modeling.gemv_tiles import parse_table
 
-MAX_STEPS_AHEAD = 2  # steps queued on the device ahead of the one being read (host buffers rotate over one more)
+MAX_STEPS_AHEAD = 2  # steps launched on the device ahead of the one being read (host buffers rotate over one more)
 
 
 class _Strict(BaseModel):
@@ -69,9 +69,9 @@ class ModelConfig(_Strict):
         None,
         ge=1,
         le=MAX_STEPS_AHEAD,
-        description="overlapped decoding: how many steps are queued on the device ahead of the one whose tokens "
+        description="overlapped decoding: how many steps are launched on the device ahead of the one whose tokens "
         "are read; None picks 1 in process and 2 over Ray ranks, where the plan's round trip to the ranks must "
-        "fit in the steps queued ahead",
+        "fit in the steps launched ahead",
     )
     fused_steps: bool = Field(
         True,
@@ -109,8 +109,8 @@ class ModelConfig(_Strict):
             parse_table(value)
         return value
 
-    def queued_steps(self, remote: bool) -> int:
-        """Steps queued ahead of the one being read: `steps_ahead`, else 2 for Ray ranks and 1 in process."""
+    def launched_ahead(self, remote: bool) -> int:
+        """Steps launched ahead of the one being read: `steps_ahead`, else 2 for Ray ranks and 1 in process."""
         return self.steps_ahead or (2 if remote else 1)
 
 

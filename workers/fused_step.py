@@ -112,7 +112,7 @@ class FusedSpecStep:
 
     def warm_up(self) -> None:
         """Compile the input-advancing kernel before serving (its first call would otherwise stall the
-        first queued step of this depth); leaves the buffers padded."""
+        first launched step of this depth); leaves the buffers padded."""
         b = self.buffers
         b.fill([], [], [], b.max_batch)
         previous = torch.zeros(b.max_batch, 2 * self.k + 3, dtype=torch.long, device=b.input_ids.device)

@@ -71,7 +71,7 @@ class CapturedSteps:
 
     def capture(self, pool: Any = None) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its pool (or `pool`, another
-        CapturedSteps' pool: safe because a step's outputs are consumed before the next replay is queued).
+        CapturedSteps' pool: safe because a step's outputs are consumed before the next replay is launched).
         The garbage collector is paused meanwhile: collecting an unreachable graph during a capture
         invalidates the capture."""
         if not self.enabled:
@@ -136,7 +136,7 @@ def _bind_mode(fn: Callable[[int, SamplingMode], Any], mode: SamplingMode, bucke
 
 class GreedyAndSampledSteps:
     """The captured variants of a uniform generation step, one per `SamplingMode`: all-greedy; sampling
-    with temperature only; sampling with top-k/top-p too (temperature, top-k, top-p and uniforms read from
+    with temperature only; sampling with top-k/top-p too (temperature, top-k, top-p and thresholds read from
     fixed buffers). A sampling variant that cannot be captured runs eagerly over the same buffers."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""What a runner can queue on the device ahead of reading it (`LaunchSpec`), and a queued step (`LaunchedStep`)."""
+"""What a runner can queue on the device ahead of reading it (`LaunchSpec`), and a launched step (`LaunchedStep`)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class LaunchSpec:
 
 @dataclass
 class LaunchedStep:
-    """A generation step queued on the device whose tokens are not read yet."""
+    """A generation step launched on the device whose tokens are not read yet."""
 
     plan: StepPlan
     results: torch.Tensor  # device [m, W]: this step's packed results, which the next launch may read

@@ -11,7 +11,7 @@ a CUDA graph captured per bucket.
   table is padded with the scratch block far enough that they read only real or scratch keys, so every
   value stays finite. Real rows never see them (causal order).
 - The first token is taken from the last real row on the device: greedy, or sampled with the request's
-  temperature, top-k and top-p and its sampling key (the uniform of the token's position, as every step
+  temperature, top-k and top-p and its sampling key (the threshold of the token's position, as every step
   draws it), in fixed buffers; one graph per sampling mode, as for generation steps.
 - With a colocated MTP chain the draft re-runs over the chunk in the same graph. Row i reads token i+1;
   the last row reads the worker's fixed-address lookahead tensor (the next prompt token for a non-final
@@ -42,9 +42,9 @@ from mtpserve.speculative.messages import DraftOutputs, SeqPlan, SeqResult, Step
 from mtpserve.speculative.mtp_chain import MTPEagleChain, chain_from
 from mtpserve.speculative.sampling import (
     SamplingMode,
-    keyed_uniforms,
+    keyed_thresholds,
     processed_probs,
-    sample_from_uniform,
+    sample_at_threshold,
     sampling_mode,
 )
 from mtpserve.workers.graph_runner import CapturedSteps, GreedyAndSampledSteps, pick_bucket
@@ -101,10 +101,10 @@ class PrefillBuffers:
         )  # fmt: skip
 
     def sampling(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(temperature, top_k, top_p, uniform), one row each: the uniform of the position the chunk's last row
+        """(temperature, top_k, top_p, threshold), one row each: the threshold of the position the chunk's last row
         predicts, from the request's key."""
         t, k, p, key = self.fpacked.split(1)
-        return t, k, p, keyed_uniforms(key.view(torch.int32), self.positions.index_select(0, self.last_row) + 1)
+        return t, k, p, keyed_thresholds(key.view(torch.int32), self.positions.index_select(0, self.last_row) + 1)
 
     @property
     def max_tokens(self) -> int:
@@ -194,7 +194,7 @@ class CapturedPrefill:
         else:
             t, k, p, u = b.sampling()
             probs = processed_probs(self.model.logits(last_hidden), t, k, p, mode is SamplingMode.FILTERED)
-            token = sample_from_uniform(probs, u)
+            token = sample_at_threshold(probs, u)
         c = self.chain
         if c is None:
             return token[:, None]

@@ -16,15 +16,15 @@ from mtpserve.speculative.logits_processing import (
 from mtpserve.speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from mtpserve.speculative.sampling import (
     SamplingMode,
-    keyed_uniforms,
+    keyed_thresholds,
     processed_probs,
-    sample_from_uniform,
+    sample_at_threshold,
     sampling_key,
     sampling_mode,
 )
 from mtpserve.speculative.tree import DraftTree, forced_walk
 from mtpserve.speculative.verify import ForcedAcceptance, forced_chain, verify, verify_greedy
-from mtpserve.workers.captured_steps import CapturedSteps, QueueableStep
+from mtpserve.workers.captured_steps import CapturedSteps, LaunchableStep
 from mtpserve.workers.eager_rows import Verified, processed_logits
 from mtpserve.workers.launch_spec import LaunchedStep, LaunchSpec
 from mtpserve.workers.step_buffers import HOST_TWINS
@@ -66,7 +66,7 @@ class TargetRunner:
         self._spec = self._build_launch_spec()
 
     def discard(self) -> None:
-        """Nothing to forget: steps queued in this process go with the engine's queue."""
+        """Nothing to forget: steps launched in this process go with the engine's queue."""
 
     def shutdown(self) -> None:
         """Nothing to release in process."""
@@ -77,11 +77,11 @@ class TargetRunner:
             key = self._keys[sp.request_id] = sampling_key(sp.seed)
         return key
 
-    def _uniforms(self, seqs: list[SeqPlan], offsets: list[list[int]]) -> torch.Tensor:
-        """Keyed uniforms [len(seqs), n] of positions start + offset for each sequence (its rows' offsets)."""
+    def _thresholds(self, seqs: list[SeqPlan], offsets: list[list[int]]) -> torch.Tensor:
+        """Keyed thresholds [len(seqs), n] of positions start + offset for each sequence (its rows' offsets)."""
         keys = torch.tensor([[self._key(s)] for s in seqs], dtype=torch.long)
         positions = torch.tensor([[s.start + o for o in offs] for s, offs in zip(seqs, offsets, strict=True)])
-        return keyed_uniforms(keys, positions).to(self.device)
+        return keyed_thresholds(keys, positions).to(self.device)
 
     @torch.no_grad()
     def forward(self, plan: StepPlan) -> torch.Tensor:
@@ -142,13 +142,13 @@ class TargetRunner:
             return None
         tree = spec.is_tree(plan)
         if after is not None and after.tree != tree:
-            raise ValueError(f"step {plan.step_id}: a queued step reads the results of a step of its own kind")
+            raise ValueError(f"step {plan.step_id}: a launched step reads the results of a step of its own kind")
         for rid in plan.finished_request_ids:
             self._keys.pop(rid, None)
         previous = None if after is None else after.results
-        queued: QueueableStep | None = self.steps.tree if tree else self.steps.chain
-        if queued is not None:
-            results = queued.launch(plan, bucket, self.keys(plan), previous)
+        launchable: LaunchableStep | None = self.steps.tree if tree else self.steps.chain
+        if launchable is not None:
+            results = launchable.launch(plan, bucket, self.keys(plan), previous)
         else:
             assert self.steps.target is not None  # a spec without tree or chain steps takes target-only steps
             tokens = None if previous is None else previous[:, 1]
@@ -174,9 +174,9 @@ class TargetRunner:
         """Wait for a launched step and return its tokens (and, with the fused or tree step, the next drafts)."""
         if step.ready is not None:
             step.ready.synchronize()
-        queued: QueueableStep | None = self.steps.tree if step.tree else self.steps.chain
-        if queued is not None:
-            return queued.read(step.plan, step.host)
+        launchable: LaunchableStep | None = self.steps.tree if step.tree else self.steps.chain
+        if launchable is not None:
+            return launchable.read(step.plan, step.host)
         return token_results(step.plan, step.host.tolist())
 
     @torch.no_grad()
@@ -371,7 +371,7 @@ class TargetRunner:
             else:
                 probs = None if greedy else self._probs([s], lg)
                 depths = [list(range(1, int(tree.depth().max()) + 2))]
-                path, bonus = accept(tree, lg, probs, None if greedy else self._uniforms([s], depths)[0])
+                path, bonus = accept(tree, lg, probs, None if greedy else self._thresholds([s], depths)[0])
             done.paths[i] = path
             done.tokens[i] = [s.token_ids[n] for n in path] + [bonus]
             done.accepted[i], done.last_token[i] = len(path), bonus
@@ -387,7 +387,7 @@ class TargetRunner:
         return path[0, : int(n_acc[0])].tolist(), int(bonus[0])
 
     def keys(self, plan: StepPlan) -> list[int] | None:
-        """Each request's sampling key for a captured step (which draws its uniforms on the device), or None
+        """Each request's sampling key for a captured step (which draws its thresholds on the device), or None
         when every request is greedy."""
         if all(s.temperature <= 0 for s in plan.seqs):
             return None
@@ -401,8 +401,8 @@ class TargetRunner:
             return out.tolist()
         seqs = [plan.seqs[members[j]] for j in final]
         probs = self._probs(seqs, logits[final])
-        u = self._uniforms(seqs, [[len(s.token_ids)] for s in seqs])[:, 0]
-        out[final] = sample_from_uniform(probs, u)
+        u = self._thresholds(seqs, [[len(s.token_ids)] for s in seqs])[:, 0]
+        out[final] = sample_at_threshold(probs, u)
         return out.tolist()
 
     def _probs(self, seqs: list[SeqPlan], logits: torch.Tensor) -> torch.Tensor:
@@ -421,7 +421,7 @@ class TargetRunner:
         seqs = [plan.seqs[i] for i in members]
         g, k1, v = logits.shape
         probs = self._probs(seqs, logits.reshape(g * k1, v)).reshape(g, k1, v)
-        u = self._uniforms(seqs, [list(range(1, k1 + 1))] * len(seqs))
+        u = self._thresholds(seqs, [list(range(1, k1 + 1))] * len(seqs))
         q = None
         if all(s.draft_probs is not None for s in seqs):
             q = torch.stack([s.draft_probs for s in seqs]).to(self.device)  # type: ignore[misc]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from mtpserve.speculative.messages import SeqPlan
-from mtpserve.speculative.sampling import keyed_uniforms
+from mtpserve.speculative.sampling import keyed_thresholds
 from mtpserve.speculative.verify import ForcedAcceptance
 from mtpserve.workers.config import MAX_STEPS_AHEAD
 
@@ -24,7 +24,7 @@ class StepBuffers:
     Every field is a view of one packed device tensor (and its pinned host twins), laid out as
     [input_ids | positions | slot_mapping | seq_lens | block_tables], so a step is one host-to-device copy
     of the prefix that the step uses. Steps rotate over HOST_TWINS host twins, so a step can be filled
-    while the copies of the steps queued before it may still wait behind the GPU.
+    while the copies of the steps launched before it may still wait behind the GPU.
     """
 
     packed: torch.Tensor  # device int64, every field below is a view of it
@@ -96,16 +96,16 @@ class StepBuffers:
         return [t.data_ptr() for t in (*ints, self.temperature, self.top_k, self.top_p, self.keys)]
 
     def sampling(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(temperature, top_k, top_p, uniforms [bucket, Q]) of the first `bucket` sequences: the uniforms of
-        the positions their rows predict (`uniforms`)."""
-        return self.temperature[:bucket], self.top_k[:bucket], self.top_p[:bucket], self.uniforms(bucket, self.q_len)
+        """(temperature, top_k, top_p, thresholds [bucket, Q]) of the first `bucket` sequences: the thresholds of
+        the positions their rows predict (`thresholds`)."""
+        return self.temperature[:bucket], self.top_k[:bucket], self.top_p[:bucket], self.thresholds(bucket, self.q_len)
 
-    def uniforms(self, bucket: int, n: int) -> torch.Tensor:
-        """Keyed uniforms [bucket, n] of positions start+1..start+n, start being each sequence's first row's
+    def thresholds(self, bucket: int, n: int) -> torch.Tensor:
+        """Keyed thresholds [bucket, n] of positions start+1..start+n, start being each sequence's first row's
         position (on the device, so steps whose inputs are advanced there get theirs too)."""
         start = self.positions[: bucket * self.q_len].view(bucket, self.q_len)[:, :1]
         offsets = torch.arange(1, n + 1, device=start.device)
-        return keyed_uniforms(self.keys[:bucket, None], start + offsets)
+        return keyed_thresholds(self.keys[:bucket, None], start + offsets)
 
     def fill_sampling(
         self,

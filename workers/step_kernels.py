@@ -1,6 +1,6 @@
 """Inputs of an overlapped speculative step, taken on the device from the previous step's results.
 
-A speculative step queued before the previous one has been read gets, per sequence, its tokens (the last
+A speculative step launched before the previous one has been read gets, per sequence, its tokens (the last
 emitted token, then the new drafts), positions, KV slots and length from the previous step's packed
 results [emitted K+1 | accepted | drafts K | next start]. In torch that is about fifteen small launches;
 `advance_inputs` on CUDA does it in one Triton launch (CPU tests run the same kernel via TRITON_INTERPRET)

@@ -1,11 +1,11 @@
 """A target rank's side of the step stream: runs, launches and collects steps in the scheduler's order.
 
 The scheduler sends EXECUTE for a step it needs answered at once, LAUNCH / LAUNCH_AFTER for a captured
-generation step it wants queued on the device while it plans the next ones, and COLLECT to have the oldest
+generation step it wants launched on the device while it plans the next ones, and COLLECT to have the oldest
 launched step answered when nothing more follows. A LAUNCH message says how many launched steps, its own
 included, stay unanswered after it (the scheduler's steps ahead); the older ones are answered. If the device
-is still running such a step, the new step is queued first, so the device is never idle for the hop. If it
-has finished, its reply goes out before the new step is queued, so the scheduler plans while this rank
+is still running such a step, the new step is launched first, so the device is never idle for the hop. If it
+has finished, its reply goes out before the new step is launched, so the scheduler plans while this rank
 queues, instead of waiting for it. Before an EXECUTE every launched step is answered. Messages that do not
 fit this order are refused.
 """
@@ -103,7 +103,7 @@ class StepSession:
         owed = len(self.pending) + 1 - max(1, req.unanswered)  # launched steps this message releases
         while owed > 0 and self._finished(self.pending[0][0]):
             owed -= 1
-            yield self._finish()  # the scheduler plans the step after while this one is queued
+            yield self._finish()  # the scheduler plans the step after while this one is launched
         launched = self.runner.launch(plan, after)
         if launched is None:
             why = f"step {plan.step_id} is not a captured generation step of this rank; it cannot be launched"

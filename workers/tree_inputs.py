@@ -1,7 +1,7 @@
-"""Fixed-address inputs of a tree step, and a queued tree step's inputs taken from the previous one's results.
+"""Fixed-address inputs of a tree step, and a launched tree step's inputs taken from the previous one's results.
 
 A tree step reads, besides the `StepBuffers` every uniform step has, each row's depth and parent and each
-tree's ancestor mask (`TreeBuffers`). The host fills them from a plan's `draft_parents`; a tree step queued
+tree's ancestor mask (`TreeBuffers`). The host fills them from a plan's `draft_parents`; a tree step launched
 before the previous one has been read takes them on the device instead (`advance_trees`): from that step's
 packed results (`ResultColumns`) it gets each request's next tokens (the bonus token, then the N drafted
 nodes), positions, KV slots and length, and its next tree's parents, depths and ancestor mask (found by
@@ -59,7 +59,7 @@ class ResultColumns:
 
 class TreeBuffers:
     """Fixed-address tree inputs: each row's depth and parent, and each tree's ancestor mask, sent in one copy
-    from one of HOST_TWINS rotating host twins (so a step can be filled while the copies of the steps queued before
+    from one of HOST_TWINS rotating host twins (so a step can be filled while the copies of the steps launched before
     it are waiting)."""
 
     def __init__(self, max_batch: int, q_len: int, device: torch.device) -> None:
@@ -93,7 +93,7 @@ class TreeBuffers:
         self._send(bucket)
         return depth[:n].copy()
 
-    def fill_queued(self, n: int, bucket: int) -> None:
+    def fill_launched(self, n: int, bucket: int) -> None:
         """`fill` for a step whose n trees `advance_trees` writes on the device: only the padding rows (up to
         `bucket`) and the roots' parent (-1) are written here."""
         _, par, _ = self._stage(n, bucket)
@@ -136,7 +136,7 @@ def advance_trees(previous: torch.Tensor, cols: ResultColumns, b: StepBuffers, t
     """Overwrite the first m sequences' inputs in `b` and `t` from a previous tree step's results `previous`
     [*, cols.width] on the device: each sequence's first token slot holds its row there. Its tokens become
     [bonus, drafts], its positions start + i, its tree the row's parents (depths and ancestor mask from
-    them); the root's parent stays the -1 the host wrote (`TreeBuffers.fill_queued`)."""
+    them); the root's parent stays the -1 the host wrote (`TreeBuffers.fill_launched`)."""
     q, bs = b.q_len, b.block_size
     src = previous.index_select(0, b.input_ids.view(-1, q)[:m, 0])  # [m, width]
     n_acc = src[:, cols.accepted : cols.accepted + 1]

@@ -7,8 +7,8 @@
   `greedy_walk` picks) is accepted, and the walk stops at the first level without one. It writes what
   `greedy_walk` returns and, for level l, the slot the accepted node's KV moves from (its own slot, or the
   destination when the walk stopped) and the slot of position start + l + 1 it moves to.
-- `advance_trees`: a queued tree step's inputs from the previous step's results, `tree_inputs.advance_trees`
-  (about twenty launches plus two per level, before every queued step) as one program per sequence.
+- `advance_trees`: a launched tree step's inputs from the previous step's results, `tree_inputs.advance_trees`
+  (about twenty launches plus two per level, before every launched step) as one program per sequence.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from mtpserve.workers.tree_inputs import ResultColumns, TreeBuffers, advance_tre
 
 
 def tree_kernels_apply(t: torch.Tensor) -> bool:
-    """Whether steps over device tensors like t walk their trees (greedy) and advance queued trees in single
+    """Whether steps over device tensors like t walk their trees (greedy) and advance launched trees in single
     Triton launches (`workers/tree_kernels.py`): on CUDA."""
     return t.is_cuda and fused_kernels.available()
 
@@ -129,7 +129,7 @@ class FusedTreeStep:
                 b.top_p[:bucket].repeat_interleave(q),
                 mode is SamplingMode.FILTERED,
             ).view(bucket, q, -1)
-            choice = tree_draws(probs, b.uniforms(bucket, d + 1), self.trees.depth[:bucket])
+            choice = tree_draws(probs, b.thresholds(bucket, d + 1), self.trees.depth[:bucket])
         if self.forced is not None:  # greedy steps only (replays refuse sampling requests)
             n_acc, path, bonus = forced_walk(self.forced.rows(bucket), choice, d)
         elif tree_kernels_apply(tokens):
@@ -156,12 +156,12 @@ class FusedTreeStep:
         return meta_for
 
     def warm_up(self) -> None:
-        """Compile the queued-input kernel before serving (its first call would otherwise stall the first
-        queued tree step); leaves the buffers padded."""
+        """Compile the launched-input kernel before serving (its first call would otherwise stall the first
+        launched tree step); leaves the buffers padded."""
         b = self.buffers
         previous = torch.zeros(b.max_batch, self.columns.width, dtype=torch.long, device=b.input_ids.device)
         b.fill([], [], [], b.max_batch)
-        self.trees.fill_queued(b.max_batch, b.max_batch)
+        self.trees.fill_launched(b.max_batch, b.max_batch)
         self._advance(previous, b.max_batch)
         b.fill([], [], [], b.max_batch)
         self.trees.fill(np.zeros((0, self.q_len), dtype=np.int64), b.max_batch)
@@ -195,7 +195,7 @@ class FusedTreeStep:
         if after is None:
             self.trees.fill(np.array([[-1, *(s.draft_parents or [])] for s in seqs], dtype=np.int64), bucket)
         else:
-            self.trees.fill_queued(len(seqs), bucket)
+            self.trees.fill_launched(len(seqs), bucket)
         if self.forced is not None:
             self.forced.fill(seqs, bucket)
         mode = SamplingMode.GREEDY

@@ -34,14 +34,14 @@ def tree_positions(seqs: list[SeqPlan], trees: list[DraftTree | None]) -> torch.
 
 
 def accept(
-    tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None, uniforms: torch.Tensor | None
+    tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None, thresholds: torch.Tensor | None
 ) -> tuple[list[int], int]:
     """(accepted node indices, bonus token) for one tree: greedy when `probs` is None, else over the target's
-    draws from its processed distributions probs [N, V] with the keyed uniforms [D+1] of the tree's depths."""
+    draws from its processed distributions probs [N, V] with the keyed thresholds [D+1] of the tree's depths."""
     if probs is None:
         return greedy_accept(tree, logits.argmax(-1))
-    assert uniforms is not None
-    return greedy_accept(tree, tree_draws(probs, uniforms.to(probs.device), tree.depth().to(probs.device)))
+    assert thresholds is not None
+    return greedy_accept(tree, tree_draws(probs, thresholds.to(probs.device), tree.depth().to(probs.device)))
 
 
 def branch_moves(seq: SeqPlan, path: list[int], block_size: int) -> tuple[list[int], list[int]]:

@@ -1,7 +1,7 @@
 """How long a captured step holds the host in `replay()` (the CUDA-graph launch) against how long the GPU
 runs it, for the target-only, fused chain and tree steps at a shape, with PDL on and off, and how many nodes
 of each kind (kernel, memcpy, memset, ...) its batch-1 greedy graph holds. A step whose launch takes longer
-than it should leaves the GPU idle when nothing is queued ahead of it.
+than it should leaves the GPU idle when nothing is launched ahead of it.
 
 python3 bench/probes/graph_launch.py --shape DIR --out $OUT      # DIR holds a config.json
 """

@@ -1,5 +1,5 @@
 """Where the Ray path's host time goes at batch 64: an engine over one target worker actor (TP=1, draft colocated,
-two steps queued ahead) decodes while py-spy samples the worker (the rank) and this process (the scheduler side),
+two steps launched ahead) decodes while py-spy samples the worker (the rank) and this process (the scheduler side),
 each into collapsed stacks; a summary of the functions holding most samples per process is printed and saved.
 
 python3 bench/probes/rank_profile.py --model $M --batch 64 --ks 0,3 --seconds 8 --py-spy PATH --out $OUT

@@ -37,8 +37,8 @@ VARIANTS = {
     "": "the serving configuration",
     "no-gemv": "Triton layer kernels, but none of the small-step kernels (matrix-vector projections with the "
     "norm/SwiGLU folded in, the greedy-token kernel and the MTP-input kernel)",
-    "no-overlap": "target-only steps read their tokens before the next step is queued (model.overlap_steps off)",
-    "no-overlap-spec": "speculative steps read before the next is queued (model.overlap_speculative off)",
+    "no-overlap": "target-only steps read their tokens before the next step is launched (model.overlap_steps off)",
+    "no-overlap-spec": "speculative steps read before the next is launched (model.overlap_speculative off)",
     "temperature-only": "sampling requests with top-p off (the captured variant that skips sorting the vocabulary); "
     "other sampling rows use top-p 0.95",
     "no-pdl": "small-step Triton kernels launched without programmatic dependent launch (model.pdl off)",
@@ -50,7 +50,7 @@ VARIANTS = {
 
 
 def sync() -> None:
-    """Wait for queued GPU work (no-op on CPU)."""
+    """Wait for the GPU work launched so far (no-op on CPU)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -166,7 +166,7 @@ def decode_run(
             emitted[o.request_id].extend(o.new_token_ids)
             full = full and not o.finished
     dt = time.perf_counter() - t0  # the last token is on the host: every step returns read tokens
-    sync()  # with overlap, one more step (queued ahead, then dropped) may still be running
+    sync()  # with overlap, one more step (launched ahead, then dropped) may still be running
     dt_drained = time.perf_counter() - t0
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)

@@ -9,12 +9,12 @@ one) and --draft (default the shipped head); `tiny` (hidden 128, 4 layers) and a
 config.json load random weights and a random head: timing only, since a random head accepts almost nothing,
 so K>0 steps there cost drafting without its gain.
 
-Setups: `in-process` (the engine in this process, one decode step queued ahead), `in-process-ahead2` (two),
+Setups: `in-process` (the engine in this process, one decode step launched ahead), `in-process-ahead2` (two),
 `ray-tp1` (a scheduler-side engine and one target worker actor with the draft colocated, steps over the
-Unix-socket link, two decode steps queued ahead), `ray-tp1-ahead1` (one), `ray-tp1-sync` (the same, every step
+Unix-socket link, two decode steps launched ahead), `ray-tp1-ahead1` (one), `ray-tp1-sync` (the same, every step
 answered before the next is planned), `ray-tp1-grpc` (the gRPC stream instead of the socket), `ray-tp2`,
 `ray-tp2-separate` (plus a draft worker actor). Per Ray step the timeline follows one step through both
-processes (SEGMENTS: to the rank, queued on the device, results read, reply encoded, back to the scheduler, the
+processes (SEGMENTS: to the rank, launched on the device, results read, reply encoded, back to the scheduler, the
 scheduler's turn until its next send), as medians; `hops_per_step` adds the scheduler's encode/decode and wait
 and the bytes per hop.
 """
@@ -55,7 +55,7 @@ HOP_KEYS = ("wait_s", "worker_s", "transit_s", "encode_s", "decode_s", "plan_byt
 SEGMENTS = {  # one answered step's path, in the order it happens (both hosts' perf_counter clocks agree)
     "to_rank": ("sent", "t_received"),  # scheduler encodes and sends, the rank's link thread wakes and reads
     "rank_queue": ("t_received", "t_queued"),  # the rank decodes, checks and queues (launch) or starts it
-    "rank_device": ("t_queued", "t_done"),  # queued until its results are read (device time, and for a queued
+    "rank_device": ("t_queued", "t_done"),  # queued until its results are read (device time, and for a launched
     # step also the next message's wait and queueing)
     "rank_reply": ("t_done", "t_replied"),  # the rank encodes its answer
     "to_scheduler": ("t_replied", "got"),  # the answer crosses back and the scheduler decodes it

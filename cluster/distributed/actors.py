@@ -199,7 +199,7 @@ class RemoteTarget:
         self.drafting = False  # whether the ranks run a draft (the engine overlaps such steps only if asked)
         self.listeners: list[Callable[[bool], None]] = []
         self.hops: dict[str, float] = {"steps": 0.0}
-        self.steps_ahead = group.cfg.model.queued_steps(remote=True)
+        self.steps_ahead = group.cfg.model.launched_ahead(remote=True)
         self._unanswered: deque[RemoteStep] = deque()  # launched, and not yet released for an answer, oldest first
         self._owed = 0  # replies every rank still sends for the steps sent so far
         self.timeline: deque[dict[str, float]] = deque(maxlen=4096)  # per answered step, both hosts' stamps

@@ -50,7 +50,7 @@ class TargetExecutor(Protocol):
 
     @property
     def steps_ahead(self) -> int | None:
-        """Steps a remote target keeps queued; None: the model config's choice."""
+        """Steps a remote target keeps launched; None: the model config's choice."""
         ...
 
     def execute(self, plan: StepPlan) -> TargetOutput:
@@ -58,7 +58,7 @@ class TargetExecutor(Protocol):
         ...
 
     def discard(self) -> None:
-        """Forget the steps queued ahead that a failed step dropped (a remote target owes their replies)."""
+        """Forget the steps launched ahead that a failed step dropped (a remote target owes their replies)."""
         ...
 
     def shutdown(self) -> None:
@@ -66,22 +66,22 @@ class TargetExecutor(Protocol):
         ...
 
 
-class QueuedStep(Protocol):
-    """A step queued on the device (in this process or on the ranks) whose tokens are not read yet."""
+class Launched(Protocol):
+    """A step launched on the device (in this process or on the ranks) whose tokens are not read yet."""
 
     plan: StepPlan
 
 
 @runtime_checkable
-class OverlapTarget(Protocol):
+class LaunchingTarget(Protocol):
     """A target that can queue a captured generation step before the one ahead of it has been read."""
 
-    def launch(self, plan: StepPlan, after: Any = None) -> QueuedStep | None:
-        """Queue `plan` (inputs from `after`'s results when given); None when it cannot be queued."""
+    def launch(self, plan: StepPlan, after: Any = None) -> Launched | None:
+        """Launch `plan` (inputs from `after`'s results when given); None when it cannot be launched."""
         ...
 
     def collect(self, step: Any) -> TargetOutput:
-        """Wait for a queued step and return its output."""
+        """Wait for a launched step and return its output."""
         ...
 
 
@@ -149,17 +149,17 @@ class LLMEngine:
         self._kind_names: dict[int, str] = {}  # a step's draft count -> its kind's name
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
-        self._overlap_runner: OverlapTarget | None = None  # set when steps may be queued ahead (see `step`)
+        self._launcher: LaunchingTarget | None = None  # set when steps may be launched ahead (see `step`)
         speculative = draft is not None or target.drafting
         if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
-            self._overlap_runner = target if isinstance(target, OverlapTarget) else None
-        self._launched: deque[QueuedStep] = deque()  # queued steps whose tokens are not read yet (see `step`)
+            self._launcher = target if isinstance(target, LaunchingTarget) else None
+        self._launched: deque[Launched] = deque()  # launched steps whose tokens are not read yet (see `step`)
         self._period_start = 0.0  # when the last step began (`_observe_period`)
-        self._read: tuple[int, int] | None = None  # (batch, draft count) of the queued step the last call read
+        self._read: tuple[int, int] | None = None  # (batch, draft count) of the launched step the last call read
         self._steady = False  # whether the step read before it was of the same kind
         self._refill = True  # plan ahead while fewer than `steps_ahead` steps follow the one to read
-        # a remote target says how many steps it keeps queued; in process it is the model config's choice
-        self.steps_ahead: int = target.steps_ahead or cfg.model.queued_steps(remote=False)
+        # a remote target says how many steps it keeps launched; in process it is the model config's choice
+        self.steps_ahead: int = target.steps_ahead or cfg.model.launched_ahead(remote=False)
         # Given, a step whose draft runs here after the target hands its tokens to this callback before the
         # draft proposes (the next step needs the drafts, the client does not), and `step` leaves them out.
         self.on_tokens: Callable[[list[RequestOutput]], None] | None = None
@@ -289,13 +289,13 @@ class LLMEngine:
         """One scheduling step over every running request.
 
         In steady decoding on captured steps (`model.overlap_steps`; speculative steps too with the draft
-        in process, unless `model.overlap_speculative` is off), `steps_ahead` steps are queued on the device
+        in process, unless `model.overlap_speculative` is off), `steps_ahead` steps are launched on the device
         before this one's tokens are read, each with its inputs taken from the previous one's results on the
         device, so host work (and, over Ray, the ranks' round trip) overlaps GPU work. A request that stops
         at this step then computes up to `steps_ahead` extra steps, which are dropped. A step that raises
-        drops the queued steps with it.
+        drops the launched steps with it.
 
-        Example, steps_ahead 2: with steps 10, 11 and 12 queued, this call waits for step 10 and returns its
+        Example, steps_ahead 2: with steps 10, 11 and 12 launched, this call waits for step 10 and returns its
         outputs while 11 and 12 run; the next call first queues 13 (planned by `plan_ahead` from 12, its
         tokens to come from 12's results on the device), then reads 11. If step 10 ends request A with a stop
         token, A's rows in 11 and 12 are computed anyway and `update` drops them; a request that arrives
@@ -309,7 +309,7 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[RequestOutput]:
-        runner = self._overlap_runner
+        runner = self._launcher
         started = time.perf_counter()
         if self._launched:
             self._observe_period(started)
@@ -319,7 +319,7 @@ class LLMEngine:
             plan = self.scheduler.schedule()
             first = runner.launch(plan) if runner is not None else None
             if first is None:
-                self._read, self._steady = None, False  # a step run in turn: the next period is not a queued one
+                self._read, self._steady = None, False  # a step run in turn: the next period is not a launched one
                 return self._execute(plan)
             self._launched.append(first)
         assert runner is not None
@@ -332,21 +332,21 @@ class LLMEngine:
         self._read = read
         outputs = self._apply(current.plan, out, out.draft_outputs)
         if self._launched and not self.has_unfinished():
-            self.drain()  # every request in the steps queued ahead has finished: wait for them now, not later
+            self.drain()  # every request in the steps launched ahead has finished: wait for them now, not later
         return outputs
 
     def _observe_period(self, now: float) -> None:
         """Tell an adaptive policy with timed costs the period since the previous step began, when that step read a
-        queued step of the same kind as the one read before it (steady decoding of one kind)."""
+        launched step of the same kind as the one read before it (steady decoding of one kind)."""
         policy = self.scheduler.depth
         if policy is None or policy.costs.online or self._read is None or not self._steady or not self._read[0]:
             return
         batch, count = self._read
         policy.costs.observe_period(batch, policy.kind_of(count), now - self._period_start)
 
-    def _queue_ahead(self, runner: OverlapTarget) -> bool:
-        """Plan and queue the step after the last queued one; False when it goes through `schedule` instead
-        (then nothing more is queued until the queue is read)."""
+    def _queue_ahead(self, runner: LaunchingTarget) -> bool:
+        """Plan and launch the step after the last launched one; False when it goes through `schedule` instead
+        (then nothing more is launched until the launched steps are read)."""
         last = self._launched[-1]
         ahead = self.scheduler.plan_ahead(last.plan, len(self._launched))
         if ahead is None:
@@ -359,13 +359,13 @@ class LLMEngine:
         return True
 
     def drain(self) -> list[RequestOutput]:
-        """Read and apply the steps queued ahead by `step`, if any, so that the scheduler's state is current
+        """Read and apply the steps launched ahead by `step`, if any, so that the scheduler's state is current
         (for callers that drive the scheduler and target directly)."""
         outputs: list[RequestOutput] = []
         while self._launched:
-            assert self._overlap_runner is not None  # the only one that queues steps
+            assert self._launcher is not None  # the only one that queues steps
             launched = self._launched.popleft()
-            out = self._overlap_runner.collect(launched)
+            out = self._launcher.collect(launched)
             outputs += self._apply(launched.plan, out, out.draft_outputs)
         return outputs
 

@@ -198,7 +198,7 @@ class Scheduler:
         return StepKind(num_draft_tokens)
 
     def plan_ahead(self, pending: StepPlan, unapplied: int = 1) -> StepPlan | None:
-        """The generation step after `pending`, the last of `unapplied` queued generation steps (each
+        """The generation step after `pending`, the last of `unapplied` launched generation steps (each
         planned from the one before it) whose results are not applied yet.
 
         Each sequence's token_ids[0] holds its row in `pending`: its inputs (last token, and the drafts
