@@ -5,6 +5,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# pytest-xdist workers: tests wait on servers, Ray and subprocesses, so two share two cores well (more make the
+# timing-sensitive fault tests flaky under load)
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast lint bench-cpu image clean
 
@@ -22,10 +25,10 @@ demo: install
 	$(PY) -m mtpserve.cluster.cli.demo
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .
