@@ -1,7 +1,8 @@
 """Turning logits into token distributions (temperature, top-k, top-p) and sampling them from thresholds.
 
-Every sampled token is drawn by inverse CDF at a threshold (a number in [0, 1)) that depends only on the request's key and the
-token's position (`keyed_thresholds`); drafts are accepted where they equal those draws (`speculative/verify.py`).
+Every sampled token is drawn by inverse CDF at a threshold (a number in [0, 1)) that depends only on the request's
+key and the token's position (`keyed_thresholds`); drafts are accepted where they equal those draws
+(`speculative/verify.py`).
 """
 
 from __future__ import annotations
