@@ -358,6 +358,20 @@ class ServerConfig(_Strict):
         "4 (with engine_process; with Ray, beside the scheduler actor)",
     )
 
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="engines behind the one endpoint, each in a process of its own with its own KV cache (on this "
+        "node, with engine_process); a request goes to one by `routing`",
+    )
+    routing: Literal["prefix", "round_robin"] = Field(
+        "prefix",
+        description="how requests are spread over the replicas: 'prefix' sends each to the replica that holds the "
+        "longest cached prefix of its prompt unless that one is much busier (then the less loaded of two drawn at "
+        "random); 'round_robin' takes them in turn",
+    )
+
     @property
     def num_frontends(self) -> int:
         """Front-end processes to run: `frontends`, or one per 4 cores (1 to 4)."""
@@ -374,6 +388,14 @@ class ServerConfig(_Strict):
             raise ValueError(
                 f"server.host {self.host!r} is reachable from other machines: set server.auth_token_file and/or "
                 "server.tls, or server.allow_insecure: true to serve it open"
+            )
+        if self.replicas > 1 and not self.engine_process:
+            raise ValueError(
+                "server.replicas > 1 runs each replica's engine in a process of its own: keep server.engine_process"
+            )
+        if self.replicas > 1 and (self.frontends or 1) > 1:
+            raise ValueError(
+                "server.replicas > 1 is served by one front-end process for now: leave server.frontends unset"
             )
         return self
 

@@ -59,6 +59,8 @@ NAMES = {  # short names of the settings users reach for most
     "server.metrics_host": "--metrics-host",
     "server.http_port": "--http-port",
     "server.frontends": "--frontends",
+    "server.replicas": "--replicas",
+    "server.routing": "--routing",
     "server.engine_process": "--engine-process",
     "server.auth_token_file": "--auth-token-file",
     "server.allow_insecure": "--allow-insecure",

@@ -77,6 +77,7 @@ class EngineProcess:
         on_health_change: Callable[[bool], None] | None = None,
         pipe: Connection | None = None,
         on_serving: Callable[[bool], None] | None = None,
+        engine_wide_metrics: bool = True,
     ) -> None:
         self.cfg = cfg
         self._on_health_change = on_health_change
@@ -99,7 +100,7 @@ class EngineProcess:
         else:
             self._conn = pipe
         self._info, self._tokenizer, self._last_load = self._wait_ready()
-        self._book = RequestBook(metrics)
+        self._book = RequestBook(metrics, engine_wide=engine_wide_metrics)
         self._book.publish(self._last_load)
         self._lock = threading.Lock()  # the book, the pending adds and the aborts asked before an add was answered
         self._pending: dict[int, tuple[RequestHandle, futures.Future[RequestHandle]]] = {}
@@ -125,6 +126,11 @@ class EngineProcess:
         return pb.ModelInfo.FromString(msg[1]), msg[2], msg[3]
 
     # ---- EngineCore ------------------------------------------------------------------------------
+    @property
+    def load(self) -> EngineLoad:
+        """The engine's state after the last step the child reported."""
+        return self._last_load
+
     @property
     def snapshot(self) -> LoopSnapshot:
         """The engine state after the last step the child reported."""

@@ -150,8 +150,9 @@ class RequestBook:
     Not thread-safe: one thread at a time calls it (the engine thread, or the engine process's reader under
     its lock)."""
 
-    def __init__(self, metrics: ServerMetrics | None) -> None:
+    def __init__(self, metrics: ServerMetrics | None, engine_wide: bool = True) -> None:
         self.metrics = metrics
+        self.engine_wide = engine_wide  # `publish` sets the engine-wide metrics too (not for one replica of several)
         self.handles: dict[str, RequestHandle] = {}
         self.snapshot = LoopSnapshot()
         self._finished = 0
@@ -246,7 +247,7 @@ class RequestBook:
             prefix_query_tokens=load.prefix_query_tokens,
             prefix_hit_tokens=load.prefix_hit_tokens,
         )
-        if self.metrics is not None and self.metrics.engine is not None:
+        if self.engine_wide and self.metrics is not None and self.metrics.engine is not None:
             observe_engine(self.metrics.engine, load)
 
 

@@ -31,6 +31,7 @@ from mtpserve.cluster.service.grpc_handlers import add_inference_servicer
 from mtpserve.cluster.service.health import LiveHealth
 from mtpserve.cluster.service.http_api import OpenAIAPI
 from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
+from mtpserve.cluster.service.replica_set import start_replicas
 from mtpserve.cluster.service.request_book import EngineCore
 from mtpserve.cluster.service.servicer import SERVICE_NAME, InferenceServicer
 from mtpserve.workers.config import MTPServeConfig
@@ -63,7 +64,8 @@ class MTPServer:
 
     Given an engine, the server drives it from a thread of this process (EngineLoop). Given none, it builds the
     engine from `cfg` in a process of its own (EngineProcess; the build's errors, such as ModelLoadError, are
-    raised here), or, given `engine_pipe`, drives the engine at the other end of that pipe. One of several front
+    raised here; `server.replicas` > 1 such processes behind one `ReplicaSet`), or, given `engine_pipe`, drives the
+    engine at the other end of that pipe. One of several front
     ends on the same ports takes `reuse_port`, and `engine_metrics` False (another process records those)."""
 
     def __init__(
@@ -90,7 +92,11 @@ class MTPServer:
         )
         self.loop: EngineCore
         try:
-            if engine is None:
+            if engine is None and engine_pipe is None and cfg.server.replicas > 1:
+                self.loop = start_replicas(
+                    cfg, self.front_end.loop, self.metrics, lambda _ok: self.health.changed(), self.set_serving
+                )
+            elif engine is None:
                 self.loop = EngineProcess(
                     cfg,
                     self.front_end.loop,

@@ -1,0 +1,273 @@
+"""Several engines behind one front end (`serve --replicas N`): `ReplicaSet` offers the calls of one engine
+(`EngineCore`) and sends each request to one replica, chosen by cached prefix and load (`PrefixRouter`) or in
+turn; aborts go to the replica that took the request. The replicas' states add up to one snapshot and one set of
+engine-wide metrics. A replica whose engine stops takes no more requests while the others serve."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.service.engine_process import EngineProcess
+from mtpserve.cluster.service.metrics import EngineMetrics, ServerMetrics
+from mtpserve.cluster.service.replica_router import PrefixRouter, RouteChoice
+from mtpserve.cluster.service.request_book import (
+    GRPC,
+    EngineCore,
+    EngineLoad,
+    LoopSnapshot,
+    RequestHandle,
+    observe_engine,
+)
+from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+from mtpserve.speculative.stats import SpecStats
+from mtpserve.workers.config import MTPServeConfig
+
+PUBLISH_EVERY_S = 0.5  # how often the replicas' summed state reaches the engine-wide metrics
+
+
+class Replica(EngineCore, Protocol):
+    """An engine replica as the set drives it: an `EngineCore` that also reports its last step's state."""
+
+    @property
+    def load(self) -> EngineLoad:
+        """The engine's state after the last step it reported."""
+        ...
+
+
+class RoundRobin:
+    """Replicas in turn, skipping those out of service (the `PrefixRouter` calls the set makes)."""
+
+    def __init__(self, replicas: int) -> None:
+        self.live = set(range(replicas))
+        self._turn = itertools.count()
+
+    def route(self, token_ids: Sequence[int]) -> RouteChoice:
+        """The next live replica."""
+        order = sorted(self.live)
+        if not order:
+            raise RuntimeError("no replica is live")
+        return RouteChoice(order[next(self._turn) % len(order)], 0, "turn")
+
+    def report_load(self, replica: int, running: int, waiting: int) -> None:
+        """Load plays no part in turns."""
+
+    def remove(self, replica: int) -> None:
+        """Out of service."""
+        self.live.discard(replica)
+
+    def add(self, replica: int) -> None:
+        """Back in service."""
+        self.live.add(replica)
+
+
+@dataclass
+class RoutedCounts:
+    """How requests were routed, by reason ('prefix', 'load', 'only', 'turn')."""
+
+    by_reason: dict[str, int]
+    by_replica: list[int]
+
+
+class ReplicaSet:
+    """N engine replicas behind one `EngineCore` (see the module docstring)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        router: PrefixRouter | RoundRobin,
+        engine_metrics: EngineMetrics | None = None,
+    ) -> None:
+        if not replicas:
+            raise ValueError("a replica set needs at least one replica")
+        self.replicas = list(replicas)
+        self.router = router
+        self._engine_metrics = engine_metrics
+        self._owner: dict[str, int] = {}  # request id -> the replica that took it, until it ends
+        self._lock = threading.Lock()
+        self.counts = RoutedCounts({}, [0] * len(self.replicas))
+        self._stopping = threading.Event()
+        self._publisher = threading.Thread(target=self._publish_loop, name="mtpserve-replica-metrics", daemon=True)
+
+    # ---- EngineCore ------------------------------------------------------------------------------
+    @property
+    def snapshot(self) -> LoopSnapshot:
+        """The replicas' snapshots added up."""
+        total = LoopSnapshot(totals=SpecStats())
+        for r in self.replicas:
+            s = r.snapshot
+            total.running += s.running
+            total.waiting += s.waiting
+            total.kv_blocks_used += s.kv_blocks_used
+            total.kv_blocks_total += s.kv_blocks_total
+            total.totals.merge(s.totals)
+            total.requests_finished += s.requests_finished
+            total.generated_tokens += s.generated_tokens
+            total.kv_blocks_cached += s.kv_blocks_cached
+            total.prefix_query_tokens += s.prefix_query_tokens
+            total.prefix_hit_tokens += s.prefix_hit_tokens
+        return total
+
+    @property
+    def running(self) -> bool:
+        """True while any replica serves."""
+        return any(r.running for r in self.replicas)
+
+    @property
+    def healthy(self) -> bool:
+        """True while any replica serves with its workers up."""
+        return any(r.healthy for r in self.replicas)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (every replica serves the same model)."""
+        return self.replicas[0].tokenizer
+
+    @property
+    def info(self) -> pb.ModelInfo:
+        """The served model (the first replica's description; they are alike)."""
+        return self.replicas[0].info
+
+    def start(self) -> None:
+        """Start every replica, then the metrics publisher."""
+        for r in self.replicas:
+            r.start()
+        self._publisher.start()
+
+    def in_flight(self) -> int:
+        """Requests in flight over all replicas."""
+        return sum(r.in_flight() for r in self.replicas)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every replica (failing what each still has in flight)."""
+        self._stopping.set()
+        for r in self.replicas:
+            r.stop(timeout)
+
+    def mark_healthy(self) -> None:
+        """Clear worker failures on every replica."""
+        for r in self.replicas:
+            r.mark_healthy()
+
+    def submit_nowait(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        frontend: str = GRPC,
+        on_event: Callable[[], None] | None = None,
+    ) -> futures.Future[RequestHandle]:
+        """Route the request, then queue it on the chosen replica (`EngineCore.submit_nowait`)."""
+        rid = request_id or uuid.uuid4().hex
+        with self._lock:
+            self._update_service()
+            choice = self.router.route(prompt_token_ids)
+            self._owner[rid] = choice.replica
+            self.counts.by_reason[choice.reason] = self.counts.by_reason.get(choice.reason, 0) + 1
+            self.counts.by_replica[choice.replica] += 1
+        future = self.replicas[choice.replica].submit_nowait(prompt_token_ids, params, rid, frontend, on_event)
+        future.add_done_callback(lambda f: self._forget_if_refused(rid, f))
+        return future
+
+    def abort(self, request_id: str, wait: bool = True, reason: str = "abort") -> bool:
+        """Abort a request on the replica that took it; False when no replica has it."""
+        with self._lock:
+            replica = self._owner.get(request_id)
+        return replica is not None and self.replicas[replica].abort(request_id, wait, reason)
+
+    # ---- routing state ---------------------------------------------------------------------------
+    def owner(self, request_id: str) -> int | None:
+        """The replica that took a request (while the set remembers it)."""
+        with self._lock:
+            return self._owner.get(request_id)
+
+    def _forget_if_refused(self, rid: str, future: futures.Future[RequestHandle]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            with self._lock:
+                self._owner.pop(rid, None)
+
+    def _update_service(self) -> None:
+        """Tell the router each replica's load, and which replicas serve (a stopped one takes nothing new)."""
+        for i, r in enumerate(self.replicas):
+            up = r.running
+            if up and i not in self.router.live:
+                self.router.add(i)
+            elif not up and i in self.router.live:
+                self.router.remove(i)
+            s = r.snapshot
+            self.router.report_load(i, s.running, s.waiting)
+        live = {rid: i for rid, i in self._owner.items() if i in self.router.live}
+        if len(live) < len(self._owner):  # requests of a stopped replica ended with it
+            self._owner = live
+        self._trim_owners()
+
+    def _trim_owners(self) -> None:
+        """Forget the owners of requests that ended, once the book is large (aborts of ended requests are no-ops)."""
+        if len(self._owner) > 4 * max(1, self.in_flight()) + 1024:
+            keep = list(self._owner.items())[-(self.in_flight() + 1024) :]
+            self._owner = dict(keep)
+
+    # ---- metrics ---------------------------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        """The replicas' last step states added up (the depth: the deepest any replica ran)."""
+        loads = [r.load for r in self.replicas]
+        kinds: dict[str, int] = {}
+        for load in loads:
+            for kind, n in (load.depth_steps or {}).items():
+                kinds[kind] = kinds.get(kind, 0) + n
+        return EngineLoad(
+            running=sum(x.running for x in loads),
+            waiting=sum(x.waiting for x in loads),
+            kv_blocks_used=sum(x.kv_blocks_used for x in loads),
+            kv_blocks_total=sum(x.kv_blocks_total for x in loads),
+            kv_blocks_cached=sum(x.kv_blocks_cached for x in loads),
+            prefix_query_tokens=sum(x.prefix_query_tokens for x in loads),
+            prefix_hit_tokens=sum(x.prefix_hit_tokens for x in loads),
+            depth_steps=kinds,
+            depth=max(x.depth for x in loads),
+            steps=sum(x.steps for x in loads),
+            rows=sum(x.rows for x in loads),
+            preemptions=sum(x.preemptions for x in loads),
+        )
+
+    def _publish_loop(self) -> None:
+        while not self._stopping.wait(PUBLISH_EVERY_S):
+            if self._engine_metrics is not None:
+                observe_engine(self._engine_metrics, self.load())
+
+
+def start_replicas(
+    cfg: MTPServeConfig,
+    event_loop: asyncio.AbstractEventLoop,
+    metrics: ServerMetrics,
+    on_health_change: Callable[[bool], None],
+    on_serving: Callable[[bool], None],
+) -> ReplicaSet:
+    """`cfg.server.replicas` engine processes, built at once, behind one set routed by `cfg.server.routing`;
+    raises what a build raised (the others are stopped)."""
+    n = cfg.server.replicas
+
+    def build(_: int) -> EngineProcess:
+        return EngineProcess(
+            cfg, event_loop, metrics, on_health_change, on_serving=on_serving, engine_wide_metrics=False
+        )
+
+    with futures.ThreadPoolExecutor(n) as pool:
+        jobs = [pool.submit(build, i) for i in range(n)]
+        futures.wait(jobs)
+    built = [j.result() for j in jobs if j.exception() is None]
+    failed = [j.exception() for j in jobs if j.exception() is not None]
+    if failed:
+        for replica in built:
+            replica.stop()
+        raise failed[0]  # type: ignore[misc]
+    prefix = cfg.server.routing == "prefix"
+    router: PrefixRouter | RoundRobin = PrefixRouter(n, cfg.scheduler.block_size) if prefix else RoundRobin(n)
+    return ReplicaSet(built, router, metrics.engine)
