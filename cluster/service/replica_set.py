@@ -1,12 +1,15 @@
 """Several engines behind one front end (`serve --replicas N`): `ReplicaSet` offers the calls of one engine
 (`EngineCore`) and sends each request to one replica, chosen by cached prefix and load (`PrefixRouter`) or in
 turn; aborts go to the replica that took the request. The replicas' states add up to one snapshot and one set of
-engine-wide metrics. A replica whose engine stops takes no more requests while the others serve."""
+engine-wide metrics. A replica whose engine stops takes no more requests while the others serve, and is built
+again (`revive`) and put back in service."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -30,7 +33,9 @@ from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.config import MTPServeConfig
 
+log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 0.5  # how often the replicas' summed state reaches the engine-wide metrics
+REVIVE_RETRY_S = 5.0  # after a failed rebuild of a dead replica
 
 
 class Replica(EngineCore, Protocol):
@@ -84,6 +89,7 @@ class ReplicaSet:
         replicas: Sequence[Replica],
         router: PrefixRouter | RoundRobin,
         engine_metrics: EngineMetrics | None = None,
+        revive: Callable[[int], Replica] | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("a replica set needs at least one replica")
@@ -93,8 +99,11 @@ class ReplicaSet:
         self._owner: dict[str, int] = {}  # request id -> the replica that took it, until it ends
         self._lock = threading.Lock()
         self.counts = RoutedCounts({}, [0] * len(self.replicas))
+        self._revive = revive
+        self._reviving: set[int] = set()
+        self.revived = 0  # replicas built again after their engine stopped
         self._stopping = threading.Event()
-        self._publisher = threading.Thread(target=self._publish_loop, name="mtpserve-replica-metrics", daemon=True)
+        self._publisher = threading.Thread(target=self._watch, name="mtpserve-replicas", daemon=True)
 
     # ---- EngineCore ------------------------------------------------------------------------------
     @property
@@ -237,10 +246,41 @@ class ReplicaSet:
             preemptions=sum(x.preemptions for x in loads),
         )
 
-    def _publish_loop(self) -> None:
+    def _watch(self) -> None:
+        """Every PUBLISH_EVERY_S: the summed state to the metrics, and a rebuild for each replica that stopped."""
         while not self._stopping.wait(PUBLISH_EVERY_S):
             if self._engine_metrics is not None:
                 observe_engine(self._engine_metrics, self.load())
+            if self._revive is None:
+                continue
+            for i, replica in enumerate(list(self.replicas)):
+                if not replica.running and i not in self._reviving:
+                    self._reviving.add(i)
+                    threading.Thread(target=self._rebuild, args=(i, replica), daemon=True).start()
+
+    def _rebuild(self, i: int, dead: Replica) -> None:
+        """Replace the stopped replica i with a new one and put it back in service (retrying until the set stops)."""
+        assert self._revive is not None
+        with contextlib.suppress(Exception):
+            dead.stop(1.0)
+        while not self._stopping.is_set():
+            try:
+                fresh = self._revive(i)
+                fresh.start()
+            except Exception:
+                log.exception("rebuilding replica %d failed; trying again in %.0f s", i, REVIVE_RETRY_S)
+                self._stopping.wait(REVIVE_RETRY_S)
+                continue
+            with self._lock:
+                if self._stopping.is_set():
+                    fresh.stop()
+                    break
+                self.replicas[i] = fresh
+                self.router.add(i)
+                self.revived += 1
+            log.info("replica %d is back in service", i)
+            break
+        self._reviving.discard(i)
 
 
 def start_replicas(
@@ -259,6 +299,10 @@ def start_replicas(
             cfg, event_loop, metrics, on_health_change, on_serving=on_serving, engine_wide_metrics=False
         )
 
+    def revive(i: int) -> Replica:
+        log.warning("replica %d stopped; building it again", i)
+        return build(i)
+
     with futures.ThreadPoolExecutor(n) as pool:
         jobs = [pool.submit(build, i) for i in range(n)]
         futures.wait(jobs)
@@ -270,4 +314,4 @@ def start_replicas(
         raise failed[0]  # type: ignore[misc]
     prefix = cfg.server.routing == "prefix"
     router: PrefixRouter | RoundRobin = PrefixRouter(n, cfg.scheduler.block_size) if prefix else RoundRobin(n)
-    return ReplicaSet(built, router, metrics.engine)
+    return ReplicaSet(built, router, metrics.engine, revive)
