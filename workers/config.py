@@ -365,12 +365,27 @@ class ServerConfig(_Strict):
         description="engines behind the one endpoint, each in a process of its own with its own KV cache (on this "
         "node, with engine_process); a request goes to one by `routing`",
     )
+    max_replicas: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="grow the replica set up to this many while requests wait at every replica for "
+        "`scale_hold_s`, and shrink it back to `replicas` when they would fit fewer (a replica leaving finishes its "
+        "streams first); None: `replicas`, fixed",
+    )
+    scale_up_waiting: int = Field(4, ge=1, description="waiting requests per replica that ask for one more replica")
+    scale_hold_s: float = Field(10.0, ge=0.0, description="how long a scaling condition holds before it acts")
     routing: Literal["prefix", "round_robin"] = Field(
         "prefix",
         description="how requests are spread over the replicas: 'prefix' sends each to the replica that holds the "
         "longest cached prefix of its prompt unless that one is much busier (then the less loaded of two drawn at "
         "random); 'round_robin' takes them in turn",
     )
+
+    @property
+    def most_replicas(self) -> int:
+        """The most replicas the set may hold: `max_replicas`, or `replicas`."""
+        return self.replicas if self.max_replicas is None else self.max_replicas
 
     @property
     def num_frontends(self) -> int:
@@ -389,11 +404,13 @@ class ServerConfig(_Strict):
                 f"server.host {self.host!r} is reachable from other machines: set server.auth_token_file and/or "
                 "server.tls, or server.allow_insecure: true to serve it open"
             )
-        if self.replicas > 1 and not self.engine_process:
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"server.max_replicas {self.max_replicas} is below server.replicas {self.replicas}")
+        if self.most_replicas > 1 and not self.engine_process:
             raise ValueError(
                 "server.replicas > 1 runs each replica's engine in a process of its own: keep server.engine_process"
             )
-        if self.replicas > 1 and (self.frontends or 1) > 1:
+        if self.most_replicas > 1 and (self.frontends or 1) > 1:
             raise ValueError(
                 "server.replicas > 1 is served by one front-end process for now: leave server.frontends unset"
             )

@@ -78,7 +78,7 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
         print(f"mtpserve: {exc}", file=sys.stderr)
         return 2
     if uses_ray(cfg):
-        if cfg.server.replicas > 1:
+        if cfg.server.most_replicas > 1:
             print(
                 "mtpserve: server.replicas > 1 runs engine processes on this node; through Ray (--tp > 1, "
                 "--distributed, --address) it is not supported yet",
@@ -87,7 +87,7 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
             return 2
         return serve_with_actor(cfg, stop)
 
-    if cfg.server.engine_process and cfg.server.num_frontends > 1 and cfg.server.replicas == 1:
+    if cfg.server.engine_process and cfg.server.num_frontends > 1 and cfg.server.most_replicas == 1:
         return serve_pooled(cfg, stop)
     engine, rc = None, 0
     try:

@@ -60,6 +60,7 @@ NAMES = {  # short names of the settings users reach for most
     "server.http_port": "--http-port",
     "server.frontends": "--frontends",
     "server.replicas": "--replicas",
+    "server.max_replicas": "--max-replicas",
     "server.routing": "--routing",
     "server.engine_process": "--engine-process",
     "server.auth_token_file": "--auth-token-file",

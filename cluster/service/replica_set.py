@@ -2,7 +2,9 @@
 (`EngineCore`) and sends each request to one replica, chosen by cached prefix and load (`PrefixRouter`) or in
 turn; aborts go to the replica that took the request. The replicas' states add up to one snapshot and one set of
 engine-wide metrics. A replica whose engine stops takes no more requests while the others serve, and is built
-again (`revive`) and put back in service."""
+again (`build`) and put back in service. With a `Scaler` the set grows by one replica under queue pressure and
+shrinks by one when the load would fit fewer: the leaving replica takes no new requests, finishes its streams, then
+stops (its slot parked, to be built again by the next growth)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -21,6 +24,7 @@ from mtpserve.cluster.engine.request import SamplingParams
 from mtpserve.cluster.service.engine_process import EngineProcess
 from mtpserve.cluster.service.metrics import EngineMetrics, ServerMetrics
 from mtpserve.cluster.service.replica_router import PrefixRouter, RouteChoice
+from mtpserve.cluster.service.replica_scaling import Scaler
 from mtpserve.cluster.service.request_book import (
     GRPC,
     EngineCore,
@@ -89,7 +93,8 @@ class ReplicaSet:
         replicas: Sequence[Replica],
         router: PrefixRouter | RoundRobin,
         engine_metrics: EngineMetrics | None = None,
-        revive: Callable[[int], Replica] | None = None,
+        build: Callable[[int], Replica] | None = None,
+        scaler: Scaler | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("a replica set needs at least one replica")
@@ -99,9 +104,13 @@ class ReplicaSet:
         self._owner: dict[str, int] = {}  # request id -> the replica that took it, until it ends
         self._lock = threading.Lock()
         self.counts = RoutedCounts({}, [0] * len(self.replicas))
-        self._revive = revive
-        self._reviving: set[int] = set()
+        self._build = build
+        self._scaler = scaler
+        self._reviving: set[int] = set()  # slots being built (again, or by growth)
+        self._draining: set[int] = set()  # leaving: no new requests, stopped once their streams end
+        self.parked: set[int] = set()  # slots a shrink emptied
         self.revived = 0  # replicas built again after their engine stopped
+        self.scaled: list[tuple[str, int]] = []  # ("up" | "down", slot), in order
         self._stopping = threading.Event()
         self._publisher = threading.Thread(target=self._watch, name="mtpserve-replicas", daemon=True)
 
@@ -157,8 +166,9 @@ class ReplicaSet:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every replica (failing what each still has in flight)."""
         self._stopping.set()
-        for r in self.replicas:
-            r.stop(timeout)
+        for i, r in enumerate(self.replicas):
+            if i not in self.parked:  # a parked one has stopped already
+                r.stop(timeout)
 
     def mark_healthy(self) -> None:
         """Clear worker failures on every replica."""
@@ -205,7 +215,7 @@ class ReplicaSet:
     def _update_service(self) -> None:
         """Tell the router each replica's load, and which replicas serve (a stopped one takes nothing new)."""
         for i, r in enumerate(self.replicas):
-            up = r.running
+            up = r.running and i not in self._draining and i not in self.parked
             if up and i not in self.router.live:
                 self.router.add(i)
             elif not up and i in self.router.live:
@@ -251,21 +261,53 @@ class ReplicaSet:
         while not self._stopping.wait(PUBLISH_EVERY_S):
             if self._engine_metrics is not None:
                 observe_engine(self._engine_metrics, self.load())
-            if self._revive is None:
+            if self._build is None:
                 continue
             for i, replica in enumerate(list(self.replicas)):
-                if not replica.running and i not in self._reviving:
-                    self._reviving.add(i)
-                    threading.Thread(target=self._rebuild, args=(i, replica), daemon=True).start()
+                if not replica.running and i not in self._reviving | self._draining | self.parked:
+                    log.warning("replica %d stopped; building it again", i)
+                    self._start_build(i, replica)
+            if self._scaler is not None:
+                self._scale(self._scaler)
 
-    def _rebuild(self, i: int, dead: Replica) -> None:
-        """Replace the stopped replica i with a new one and put it back in service (retrying until the set stops)."""
-        assert self._revive is not None
-        with contextlib.suppress(Exception):
-            dead.stop(1.0)
+    def _start_build(self, i: int, old: Replica | None) -> None:
+        self._reviving.add(i)
+        threading.Thread(target=self._rebuild, args=(i, old), daemon=True).start()
+
+    def _scale(self, scaler: Scaler) -> None:
+        """Grow or shrink by one replica as the scaler asks; stop drained replicas."""
+        busy = self._reviving | self._draining | self.parked
+        active = [i for i, r in enumerate(self.replicas) if r.running and i not in busy]
+        loads = [(self.replicas[i].snapshot.running, self.replicas[i].snapshot.waiting) for i in active]
+        action = scaler.decide(loads, time.monotonic()) if not self._reviving and not self._draining else None
+        if action == "up":
+            slot = min(self.parked) if self.parked else len(self.replicas)
+            log.info("requests wait at every replica: adding replica %d", slot)
+            self.scaled.append(("up", slot))
+            self._start_build(slot, None)
+        elif action == "down" and len(active) > 1:
+            slot = max(active)
+            log.info("the load fits fewer replicas: replica %d takes no new requests and stops when idle", slot)
+            self.scaled.append(("down", slot))
+            with self._lock:
+                self._draining.add(slot)
+                self.router.remove(slot)
+        for slot in list(self._draining):
+            if self.replicas[slot].in_flight() == 0:
+                self.replicas[slot].stop()
+                self._draining.discard(slot)
+                self.parked.add(slot)
+
+    def _rebuild(self, i: int, old: Replica | None) -> None:
+        """Build replica i (replacing a stopped one, filling a parked slot, or appending) and put it in service,
+        retrying until the set stops."""
+        assert self._build is not None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.stop(1.0)
         while not self._stopping.is_set():
             try:
-                fresh = self._revive(i)
+                fresh = self._build(i)
                 fresh.start()
             except Exception:
                 log.exception("rebuilding replica %d failed; trying again in %.0f s", i, REVIVE_RETRY_S)
@@ -275,10 +317,15 @@ class ReplicaSet:
                 if self._stopping.is_set():
                     fresh.stop()
                     break
-                self.replicas[i] = fresh
+                if i == len(self.replicas):
+                    self.replicas.append(fresh)
+                    self.counts.by_replica.append(0)
+                else:
+                    self.replicas[i] = fresh
+                self.revived += int(old is not None)
+                self.parked.discard(i)
                 self.router.add(i)
-                self.revived += 1
-            log.info("replica %d is back in service", i)
+            log.info("replica %d is in service", i)
             break
         self._reviving.discard(i)
 
@@ -299,10 +346,11 @@ def start_replicas(
             cfg, event_loop, metrics, on_health_change, on_serving=on_serving, engine_wide_metrics=False
         )
 
-    def revive(i: int) -> Replica:
-        log.warning("replica %d stopped; building it again", i)
-        return build(i)
-
+    sc = cfg.server
+    scaler = None
+    if sc.most_replicas > sc.replicas:
+        capacity = cfg.scheduler.max_num_requests
+        scaler = Scaler(sc.replicas, sc.most_replicas, sc.scale_up_waiting, capacity, sc.scale_hold_s)
     with futures.ThreadPoolExecutor(n) as pool:
         jobs = [pool.submit(build, i) for i in range(n)]
         futures.wait(jobs)
@@ -314,4 +362,4 @@ def start_replicas(
         raise failed[0]  # type: ignore[misc]
     prefix = cfg.server.routing == "prefix"
     router: PrefixRouter | RoundRobin = PrefixRouter(n, cfg.scheduler.block_size) if prefix else RoundRobin(n)
-    return ReplicaSet(built, router, metrics.engine, revive)
+    return ReplicaSet(built, router, metrics.engine, build, scaler)

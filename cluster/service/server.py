@@ -92,7 +92,7 @@ class MTPServer:
         )
         self.loop: EngineCore
         try:
-            if engine is None and engine_pipe is None and cfg.server.replicas > 1:
+            if engine is None and engine_pipe is None and cfg.server.most_replicas > 1:
                 self.loop = start_replicas(
                     cfg, self.front_end.loop, self.metrics, lambda _ok: self.health.changed(), self.set_serving
                 )
