@@ -121,8 +121,10 @@ def attention_check() -> dict[str, Any]:
         tables = torch.randperm(300, device="cuda", generator=g)[: 8 * 30].view(8, 30)
         lens = torch.randint(q_len, 30 * 16, (8,), device="cuda", generator=g)
         q = torch.randn(8 * q_len, 9, 64, device="cuda", generator=g).bfloat16()
-        got = triton_uniform_attention(q, kc, vc, tables, lens, q_len, 0.125)
-        ref = uniform_paged_attention(q.double(), kc.double(), vc.double(), tables, lens, q_len, scale=0.125)
+        got = triton_uniform_attention(q, kc, vc, tables, seq_lens=lens, q_len=q_len, scale=0.125)
+        ref = uniform_paged_attention(
+            q.double(), kc.double(), vc.double(), tables, seq_lens=lens, q_len=q_len, scale=0.125
+        )
         res[f"q{q_len}_max_abs_err"] = (got.double() - ref).abs().max().item()
     # ragged: a 512-row prefill chunk after 100 cached positions, a whole 300-token prompt, 3 decode rows
     starts, counts = [100, 0, 50, 7, 200], [512, 300, 1, 1, 1]
@@ -186,7 +188,9 @@ def decode_group(args: argparse.Namespace, errors: list[str], path: Path) -> dic
             r = guarded(
                 errors,
                 f"decode {label} temperature={temp} batch={b}",
-                lambda e=eng, b=b, t=temp, tp=top_p: bench_decode.decode_run(e, prompts[:b], args.max_tokens, t, tp),
+                lambda e=eng, b=b, t=temp, tp=top_p: bench_decode.decode_run(
+                    e, prompts[:b], args.max_tokens, t, top_p=tp
+                ),
             )
             if r:
                 r.update(k=k, graphs=graphs, fused=fused, temperature=temp, variant=variant)
@@ -227,7 +231,9 @@ def plot_decode(doc: dict[str, Any], path: Path) -> None:
         if r["graphs"] and r["fused"] and not r["temperature"] and not r["variant"]:
             series.setdefault("target only" if r["k"] == 0 else f"MTP K={r['k']}", []).append((r["batch"], r["tok_s"]))
     series["HF generate"] = [(r["batch"], r["tok_s"]) for r in doc.get("hf_generate") or []]
-    bench_report.plot_lines(path, series, f"decode, {doc['device_name']}", "batch size", "generated tok/s", True)
+    bench_report.plot_lines(
+        path, series, f"decode, {doc['device_name']}", "batch size", ylabel="generated tok/s", log_x=True
+    )
 
 
 def sub_args(args: argparse.Namespace, **values: Any) -> argparse.Namespace:

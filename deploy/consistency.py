@@ -325,7 +325,9 @@ def check_consistency(docs: list[Doc], dockerfile: Path | None = DOCKERFILE, ima
     if not heads:
         errors.append("no Ray head pod template (RayCluster or RayJob.rayClusterSpec)")
     for owner, path, template in heads:
-        errors.extend(_head_errors(owner, path, template, cfg, config_map, jobs_running_on(owner, docs)))
+        errors.extend(
+            _head_errors(owner, path, template, cfg, config_map=config_map, jobs=jobs_running_on(owner, docs))
+        )
     errors.extend(_service_errors(docs, cfg, [t for _, _, t in heads]))
     errors.extend(_pod_monitor_errors(docs, [t for _, _, t in heads]))
     if _by_kind(docs, "PodMonitor") and cfg.server.metrics_host in ("127.0.0.1", "localhost", "::1", "[::1]"):

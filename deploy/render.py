@@ -109,7 +109,7 @@ def _generate_config_maps(docs: list[Doc], spec: Doc, directory: Path, kfile: Pa
         for item in gen.get("files", []):
             key, _, rel = item.partition("=") if "=" in item else (Path(item).name, "", item)
             data[key] = (directory / rel).read_text(encoding="utf-8")
-        _place_config_map(docs, gen["name"], data, options.get("labels") or {}, gen.get("behavior", "create"))
+        _place_config_map(docs, gen["name"], data, options.get("labels") or {}, behavior=gen.get("behavior", "create"))
 
 
 def _place_config_map(docs: list[Doc], name: str, data: dict[str, str], labels: dict[str, str], behavior: str) -> None:

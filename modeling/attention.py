@@ -84,7 +84,12 @@ class AttentionMetadata:
         for n in np.unique(counts):
             members = np.flatnonzero(counts == n)
             group, group_slots = _padded_group(
-                starts[members], int(n), table[members], block_size, [masks[i] for i in members], row0[members]
+                starts[members],
+                int(n),
+                table[members],
+                block_size,
+                masks=[masks[i] for i in members],
+                row0=row0[members],
             )
             slots[group.rows.numpy()] = group_slots
             groups.append(_to_device(group, device))
@@ -92,7 +97,7 @@ class AttentionMetadata:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Ragged paged attention (see `paged_attention`)."""
-        return paged_attention(q, k_cache, v_cache, self, scale)
+        return paged_attention(q, k_cache, v_cache, self, scale=scale)
 
     attend_sdpa = attend
 
@@ -187,7 +192,7 @@ class RaggedMetadata:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Ragged paged attention (Triton; CUDA, or CPU under TRITON_INTERPRET)."""
         return triton_attention.triton_ragged_attention(
-            q, k_cache, v_cache, self.block_tables, self.q_starts, self.q_lens, self.seq_lens,
+            q, k_cache, v_cache, self.block_tables, q_starts=self.q_starts, q_lens=self.q_lens, seq_lens=self.seq_lens,
             max_q_len=self.max_q_len, scale=scale,
             tree_bits=self.tree_bits, tree_width=self.tree_width,
         )  # fmt: skip
@@ -206,7 +211,14 @@ class RaggedMetadata:
             tree = None if rm is None else rm[None].to(q.device)
             lens = self.seq_lens.new_tensor([end])
             out = uniform_paged_attention(
-                q[start : start + n], k_cache, v_cache, table[None, :width], lens, n, scale=scale, tree_mask=tree
+                q[start : start + n],
+                k_cache,
+                v_cache,
+                table[None, :width],
+                seq_lens=lens,
+                q_len=n,
+                scale=scale,
+                tree_mask=tree,
             )
             outs.append(out)
         return torch.cat(outs)
@@ -261,7 +273,7 @@ class UniformMetadata:
         if q.is_cuda and triton_attention.available():
             if tree is None:
                 return triton_attention.triton_uniform_attention(
-                    q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale
+                    q, k_cache, v_cache, self.block_tables, seq_lens=self.seq_lens, q_len=self.q_len, scale=scale
                 )
             if tree.shape[-1] <= triton_attention.TREE_BITS:
                 if self._tree_bits is None:  # once per step, not once per layer
@@ -271,9 +283,9 @@ class UniformMetadata:
                     k_cache,
                     v_cache,
                     self.block_tables,
-                    self.seq_lens,
-                    self.q_len,
-                    scale,
+                    seq_lens=self.seq_lens,
+                    q_len=self.q_len,
+                    scale=scale,
                     tree_bits=self._tree_bits,
                     tree_width=tree.shape[-1],
                 )
@@ -282,7 +294,14 @@ class UniformMetadata:
     def attend_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """The reference static-shape path on any device (safe to capture)."""
         return uniform_paged_attention(
-            q, k_cache, v_cache, self.block_tables, self.seq_lens, self.q_len, scale=scale, tree_mask=self.tree_mask
+            q,
+            k_cache,
+            v_cache,
+            self.block_tables,
+            seq_lens=self.seq_lens,
+            q_len=self.q_len,
+            scale=scale,
+            tree_mask=self.tree_mask,
         )
 
 
@@ -314,7 +333,7 @@ def uniform_paged_attention(
         inside = (rel >= 0) & (rel < width)
         picked = tree_mask.gather(2, rel.clamp(0, width - 1).expand(bsz, q_len, -1))
         mask &= ~inside | picked
-    out = masked_sdpa(qp, keys.to(q.dtype), vals.to(q.dtype), mask[:, None], scale)
+    out = masked_sdpa(qp, keys.to(q.dtype), vals.to(q.dtype), mask[:, None], scale=scale)
     return out.transpose(1, 2).reshape(bsz * q_len, heads * v_dim)
 
 
@@ -322,7 +341,7 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     """SDPA with a boolean mask and GQA. On CUDA the cuDNN backend is skipped: profiling showed it
     spending ~2 ms of host time per call building plans for masked inputs."""
     if k.shape[1] == 1 and q.shape[1] > 1:
-        return one_kv_head_attention(q, k, v, mask, scale)
+        return one_kv_head_attention(q, k, v, mask, scale=scale)
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
@@ -340,7 +359,7 @@ def one_kv_head_attention(
     rows = max(1, SCORE_ELEMENTS // (b * h * k.shape[2]))  # query rows per pass: bounded score memory
     if qn > rows:
         parts = [
-            one_kv_head_attention(q[:, :, i : i + rows], k, v, mask[..., i : i + rows, :], scale)
+            one_kv_head_attention(q[:, :, i : i + rows], k, v, mask[..., i : i + rows, :], scale=scale)
             for i in range(0, qn, rows)
         ]
         return torch.cat(parts, dim=2)
@@ -371,5 +390,5 @@ def paged_attention(
         qp = q[g.q_index].transpose(1, 2)  # [b, H, q, D]
         kp = flat_k[g.kv_slots].transpose(1, 2).to(q.dtype)  # [b, Hkv, s, D]
         vp = flat_v[g.kv_slots].transpose(1, 2).to(q.dtype)
-        out[g.rows] = masked_sdpa(qp, kp, vp, g.mask, scale).transpose(1, 2).reshape(-1, num_heads * v_dim)
+        out[g.rows] = masked_sdpa(qp, kp, vp, g.mask, scale=scale).transpose(1, 2).reshape(-1, num_heads * v_dim)
     return out

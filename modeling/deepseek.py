@@ -79,7 +79,9 @@ class DeepseekV3Model(LlamaModel):
         tp: TPContext | None = None,
     ) -> KVCache:
         """One latent row per token and layer, the same on every rank."""
-        return LatentCache.allocate_latent(num_layers, num_blocks, block_size, deepseek_args(args), dtype, device)
+        return LatentCache.allocate_latent(
+            num_layers, num_blocks, block_size, deepseek_args(args), dtype=dtype, device=device
+        )
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

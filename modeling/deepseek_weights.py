@@ -137,7 +137,7 @@ def load_layer(layer: nn.Module, weights: dict[str, torch.Tensor], p: str, args:
     name = p + "post_attention_layernorm.weight"
     put(layer.post_attention_layernorm.weight, take(name), name)  # type: ignore[union-attr, arg-type]
     if isinstance(layer.mlp, MoE):
-        load_moe(layer.mlp, weights, take, p + "mlp.", args)
+        load_moe(layer.mlp, weights, take, p + "mlp.", args=args)
     else:
         load_mlp(layer.mlp, take, p + "mlp.")  # type: ignore[arg-type]
 

@@ -92,7 +92,7 @@ class TorchOps:
         kv: KVWrite,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rotated q [T, H, D], x + residual): `norm_linear` into [q; k; v], then `rope_write_kv`."""
-        qkv, s = self.norm_linear(x, residual, norm_weight, eps, qkv_weight)
+        qkv, s = self.norm_linear(x, residual, norm_weight, eps, weight=qkv_weight)
         return self.rope_write_kv(qkv, kv), s
 
     def norm_argmax(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
@@ -137,8 +137,8 @@ class TritonOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One matrix-vector kernel for small steps; add_rms_norm plus cuBLAS otherwise."""
         if not self._small(x, weight):
-            return super().norm_linear(x, residual, norm_weight, eps, weight)
-        return fused_kernels.norm_linear(x, residual, norm_weight, eps, weight)
+            return super().norm_linear(x, residual, norm_weight, eps, weight=weight)
+        return fused_kernels.norm_linear(x, residual, norm_weight, eps, weight=weight)
 
     def swiglu_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None

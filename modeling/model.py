@@ -261,7 +261,7 @@ class DecoderLayer(nn.Module):
         pre, post = self.input_layernorm, self.post_attention_layernorm
         q, residual = self.self_attn.project(x, residual, pre, rope, k_cache, v_cache, meta)
         a = self.self_attn(q, k_cache, v_cache, meta)
-        gate_up, residual = ops.norm_linear(a, residual, post.weight, post.eps, self.mlp.gate_up_proj_weight())
+        gate_up, residual = ops.norm_linear(a, residual, post.weight, post.eps, weight=self.mlp.gate_up_proj_weight())
         if whole:
             return self.mlp.down(gate_up, residual), None
         return self.mlp.down(gate_up), residual
@@ -397,7 +397,9 @@ class LlamaModel(nn.Module):
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """A paged cache sized for this rank's KV heads."""
         dtype = next(self.parameters()).dtype
-        return self.cache_for(self.args, len(self.layers), num_blocks, block_size, dtype, device, self.tp)
+        return self.cache_for(
+            self.args, len(self.layers), num_blocks, block_size, dtype=dtype, device=device, tp=self.tp
+        )
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -117,7 +117,7 @@ class QwenAttention(Attention):
         """(rotated q [T, H, D], x + residual): the input norm and projection, bias, head norms, then RoPE
         and the KV write."""
         kv = KVWrite(*rope, meta.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim)
-        qkv, s = self.ops.norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj_weight())
+        qkv, s = self.ops.norm_linear(x, residual, norm.weight, norm.eps, weight=self.qkv_proj_weight())
         bias = self.qkv_bias()
         if bias is not None:
             qkv = qkv + bias

@@ -72,7 +72,7 @@ class Eagle3Layer(nn.Module):
         q = ops.rope_write_kv(ops.linear(x, att.qkv_proj_weight()), kv)
         a = att(q, k_cache, v_cache, meta)
         residual = h if self.norm_before_residual else hidden
-        gate_up, residual = ops.norm_linear(a, residual, post.weight, post.eps, self.mlp.gate_up_proj_weight())
+        gate_up, residual = ops.norm_linear(a, residual, post.weight, post.eps, weight=self.mlp.gate_up_proj_weight())
         return self.mlp.down(gate_up, residual)
 
 

@@ -41,7 +41,9 @@ def propose_from_rows(
     if k == 0:
         return torch.zeros(bsz, 0, dtype=torch.long, device=row_tokens.device)
     last = torch.arange(bsz, device=row_tokens.device) * q + num_accepted
-    return chain_from(head, shared, cache, dh[last], positions[last], meta.block_tables, k)
+    return chain_from(
+        head, shared, cache, dh[last], last_positions=positions[last], block_tables=meta.block_tables, k=k
+    )
 
 
 def chain_from(
@@ -132,7 +134,7 @@ class MTPEagleChain(DraftMethod):
         drafts = [tok]
         for _ in range(k - 1):
             pos = pos + 1
-            meta = ragged_metadata(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, dev)
+            meta = ragged_metadata(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, device=dev)
             h = self.head.step(self.shared, tok, h, pos, self.cache, meta)
             tok = self.head.greedy_tokens(self.shared, h)
             drafts.append(tok)
@@ -161,10 +163,10 @@ class MTPEagleChain(DraftMethod):
             seq_lens.to(dev),
             ctx_index.to(dev),
             self.lookahead.tokens,
-            inputs.sampled_tokens.to(dev),
-            inputs.lookahead_source,
+            sampled_tokens=inputs.sampled_tokens.to(dev),
+            lookahead_source=inputs.lookahead_source,
         )
         host_pos = inputs.positions
         starts = [int(host_pos[int(e) - int(n) + 1]) for e, n in zip(last_rows(seq_lens), seq_lens, strict=True)]
-        meta = ragged_metadata(starts, inputs.seq_lens, inputs.block_ids, self.cache.block_size, dev)
+        meta = ragged_metadata(starts, inputs.seq_lens, inputs.block_ids, self.cache.block_size, device=dev)
         return self.head.step(self.shared, ids, hidden, positions, self.cache, meta), positions

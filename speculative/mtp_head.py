@@ -224,7 +224,9 @@ class MTPEagleHead(DraftHead):
     # ---- set-up --------------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """The draft's own paged KV cache, one layer per decoder layer."""
-        return model_class(self.args).cache_for(self.args, self.num_layers, num_blocks, block_size, self.dtype, device)
+        return model_class(self.args).cache_for(
+            self.args, self.num_layers, num_blocks, block_size, dtype=self.dtype, device=device
+        )
 
     def init_from_target(self, target_weights: dict[str, torch.Tensor], layer: int | None = None) -> None:
         """Copy the target's last (or given) decoder layer into the head; eh_proj starts as [0.1 I | I] and fc

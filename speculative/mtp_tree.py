@@ -93,7 +93,7 @@ class MTPEagleTree(DraftMethod):
         def meta_for(r: int, visible: torch.Tensor) -> Metadata:
             first = [p + 1 + (r - 1) * w for p in roots]
             masks: list[torch.Tensor | None] = list(visible.cpu())
-            return ragged_metadata(first, [w] * len(roots), tables, block_size, dev, masks)
+            return ragged_metadata(first, [w] * len(roots), tables, block_size, device=dev, row_masks=masks)
 
         return self.grow(h0, torch.tensor(roots, device=dev), meta_for)
 

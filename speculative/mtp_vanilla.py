@@ -72,7 +72,7 @@ class VanillaMTPChain(DraftMethod):
             [r.count - r.start for r in rows],
             tables,
             self.caches[j].block_size,
-            self.device,
+            device=self.device,
         )
         return self.heads[j].step(self.shared, tokens, hidden, pos, self.caches[j], meta)
 
@@ -91,8 +91,8 @@ class VanillaMTPChain(DraftMethod):
             seq_lens.to(dev),
             ctx_index.to(dev),
             self.lookahead.tokens,
-            inputs.sampled_tokens.to(dev),
-            inputs.lookahead_source,
+            sampled_tokens=inputs.sampled_tokens.to(dev),
+            lookahead_source=inputs.lookahead_source,
         )
         firsts = [0, *torch.cumsum(seq_lens, 0).tolist()[:-1]]
         p0 = [int(inputs.positions[f]) for f in firsts]

@@ -141,6 +141,6 @@ def verify_step(
         temperature.repeat_interleave(q_len),
         top_k.long().repeat_interleave(q_len),
         top_p.repeat_interleave(q_len),
-        filtered,
+        filtered=filtered,
     )
     return verify(probs.view(bsz, q_len, -1), drafts, thresholds)

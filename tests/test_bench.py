@@ -178,7 +178,7 @@ def test_compare_shows_the_bug_and_the_fix_on_mimic() -> None:
     table = bench_acceptance.format_acceptance_table(results)
     assert all(name in table for name in ("sampled", "prompt", "unchunked", "none (40)"))
     doc = bench_acceptance.acceptance_report(
-        cfg, args, results, {"compare": True}, "mtpserve bench acceptance --compare"
+        cfg, args, results, {"compare": True}, command="mtpserve bench acceptance --compare"
     )
     assert [r["setting"] for r in doc["results"]] == ["sampled", "prompt", "unchunked"]
     assert doc["results"][1]["accepted_per_position"] == doc["results"][2]["accepted_per_position"]

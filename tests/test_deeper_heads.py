@@ -109,7 +109,7 @@ def test_dense_unrolled_two_layer_head_equals_the_paged_chain() -> None:
     bs, k = 4, 3
     with torch.no_grad():
         feats = target_features(model, seq[None], head.feature_layers).flatten(2)
-        outs = head_unrolled(head, model, seq[None], feats, k)
+        outs = head_unrolled(head, model, seq[None], feats, steps=k)
         for p in (0, 5, 12):
             cache = head.allocate_cache(8, bs, "cpu")
             table = list(range(8))
@@ -124,7 +124,7 @@ def test_dense_unrolled_two_layer_head_equals_the_paged_chain() -> None:
                 assert (h - outs[j - 1][0, q : q + 1]).abs().max().item() <= 1e-4, (p, j)
         one = MTPEagleHead(args, head.feature_layers)
         one.init_from_head(fused_head(args, w, vocab=False))
-        shallow = head_unrolled(one.eval(), model, seq[None], feats, k)
+        shallow = head_unrolled(one.eval(), model, seq[None], feats, steps=k)
         assert (shallow[0] - outs[0]).abs().max() > 1e-3, "the second layer is part of the forward"
 
 

@@ -401,8 +401,8 @@ def test_one_kv_head_attention_matches_sdpa_and_tiles_long_queries(monkeypatch: 
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k.expand(-1, 8, -1, -1), v.expand(-1, 8, -1, -1), attn_mask=mask, scale=0.25
     )
-    whole = attention.one_kv_head_attention(q, k, v, mask, 0.25)
+    whole = attention.one_kv_head_attention(q, k, v, mask, scale=0.25)
     monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2 * 8 * 50 * 5)  # five query rows per pass
-    tiled = attention.one_kv_head_attention(q, k, v, mask, 0.25)
+    tiled = attention.one_kv_head_attention(q, k, v, mask, scale=0.25)
     assert (whole - ref).abs().max().item() <= 1e-5
     assert torch.equal(tiled, whole)

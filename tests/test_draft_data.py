@@ -48,16 +48,16 @@ def test_parts_are_deterministic_and_shards_build_the_same_data(
     tmp_path: Path, target: tuple[LlamaArgs, dict[str, torch.Tensor]], generator: EngineGenerator
 ) -> None:
     args, _ = target
-    status = build_parts(tmp_path / "a", generator, None, args, config())
+    status = build_parts(tmp_path / "a", generator, None, args, cfg=config())
     assert status["complete"] and status["parts_done"] == 3 and status["built_now"] == 3
-    assert build_parts(tmp_path / "b", generator, None, args, config())["complete"]
+    assert build_parts(tmp_path / "b", generator, None, args, cfg=config())["complete"]
     for w in (1, 0):  # two shards, run one after the other
-        status = build_parts(tmp_path / "s", generator, None, args, config(), shard=(w, 2))
+        status = build_parts(tmp_path / "s", generator, None, args, cfg=config(), shard=(w, 2))
     assert status["complete"]
     a = read_ids(tmp_path / "a")
     assert a == read_ids(tmp_path / "b") == read_ids(tmp_path / "s")
     assert len(a) == 15 and len({tuple(x) for x in a}) == 15
-    build_parts(tmp_path / "c", generator, None, args, config(seed=1))
+    build_parts(tmp_path / "c", generator, None, args, cfg=config(seed=1))
     assert read_ids(tmp_path / "c") != a
 
 
@@ -66,18 +66,18 @@ def test_a_cut_short_build_continues_where_it_stopped(
 ) -> None:
     args, _ = target
     root = tmp_path / "d"
-    late = build_parts(root, generator, None, args, config(), deadline=time.time() - 1)
+    late = build_parts(root, generator, None, args, cfg=config(), deadline=time.time() - 1)
     assert late == {"complete": False, "parts_done": 0, "parts_total": 3, "built_now": 0}, "past the deadline"
-    first = build_parts(root, generator, None, args, config(), shard=(0, 3))
+    first = build_parts(root, generator, None, args, cfg=config(), shard=(0, 3))
     assert first == {"complete": False, "parts_done": 1, "parts_total": 3, "built_now": 1}
     assert not (root / "meta.json").exists()
     with pytest.raises(TrainSetupError, match=r"--data-dir.*finish it"):
         load_dataset(root)
     kept = part_path(root, "random", 0).stat().st_mtime_ns
-    again = build_parts(root, generator, None, args, config())
+    again = build_parts(root, generator, None, args, cfg=config())
     assert again["complete"] and again["built_now"] == 2
     assert part_path(root, "random", 0).stat().st_mtime_ns == kept, "a finished part is not rebuilt"
-    build_parts(tmp_path / "ref", generator, None, args, config())
+    build_parts(tmp_path / "ref", generator, None, args, cfg=config())
     assert read_ids(root) == read_ids(tmp_path / "ref")
 
 
@@ -85,11 +85,11 @@ def test_parts_of_other_settings_are_refused(
     tmp_path: Path, target: tuple[LlamaArgs, dict[str, torch.Tensor]], generator: EngineGenerator
 ) -> None:
     args, _ = target
-    build_parts(tmp_path, generator, None, args, config(), shard=(0, 3))
+    build_parts(tmp_path, generator, None, args, cfg=config(), shard=(0, 3))
     with pytest.raises(TrainSetupError, match=r"--data-dir.*other settings"):
-        build_parts(tmp_path, generator, None, args, config(seed=5))
+        build_parts(tmp_path, generator, None, args, cfg=config(seed=5))
     with pytest.raises(TrainSetupError, match=r"--mix.*need a tokenizer"):
-        build_parts(tmp_path / "t", generator, None, args, DataConfig(mix={"code": 1}))
+        build_parts(tmp_path / "t", generator, None, args, cfg=DataConfig(mix={"code": 1}))
 
 
 def test_heads_trained_side_by_side_equal_heads_trained_alone(
@@ -97,7 +97,7 @@ def test_heads_trained_side_by_side_equal_heads_trained_alone(
 ) -> None:
     """Same batches, independent optimizers: sharing a run changes nothing for any head."""
     args, w = target
-    build_parts(tmp_path, generator, None, args, config(parts=4))
+    build_parts(tmp_path, generator, None, args, cfg=config(parts=4))
     data = load_dataset(tmp_path)
     specs = [
         HeadSpec("plain"),
@@ -135,7 +135,7 @@ def test_best_head_prefers_a_cheaper_head_within_the_margin(
 ) -> None:
     """Within the margin a head with fewer decoder layers wins, then one with a smaller draft vocabulary."""
     args, w = target
-    build_parts(tmp_path, generator, None, args, config(parts=2))
+    build_parts(tmp_path, generator, None, args, cfg=config(parts=2))
     heads = [HeadSpec("full"), HeadSpec("small", draft_vocab=50), HeadSpec("deep", decoder=2)]
     cfg = TrainConfig(steps=0, eval_every=0, ckpt_every=0, heads=heads)
     trainer = Trainer(cfg, args, w, load_dataset(tmp_path))
@@ -152,7 +152,7 @@ def test_frequent_vocab_keeps_the_commonest_response_tokens(
     tmp_path: Path, target: tuple[LlamaArgs, dict[str, torch.Tensor]], generator: EngineGenerator
 ) -> None:
     args, _ = target
-    build_parts(tmp_path, generator, None, args, config(parts=2))
+    build_parts(tmp_path, generator, None, args, cfg=config(parts=2))
     data = load_dataset(tmp_path)
     counts = response_token_counts(data, list(range(len(data))), args.vocab_size)
     assert int(counts.sum()) == sum(int(t.numel()) - r for t, r in zip(data.ids, data.response_start, strict=True))
@@ -170,7 +170,7 @@ def test_epoch_batches_cap_padded_tokens_and_cover_every_sequence() -> None:
     assert sorted(i for b in batches for i in b) == list(range(300))
     assert all(len(b) <= 16 and (len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 600) for b in batches)
     assert batches == epoch_batches(list(range(300)), lengths, 16, seed=1, epoch=0, max_tokens=600)
-    assert max(len(b) for b in epoch_batches(list(range(300)), lengths, 16, 1, 0)) == 16
+    assert max(len(b) for b in epoch_batches(list(range(300)), lengths, 16, 1, epoch=0)) == 16
 
 
 @pytest.mark.parametrize(

@@ -246,7 +246,7 @@ def test_limits_follow_the_worker_build() -> None:
     from mtpserve.workers.target_worker import step_limits
 
     cfg = MTPServeConfig.from_dict({"scheduler": {"block_size": 4, "max_num_requests": 3}})
-    lim = step_limits(cfg, 100, 32, 10, 77, 2)
+    lim = step_limits(cfg, 100, 32, 10, max_len=77, k=2)
     assert (lim.block_size, lim.max_num_requests, lim.num_blocks, lim.max_model_len, lim.num_draft_tokens) == (
         4, 3, 10, 77, 2,
     )  # fmt: skip

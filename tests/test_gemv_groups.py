@@ -51,7 +51,7 @@ def _all_outputs(ops: TorchOps, t: dict[str, torch.Tensor]) -> list[torch.Tensor
     q, res = ops.norm_qkv_rope(t["x"], t["r"], t["nw"], 1e-5, t["wqkv"], kv)
     return [
         ops.linear(t["x"], t["w"]),
-        *ops.norm_linear(t["x"], t["r"], t["nw"], 1e-5, t["w"]),
+        *ops.norm_linear(t["x"], t["r"], t["nw"], 1e-5, weight=t["w"]),
         ops.swiglu_linear(t["gate_up"], t["wd"]),
         ops.swiglu_linear(t["gate_up"], t["wd"], t["rd"]),
         q.reshape(m, -1),

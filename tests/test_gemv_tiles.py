@@ -82,6 +82,6 @@ def test_the_config_names_the_field_and_the_model_build_applies_it(
 
         monkeypatch.setattr(model.layers[0], "step", spy)
         cache = model.allocate_cache(4, 16, "cpu")
-        meta = ragged_metadata([0], [3], [[0]], 16, "cpu")
+        meta = ragged_metadata([0], [3], [[0]], 16, device="cpu")
         model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, meta)
     assert seen == [(GemvTiles(4, 2, True), GemvTiles()), (GemvTiles(), GemvTiles())]

@@ -124,7 +124,7 @@ def test_forward_features_are_the_layer_outputs() -> None:
     model = eng.target.model  # type: ignore[union-attr]
     assert model.feature_layers == (0, 1)
     ids = torch.tensor(random_prompts(1, args.vocab_size, [12], seed=2)[0])
-    meta = ragged_metadata([0], [12], [[1, 2]], eng.cfg.scheduler.block_size, "cpu")
+    meta = ragged_metadata([0], [12], [[1, 2]], eng.cfg.scheduler.block_size, device="cpu")
     cache = model.allocate_cache(4, eng.cfg.scheduler.block_size, "cpu")
     hidden, feats = model.forward_features(ids, torch.arange(12), cache, meta)
     dense = target_features(model, ids[None], (0, 1))[0]

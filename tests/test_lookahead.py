@@ -23,8 +23,8 @@ def select(tokens: list[list[int]], ctx: list[bool], lookahead: list[int], sampl
         torch.tensor([len(s) for s in tokens]),
         index,
         buf.tokens,
-        torch.tensor(sampled),
-        source,
+        sampled_tokens=torch.tensor(sampled),
+        lookahead_source=source,
     )
     return torch.split(out, [len(s) for s in tokens])
 

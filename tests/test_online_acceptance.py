@@ -117,7 +117,7 @@ def test_loss_path_mask_is_the_evaluation_path() -> None:
     shared = build_shared(args, w, "cpu", torch.float32)
     batch = HiddenStore(shared, ds, torch.device("cpu"), layers=head.feature_layers).batch(list(range(len(ds))))
     rows = target_rows(shared, batch)
-    outs = head_unrolled(head.eval(), shared, batch.ids, batch.features_for(head.feature_layers), K)
+    outs = head_unrolled(head.eval(), shared, batch.ids, batch.features_for(head.feature_layers), steps=K)
     hits = []
     for j in range(1, K + 1):
         sel = rows.rq >= batch.response_start[rows.rb] + j - 2

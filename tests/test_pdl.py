@@ -152,5 +152,7 @@ def test_model_pdl_flag_reaches_the_models_launches(monkeypatch: pytest.MonkeyPa
 
         monkeypatch.setattr(model.layers[0], "step", spy)
         cache = model.allocate_cache(4, 16, "cpu")
-        model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, ragged_metadata([0], [3], [[0]], 16, "cpu"))
+        model.forward(
+            torch.tensor([1, 2, 3]), torch.arange(3), cache, ragged_metadata([0], [3], [[0]], 16, device="cpu")
+        )
     assert seen == [False, True]

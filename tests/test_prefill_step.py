@@ -209,19 +209,19 @@ def test_build_prefill_applies_only_where_it_is_exact() -> None:
     head = mimic_head(args, w)
     chain_eng = tiny_engine(args, w, head)
     base = chain_eng.cfg
-    step = build_prefill(base, parts(chain_eng), chain_eng.draft, 3, 64)  # type: ignore[arg-type]
+    step = build_prefill(base, parts(chain_eng), chain_eng.draft, 3, max_len=64)  # type: ignore[arg-type]
     assert isinstance(step, CapturedPrefill) and step.chain is chain_eng.draft
     assert step.sizes == prefill_sizes(base.scheduler.chunk_size)
     off = base.model_copy(update={"model": base.model.model_copy(update={"prefill_graphs": False})})
-    assert build_prefill(off, parts(chain_eng), chain_eng.draft, 3, 64) is None  # type: ignore[arg-type]
+    assert build_prefill(off, parts(chain_eng), chain_eng.draft, 3, max_len=64) is None  # type: ignore[arg-type]
     sampled = base.model_copy(
         update={"speculative": base.speculative.model_copy(update={"lookahead_source": "sampled"})}
     )
-    assert build_prefill(sampled, parts(chain_eng), chain_eng.draft, 3, 64) is None  # type: ignore[arg-type]
+    assert build_prefill(sampled, parts(chain_eng), chain_eng.draft, 3, max_len=64) is None  # type: ignore[arg-type]
     tree_eng = tiny_engine(args, w, head, speculative={"tree_budget": 6, "tree_width": 2})
-    assert build_prefill(tree_eng.cfg, parts(tree_eng), tree_eng.draft, 3, 64) is None  # type: ignore[arg-type]
+    assert build_prefill(tree_eng.cfg, parts(tree_eng), tree_eng.draft, 3, max_len=64) is None  # type: ignore[arg-type]
     plain = tiny_engine(args, w)
-    step = build_prefill(plain.cfg, parts(plain), None, 0, 64)  # type: ignore[arg-type]
+    step = build_prefill(plain.cfg, parts(plain), None, 0, max_len=64)  # type: ignore[arg-type]
     assert isinstance(step, CapturedPrefill) and step.chain is None
 
 

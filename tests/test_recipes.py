@@ -25,7 +25,7 @@ def test_each_recipe_builds_its_kind_of_sample(tmp_path: Path) -> None:
     settings = RecipeSettings(
         max_new_tokens=12, long_max_new_tokens=20, code_max_new_tokens=12, prompt_max_tokens=40, oversample=3.0
     )
-    status = build_parts(tmp_path, gen, tok, args, DataConfig(mix=MIX, part_size=4, settings=settings, seed=2))
+    status = build_parts(tmp_path, gen, tok, args, cfg=DataConfig(mix=MIX, part_size=4, settings=settings, seed=2))
     assert status["complete"]
     ds = load_dataset(tmp_path)
     texts: dict[str, list[tuple[str, str, int]]] = {}
@@ -60,7 +60,7 @@ def test_finished_first_answers_get_a_second_turn(tmp_path: Path) -> None:
     _, args, weights, tok = smollm2()
     gen = EngineGenerator(args, weights, "cpu", "float32", batch_size=16, max_len=400)
     settings = RecipeSettings(max_new_tokens=96, prompt_max_tokens=40, oversample=3.0)
-    build_parts(tmp_path, gen, tok, args, DataConfig(mix={"multi": 1}, part_size=8, settings=settings, seed=2))
+    build_parts(tmp_path, gen, tok, args, cfg=DataConfig(mix={"multi": 1}, part_size=8, settings=settings, seed=2))
     ds = load_dataset(tmp_path)
     seconds = [
         tok.decode(ids[:start].tolist(), skip_special_tokens=False)

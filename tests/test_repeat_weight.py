@@ -65,9 +65,9 @@ def test_repeat_weight_one_is_the_plain_loss_and_zero_ignores_repeated_rows() ->
     changed.prob[repeated] = torch.softmax(torch.randn(int(repeated.sum()), args.vocab_size), -1)
 
     def loss(r: object, weight: float) -> float:
-        return float(unrolled_loss(head, shared, batch, weights, r, repeat_weight=weight)[0].detach())  # type: ignore[arg-type]
+        return float(unrolled_loss(head, shared, batch, weights, rows=r, repeat_weight=weight)[0].detach())  # type: ignore[arg-type]
 
-    assert loss(rows, 1.0) == float(unrolled_loss(head, shared, batch, weights, rows)[0].detach())
+    assert loss(rows, 1.0) == float(unrolled_loss(head, shared, batch, weights, rows=rows)[0].detach())
     assert abs(loss(rows, 0.0) - loss(changed, 0.0)) < 1e-6
     assert abs(loss(rows, 1.0) - loss(changed, 1.0)) > 1e-3
     assert abs(loss(rows, 0.0) - loss(rows, 1.0)) > 1e-4

@@ -71,7 +71,7 @@ def test_temperature_only_mode_skips_filtering_and_matches_the_sorted_path() -> 
     assert torch.allclose(fast, processed_probs(logits, t, off_k, off_p), atol=1e-6)
     wide = torch.randn(2, 49152, generator=torch.Generator().manual_seed(2)) * 4  # the cumulative sum reaches 1.0
     kept = processed_probs(wide, torch.tensor([0.7, 0.7]), torch.zeros(2, dtype=torch.long), torch.ones(2)) > 0
-    assert torch.equal(kept, processed_probs(wide, torch.tensor([0.7, 0.7]), off_k[:2], off_p[:2], False) > 0)
+    assert torch.equal(kept, processed_probs(wide, torch.tensor([0.7, 0.7]), off_k[:2], off_p[:2], filtered=False) > 0)
     assert fast[1].tolist() == torch.nn.functional.one_hot(logits[1].argmax(), 50).float().tolist()
 
     def req(temperature: float, top_k: int = 0, top_p: float = 1.0) -> SimpleNamespace:

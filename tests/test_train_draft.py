@@ -206,8 +206,8 @@ def test_checkpoint_reloads_identically_and_resume_continues(target_dir: Path, d
     ds = load_dataset(data_dir)
     batch = HiddenStore(shared, ds, torch.device("cpu")).batch(list(range(8)))
     with torch.no_grad():
-        outs_file = head_unrolled(b.eval(), shared, batch.ids, batch.hidden, 3)
-        outs_ckpt = head_unrolled(from_ckpt.eval(), shared, batch.ids, batch.hidden, 3)
+        outs_file = head_unrolled(b.eval(), shared, batch.ids, batch.hidden, steps=3)
+        outs_ckpt = head_unrolled(from_ckpt.eval(), shared, batch.ids, batch.hidden, steps=3)
     for x, y in zip(outs_file, outs_ckpt, strict=True):
         assert torch.equal(x, y)
         assert torch.equal(shared.logits(x).argmax(-1), shared.logits(y).argmax(-1))
@@ -367,7 +367,7 @@ def test_dense_forward_matches_paged_model() -> None:
         head.init_random(seed=3, std=0.2)
         head.eval()
         k = 3
-        outs = head_unrolled(head, model, ids, dense, k)
+        outs = head_unrolled(head, model, ids, dense, steps=k)
         s, h_t = seqs[2], dense[2]
         for p in (0, 6, 15):
             dcache = head.allocate_cache(8, bs, "cpu")

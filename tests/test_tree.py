@@ -166,7 +166,7 @@ def test_expand_topk_keeps_the_best_nodes_in_a_well_formed_tree(width: int, dept
             seen.setdefault(path, path_score(table, path))
         return table[tree.tokens[nodes]]
 
-    tree = expand_topk(7, logprobs_of, width, depth, budget)
+    tree = expand_topk(7, logprobs_of, width, depth, budget=budget)
     assert tree.size - 1 <= budget and int(tree.depth().max()) <= depth
     score = {tuple(path_of(tree, i)): 0.0 for i in range(tree.size)}
     for path in score:

@@ -230,7 +230,7 @@ def test_the_device_advance_writes_what_the_host_fill_writes(kernel: bool) -> No
     for _ in range(2):  # stale trees in both host twins, then the queued fill
         dev_trees.fill(torch.zeros(m, q, dtype=torch.long).numpy(), bucket)
     dev_trees.fill_launched(m, bucket)
-    advance_trees(previous, cols, dev, dev_trees, m)
+    advance_trees(previous, cols, dev, dev_trees, m=m)
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"):
         assert torch.equal(getattr(dev, name), getattr(host, name)), name
     for name in ("depth", "parents", "mask"):

@@ -131,7 +131,7 @@ def build_shared(
     cfg: MTPServeConfig, args: LlamaArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str
 ) -> LlamaModel:
     """The target's embedding, final norm and lm_head without its layers, for a draft on another worker."""
-    return build_configured_target(cfg, replace(args, num_hidden_layers=0), weights, dtype, device)
+    return build_configured_target(cfg, replace(args, num_hidden_layers=0), weights, dtype, device=device)
 
 
 def tree_kind(drafter: MTPEagleTree) -> StepKind:
@@ -332,7 +332,7 @@ DRAFT_METHODS: dict[str, DraftMethodSpec] = {
         lambda cfg, heads, shared, caches, look, dev: (
             VanillaMTPChain([cast(MTPEagleHead, h) for h in heads], shared, caches, look, dev)
             if len(heads) > 1
-            else _eagle(cfg, heads, shared, caches, look, dev)  # one module: the same chain, captured on CUDA
+            else _eagle(cfg, heads, shared, caches, look=look, dev=dev)  # one module: the same chain, captured on CUDA
         ),
         modules=lambda k: k,
         needs_native=True,

@@ -45,7 +45,7 @@ class UniformChainStep:
         meta = UniformMetadata(b.slot_mapping[:n], b.block_tables[:bucket], b.seq_lens[:bucket], self.q)
         c = self.chain
         return propose_from_rows(
-            c.head, c.shared, c.cache, b.input_ids[:n], self.hidden[:n], positions=b.positions[:n], meta=meta,
+            c.head, c.shared, c.cache, b.input_ids[:n], hidden=self.hidden[:n], positions=b.positions[:n], meta=meta,
             num_accepted=self.num_accepted[:bucket], k=self.k,
         )  # fmt: skip
 

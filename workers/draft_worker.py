@@ -62,12 +62,14 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         shared = build_shared(cfg, args, weights, dtype, self.device)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
-        self.method = build_draft(cfg, load_heads(cfg, args, weights), shared, num_blocks, self.device, dtype)
+        self.method = build_draft(
+            cfg, load_heads(cfg, args, weights), shared, num_blocks, device=self.device, dtype=dtype
+        )
         if self.method is None:
             raise ValueError("speculative.draft resolves to no head; the draft worker has nothing to run")
         build_chain_graphs(cfg, self.method, max_len)
         k = cfg.speculative.proposed_tokens
-        self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, k)
+        self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len=max_len, k=k)
         return num_blocks
 
     def ready(self) -> int:

@@ -72,10 +72,20 @@ class FusedSpecStep:
         hidden, features = self.target.forward_features(ids, pos, self.cache, meta)
         sampling = None if mode is SamplingMode.GREEDY else b.sampling(bucket)
         forced = None if self.forced is None else self.forced.rows(bucket)
-        n_acc, emitted = verify_step(self.target, hidden, ids, q, sampling, mode is SamplingMode.FILTERED, forced)
+        n_acc, emitted = verify_step(
+            self.target, hidden, ids, q, sampling=sampling, filtered=mode is SamplingMode.FILTERED, forced=forced
+        )
         c = self.chain
         drafts = propose_from_rows(
-            c.head, c.shared, c.cache, emitted.reshape(-1), features, positions=pos, meta=meta, num_accepted=n_acc, k=k
+            c.head,
+            c.shared,
+            c.cache,
+            emitted.reshape(-1),
+            hidden=features,
+            positions=pos,
+            meta=meta,
+            num_accepted=n_acc,
+            k=k,
         )
         next_start = pos.view(bucket, q)[:, 0] + n_acc + 1
         columns = [emitted, n_acc[:, None], drafts, next_start[:, None]]
@@ -104,7 +114,7 @@ class FusedSpecStep:
         `keys` holds the requests' sampling keys; None for an all-greedy step. With
         `after` (a previous launch's results), each sequence's token_ids[0] is its row there, and its
         tokens and positions are taken from that row on the device."""
-        mode = fill_step(self.buffers, plan, bucket, keys, self.forced)
+        mode = fill_step(self.buffers, plan, bucket, keys, forced=self.forced)
         m = len(plan.seqs)
         if after is not None:
             self._advance(m, after)

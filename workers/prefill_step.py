@@ -193,18 +193,18 @@ class CapturedPrefill:
             token = self.model.greedy_tokens(last_hidden)  # [1]
         else:
             t, k, p, u = b.sampling()
-            probs = processed_probs(self.model.logits(last_hidden), t, k, p, mode is SamplingMode.FILTERED)
+            probs = processed_probs(self.model.logits(last_hidden), t, k, p, filtered=mode is SamplingMode.FILTERED)
             token = sample_at_threshold(probs, u)
         c = self.chain
         if c is None:
             return token[:, None]
-        rows = draft_input_tokens(ids, b.real_len, self._first_context, c.lookahead.tokens, token)
+        rows = draft_input_tokens(ids, b.real_len, self._first_context, c.lookahead.tokens, sampled_tokens=token)
         out = c.head.step(c.shared, rows, features, pos, c.cache, meta)
         if not final:
             return token[:, None]
         last = b.last_row
-        drafts = chain_from(c.head, c.shared, c.cache, out.index_select(0, last), pos.index_select(0, last),
-                            b.block_table, self.k)  # fmt: skip
+        drafts = chain_from(c.head, c.shared, c.cache, out.index_select(0, last),
+                            last_positions=pos.index_select(0, last), block_tables=b.block_table, k=self.k)  # fmt: skip
         return torch.cat([token[:, None], drafts], dim=1)
 
     def bucket_for(self, plan: StepPlan) -> int | None:

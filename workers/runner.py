@@ -210,7 +210,7 @@ class TargetRunner:
         last_token = [0] * len(plan.seqs)
         features, packed = target.run(plan, bucket, self.keys(plan))
         starts = [i * q_len for i in range(len(plan.seqs))]
-        read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token)
+        read_verified(packed, range(len(plan.seqs)), tokens, accepted, last_token=last_token)
         return self._output(plan, trees, features, Verified(tokens, accepted, last_token, starts))
 
     def _run_eager(self, plan: StepPlan, trees: list[DraftTree | None]) -> TargetOutput:
@@ -234,7 +234,9 @@ class TargetRunner:
         ]
         draft_inputs = None
         if plan.num_draft_tokens > 0 or self.drafting:
-            draft_inputs = self._draft_inputs(plan, features, done.starts, done.accepted, done.last_token, done.paths)
+            draft_inputs = self._draft_inputs(
+                plan, features, done.starts, done.accepted, last_token=done.last_token, paths=done.paths
+            )
         return TargetOutput(plan.step_id, results, draft_inputs)
 
     def split_buckets(self, plan: StepPlan) -> tuple[list[tuple[int, int]], int | None] | None:
@@ -322,7 +324,7 @@ class TargetRunner:
             off += n
         raw = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
         logits = processed_logits(plan, raw, spans)
-        self._verify_trees(plan, trees, logits, spans, done)
+        self._verify_trees(plan, trees, logits, spans, done=done)
         groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
         for i, s in enumerate(plan.seqs):
             if trees[i] is not None:
@@ -344,7 +346,7 @@ class TargetRunner:
                 n_acc, out = verify_greedy(lg.argmax(-1), drafts)
             else:
                 n_acc, out = self._verify_sampling(plan, members, lg, drafts)
-            read_verified(pack_verified(n_acc, out), members, tokens, accepted, last_token)
+            read_verified(pack_verified(n_acc, out), members, tokens, accepted, last_token=last_token)
         for i, s in enumerate(plan.seqs):
             if s.processing is not None and s.processing.logprobs >= 0 and tokens[i]:
                 rows = torch.tensor([0, *done.paths.get(i, range(1, len(tokens[i])))], device=self.device)
@@ -411,7 +413,7 @@ class TargetRunner:
         t = torch.tensor([s.temperature for s in seqs], device=dev).repeat_interleave(reps)
         k = torch.tensor([s.top_k for s in seqs], device=dev).repeat_interleave(reps)
         p = torch.tensor([s.top_p for s in seqs], device=dev).repeat_interleave(reps)
-        probs = processed_probs(logits, t, k, p, sampling_mode(seqs) is SamplingMode.FILTERED)
+        probs = processed_probs(logits, t, k, p, filtered=sampling_mode(seqs) is SamplingMode.FILTERED)
         min_p = [0.0 if s.processing is None else s.processing.min_p for s in seqs]
         return min_p_filter(probs, torch.tensor(min_p, device=dev).repeat_interleave(reps))
 

@@ -165,7 +165,7 @@ class StepBuffers:
         if n == 1 and q == 1 and valid_rows is None:
             self._fill_one(host, token_ids[0][0], starts[0], tables[0])
         elif n:
-            self._fill_many(host, token_ids, starts, tables, valid_rows)
+            self._fill_many(host, token_ids, starts, tables, valid_rows=valid_rows)
         self.packed[:used].copy_(staging[:used], non_blocking=True)
 
     def _regions(self, host: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -79,7 +79,7 @@ def build_fused_depths(
     cfg: MTPServeConfig, parts: TargetParts, chain: MTPEagleChain, k: int, max_len: int
 ) -> FusedDepthSteps:
     """Fused steps for every draft depth 0..K (adaptive speculation), each captured per batch bucket."""
-    return FusedDepthSteps({d: build_fused(cfg, parts, chain, d, max_len) for d in range(k + 1)})
+    return FusedDepthSteps({d: build_fused(cfg, parts, chain, d, max_len=max_len) for d in range(k + 1)})
 
 
 def build_prefill(
@@ -146,9 +146,9 @@ def captured_steps(
         chain = (build_fused_depths if cfg.speculative.adaptive else build_fused)(cfg, parts, draft, k, max_len)
     elif isinstance(draft, MTPEagleTree):
         if draft.chains:
-            chain = build_fused_depths(cfg, parts, draft.chain, k, max_len)
+            chain = build_fused_depths(cfg, parts, draft.chain, k, max_len=max_len)
         tree = build_tree_step(cfg, parts, draft, max_len)
-    return CapturedSteps(target, chain, tree, build_prefill(cfg, parts, draft, k, max_len))
+    return CapturedSteps(target, chain, tree, build_prefill(cfg, parts, draft, k, max_len=max_len))
 
 
 def build_runner(
@@ -163,7 +163,7 @@ def build_runner(
 ) -> TargetRunner:
     """The target runner over its captured steps (`captured_steps`, which fold `draft` in where they can);
     drafting (a draft follows it) when `draft` is given unless `drafting` says otherwise."""
-    steps = captured_steps(cfg, parts, draft, k, max_len, local=local)
+    steps = captured_steps(cfg, parts, draft, k, max_len=max_len, local=local)
     return TargetRunner(
         parts.model,
         parts.cache,

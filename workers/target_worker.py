@@ -122,7 +122,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         tp = init_tp_group(self.rank, self.world, master, self.device)
         _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
-        model = build_configured_target(cfg, args, weights, dtype, self.device, tp=tp)
+        model = build_configured_target(cfg, args, weights, dtype, device=self.device, tp=tp)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, self.device)
@@ -130,7 +130,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         bind_features(model, heads)
         k = cfg.speculative.num_draft_tokens if heads else 0
         proposed = cfg.speculative.proposed_tokens if heads else 0
-        self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len, proposed)
+        self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len=max_len, k=proposed)
         local = self.world == 1  # this process holds the whole target: its steps can fold a colocated draft in
         if self.rank == 0 and heads:
             if draft is not None:
@@ -141,15 +141,15 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
                     self.draft_stub = wpb_grpc.DraftWorkerStub(grpc.insecure_channel(address, channel_options()))
                 local = False
             elif self.world == 1:  # the draft shares this process's model: the same captured steps as in process
-                self.draft = build_draft(cfg, heads, model, num_blocks, self.device, dtype)
+                self.draft = build_draft(cfg, heads, model, num_blocks, device=self.device, dtype=dtype)
             else:
                 shared = build_shared(cfg, args, weights, dtype, self.device)
-                self.draft = build_draft(cfg, heads, shared, num_blocks, self.device, dtype)
+                self.draft = build_draft(cfg, heads, shared, num_blocks, device=self.device, dtype=dtype)
                 build_chain_graphs(cfg, self.draft, max_len)
         parts = TargetParts(model, cache, torch.device(self.device))
         drafting = self.rank == 0 and bool(heads)
         self.runner = build_runner(
-            cfg, parts, self.draft if local else None, k, max_len, local=local, drafting=drafting
+            cfg, parts, self.draft if local else None, k, max_len=max_len, local=local, drafting=drafting
         )
         return num_blocks
 

@@ -127,13 +127,13 @@ class FusedTreeStep:
                 b.temperature[:bucket].repeat_interleave(q),
                 b.top_k[:bucket].long().repeat_interleave(q),
                 b.top_p[:bucket].repeat_interleave(q),
-                mode is SamplingMode.FILTERED,
+                filtered=mode is SamplingMode.FILTERED,
             ).view(bucket, q, -1)
             choice = tree_draws(probs, b.thresholds(bucket, d + 1), self.trees.depth[:bucket])
         if self.forced is not None:  # greedy steps only (replays refuse sampling requests)
             n_acc, path, bonus = forced_walk(self.forced.rows(bucket), choice, d)
         elif tree_kernels_apply(tokens):
-            n_acc, path, bonus, src, dst = tree_kernels.greedy_walk_moves(tokens, parents, choice, slots, d)
+            n_acc, path, bonus, src, dst = tree_kernels.greedy_walk_moves(tokens, parents, choice, slots, depth=d)
             self.cache.move(src.reshape(-1), dst.reshape(-1))
             return n_acc, path, bonus
         else:

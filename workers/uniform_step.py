@@ -54,7 +54,9 @@ class UniformTargetStep:
         sampling = None if mode is SamplingMode.GREEDY else b.sampling(bucket)
         filtered = mode is SamplingMode.FILTERED
         forced = None if self.forced is None else self.forced.rows(bucket)
-        n_acc, tokens = verify_step(self.model, hidden, b.input_ids[:n], self.q_len, sampling, filtered, forced)
+        n_acc, tokens = verify_step(
+            self.model, hidden, b.input_ids[:n], self.q_len, sampling=sampling, filtered=filtered, forced=forced
+        )
         return features, pack_verified(n_acc, tokens)
 
     def bucket_for(self, plan: StepPlan) -> int | None:
@@ -73,7 +75,7 @@ class UniformTargetStep:
         None for an all-greedy step. With `tokens_from` (a device tensor of the previous step's tokens, Q = 1), each
         sequence's token_ids hold a row of it instead of a token, and the token is gathered on the device."""
         seqs = plan.seqs
-        mode = fill_step(self.buffers, plan, bucket, keys, self.forced)
+        mode = fill_step(self.buffers, plan, bucket, keys, forced=self.forced)
         if tokens_from is not None:
             ids = self.buffers.input_ids[: len(seqs)]
             ids.copy_(tokens_from.index_select(0, ids))

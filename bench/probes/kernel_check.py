@@ -153,7 +153,7 @@ def attention_report(dev: str, g: torch.Generator) -> dict[str, object]:
         q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
         inputs = (q, k_cache, v_cache, tables, lens)
         ref = uniform_paged_attention(
-            q.double(), k_cache.double(), v_cache.double(), tables, lens, q_len, scale=HEAD_DIM**-0.5
+            q.double(), k_cache.double(), v_cache.double(), tables, seq_lens=lens, q_len=q_len, scale=HEAD_DIM**-0.5
         )
         entry: dict[str, object] = {"split_cap": triton_attention.split_cap(batch, KV_HEADS)}
         for name, programs in (("one_range", 0), ("split", programs0)):
@@ -219,7 +219,7 @@ def walk_report(dev: str, g: torch.Generator) -> dict[str, object]:
         argmax = torch.randint(0, 4, (b, q), device=dev, generator=g)
         slots = torch.randperm(4096, device=dev, generator=g)[: b * q].view(b, q)
         n_acc, path, bonus = greedy_walk(tokens, parents, argmax, depth)
-        got = greedy_walk_moves(tokens, parents, argmax, slots, depth)
+        got = greedy_walk_moves(tokens, parents, argmax, slots, depth=depth)
         accepted = torch.arange(1, depth + 1, device=dev)[None, :] <= n_acc[:, None]
         src = torch.where(accepted, slots.gather(1, path), slots[:, 1 : depth + 1])
         same += bool(
@@ -235,7 +235,7 @@ def walk_report(dev: str, g: torch.Generator) -> dict[str, object]:
         "equal": same,
         "accepted_past_level_one": deep,
         "b1_q16_torch_us": graph_us(lambda: greedy_walk(tokens, parents, tokens, 4)),
-        "b1_q16_triton_us": graph_us(lambda: greedy_walk_moves(tokens, parents, tokens, slots, 4)),
+        "b1_q16_triton_us": graph_us(lambda: greedy_walk_moves(tokens, parents, tokens, slots, depth=4)),
     }
     print("greedy_walk_moves", json.dumps(entry), flush=True)
     return entry
@@ -250,7 +250,7 @@ def _gemv_case(
         return (lambda: fused_kernels.swiglu_linear(x, w)), (lambda: F.linear(ops.silu_mul(x), w)), ref
     ref = F.linear(TORCH_OPS.add_rms_norm(x.float(), None, nw.float(), 1e-5)[0], w.float())
     return (
-        (lambda: fused_kernels.norm_linear(x, None, nw, 1e-5, w)[0]),
+        (lambda: fused_kernels.norm_linear(x, None, nw, 1e-5, weight=w)[0]),
         (lambda: F.linear(ops.add_rms_norm(x, None, nw, 1e-5)[0], w)),
         ref,
     )

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             target,
             res,
             run,
-            bench_report.command_line(),
+            command=bench_report.command_line(),
             model_label="tests/tiny.py mimic_target() + mimic_head()",
         )
         doc["command"] = " ".join(["python3 bench/probes/mimic_compare.py", *sys.argv[1:]])

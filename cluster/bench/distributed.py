@@ -264,4 +264,4 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`mtpserve bench distributed`."""
-    return bench_report.run_measurement(args, run, table, plot, "Ray path against in-process")
+    return bench_report.run_measurement(args, run, table, plot, title="Ray path against in-process")

@@ -282,4 +282,4 @@ def main(args: argparse.Namespace) -> int:
     """`mtpserve bench http-vs-grpc`."""
     if args.out and not args.json:
         args.json = str(Path(args.out) / "http_vs_grpc.json")
-    return bench_report.run_measurement(args, run, table, plot, "HTTP against gRPC", failed)
+    return bench_report.run_measurement(args, run, table, plot, title="HTTP against gRPC", exit_status=failed)

@@ -344,5 +344,5 @@ def main(args: argparse.Namespace) -> int:
             "output tok/s": [(r["round"], r["tok_per_s"]) for r in rounds],
             "server RSS MB": [(r["round"], r["after"]["server_rss_mb"]) for r in rounds],
         }
-        bench_report.plot_lines(args.plot, series, f"{args.streams} concurrent streams", "round", "value")
+        bench_report.plot_lines(args.plot, series, f"{args.streams} concurrent streams", "round", ylabel="value")
     return 0 if all(not row["wrong"] and row["after"]["kv_blocks_used"] == 0 for row in rounds) else 1

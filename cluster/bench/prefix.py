@@ -261,7 +261,7 @@ def run_prefix_bench(
         )
         try:
             progress(f"{name}: prefix caching {'on' if engine.scheduler.prefix_caching else 'off'}")
-            modes[name] = run_mode(engine, convs, warm, tokenizer, max_tokens, progress)
+            modes[name] = run_mode(engine, convs, warm, tokenizer, max_tokens=max_tokens, progress=progress)
             modes[name]["engine"] = {"scheduler": engine.scheduler.cfg.model_dump()}
         finally:
             engine.shutdown()

@@ -210,7 +210,7 @@ def run(args: argparse.Namespace, recording: Recording | None = None, sets: list
         try:
             if spec is not None and engine.draft is None:
                 raise bench_report.BenchError(f"'{name}' built no draft (pass --draft random at a random-weight shape)")
-            rows += config_rows(args, engine, replay, recording, sets, name, built)
+            rows += config_rows(args, engine, replay, recording, sets=sets, name=name, built=built)
         finally:
             engine.shutdown()
             del engine
@@ -357,7 +357,9 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     for r in rows:
         if r["config"] != "target-only" and r["speedup"]:
             series.setdefault(f"{r['config']} ({r['set']})", []).append((r["batch"], r["speedup"]))
-    bench_report.plot_lines(path, series, title, "batch size", "speed-up over target-only (replayed)", log_x=True)
+    bench_report.plot_lines(
+        path, series, title, "batch size", ylabel="speed-up over target-only (replayed)", log_x=True
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -375,5 +377,5 @@ def main(args: argparse.Namespace) -> int:
         lambda a: run(a, recording, sets),
         lambda rows: f"{line}\n{table(rows)}",
         plot,
-        "replayed acceptance",
+        title="replayed acceptance",
     )

@@ -308,4 +308,6 @@ def failed(doc: dict[str, Any]) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """`mtpserve bench serve`."""
-    return bench_report.run_measurement(args, run, table, plot, "served against the engine alone", failed)
+    return bench_report.run_measurement(
+        args, run, table, plot, title="served against the engine alone", exit_status=failed
+    )

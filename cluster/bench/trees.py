@@ -195,9 +195,9 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     series: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         series.setdefault(r["config"], []).append((r["batch"], r["tok_s"]))
-    bench_report.plot_lines(path, series, title, "batch size", "generated tok/s", log_x=True)
+    bench_report.plot_lines(path, series, title, "batch size", ylabel="generated tok/s", log_x=True)
 
 
 def main(args: argparse.Namespace) -> int:
     """`mtpserve bench trees`."""
-    return bench_report.run_measurement(args, run, table, plot, "trees and chains")
+    return bench_report.run_measurement(args, run, table, plot, title="trees and chains")

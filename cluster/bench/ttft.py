@@ -230,9 +230,9 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
         if r["busy"] == 0:
             name = f"K={r['k']}" + ("" if r["prefill_graphs"] else ", eager prefill")
             series.setdefault(name, []).append((r["prompt_tokens"], sorted(r["ms"])[len(r["ms"]) // 2]))
-    bench_report.plot_lines(path, series, title, "prompt tokens", "TTFT alone, ms (median)", log_x=True)
+    bench_report.plot_lines(path, series, title, "prompt tokens", ylabel="TTFT alone, ms (median)", log_x=True)
 
 
 def main(args: argparse.Namespace) -> int:
     """`mtpserve bench ttft`."""
-    return bench_report.run_measurement(args, run, table, plot, "TTFT")
+    return bench_report.run_measurement(args, run, table, plot, title="TTFT")

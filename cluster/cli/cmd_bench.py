@@ -179,7 +179,7 @@ def run_throughput(args: argparse.Namespace) -> int:
                     "warmup_steps": args.warmup_steps,
                     "seed": args.seed,
                 },
-                command,
+                command=command,
             )
         finally:
             engine.shutdown()
@@ -236,7 +236,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
             cfg,
             settings,
             prompts,
-            args.max_tokens,
+            max_tokens=args.max_tokens,
             ignore_eos=args.ignore_eos,
             progress=not args.quiet,
             groups=groups,
@@ -261,7 +261,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
             "chat_template": not args.no_chat_template,
             "compare": args.compare,
         }
-        report = bench_acceptance.acceptance_report(cfg, source.args(), results, settings_json, command)
+        report = bench_acceptance.acceptance_report(cfg, source.args(), results, settings_json, command=command)
         bench_report.write_json(args.json, report)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
@@ -290,7 +290,14 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
         document, warmup = bench_prefix.load_documents(docs, tok, args.prefix_len)
         progress = (lambda line: None) if args.quiet else _err
         result = bench_prefix.run_prefix_bench(
-            build_engine, cfg, tok, document, warmup, args.conversations, args.max_tokens, progress=progress
+            build_engine,
+            cfg,
+            tok,
+            document,
+            warmup_document=warmup,
+            num_conversations=args.conversations,
+            max_tokens=args.max_tokens,
+            progress=progress,
         )
     except MTPServeError as exc:
         print(f"mtpserve: {exc}", file=sys.stderr)
@@ -304,7 +311,7 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
             "conversations": args.conversations,
             "max_tokens": args.max_tokens,
         }
-        report = bench_prefix.prefix_report(cfg, source.args(), result, settings, command)
+        report = bench_prefix.prefix_report(cfg, source.args(), result, settings, command=command)
         bench_report.write_json(args.json, report)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:

@@ -189,16 +189,18 @@ class LLMEngine:
         with the target's tokens (`speculative/replay.py`), so the output is not the model's."""
         device = resolve_device(cfg.model.device)
         dtype = to_dtype(cfg.model.dtype, device)
-        model = build_configured_target(cfg, args, weights, dtype, device)
+        model = build_configured_target(cfg, args, weights, dtype, device=device)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         cache = model.allocate_cache(num_blocks, cfg.scheduler.block_size, device)
         heads = load_heads(cfg, args, weights) if head is None else [head]
         bind_features(model, heads)
-        draft = build_draft(cfg, heads, model, num_blocks, device, dtype) if cfg.speculative.enabled else None
+        draft = (
+            build_draft(cfg, heads, model, num_blocks, device=device, dtype=dtype) if cfg.speculative.enabled else None
+        )
         spec = cfg.speculative
         k = spec.num_draft_tokens if draft is not None else 0
-        target = build_runner(cfg, TargetParts(model, cache, torch.device(device), replay), draft, k, max_len)
+        target = build_runner(cfg, TargetParts(model, cache, torch.device(device), replay), draft, k, max_len=max_len)
         adaptive = spec.adaptive and isinstance(draft, (MTPEagleChain, MTPEagleTree))
         proposed, scratch = (spec.proposed_tokens, spec.scratch_slots) if draft is not None else (0, 0)
         tree = tree_kind(draft) if isinstance(draft, MTPEagleTree) else None  # adaptive: its chains' tree

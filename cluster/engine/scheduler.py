@@ -144,7 +144,7 @@ class Scheduler:
                 if real is not None:
                     padded[req.request_id] = real
             tokens = [last, *drafts]
-            gen.append(self._gen_plan(req, tokens, req.num_computed_tokens, probs, parents))
+            gen.append(self._gen_plan(req, tokens, req.num_computed_tokens, probs, draft_parents=parents))
             scheduled.add(req.request_id)
             budget -= n
         for req in list(self.running):
@@ -244,7 +244,11 @@ class Scheduler:
             start = req.num_computed_tokens + most  # an upper bound (exact for target-only steps)
             if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):
                 return None
-            seqs.append(self._gen_plan(req, [row, *drafts], start, None, None if parents is None else list(parents)))
+            seqs.append(
+                self._gen_plan(
+                    req, [row, *drafts], start, None, draft_parents=None if parents is None else list(parents)
+                )
+            )
         if not seqs:
             return None
         self._step += 1

@@ -238,7 +238,7 @@ class MTPServeClient:
     ) -> Iterator[Chunk]:
         """Yield chunks as the server produces them (with n > 1 the completions' chunks interleave, each naming
         its `index`); closing the iterator early cancels the request."""
-        req = build_request(prompt, token_ids, raw, request_id, n, **sampling)
+        req = build_request(prompt, token_ids, raw, request_id, n=n, **sampling)
         call = self.stub.Generate(req, timeout=timeout if timeout is not None else self.timeout, metadata=self.metadata)
         try:
             for msg in call:

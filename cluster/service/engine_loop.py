@@ -126,7 +126,7 @@ class EngineLoop:
         (InvalidRequestError, QueueFullError).
         A caller that gives up must cancel the future, and abort the request if the future was already
         running or done."""
-        return self._queue(self._adder(prompt_token_ids, params, request_id, frontend, on_event)).result
+        return self._queue(self._adder(prompt_token_ids, params, request_id, frontend, on_event=on_event)).result
 
     def _adder(
         self,

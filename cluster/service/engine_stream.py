@@ -116,7 +116,7 @@ class EngineStream:
     async def start(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> None:
         """Queue the request; raises what the engine refuses it with (InvalidRequestError, QueueFullError) or
         ServerShuttingDown. Cancelled meanwhile, the request is withdrawn or aborted."""
-        fut = self.loop.submit_nowait(prompt_token_ids, params, request_id, self.frontend, self._waker)
+        fut = self.loop.submit_nowait(prompt_token_ids, params, request_id, self.frontend, on_event=self._waker)
         try:
             self.handle = await self._result(fut)
         except BaseException:

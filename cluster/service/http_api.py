@@ -334,7 +334,7 @@ class OpenAIAPI:
         for i, end in enumerate(last):
             assert end is not None and end.finish_reason is not None
             choice = choice_body(
-                chat, "".join(texts[i]), end.finish_reason, ids[i] if req.return_token_ids else None, False
+                chat, "".join(texts[i]), end.finish_reason, ids[i] if req.return_token_ids else None, delta=False
             )
             choice["index"] = i
             if req.logprobs_asked() is not None:
@@ -346,7 +346,7 @@ class OpenAIAPI:
                     choice["message"]["tool_calls"] = [c.body() for c in calls]
                     choice["finish_reason"] = "tool_calls"
             bodies.append(choice)
-        body = completion_body(chat, rid, int(time.time()), self.model_id, bodies, chunk=False)
+        body = completion_body(chat, rid, int(time.time()), self.model_id, choices=bodies, chunk=False)
         body["usage"] = _usage([p for p in last if p is not None])
         return web.json_response(body)
 
@@ -367,11 +367,11 @@ class OpenAIAPI:
 
         def chunk(index: int, text: str, reason: str | None, piece: Piece | None = None, first: bool = False) -> dict:
             token_ids = (piece.token_ids if piece is not None else []) if ids else None
-            choice = choice_body(chat, text, reason, token_ids, True, first=first)
+            choice = choice_body(chat, text, reason, token_ids, delta=True, first=first)
             choice["index"] = index
             if piece is not None and piece.logprobs is not None:
                 choice["logprobs"] = self._logprobs(chat, piece.logprobs, piece.token_ids, offsets[index])
-            body = completion_body(chat, rid, created, self.model_id, [choice], chunk=True)
+            body = completion_body(chat, rid, created, self.model_id, choices=[choice], chunk=True)
             if req.include_usage:
                 body["usage"] = None
             return body
@@ -387,12 +387,12 @@ class OpenAIAPI:
                     if piece.finish_reason is not None:
                         ended.append(piece)
                     if tools is not None:
-                        await self._send_calls(send, chunk, splitters[i], i, piece)
+                        await self._send_calls(send, chunk, splitters[i], i, piece=piece)
                         continue
                     await send(chunk(i, piece.text, piece.finish_reason, piece))
                     offsets[i] += len(piece.text)
                 if req.include_usage:
-                    last = completion_body(chat, rid, created, self.model_id, [], chunk=True)
+                    last = completion_body(chat, rid, created, self.model_id, choices=[], chunk=True)
                     last["usage"] = _usage(ended)
                     await send(last)
             except (WorkerUnavailableError, EngineFailure, ServerShuttingDown) as exc:

@@ -191,7 +191,7 @@ class ReplicaSet:
             self._owner[rid] = choice.replica
             self.counts.by_reason[choice.reason] = self.counts.by_reason.get(choice.reason, 0) + 1
             self.counts.by_replica[choice.replica] += 1
-        future = self.replicas[choice.replica].submit_nowait(prompt_token_ids, params, rid, frontend, on_event)
+        future = self.replicas[choice.replica].submit_nowait(prompt_token_ids, params, rid, frontend, on_event=on_event)
         future.add_done_callback(lambda f: self._forget_if_refused(rid, f))
         return future
 

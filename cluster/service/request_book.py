@@ -228,7 +228,7 @@ class RequestBook:
         now = time.monotonic()
         first = handle.first_token_at
         decode_s = None if first is None else now - first
-        self.metrics.observe_finish(reason, handle.num_output_tokens, decode_s, handle.stats, handle.frontend)
+        self.metrics.observe_finish(reason, handle.num_output_tokens, decode_s, handle.stats, frontend=handle.frontend)
         self.metrics.e2e.labels(frontend=handle.frontend).observe(now - handle.arrival)
         if timings is not None:
             self.metrics.observe_phases(handle.frontend, *timings)

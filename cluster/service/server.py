@@ -94,7 +94,11 @@ class MTPServer:
         try:
             if engine is None and engine_pipe is None and cfg.server.most_replicas > 1:
                 self.loop = start_replicas(
-                    cfg, self.front_end.loop, self.metrics, lambda _ok: self.health.changed(), self.set_serving
+                    cfg,
+                    self.front_end.loop,
+                    self.metrics,
+                    lambda _ok: self.health.changed(),
+                    on_serving=self.set_serving,
                 )
             elif engine is None:
                 self.loop = EngineProcess(

@@ -88,7 +88,7 @@ def decoder_layer(
     past: list[KV] | None = None,
 ) -> tuple[torch.Tensor, KV]:
     """One pre-norm block over x [B, L, d] (see `attention` for mask and past); returns (x, KV)."""
-    a, kv = attention(layer.self_attn, rotary, layer.input_layernorm(x), positions, mask, past or [])
+    a, kv = attention(layer.self_attn, rotary, layer.input_layernorm(x), positions, mask=mask, past=past or [])
     x = x + a
     return x + layer.mlp(layer.post_attention_layernorm(x)), kv
 
@@ -139,7 +139,7 @@ def head_unrolled(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if isinstance(head, Eagle3Head):
-        return eagle3_unrolled(head, shared, ids, hidden, steps)
+        return eagle3_unrolled(head, shared, ids, hidden, steps=steps)
     if not isinstance(head, MTPEagleHead):
         raise ValueError(f"train-draft does not unroll {type(head).__name__} heads")
     length = ids.shape[1]
@@ -176,7 +176,7 @@ def eagle3_unrolled(
     for k in range(1, steps + 1):
         h = m.hidden_norm(h_in)
         mask = None if k == 1 else unroll_mask(length, k, ids.device)
-        a, kv = attention(m.self_attn, head.rotary, torch.cat([emb, h], dim=-1), positions, mask, past)
+        a, kv = attention(m.self_attn, head.rotary, torch.cat([emb, h], dim=-1), positions, mask=mask, past=past)
         past.append(kv)
         x = (h if m.norm_before_residual else h_in) + a
         out = x + m.mlp(m.post_attention_layernorm(x))

@@ -64,7 +64,7 @@ def accepted_runs(
     r = batch.response_start[:, None]
     n = batch.lengths[:, None]
     tgt = target_argmax(shared, batch) if tgt is None else tgt
-    outs = head_unrolled(head, shared, ids, batch.features_for(head.feature_layers), k)
+    outs = head_unrolled(head, shared, ids, batch.features_for(head.feature_layers), steps=k)
     draft_rows = (q >= r - 1) & (q <= n - 2)
     next_tgt = torch.nn.functional.pad(tgt[:, 1:], (0, 1), value=-2)
     consistent = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-3) == tgt  # stored t[q+1] == argmax row q
@@ -95,7 +95,7 @@ def batch_acceptance(
     """Per-batch counts: `bases` [B] chains evaluated per sequence, `accepted` [B, K] chains reaching each depth,
     `online` [B, 2] (chains, accepted drafts) along the decoding path (`online_chains`), and `first` [B, 2]
     the same within the first `first_tokens` emitted tokens."""
-    run, base_ok = accepted_runs(head, shared, batch, k, tgt)
+    run, base_ok = accepted_runs(head, shared, batch, k, tgt=tgt)
     accepted = torch.stack([(run >= j).sum(1) for j in range(1, k + 1)], 1)
     runs = run.tolist()
     online, first = [], []
@@ -167,7 +167,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Acceptance over `indices` of the store's dataset, overall and per prompt source."""
     return evaluate_heads(
-        {"head": head}, shared, store, indices, k, batch_size=batch_size, dtype=dtype, first_tokens=first_tokens
+        {"head": head}, shared, store, indices, k=k, batch_size=batch_size, dtype=dtype, first_tokens=first_tokens
     )["head"]
 
 
@@ -198,7 +198,7 @@ def evaluate_heads(
                 for key in ("all", src):
                     seqs[key] = seqs.get(key, 0) + 1
             for name, head in heads.items():
-                res = batch_acceptance(head, shared, batch, k, tgt, first_tokens)
+                res = batch_acceptance(head, shared, batch, k, tgt=tgt, first_tokens=first_tokens)
                 for b, src in enumerate(batch.sources):
                     row = [int(res["bases"][b]), *res["accepted"][b].tolist(), *res["online"][b].tolist()]
                     row += res["first"][b].tolist()

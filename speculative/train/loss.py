@@ -130,7 +130,7 @@ def unrolled_loss(
         zero = torch.stack([p.sum() for p in head.parameters()]).sum() * 0.0
         return zero, metrics
     tgt_prob = draft_distribution(head, rows.prob)
-    outs = head_unrolled(head, shared, batch.ids, batch.features_for(head.feature_layers), k)
+    outs = head_unrolled(head, shared, batch.ids, batch.features_for(head.feature_layers), steps=k)
     steps: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
     for j, w in enumerate(weights, start=1):
         sel = rq >= batch.response_start[rb] + j - 2

@@ -143,7 +143,7 @@ def build_data(
     budget = opts.train.time_budget_s
     deadline = opts.train.start_time + budget if budget is not None else None
     gen = make_generator(opts, target, engine_generator)
-    status = build_parts(root, gen, target.tokenizer, target.args, opts.data, opts.shard, deadline)
+    status = build_parts(root, gen, target.tokenizer, target.args, cfg=opts.data, shard=opts.shard, deadline=deadline)
     status["tokens_generated"] = gen.tokens_generated
     status["generate_s"] = round(gen.busy_s, 1)
     if torch.cuda.is_available():
@@ -217,7 +217,9 @@ def run_vocab_stage(opts: TrainDraftOptions) -> dict[str, Any]:
     data = load_dataset(opts.data_dir)
     cfg = opts.train
     train, _ = data.split(cfg.dev_fraction, cfg.seed, cfg.holdout_sources)
-    return restrict_vocab(Path(opts.head), _paths(opts)[0], opts.draft_vocab, args, data, train, opts.command)
+    return restrict_vocab(
+        Path(opts.head), _paths(opts)[0], opts.draft_vocab, args, data=data, indices=train, command=opts.command
+    )
 
 
 def run_train_draft(opts: TrainDraftOptions, engine_generator: GeneratorFactory | None = None) -> dict[str, Any]:

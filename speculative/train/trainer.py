@@ -229,7 +229,7 @@ class Trainer:
         if epoch not in self._epochs:
             cfg = self.cfg
             self._epochs[epoch] = epoch_batches(
-                self.train_idx, self.lengths, cfg.batch_size, cfg.seed, epoch, cfg.max_batch_tokens
+                self.train_idx, self.lengths, cfg.batch_size, cfg.seed, epoch=epoch, max_tokens=cfg.max_batch_tokens
             )
         return self._epochs[epoch]
 
@@ -316,7 +316,7 @@ class Trainer:
             self.shared,
             self.store,
             self.dev_idx,
-            self.cfg.num_draft_tokens,
+            k=self.cfg.num_draft_tokens,
             batch_size=self.cfg.eval_batch_size,
             dtype=self.dtype,
         )
@@ -334,7 +334,15 @@ class Trainer:
         with autocast_ctx(self.device, self.dtype):
             rows = target_rows(self.shared, batch, repeats=any(r.spec.repeat != 1.0 for r in self.runs))
             for r in self.runs:
-                loss, metrics = unrolled_loss(r.head, self.shared, batch, r.weights, rows, r.spec.path, r.spec.repeat)
+                loss, metrics = unrolled_loss(
+                    r.head,
+                    self.shared,
+                    batch,
+                    r.weights,
+                    rows=rows,
+                    path_weight=r.spec.path,
+                    repeat_weight=r.spec.repeat,
+                )
                 r.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 norm = torch.nn.utils.clip_grad_norm_(r.head.parameters(), self.cfg.grad_clip)
