@@ -13,7 +13,8 @@ from mtpserve.modeling.deepseek_config import MODEL_TYPES as DEEPSEEK_TYPES
 from mtpserve.modeling.deepseek_config import DeepseekV3Args
 from mtpserve.modeling.deepseek_weights import init_dummy_, random_deepseek_weights
 from mtpserve.modeling.errors import ModelLoadError
-from mtpserve.modeling.model import KeptInFp32, LlamaArgs, LlamaModel, random_llama_weights
+from mtpserve.modeling.fp32_modules import KeptInFp32
+from mtpserve.modeling.model import LlamaArgs, LlamaModel, random_llama_weights
 from mtpserve.modeling.qwen import MODEL_TYPES as QWEN_TYPES
 from mtpserve.modeling.qwen import QwenArgs, QwenModel, is_qwen_style, random_qwen_weights
 

@@ -60,10 +60,6 @@ class LlamaArgs:
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
 
 
-class KeptInFp32:
-    """Marks a module whose own parameters and buffers stay fp32 whatever dtype the model is cast to."""
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm computed in fp32."""
 
@@ -415,22 +411,6 @@ def prepare_for_inference(module: nn.Module, ops: TorchOps = TORCH_OPS) -> None:
             m.fuse()
         if isinstance(m, RMSNorm | Attention | MLP):
             m.ops = ops
-
-
-def cast_keeping_fp32(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
-    """`module.to(device, dtype)`, except that `KeptInFp32` submodules (expert routers, whose scores pick
-    experts by small margins) keep their fp32 values."""
-    keep = {
-        m: [(n, t.detach().clone()) for n, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]
-        for m in module.modules()
-        if isinstance(m, KeptInFp32)
-    }
-    module.to(device=device, dtype=dtype)
-    for m, saved in keep.items():
-        tensors = dict((*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)))
-        for name, value in saved:
-            tensors[name].data = value.to(device=device, dtype=torch.float32)
-    return module
 
 
 def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

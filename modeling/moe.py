@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.modeling.deepseek_config import DeepseekV3Args
+from mtpserve.modeling.fp32_modules import KeptInFp32
 from mtpserve.modeling.layer_ops import TORCH_OPS, TorchOps
-from mtpserve.modeling.model import MLP, KeptInFp32
+from mtpserve.modeling.model import MLP
 from mtpserve.modeling.parallel import TPContext
 
 

@@ -32,7 +32,8 @@ from mtpserve.speculative.train.eval import evaluate
 from mtpserve.speculative.train.generators import GenSettings, HFGenerator
 from mtpserve.speculative.train.pipeline import TrainDraftOptions
 from mtpserve.speculative.train.recipes import RecipeSettings
-from mtpserve.speculative.train.trainer import TrainConfig, build_shared, next_replan
+from mtpserve.speculative.train.schedule import next_replan
+from mtpserve.speculative.train.trainer import TrainConfig, build_shared
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],

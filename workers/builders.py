@@ -22,12 +22,13 @@ from mtpserve.modeling.families import (
     model_class,
     unloaded_parameters,
 )
+from mtpserve.modeling.fp32_modules import cast_keeping_fp32
 from mtpserve.modeling.gemv_tiles import resolve as resolve_tiles
 from mtpserve.modeling.kernel_choices import KernelChoices
 from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.layer_ops import pick_ops
 from mtpserve.modeling.loader import ModelSource, resolve_device, resolve_model
-from mtpserve.modeling.model import LlamaArgs, LlamaModel, cast_keeping_fp32, prepare_for_inference
+from mtpserve.modeling.model import LlamaArgs, LlamaModel, prepare_for_inference
 from mtpserve.speculative.adaptive import AcceptanceTracker, AdaptiveDepth, StepCosts, StepKind
 from mtpserve.speculative.draft_head import DraftHead
 from mtpserve.speculative.eagle3_config import default_feature_layers as eagle3_layers

@@ -40,6 +40,7 @@ from mtpserve.speculative.train.heads import (
     response_token_counts,
 )
 from mtpserve.speculative.train.loss import default_step_weights, target_rows, unrolled_loss
+from mtpserve.speculative.train.schedule import lr_factor, next_replan
 
 log = logging.getLogger(__name__)
 CKPT_NAME = "latest.pt"
@@ -92,20 +93,6 @@ class TrainConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
-
-
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to 1 over `warmup` steps, then cosine decay to `min_ratio` at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def next_replan(step: int, run_start: int) -> int:
-    """The step at which a budgeted run next re-sizes its schedule: four times as far into this run as now."""
-    return run_start + 4 * (step - run_start)
 
 
 def build_shared(args: LlamaArgs, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> LlamaModel:
@@ -334,14 +321,9 @@ class Trainer:
         with autocast_ctx(self.device, self.dtype):
             rows = target_rows(self.shared, batch, repeats=any(r.spec.repeat != 1.0 for r in self.runs))
             for r in self.runs:
+                spec = r.spec
                 loss, metrics = unrolled_loss(
-                    r.head,
-                    self.shared,
-                    batch,
-                    r.weights,
-                    rows=rows,
-                    path_weight=r.spec.path,
-                    repeat_weight=r.spec.repeat,
+                    r.head, self.shared, batch, r.weights, rows=rows, path_weight=spec.path, repeat_weight=spec.repeat
                 )
                 r.opt.zero_grad(set_to_none=True)
                 loss.backward()
