@@ -123,3 +123,22 @@ def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
     settings = {"replicas": 2, "block_size": 16, **kwargs}
     with pytest.raises(ValueError, match="PrefixRouter needs"):
         PrefixRouter(int(settings.pop("replicas")), int(settings.pop("block_size")), **settings)  # type: ignore[arg-type]
+
+
+def test_a_prefix_every_replica_holds_neither_pulls_nor_breaks_a_chats_run() -> None:
+    """A system prompt both replicas have cached gives a new chat no reason to pick one (it goes by load), and a
+    chat's later turn still finds its own run on its replica, wherever the shared blocks were sent last."""
+    router = PrefixRouter(2, BLOCK, balance=0)
+    system = list(range(500, 500 + 2 * BLOCK))
+    chat_a = [*system, *range(20)]
+    a = router.route(chat_a).replica
+    router.report_load(a, 1, 0)
+    router.report_load(1 - a, 0, 0)
+    b = router.route([*system, *range(100, 120)])
+    assert b.replica == 1 - a and b.reason == "load" and b.matched_blocks == 0  # the holder was busier
+    router.report_load(a, 0, 0)
+    router.report_load(1 - a, 0, 0)
+    later = router.route([*chat_a, *range(40, 80)])
+    assert (later.replica, later.reason) == (a, "prefix") and later.matched_blocks == 3
+    new = router.route([*system, *range(200, 220)])
+    assert new.reason == "load" and new.matched_blocks == 1  # a key holds the token after its block: 1 shared

@@ -2,13 +2,14 @@
 unless that one is much busier than the others.
 
 The router keeps an index from prefix-cache block keys (`cluster/engine/prefix_keys.py`, the keys the replicas'
-own caches use) to the replica it last sent them to, least recently used first out. A request's keys are
-looked up from its first block on; the replica holding the longest run of them wins if that run covers at least
-`threshold` of the prompt's blocks and its load (running + waiting requests) exceeds the least loaded replica's
-by no more than `balance`. Otherwise the request goes to the less loaded of two replicas drawn at random (power
-of two choices): a short match (a system prompt every chat shares) would pull every chat to one replica, and a
-busy holder would make the request wait longer than its prefix saves. Afterwards its keys point at the replica
-chosen, as that replica will cache those blocks.
+own caches use) to the replicas it sent them to, least recently used first out. A request's keys are looked up
+from its first block on, for each replica the run of leading keys it holds. The replica with the longest run wins
+if its run exceeds the shortest any live replica holds (a system prompt every replica has seen saves nothing by
+choosing) by at least `threshold` of the prompt's blocks, and its load (running + waiting requests) exceeds the
+least loaded replica's by no more than `balance`. Otherwise the request goes to the less loaded of two replicas
+drawn at random (power of two choices): a short match would pull every chat to one replica, and a busy holder
+would make the request wait longer than its prefix saves. Afterwards its keys point at the replica chosen too, as
+that replica will cache those blocks.
 
 Example, two replicas, block size 16: a chat's first turn (40 prompt tokens: 2 keyable blocks) finds nothing
 and goes to replica 1 by load; its second turn repeats those 40 tokens and adds 30 (4 blocks), so its first 2
@@ -56,7 +57,7 @@ class PrefixRouter:
         self.block_size, self.capacity, self.balance, self.threshold = block_size, capacity, balance, threshold
         self.loads = [0] * replicas  # running + waiting requests, as each replica last reported
         self.live = set(range(replicas))
-        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._index: OrderedDict[bytes, set[int]] = OrderedDict()  # key -> the replicas it was sent to
         self._rng = random.Random(seed)
 
     def route(self, token_ids: Sequence[int]) -> RouteChoice:
@@ -64,40 +65,38 @@ class PrefixRouter:
         if not self.live:
             raise RuntimeError("no replica is live")
         keys = extend_keys([], token_ids, self.block_size, num_keyable_blocks(len(token_ids), self.block_size))
-        holder, matched = self._longest_match(keys)
+        runs = self._runs(keys)
         least = min(self.live, key=lambda r: (self.loads[r], r))
+        holder = max(self.live, key=lambda r: (runs[r], -self.loads[r], -r))
+        gain = runs[holder] - min(runs.values())
         if len(self.live) == 1:
-            choice = RouteChoice(least, matched if holder == least else 0, "only")
-        elif (
-            holder is not None
-            and matched >= self.threshold * len(keys)
-            and self.loads[holder] - self.loads[least] <= self.balance
-        ):
-            choice = RouteChoice(holder, matched, "prefix")
+            choice = RouteChoice(least, runs[least], "only")
+        elif gain > 0 and gain >= self.threshold * len(keys) and self.loads[holder] - self.loads[least] <= self.balance:
+            choice = RouteChoice(holder, runs[holder], "prefix")
         else:
             a, b = self._rng.sample(sorted(self.live), 2)
             pick = b if self.loads[b] < self.loads[a] else a  # ties: the first drawn, at random
-            choice = RouteChoice(pick, matched if pick == holder else 0, "load")
+            choice = RouteChoice(pick, runs[pick], "load")
         for key in keys:
-            self._index[key] = choice.replica
+            self._index.setdefault(key, set()).add(choice.replica)
             self._index.move_to_end(key)
         while len(self._index) > self.capacity:
             self._index.popitem(last=False)
         self.loads[choice.replica] += 1  # until the replica reports again
         return choice
 
-    def _longest_match(self, keys: list[bytes]) -> tuple[int | None, int]:
-        """(the replica holding the longest run of leading keys, its length); (None, 0) when the first is not
-        indexed. A run ends where the next key is missing or points at another replica."""
-        holder: int | None = None
-        matched = 0
+    def _runs(self, keys: list[bytes]) -> dict[int, int]:
+        """For each live replica, how many of the leading keys it holds without a gap."""
+        runs = dict.fromkeys(self.live, 0)
+        holding = set(self.live)
         for key in keys:
-            replica = self._index.get(key)
-            if replica is None or replica not in self.live or (holder is not None and replica != holder):
+            holding &= self._index.get(key, set())
+            if not holding:
                 break
-            holder, matched = replica, matched + 1
+            for r in holding:
+                runs[r] += 1
             self._index.move_to_end(key)
-        return holder, matched
+        return runs
 
     def report_load(self, replica: int, running: int, waiting: int) -> None:
         """A replica's load as it reported it."""
@@ -106,8 +105,10 @@ class PrefixRouter:
     def remove(self, replica: int) -> None:
         """A replica that died or is draining: no new requests, and its keys are forgotten."""
         self.live.discard(replica)
-        for key in [k for k, r in self._index.items() if r == replica]:
-            del self._index[key]
+        for key in [k for k, holders in self._index.items() if replica in holders]:
+            self._index[key].discard(replica)
+            if not self._index[key]:
+                del self._index[key]
 
     def add(self, replica: int) -> None:
         """A replica (back) in service, with an empty cache."""
