@@ -230,7 +230,7 @@ def test_small_steps_take_the_matrix_vector_kernels(monkeypatch: pytest.MonkeyPa
     calls: list[str] = []
     for name in ("norm_linear", "swiglu_linear", "linear", "add_rms_norm", "silu_mul"):
         real = getattr(fused_kernels, name)
-        monkeypatch.setattr(fused_kernels, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+        monkeypatch.setattr(fused_kernels, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
     ops = TritonOps()
     monkeypatch.setattr(TritonOps, "add_rms_norm", staticmethod(fused_kernels.add_rms_norm))
     monkeypatch.setattr(TritonOps, "silu_mul", staticmethod(fused_kernels.silu_mul))

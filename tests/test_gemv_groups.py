@@ -126,7 +126,7 @@ def test_a_tree_verified_in_row_groups_keeps_target_only_tokens(monkeypatch: pyt
     runner.model.kernel_choices = KernelChoices(gemv_tiles=grouped)  # the target's, and so its draft's
     calls: list[int] = []
     real = fused_kernels.norm_linear
-    monkeypatch.setattr(fused_kernels, "norm_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(fused_kernels, "norm_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
     got = [c.token_ids for c in eng.generate(prompts, {"max_tokens": 8})]
     assert got == want
     assert 9 in calls, "a tree verify (8 nodes and the root) went through the grouped kernels"
