@@ -165,7 +165,7 @@ class MTPEagleHead(DraftHead):
         else:
             e = self.enorm
             weights = DraftInputWeights(
-                shared.embed_tokens.weight, e.weight, self.hnorm.weight, e.eps, self.eh_proj.weight
+                shared.embed_tokens.weight, e.weight, self.hnorm.weight, e.eps, eh_proj=self.eh_proj.weight
             )
             x = e.ops.draft_input(tokens, hidden, weights)
         return self._layer(x, self.rotary.table(positions) if rope is None else rope, cache, meta)

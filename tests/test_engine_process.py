@@ -280,8 +280,16 @@ def test_a_step_that_raises_fails_the_requests_in_flight_and_frees_their_blocks(
 
 def test_outputs_and_refusals_cross_the_pipe_whole() -> None:
     outs = [
-        RequestOutput("r1", [4, 5], False, None, 7, 2, SpecStats(4, 3, 2, [2, 1], [2, 2])),
-        RequestOutput("r2", [], True, "length", 3, 9),
+        RequestOutput(
+            "r1",
+            [4, 5],
+            False,
+            None,
+            num_prompt_tokens=7,
+            num_output_tokens=2,
+            stats=SpecStats(4, 3, 2, [2, 1], drafted_per_position=[2, 2]),
+        ),
+        RequestOutput("r2", [], True, "length", num_prompt_tokens=3, num_output_tokens=9),
     ]
     assert unpack_outputs(pickle.loads(pickle.dumps(pack_outputs(outs)))) == outs
     err = pickle.loads(pickle.dumps(portable(InvalidRequestError("sampling.top_p", "must be > 0"))))

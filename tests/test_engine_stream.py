@@ -68,7 +68,7 @@ def test_an_error_after_tokens_reaches_the_reader_after_them(server: MTPServer) 
         stream = EngineStream(server.loop, None, [], GRPC)
         stream.handle = handle = RequestHandle("r", 3)
         for ids in ([1], [2, 3], [4]):
-            handle.put(RequestOutput("r", ids, False, None, 3, 0))
+            handle.put(RequestOutput("r", ids, False, None, num_prompt_tokens=3, num_output_tokens=0))
         handle.put(EngineFailure("boom"))
         got: list[list[int]] = []
         try:
@@ -83,9 +83,9 @@ def test_an_error_after_tokens_reaches_the_reader_after_them(server: MTPServer) 
 
 
 def test_merged_keeps_the_later_state() -> None:
-    a = RequestOutput("r", [1, 2], False, None, 5, 2)
-    b = RequestOutput("r", [3], True, "length", 5, 3)
-    assert merged(a, b) == RequestOutput("r", [1, 2, 3], True, "length", 5, 3)
+    a = RequestOutput("r", [1, 2], False, None, num_prompt_tokens=5, num_output_tokens=2)
+    b = RequestOutput("r", [3], True, "length", num_prompt_tokens=5, num_output_tokens=3)
+    assert merged(a, b) == RequestOutput("r", [1, 2, 3], True, "length", num_prompt_tokens=5, num_output_tokens=3)
     assert a.new_token_ids == [1, 2]
 
 

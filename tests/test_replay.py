@@ -346,7 +346,7 @@ def test_positional_replay_moves_each_request_by_what_its_steps_accept() -> None
     accepts at most that one's depth (the rest of its drafts are padding)."""
     runs = [[list(range(1, n + 1)) for n in (3, 1, 0, 2, 3, 3, 0, 1)]]
     replay = ReplayAcceptance(runs, positional=True)
-    seq = [SeqPlan("a", [0], 0, [], False, False, -1)]
+    seq = [SeqPlan("a", [0], 0, [], is_context=False, is_final_chunk=False, lookahead_token=-1)]
     counts = [int(replay.take(seq, width)[0, 0]) for width in (4, 2, 1, 4, 4, 2)]
     # offsets: 0 (run 3, depth 3) -> 4 (run 3, depth 1) -> 6 (depth 0) -> 7 (run 1; depth 3 after depth 0: none)
     # -> 8 = 0 (run 3, depth 3) -> 4 (run 3, depth 1)

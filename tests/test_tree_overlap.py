@@ -180,8 +180,9 @@ def test_a_tree_step_planned_ahead_carries_a_valid_placeholder_tree() -> None:
     assert sp.token_ids[0] == row and len(sp.token_ids) == 9 and sp.draft_parents is not None
     assert sp.start == req.num_computed_tokens + TREE["num_draft_tokens"] + 1
     assert len(req.block_ids) * sched.cfg.block_size >= sched.slots_needed(sp.start + 9)
-    limits = StepLimits(sched.blocks.num_blocks, sched.cfg.block_size, sched.max_model_len, args.vocab_size, 8, 128, 8,
-                        args.hidden_size, eng.cfg.speculative.scratch_slots)  # fmt: skip
+    limits = StepLimits(sched.blocks.num_blocks, sched.cfg.block_size, sched.max_model_len, args.vocab_size,
+                        max_num_requests=8, max_num_batched_tokens=128, num_draft_tokens=8,
+                        hidden_size=args.hidden_size, scratch_slots=eng.cfg.speculative.scratch_slots)  # fmt: skip
     check_plan(ahead, limits)
     assert eng.target.launch_spec().bucket_for(ahead) == 1  # type: ignore[attr-defined]
 

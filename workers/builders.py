@@ -288,7 +288,7 @@ def build_draft(
     method = DRAFT_METHODS[cfg.speculative.method].build(cfg, heads, shared, caches, lookahead, device)
     spec = cfg.speculative
     if spec.tree_budget and isinstance(method, MTPEagleChain):
-        return MTPEagleTree(method, spec.num_draft_tokens, spec.tree_width, spec.tree_budget, spec.adaptive)
+        return MTPEagleTree(method, spec.num_draft_tokens, spec.tree_width, spec.tree_budget, chains=spec.adaptive)
     return method
 
 
@@ -318,7 +318,7 @@ def _eagle(
     look: LookaheadBuffer,
     dev: str,
 ) -> DraftMethod:
-    return MTPEagleChain(heads[0], shared, caches[0], look, dev, cfg.scheduler.max_num_batched_tokens)
+    return MTPEagleChain(heads[0], shared, caches[0], look, device=dev, max_rows=cfg.scheduler.max_num_batched_tokens)
 
 
 DRAFT_METHODS: dict[str, DraftMethodSpec] = {
@@ -331,7 +331,7 @@ DRAFT_METHODS: dict[str, DraftMethodSpec] = {
     ),
     "mtp_vanilla": DraftMethodSpec(
         lambda cfg, heads, shared, caches, look, dev: (
-            VanillaMTPChain([cast(MTPEagleHead, h) for h in heads], shared, caches, look, dev)
+            VanillaMTPChain([cast(MTPEagleHead, h) for h in heads], shared, caches, look, device=dev)
             if len(heads) > 1
             else _eagle(cfg, heads, shared, caches, look=look, dev=dev)  # one module: the same chain, captured on CUDA
         ),

@@ -181,7 +181,7 @@ def draft_outputs_from_proto(m: wpb.DraftOutputs) -> DraftOutputs:
     """Wire -> DraftOutputs."""
     probs = decode_tensor(m.draft_probs) if m.HasField("draft_probs") else None
     parents = decode_tensor(m.draft_parents) if m.HasField("draft_parents") else None
-    return DraftOutputs(m.step_id, list(m.request_ids), decode_tensor(m.draft_token_ids), probs, parents)
+    return DraftOutputs(m.step_id, list(m.request_ids), decode_tensor(m.draft_token_ids), probs, draft_parents=parents)
 
 
 def target_output_to_proto(o: TargetOutput) -> wpb.TargetOutput:
@@ -219,7 +219,7 @@ def target_output_from_proto(m: wpb.TargetOutput) -> TargetOutput:
             list(r.new_token_ids),
             r.num_drafted,
             r.num_accepted,
-            logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None,
+            logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None,
         )
         for r in m.results
     ]
@@ -232,4 +232,4 @@ def target_output_from_proto(m: wpb.TargetOutput) -> TargetOutput:
         "draft_outputs_bytes": float(t.draft_outputs_bytes),
         **{key: getattr(t, key) for key in TIMELINE},
     }
-    return TargetOutput(m.step_id, results, None, drafts, timing)
+    return TargetOutput(m.step_id, results, None, drafts, timing=timing)

@@ -185,7 +185,9 @@ class CapturedPrefill:
     @torch.no_grad()
     def _forward(self, bucket: int, mode: SamplingMode, final: bool) -> torch.Tensor:
         b = self.buffers
-        meta = RaggedMetadata(b.slot_mapping[:bucket], b.block_table, b.q_start, b.q_len, b.seq_len, bucket)
+        meta = RaggedMetadata(
+            b.slot_mapping[:bucket], b.block_table, b.q_start, b.q_len, seq_lens=b.seq_len, max_q_len=bucket
+        )
         ids, pos = b.input_ids[:bucket], b.positions[:bucket]
         hidden, features = self.model.forward_features(ids, pos, self.cache, meta)
         last_hidden = hidden.index_select(0, b.last_row)
@@ -249,7 +251,9 @@ class CapturedPrefill:
         captured runs eagerly over the same buffers (logged). The capture's warm-up runs read a one-token
         sampled chunk on the scratch block, not zeroed buffers: a chunk of no keys and temperature 0 gives
         NaN logits, and the steps that read their tokens would then index with them."""
-        dummy = SeqPlan("capture", [0], 0, [], True, True, -1, temperature=1.0)
+        dummy = SeqPlan(
+            "capture", [0], 0, [], is_context=True, is_final_chunk=True, lookahead_token=-1, temperature=1.0
+        )
         self.buffers.fill(dummy, self.sizes[0])
         self.buffers.fill_sampling(dummy, 0)
         self.final.try_capture()

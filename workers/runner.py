@@ -168,7 +168,7 @@ class TargetRunner:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return LaunchedStep(plan, results, host, ready, tree)
+        return LaunchedStep(plan, results, host, ready, tree=tree)
 
     def collect(self, step: LaunchedStep) -> TargetOutput:
         """Wait for a launched step and return its tokens (and, with the fused or tree step, the next drafts)."""
@@ -229,7 +229,7 @@ class TargetRunner:
             if tree is not None:  # one branch is checked: stats count tree depth (or a longer replayed branch)
                 drafted[i] = max(int(tree.depth().max()), done.accepted[i])
         results = [
-            SeqResult(s.request_id, done.tokens[i], drafted[i], done.accepted[i], done.logprobs.get(i))
+            SeqResult(s.request_id, done.tokens[i], drafted[i], done.accepted[i], logprobs=done.logprobs.get(i))
             for i, s in enumerate(plan.seqs)
         ]
         draft_inputs = None

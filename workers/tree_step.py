@@ -89,7 +89,7 @@ class FusedTreeStep:
         ids = b.input_ids[:n]
         start = b.positions[:n].view(bucket, q)[:, 0]
         rope = (start[:, None] + t.depth[:bucket]).reshape(-1)
-        meta = UniformMetadata(b.slot_mapping[:n], tables, b.seq_lens[:bucket], q, t.mask[:bucket].bool())
+        meta = UniformMetadata(b.slot_mapping[:n], tables, b.seq_lens[:bucket], q, tree_mask=t.mask[:bucket].bool())
         with record_function("tree:target"):
             hidden, features = self.target.forward_features(ids, rope, self.cache, meta)
         with record_function("tree:accept"):
@@ -151,7 +151,7 @@ class FusedTreeStep:
 
         def meta_for(r: int, visible: torch.Tensor) -> Metadata:
             rows = slots[(r - 1) * w : r * w].t().reshape(-1)
-            return UniformMetadata(rows, tables, roots + 1 + r * w, w, visible)
+            return UniformMetadata(rows, tables, roots + 1 + r * w, w, tree_mask=visible)
 
         return meta_for
 

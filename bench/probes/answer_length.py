@@ -34,7 +34,7 @@ from mtpserve.speculative.train.trainer import build_shared
 def cut_answers(data: TokenDataset, cut: int) -> TokenDataset:
     """The dataset with every answer cut to its first `cut` tokens (0: unchanged)."""
     ids = [t[: r + cut] if cut else t for t, r in zip(data.ids, data.response_start, strict=True)]
-    return TokenDataset(ids, list(data.response_start), list(data.greedy), list(data.source), dict(data.meta))
+    return TokenDataset(ids, list(data.response_start), list(data.greedy), list(data.source), meta=dict(data.meta))
 
 
 def measure(data: TokenDataset, head: MTPEagleHead, shared: Any, cuts: list[int], k: int) -> dict[str, Any]:

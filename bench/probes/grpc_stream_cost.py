@@ -94,7 +94,9 @@ def measure(kind: str, args: argparse.Namespace) -> list[dict[str, float]]:
     try:
         for _ in range(args.repeats):
             c0 = cpu()
-            job = Job("grpc", {"grpc": f"127.0.0.1:{port}", "http": ""}, [[1]] * args.streams, 1, args.channels)
+            job = Job(
+                "grpc", {"grpc": f"127.0.0.1:{port}", "http": ""}, [[1]] * args.streams, 1, channels=args.channels
+            )
             got = run_job(job)
             seconds, n = max(s.end for s in got) - min(s.sent for s in got), sum(s.chunks for s in got)
             row = {"messages": n, "msg_per_s": n / seconds, "server_cpu_us_per_msg": 1e6 * (cpu() - c0) / n}

@@ -126,7 +126,9 @@ def draft_input_report(dev: str, g: torch.Generator) -> dict[str, object]:
             return F.linear(torch.cat([e, h], dim=-1), w)
 
         def fused(tokens: torch.Tensor = tokens, hidden: torch.Tensor = hidden) -> torch.Tensor:
-            return draft_kernels.draft_input(tokens, hidden, draft_kernels.DraftInputWeights(emb, enw, hnw, 1e-5, w))
+            return draft_kernels.draft_input(
+                tokens, hidden, draft_kernels.DraftInputWeights(emb, enw, hnw, 1e-5, eh_proj=w)
+            )
 
         entry = {
             "separate_us": graph_us(separate),

@@ -175,8 +175,8 @@ def run_acceptance(
             sched.chunk_size,
             sched.max_num_batched_tokens,
             run_cfg.speculative.num_draft_tokens,
-            SpecStats(),
-            len(prompts),
+            stats=SpecStats(),
+            num_prompts=len(prompts),
         )
         t0 = time.perf_counter()
         for i, ids in enumerate(tqdm(prompts, desc=setting.name, unit="prompt", disable=not progress)):

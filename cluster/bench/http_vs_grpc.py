@@ -109,7 +109,7 @@ def one_round(
     streams = clients.run(front_end, addresses, prompts, args.output_len, args.channels)
     cpu1 = tree_cpu_s(args.server_pid)
     seconds = max(s.end for s in streams) - min(s.sent for s in streams)
-    r = Round(front_end, len(prompts), False, seconds, sum(s.tokens for s in streams))
+    r = Round(front_end, len(prompts), False, seconds, tokens=sum(s.tokens for s in streams))
     r.chunks = sum(s.chunks for s in streams)
     r.server_cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
     for s in streams:

@@ -103,7 +103,7 @@ def plan(n: int, seed: int, vocab: int, lengths: list[int], max_tokens: tuple[in
     for i in range(n):
         prompt = [rng.randrange(10, vocab) for _ in range(rng.choice(lengths))]
         fate = rng.choices(["run", "cancel", "deadline"], weights=[6, 1, 1])[0]
-        specs.append(Spec(prompt, rng.randint(*max_tokens), ("greedy", "temperature", "top_p")[i % 3], fate, i))
+        specs.append(Spec(prompt, rng.randint(*max_tokens), ("greedy", "temperature", "top_p")[i % 3], fate, seed=i))
     return specs
 
 

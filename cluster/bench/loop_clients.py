@@ -211,11 +211,11 @@ class LoopClients:
                     address,
                     n,
                     share,
-                    output_len,
-                    start,
-                    start + warmup_s,
-                    start + warmup_s + window_s,
-                    api_key,
+                    output_len=output_len,
+                    start_at=start,
+                    measure_from=start + warmup_s,
+                    end_at=start + warmup_s + window_s,
+                    api_key=api_key,
                 )
             )
         total = LoopResult()

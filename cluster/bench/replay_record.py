@@ -279,7 +279,7 @@ def load_recording(path: str | Path, shapes: dict[str, Shape]) -> Recording:
     raw_sets = doc.get("sets")
     _need(isinstance(raw_sets, dict) and raw_sets, f"{where}: sets", "expected a non-empty object of prompt sets")
     sets = {name: _read_set(f"{where}: sets.{name}", s, shapes) for name, s in raw_sets.items()}
-    return Recording(doc["model"], doc["draft"], max_tokens, sets, str(path))
+    return Recording(doc["model"], doc["draft"], max_tokens, sets, path=str(path))
 
 
 def _read_set(where: str, raw: Any, shapes: dict[str, Shape]) -> RecordedSet:

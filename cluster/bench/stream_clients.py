@@ -131,11 +131,13 @@ class Clients:
     ) -> list[Stream]:
         """Every prompt at once over one front end, spread round-robin over the client processes."""
         if self._pool is None:
-            return run_job(Job(front_end, addresses, prompts, output_len, channels))
+            return run_job(Job(front_end, addresses, prompts, output_len, channels=channels))
         start_at = time.time() + START_DELAY_S
         shares = [prompts[i :: self.procs] for i in range(self.procs)]
         per = max(1, channels // self.procs)
-        jobs = [Job(front_end, addresses, share, output_len, per, start_at) for share in shares if share]
+        jobs = [
+            Job(front_end, addresses, share, output_len, channels=per, start_at=start_at) for share in shares if share
+        ]
         return [s for streams in self._pool.map(run_job, jobs) for s in streams]
 
     def close(self) -> None:

@@ -417,6 +417,6 @@ def engine_over(cfg: MTPServeConfig, group: Any) -> LLMEngine:
         tree=tree,
     )
     tok = source.tokenizer() if not source.dummy else None
-    engine = LLMEngine(cfg, args, sched, target, None, tok)
+    engine = LLMEngine(cfg, args, sched, target, draft=None, tokenizer=tok)
     engine.health_listeners = target.listeners
     return engine

@@ -425,7 +425,7 @@ class LLMEngine:
                         prompts_by_id[o.request_id],
                         tokens[o.request_id],
                         o.finish_reason,
-                        o.stats,
+                        stats=o.stats,
                         logprobs=logprobs.get(o.request_id),
                     )
         for c in done.values():

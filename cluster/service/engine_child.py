@@ -92,11 +92,11 @@ def unpack_outputs(packed: list[PackedOutput]) -> list[RequestOutput]:
             ids,
             finished,
             reason,
-            n_prompt,
-            n_out,
-            SpecStats(*stats),  # type: ignore[arg-type]
-            timings,  # type: ignore[arg-type]
-            None if lp is None else TokenLogprobs(*lp),
+            num_prompt_tokens=n_prompt,
+            num_output_tokens=n_out,
+            stats=SpecStats(*stats),  # type: ignore[arg-type]
+            timings=timings,  # type: ignore[arg-type]
+            logprobs=None if lp is None else TokenLogprobs(*lp),
         )
         for rid, ids, finished, reason, n_prompt, n_out, stats, timings, lp in packed
     ]

@@ -178,7 +178,9 @@ class EngineStream:
         logprobs = None if event.logprobs is None else event.logprobs.head(len(ids))
         if reason is None:
             return Piece(text, ids, logprobs=logprobs)
-        return Piece(text, ids, reason, handle.num_prompt_tokens, count, event.stats, logprobs)
+        return Piece(
+            text, ids, reason, handle.num_prompt_tokens, completion_tokens=count, stats=event.stats, logprobs=logprobs
+        )
 
     def _cut_at_stop(self, ids: list[int], text: str, mark: tuple[tuple[int, int, int], str]) -> tuple[str, list[int]]:
         """(text, token ids) up to the token that completes the stop string: one step may bring tokens past it."""

@@ -350,7 +350,7 @@ def start_replicas(
     scaler = None
     if sc.most_replicas > sc.replicas:
         capacity = cfg.scheduler.max_num_requests
-        scaler = Scaler(sc.replicas, sc.most_replicas, sc.scale_up_waiting, capacity, sc.scale_hold_s)
+        scaler = Scaler(sc.replicas, sc.most_replicas, sc.scale_up_waiting, capacity, hold_s=sc.scale_hold_s)
     with futures.ThreadPoolExecutor(n) as pool:
         jobs = [pool.submit(build, i) for i in range(n)]
         futures.wait(jobs)
@@ -362,4 +362,4 @@ def start_replicas(
         raise failed[0]  # type: ignore[misc]
     prefix = cfg.server.routing == "prefix"
     router: PrefixRouter | RoundRobin = PrefixRouter(n, cfg.scheduler.block_size) if prefix else RoundRobin(n)
-    return ReplicaSet(built, router, metrics.engine, build, scaler)
+    return ReplicaSet(built, router, metrics.engine, build, scaler=scaler)

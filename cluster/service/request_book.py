@@ -202,7 +202,13 @@ class RequestBook:
         if handle is None:
             return False
         out = RequestOutput(
-            request_id, [], True, "abort", handle.num_prompt_tokens, handle.num_output_tokens, handle.stats
+            request_id,
+            [],
+            True,
+            "abort",
+            num_prompt_tokens=handle.num_prompt_tokens,
+            num_output_tokens=handle.num_output_tokens,
+            stats=handle.stats,
         )
         self.finish(handle, reason)
         handle.put(out)

@@ -122,7 +122,7 @@ class HermesFormat:
     def forced(self, tools: list[dict[str, Any]]) -> GrammarSpec:
         """One `<tool_call>` block of one of the tools."""
         return GrammarSpec(
-            "json_schema", _call_schema(tools, "arguments"), "tool_choice", self.OPEN + "\n", "\n" + self.CLOSE
+            "json_schema", _call_schema(tools, "arguments"), "tool_choice", self.OPEN + "\n", suffix="\n" + self.CLOSE
         )
 
 

@@ -133,7 +133,7 @@ def recipe_context(generator: Generator, tokenizer: Any, args: LlamaArgs, cfg: D
     """The context recipes build with: stop ids are the target's EOS ids plus the chat turn end."""
     turn_end = turn_end_ids(tokenizer) if tokenizer is not None else []
     stop = tuple(sorted(set(args.eos_ids()) | set(turn_end)))
-    return RecipeContext(generator, tokenizer, args, cfg.settings, stop, turn_end)
+    return RecipeContext(generator, tokenizer, args, cfg.settings, stop_ids=stop, turn_end=turn_end)
 
 
 def _check_plan(root: Path, cfg: DataConfig) -> None:
@@ -268,7 +268,7 @@ def load_dataset(path: str | Path) -> TokenDataset:
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
         raise TrainSetupError("--data-dir", f"'{root}' is not a {FORMAT} dataset (format {meta.get('format')!r})")
-    ds = TokenDataset([], [], [], [], meta)
+    ds = TokenDataset([], [], [], [], meta=meta)
     for name in meta.get("shards", []):
         shard = torch.load(root / name, weights_only=True)
         ds.ids += [t.long() for t in shard["ids"]]

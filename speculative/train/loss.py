@@ -43,10 +43,12 @@ def target_rows(shared: LlamaModel, batch: Batch, repeats: bool = False) -> Targ
     rb, rq = valid.nonzero(as_tuple=True)
     if rb.numel() == 0:
         empty = torch.zeros(0, dtype=torch.long, device=ids.device)
-        return TargetRows(rb, rq, torch.zeros(0, shared.args.vocab_size, device=ids.device), empty, empty.bool())
+        return TargetRows(
+            rb, rq, torch.zeros(0, shared.args.vocab_size, device=ids.device), empty, repeated=empty.bool()
+        )
     logits = shared.logits(batch.hidden[rb, rq + 1])
     repeated = repeated_tokens(ids, batch.lengths, batch.response_start)[rb, rq + 2] if repeats else None
-    return TargetRows(rb, rq, torch.softmax(logits, dim=-1), logits.argmax(-1), repeated)
+    return TargetRows(rb, rq, torch.softmax(logits, dim=-1), logits.argmax(-1), repeated=repeated)
 
 
 def draft_distribution(head: DraftHead, prob: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,7 @@ def make_generator(
     device = opts.train.device
     if opts.generator == "hf":
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        return HFGenerator(target.args, target.weights, device, dtype, opts.gen_batch_size)
+        return HFGenerator(target.args, target.weights, device, dtype, batch_size=opts.gen_batch_size)
     s = opts.data.settings
     longest = max(s.max_new_tokens, s.long_max_new_tokens, s.code_max_new_tokens, s.prompt_max_tokens)
     if engine_generator is None:

@@ -87,7 +87,7 @@ class RecipeContext:
         """The target finishes each user turn (rendered history + opener `starts[i]`); the text, or None when it
         rambled past the cap, is too short, or repeats an earlier one."""
         s = self.settings
-        settings = GenSettings(s.prompt_max_tokens, s.prompt_temperature, 1.0, seed, self.stop_ids)
+        settings = GenSettings(s.prompt_max_tokens, s.prompt_temperature, 1.0, seed, stop_ids=self.stop_ids)
         outs = self.generator.generate(
             [p + self.encode(st) if st else p for p, st in zip(prefixes, starts, strict=True)], settings, "user turns"
         )
@@ -125,11 +125,11 @@ class RecipeContext:
             if not idx:
                 continue
             temp = s.response_temperature if mode else 0.0
-            settings = GenSettings(cap, temp, 1.0, seed + (104729 if mode else 0), self.stop_ids)
+            settings = GenSettings(cap, temp, 1.0, seed + (104729 if mode else 0), stop_ids=self.stop_ids)
             res = self.generator.generate([prompts[i] for i in idx], settings, f"{source} answers")
             for i, r in zip(idx, res, strict=True):
                 if len(r.token_ids) >= 2:
-                    out[i] = Sample(prompts[i] + r.token_ids, len(prompts[i]), not mode, source, r.finish_reason)
+                    out[i] = Sample(prompts[i] + r.token_ids, len(prompts[i]), not mode, source, finish=r.finish_reason)
         return out
 
 

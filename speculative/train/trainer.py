@@ -176,7 +176,7 @@ class Trainer:
             opt, lambda s: lr_factor(s, self.warmup, self.total_steps, cfg.min_lr_ratio)
         )
         k = spec.num_draft_tokens or cfg.num_draft_tokens
-        return HeadRun(spec, head, opt, sched, self.step_weights[:k], coverage)
+        return HeadRun(spec, head, opt, sched, weights=self.step_weights[:k], vocab_coverage=coverage)
 
     def _init_text(self) -> str:
         cfg = self.cfg
