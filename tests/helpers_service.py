@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import socket
@@ -141,20 +140,11 @@ class ServeProcess:
 
     def start(self) -> ServeProcess:
         """Start and wait for the serving line; raises with the server's output if it does not come."""
-        limit = self.open_files
-
-        def lower_file_limit() -> None:
-            if limit is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
+        cmd = self.cmd
+        if self.open_files is not None:  # through the shell: a preexec_fn in a process with threads may hang or die
+            cmd = ["sh", "-c", f'ulimit -n {self.open_files} && exec "$@"', "sh", *cmd]
         self.proc = subprocess.Popen(
-            self.cmd,
-            cwd=ROOT,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=lower_file_limit if limit is not None else None,
+            cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(self.startup_timeout) or not self.port:
