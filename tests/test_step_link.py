@@ -43,40 +43,14 @@ class LocalRank:
         self.worker.setup(self.worker.master_address(), None)
         runner = self.worker.runner
         assert runner is not None
-        if isinstance(self.worker.draft, MTPEagleTree):
-            runner = rebuilt(
-                runner,
-                tree=FusedTreeStep(
-                    runner.model,
-                    runner.cache,
-                    self.worker.draft,
-                    max_batch=8,
-                    max_blocks=12,
-                    device="cpu",
-                    use_graphs=False,
-                ),
-            )
-        elif isinstance(self.worker.draft, MTPEagleChain):
-            runner = rebuilt(
-                runner,
-                chain=FusedSpecStep(
-                    runner.model,
-                    runner.cache,
-                    self.worker.draft,
-                    K,
-                    max_batch=8,
-                    max_blocks=12,
-                    device="cpu",
-                    use_graphs=False,
-                ),
-            )
+        fixed = {"max_batch": 8, "max_blocks": 12, "device": "cpu", "use_graphs": False}  # CUDA's buffers, eagerly
+        model, cache, draft = runner.model, runner.cache, self.worker.draft
+        if isinstance(draft, MTPEagleTree):
+            runner = rebuilt(runner, tree=FusedTreeStep(model, cache, draft, **fixed))
+        elif isinstance(draft, MTPEagleChain):
+            runner = rebuilt(runner, chain=FusedSpecStep(model, cache, draft, K, **fixed))
         else:
-            runner = rebuilt(
-                runner,
-                target=UniformTargetStep(
-                    runner.model, runner.cache, 1, max_batch=8, max_blocks=12, device="cpu", use_graphs=False
-                ),
-            )
+            runner = rebuilt(runner, target=UniformTargetStep(model, cache, 1, **fixed))
         self.worker.runner = runner
         self.spec: LaunchSpec | None = self.worker.launch_spec()
         self.step_costs = None

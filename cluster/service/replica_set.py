@@ -14,7 +14,6 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -101,7 +100,6 @@ class ReplicaSet:
         self.replicas = list(replicas)
         self.router = router
         self._engine_metrics = engine_metrics
-        self._owner: dict[str, int] = {}  # request id -> the replica that took it, until it ends
         self._lock = threading.Lock()
         self.counts = RoutedCounts({}, [0] * len(self.replicas))
         self._build = build
@@ -184,36 +182,23 @@ class ReplicaSet:
         on_event: Callable[[], None] | None = None,
     ) -> futures.Future[RequestHandle]:
         """Route the request, then queue it on the chosen replica (`EngineCore.submit_nowait`)."""
-        rid = request_id or uuid.uuid4().hex
         with self._lock:
             self._update_service()
             choice = self.router.route(prompt_token_ids)
-            self._owner[rid] = choice.replica
             self.counts.by_reason[choice.reason] = self.counts.by_reason.get(choice.reason, 0) + 1
             self.counts.by_replica[choice.replica] += 1
-        future = self.replicas[choice.replica].submit_nowait(prompt_token_ids, params, rid, frontend, on_event=on_event)
-        future.add_done_callback(lambda f: self._forget_if_refused(rid, f))
-        return future
+        replica = self.replicas[choice.replica]
+        return replica.submit_nowait(prompt_token_ids, params, request_id, frontend, on_event=on_event)
 
     def abort(self, request_id: str, wait: bool = True, reason: str = "abort") -> bool:
-        """Abort a request on the replica that took it; False when no replica has it."""
-        with self._lock:
-            replica = self._owner.get(request_id)
-        return replica is not None and self.replicas[replica].abort(request_id, wait, reason)
+        """Abort a request on the replica that has it (each knows its own in a look-up); False when none has it."""
+        return any(r.abort(request_id, wait, reason) for r in self.replicas)
 
     # ---- routing state ---------------------------------------------------------------------------
-    def owner(self, request_id: str) -> int | None:
-        """The replica that took a request (while the set remembers it)."""
-        with self._lock:
-            return self._owner.get(request_id)
-
-    def _forget_if_refused(self, rid: str, future: futures.Future[RequestHandle]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            with self._lock:
-                self._owner.pop(rid, None)
 
     def _update_service(self) -> None:
-        """Tell the router each replica's load, and which replicas serve (a stopped one takes nothing new)."""
+        """Tell the router each replica's load, and which replicas serve: running, neither leaving nor parked (the
+        one place the router's membership is decided; called under the lock)."""
         for i, r in enumerate(self.replicas):
             up = r.running and i not in self._draining and i not in self.parked
             if up and i not in self.router.live:
@@ -222,16 +207,6 @@ class ReplicaSet:
                 self.router.remove(i)
             s = r.snapshot
             self.router.report_load(i, s.running, s.waiting)
-        live = {rid: i for rid, i in self._owner.items() if i in self.router.live}
-        if len(live) < len(self._owner):  # requests of a stopped replica ended with it
-            self._owner = live
-        self._trim_owners()
-
-    def _trim_owners(self) -> None:
-        """Forget the owners of requests that ended, once the book is large (aborts of ended requests are no-ops)."""
-        if len(self._owner) > 4 * max(1, self.in_flight()) + 1024:
-            keep = list(self._owner.items())[-(self.in_flight() + 1024) :]
-            self._owner = dict(keep)
 
     # ---- metrics ---------------------------------------------------------------------------------
     def load(self) -> EngineLoad:
@@ -278,7 +253,8 @@ class ReplicaSet:
         """Grow or shrink by one replica as the scaler asks; stop drained replicas."""
         busy = self._reviving | self._draining | self.parked
         active = [i for i, r in enumerate(self.replicas) if r.running and i not in busy]
-        loads = [(self.replicas[i].snapshot.running, self.replicas[i].snapshot.waiting) for i in active]
+        snapshots = [self.replicas[i].snapshot for i in active]
+        loads = [(s.running, s.waiting) for s in snapshots]
         action = scaler.decide(loads, time.monotonic()) if not self._reviving and not self._draining else None
         if action == "up":
             slot = min(self.parked) if self.parked else len(self.replicas)
@@ -291,7 +267,7 @@ class ReplicaSet:
             self.scaled.append(("down", slot))
             with self._lock:
                 self._draining.add(slot)
-                self.router.remove(slot)
+                self._update_service()
         for slot in list(self._draining):
             if self.replicas[slot].in_flight() == 0:
                 self.replicas[slot].stop()
@@ -324,7 +300,7 @@ class ReplicaSet:
                     self.replicas[i] = fresh
                 self.revived += int(old is not None)
                 self.parked.discard(i)
-                self.router.add(i)
+                self._update_service()
             log.info("replica %d is in service", i)
             break
         self._reviving.discard(i)
@@ -353,7 +329,6 @@ def start_replicas(
         scaler = Scaler(sc.replicas, sc.most_replicas, sc.scale_up_waiting, capacity, hold_s=sc.scale_hold_s)
     with futures.ThreadPoolExecutor(n) as pool:
         jobs = [pool.submit(build, i) for i in range(n)]
-        futures.wait(jobs)
     built = [j.result() for j in jobs if j.exception() is None]
     failed = [j.exception() for j in jobs if j.exception() is not None]
     if failed:
