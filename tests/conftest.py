@@ -13,9 +13,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (str(ROOT), str(ROOT / "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `mtpserve` and `tests.helpers` for modules and the children they start
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # run Triton kernels on CPU (numpy interpreter)

@@ -1,6 +1,6 @@
 """TensorRT-LLM PR #18295's three settings on the tiny mimic setup, where a wrong draft KV row shows.
 
-A one-layer random Llama and a head that re-runs its layer (`tests/tiny.py`) accept most drafts, so the
+A one-layer random Llama and a head that re-runs its layer (`tests/helpers/tiny.py`) accept most drafts, so the
 corrupted rows of `sampled` lookahead cost acceptance visibly: 12 random-token prompts of 64-112 tokens,
 chunk 16, K=1, 32 output tokens, CPU fp32.
 
@@ -16,13 +16,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT)]
 
 from mtpserve.cluster.bench import acceptance as bench_acceptance  # noqa: E402
 from mtpserve.cluster.bench import report as bench_report  # noqa: E402
 from mtpserve.cluster.engine.llm_engine import LLMEngine  # noqa: E402
-
-from tiny import engine_config, mimic_head, mimic_target, random_prompts  # noqa: E402
+from tests.helpers.tiny import engine_config, mimic_head, mimic_target, random_prompts  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             res,
             run,
             command=bench_report.command_line(),
-            model_label="tests/tiny.py mimic_target() + mimic_head()",
+            model_label="tests/helpers/tiny.py mimic_target() + mimic_head()",
         )
         doc["command"] = " ".join(["python3 bench/probes/mimic_compare.py", *sys.argv[1:]])
         bench_report.write_json(args.json, doc)

@@ -14,7 +14,7 @@ that replica will cache those blocks.
 Example, two replicas, block size 16: a chat's first turn (40 prompt tokens: 2 keyable blocks) finds nothing
 and goes to replica 1 by load; its second turn repeats those 40 tokens and adds 30 (4 blocks), so its first 2
 keys point at replica 1 (half its blocks, above the 0.25 threshold) and it goes there too, whose cache then
-serves 32 of its tokens. On 41 four-turn chats sharing a system prompt (tests/test_replica_router.py) two
+serves 32 of its tokens. On 41 four-turn chats sharing a system prompt (tests/service/test_replica_router.py) two
 replicas routed so serve 99% of the prompt tokens from cache that one replica would, round-robin 53%.
 """
 
