@@ -354,8 +354,9 @@ class ServerConfig(_Strict):
         ge=1,
         le=64,
         description="front-end processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each tokenizing, "
-        "detokenizing and streaming its own requests, beside the engine's process; None: one per 4 cores, at most "
-        "4 (with engine_process; with Ray, beside the scheduler actor)",
+        "detokenizing and streaming its own requests, beside the engine's process (or every replica's, routing "
+        "over all); None: one per 4 cores, at most 4, or one while max_replicas scales (with engine_process; with "
+        "Ray, beside the scheduler actor)",
     )
 
     replicas: int = Field(
@@ -389,9 +390,11 @@ class ServerConfig(_Strict):
 
     @property
     def num_frontends(self) -> int:
-        """Front-end processes to run: `frontends`, or one per 4 cores (1 to 4)."""
+        """Front-end processes to run: `frontends`, or one per 4 cores (1 to 4); one while `max_replicas` scales."""
         if self.frontends is not None:
             return self.frontends
+        if self.most_replicas > self.replicas:
+            return 1
         return max(1, min(4, (os.cpu_count() or 1) // 4))
 
     @model_validator(mode="after")
@@ -410,9 +413,10 @@ class ServerConfig(_Strict):
             raise ValueError(
                 "server.replicas > 1 runs each replica's engine in a process of its own: keep server.engine_process"
             )
-        if self.most_replicas > 1 and (self.frontends or 1) > 1:
+        if self.most_replicas > self.replicas and (self.frontends or 1) > 1:
             raise ValueError(
-                "server.replicas > 1 is served by one front-end process for now: leave server.frontends unset"
+                "server.max_replicas (replicas added and removed at run time) is served by one front-end process for "
+                "now: leave server.frontends unset or 1"
             )
         return self
 

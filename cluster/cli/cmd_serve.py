@@ -87,7 +87,7 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
             return 2
         return serve_with_actor(cfg, stop)
 
-    if cfg.server.engine_process and cfg.server.num_frontends > 1 and cfg.server.most_replicas == 1:
+    if cfg.server.engine_process and cfg.server.num_frontends > 1:
         return serve_pooled(cfg, stop)
     engine, rc = None, 0
     try:
@@ -127,7 +127,8 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
 
 
 def serve_pooled(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
-    """`serve` with several front-end processes (FrontEndPool); exit status 1 when the engine stops on its own."""
+    """`serve` with several front-end processes (FrontEndPool) over one engine or `server.replicas`; exit status 1
+    when an engine stops on its own and is not built again (one engine: never)."""
     from mtpserve.cluster.service.front_end_pool import FrontEndPool
 
     try:

@@ -396,7 +396,7 @@ class EngineProcess:
             err: Exception = ServerShuttingDown("the server is shutting down")
         else:
             err = EngineFailure(f"the engine process {self._exit_status()}")
-            log.error("%s; the server stops serving", err)
+            log.error("%s; its requests fail and it takes no more", err)
         with self._lock:
             self._abort_reasons.clear()
             pending, self._pending = self._pending, {}

@@ -1,4 +1,5 @@
-"""Several front-end processes serving one engine: what `mtpserve serve --frontends N` runs (N > 1, no Ray).
+"""Several front-end processes serving one engine, or engine replicas: what `mtpserve serve --frontends N` runs
+(N > 1, no Ray; with `--replicas R`, R engine processes behind every front end).
 
 One Python process caps how many tokens it can tokenize, detokenize and frame per second, well below what the
 engine computes at 64 streams and more. So the engine runs in a process of its own (engine_child.py, listening
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection, Listener
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from prometheus_client import CollectorRegistry, multiprocess
 
@@ -44,30 +46,32 @@ from mtpserve.cluster.service.engine_child import (
     run_engine_process,
     send_ready,
 )
-from mtpserve.cluster.service.front_end_process import STOP_SERVING, run_front_ends, wait_serving
+from mtpserve.cluster.service.front_end_process import ROUTES, STOP_SERVING, run_front_ends, wait_serving
 from mtpserve.cluster.service.metrics import EngineMetrics
 from mtpserve.cluster.service.metrics_http import MetricsEndpoint
-from mtpserve.cluster.service.request_book import EngineLoad, observe_engine
+from mtpserve.cluster.service.request_book import EngineLoad, observe_engine, summed_loads
 from mtpserve.cluster.service.server import host_port
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+REBUILD_RETRY_S = 5.0  # after an engine failed to build again
 
 
 class FrontEnd:
     """One front-end process of the pool, and the pipe it reports on."""
 
-    def __init__(self, cfg: MTPServeConfig, engine: tuple[str, bytes], index: int, metrics_dir: str) -> None:
+    def __init__(self, cfg: MTPServeConfig, engines: list[tuple[str, bytes]], index: int, metrics_dir: str) -> None:
         ctx = mp.get_context("spawn")
         self.index = index
+        self._send_lock = threading.Lock()
         self.control, child_control = ctx.Pipe()
         self.proc: BaseProcess = ctx.Process(
             target=run_front_ends,
             args=(
                 cfg,
-                engine,
+                engines,
                 child_control,
                 os.getpid(),
                 logging.getLogger().getEffectiveLevel(),
@@ -86,10 +90,14 @@ class FrontEnd:
         msg = wait_serving(self.control, self.proc, f"front end {self.index}")
         return msg[4], msg[5]
 
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Send on its control pipe (from any thread); nothing if the pipe is closed."""
+        with self._send_lock, contextlib.suppress(OSError):
+            self.control.send(msg)
+
     def stop(self, timeout: float) -> None:
         """Ask it to stop (its streams end as at any server stop); kill it past `timeout` s."""
-        with contextlib.suppress(OSError):
-            self.control.send((STOP_SERVING,))
+        self.send((STOP_SERVING,))
         self.proc.join(timeout)
         if self.proc.is_alive():
             self.proc.kill()
@@ -102,6 +110,8 @@ class EngineChild:
     this process's pipe to it."""
 
     def __init__(self, cfg: MTPServeConfig, address: tuple[str, bytes]) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address[0])  # the socket of an engine that died, when this one replaces it
         ctx = mp.get_context("spawn")
         self.control, child_end = ctx.Pipe()
         self._proc = ctx.Process(
@@ -113,6 +123,11 @@ class EngineChild:
         self._proc.start()
         atexit.register(kill_at_exit, self._proc)
         child_end.close()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._proc.pid
 
     def status(self) -> str:
         """How it ended, for errors and logs."""
@@ -151,6 +166,8 @@ class EngineThread:
         finally:
             engine_end.close()
 
+    pid = None  # the engine runs in this process
+
     def status(self) -> str:
         """How it ended, for errors and logs."""
         return "the engine's thread stopped"
@@ -161,44 +178,55 @@ class EngineThread:
 
 
 class FrontEndPool:
-    """`count` front-end processes on the same ports beside an engine (see the module doc): built from `cfg` in a
-    process of its own, or `engine` served from a thread of this process. Raises the engine's build error
-    (ModelLoadError, ...) or a front end's start error."""
+    """`count` front-end processes on the same ports beside an engine (see the module doc): `cfg.server.replicas`
+    engines built from `cfg`, each in a process of its own, or `engine` served from a thread of this process.
+    Raises an engine's build error (ModelLoadError, ...) or a front end's start error.
+
+    With one engine, the pool ends serving when the engine stops (`engine_running` turns False); with replicas, an
+    engine that stops is built again at the same socket while the others serve, and the front ends connect to it
+    again."""
 
     def __init__(self, cfg: MTPServeConfig, count: int, engine: LLMEngine | None = None) -> None:
         self.cfg = cfg
         self._dir = tempfile.mkdtemp(prefix="mtpserve-")
         self._metrics_dir = os.path.join(self._dir, "metrics")
         os.mkdir(self._metrics_dir)
-        self._engine_address = (os.path.join(self._dir, "engine.sock"), os.urandom(32))
+        n = 1 if engine is not None else cfg.server.replicas
+        self._addresses = [(os.path.join(self._dir, f"engine-{i}.sock"), os.urandom(32)) for i in range(n)]
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._front_ends: list[FrontEnd] = []
         self._http_server: MetricsEndpoint | None = None
         self.engine_running = False
-        self._engine: EngineChild | EngineThread = (
-            EngineChild(cfg, self._engine_address) if engine is None else EngineThread(engine, self._engine_address)
+        self.engines_built = 0  # engines built again after theirs stopped (replicas only)
+        self._engines: list[EngineChild | EngineThread] = (
+            [EngineChild(cfg, a) for a in self._addresses]
+            if engine is None
+            else [EngineThread(engine, self._addresses[0])]
         )
-        self._control = self._engine.control
         try:
-            self.info, load = self._wait_engine()
+            ready = [self._wait_engine(e) for e in self._engines]
+            self.info = ready[0][0]
+            self._loads = [load for _, load in ready]
             self.engine_running = True
-            first = FrontEnd(cfg, self._engine_address, 0, self._metrics_dir)
+            first = FrontEnd(cfg, self._addresses, 0, self._metrics_dir)
             self._front_ends.append(first)
             self.port, self.http_port = first.wait_serving()
             # the others bind the ports the first one bound (it may have been given 0)
             self._bound = cfg.model_copy(
                 update={"server": cfg.server.model_copy(update={"port": self.port, "http_port": self.http_port})}
             )
-            more = [FrontEnd(self._bound, self._engine_address, i, self._metrics_dir) for i in range(1, count)]
+            more = [FrontEnd(self._bound, self._addresses, i, self._metrics_dir) for i in range(1, count)]
             self._front_ends.extend(more)
             for fe in more:
                 fe.wait_serving()
+            for fe in self._front_ends:
+                self._start_relay(fe)
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry, path=self._metrics_dir)
             self._engine_metrics = EngineMetrics(registry)
             self._engine_metrics.set_model(self.info)
-            self._observe(load)
+            self._observe(0, self._loads[0])
             self._http_server = MetricsEndpoint(
                 registry, cfg.server.metrics_port, cfg.server.metrics_host, metrics_token(cfg.server)
             )
@@ -206,7 +234,10 @@ class FrontEndPool:
         except BaseException:
             self.stop(timeout=5.0)
             raise
-        threading.Thread(target=self._read_engine, name="mtpserve-engine-state", daemon=True).start()
+        for i in range(n):
+            threading.Thread(
+                target=self._read_engine, args=(i,), name=f"mtpserve-engine-state-{i}", daemon=True
+            ).start()
         threading.Thread(target=self._watch, name="mtpserve-front-end-watch", daemon=True).start()
 
     @property
@@ -225,38 +256,98 @@ class FrontEndPool:
         with self._lock:
             return [fe.proc.pid for fe in self._front_ends]
 
-    def _wait_engine(self) -> tuple[pb.ModelInfo, EngineLoad]:
+    @property
+    def engine_pids(self) -> list[int | None]:
+        """The engine processes' ids, in order (None for an engine served from a thread)."""
+        with self._lock:
+            return [e.pid for e in self._engines]
+
+    @property
+    def loads(self) -> list[EngineLoad]:
+        """Each engine's state as it last reported it."""
+        with self._lock:
+            return list(self._loads)
+
+    @property
+    def load(self) -> EngineLoad:
+        """The engines' states as last reported, added up."""
+        return summed_loads(self.loads)
+
+    def _wait_engine(self, engine: EngineChild | EngineThread) -> tuple[pb.ModelInfo, EngineLoad]:
         try:
-            msg = self._control.recv()
+            msg = engine.control.recv()
         except (EOFError, OSError):
-            raise ModelLoadError(f"{self._engine.status()} while it loaded the model") from None
+            raise ModelLoadError(f"{engine.status()} while it loaded the model") from None
         if msg[0] == ERROR:
-            self._engine.join(5.0)
+            engine.join(5.0)
             raise msg[1]
         assert msg[0] == READY, msg[0]
         return pb.ModelInfo.FromString(msg[1]), msg[3]
 
-    def _observe(self, load: EngineLoad) -> None:
-        observe_engine(self._engine_metrics, load)
+    def _observe(self, i: int, load: EngineLoad) -> None:
+        with self._lock:
+            self._loads[i] = load
+            observe_engine(self._engine_metrics, summed_loads(self._loads))
 
-    def _read_engine(self) -> None:
-        """The engine's state (a few times a second) into the engine-wide metrics, until the engine ends."""
+    def _read_engine(self, i: int) -> None:
+        """Engine i's state (a few times a second) into the engine-wide metrics, until it ends; then, with
+        replicas, build it again."""
+        while True:
+            engine = self._engines[i]
+            try:
+                while True:
+                    msg = engine.control.recv()
+                    if msg[0] in (OUT, FAIL):
+                        self._observe(i, msg[2])
+                    elif msg[0] == HEALTH:
+                        log.info("engine %d reports its workers %s", i, "up" if msg[1] else "down")
+                    elif msg[0] == STOPPED:
+                        break
+            except (EOFError, OSError):
+                pass
+            except Exception:
+                log.exception("reading engine %d's state failed", i)
+            if self._stopping.is_set():
+                return
+            log.error("engine %d: %s", i, engine.status())
+            if len(self._engines) == 1 or not self._build_again(i):
+                self.engine_running = False
+                return
+
+    def _build_again(self, i: int) -> bool:
+        """Replace stopped engine i with a new one at its socket, retrying until it loads; False once stopping."""
+        while not self._stopping.is_set():
+            with self._lock:
+                if self._stopping.is_set():
+                    return False
+                fresh = self._engines[i] = EngineChild(self.cfg, self._addresses[i])
+            try:
+                self._observe(i, self._wait_engine(fresh)[1])
+            except Exception:
+                log.exception("engine %d could not be built again; trying again in %.0f s", i, REBUILD_RETRY_S)
+                self._stopping.wait(REBUILD_RETRY_S)
+                continue
+            self.engines_built += 1
+            log.info("engine %d is built again; the front ends connect to it", i)
+            return True
+        return False
+
+    def _start_relay(self, fe: FrontEnd) -> None:
+        threading.Thread(target=self._relay, args=(fe,), name=f"mtpserve-relay-{fe.index}", daemon=True).start()
+
+    def _relay(self, fe: FrontEnd) -> None:
+        """Hand the routes front end `fe` reports to every other front end, until its pipe closes."""
         try:
             while True:
-                msg = self._control.recv()
-                if msg[0] in (OUT, FAIL):
-                    self._observe(msg[2])
-                elif msg[0] == HEALTH:
-                    log.info("the engine reports its workers %s", "up" if msg[1] else "down")
-                elif msg[0] == STOPPED:
-                    break
+                msg = fe.control.recv()
+                if msg[0] != ROUTES:
+                    continue
+                with self._lock:
+                    others = [other for other in self._front_ends if other is not fe]
+                for other in others:
+                    other.send(msg)
         except (EOFError, OSError):
             pass
-        except Exception:
-            log.exception("reading the engine's state failed")
-        self.engine_running = False
-        if not self._stopping.is_set():
-            log.error("%s", self._engine.status())
 
     def _watch(self) -> None:
         """Start a new front end in place of one that dies, on the same ports."""
@@ -272,31 +363,35 @@ class FrontEndPool:
                 if fe.proc.pid is not None:
                     multiprocess.mark_process_dead(fe.proc.pid, self._metrics_dir)
                 fe.control.close()
-                new = FrontEnd(self._bound, self._engine_address, fe.index, self._metrics_dir)
+                new = FrontEnd(self._bound, self._addresses, fe.index, self._metrics_dir)
                 try:
                     new.wait_serving()
+                    self._start_relay(new)
                 except Exception:
                     log.exception("front end %d could not be started again", fe.index)
                 with self._lock:
                     self._front_ends[self._front_ends.index(fe)] = new
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the front ends (in parallel; each drains its streams first), then the engine; remove the pool's
+        """Stop the front ends (in parallel; each drains its streams first), then the engines; remove the pool's
         files."""
         if timeout is None:
             timeout = self.cfg.server.drain_timeout_s + 15.0
         self._stopping.set()
         with self._lock:
             front_ends = list(self._front_ends)
+            engines = list(self._engines)
         stoppers = [threading.Thread(target=fe.stop, args=(timeout,)) for fe in front_ends]
         for t in stoppers:
             t.start()
         for t in stoppers:
             t.join()
-        with contextlib.suppress(OSError):
-            self._control.send((STOP,))
-        self._engine.join(timeout)
-        self._control.close()
+        for engine in engines:
+            with contextlib.suppress(OSError):
+                engine.control.send((STOP,))
+        for engine in engines:
+            engine.join(timeout)
+            engine.control.close()
         if self._http_server is not None:
             self._http_server.stop()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -12,19 +12,22 @@ import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from mtpserve.cluster.engine.errors import MTPServeError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.service.engine_child import ERROR, PipedEngine, kill_at_exit, portable, send_ready, serve_as_child
+from mtpserve.cluster.service.replica_set import ReplicaSet
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
 SERVING, STOP_SERVING = "serving", "stop-serving"
+ROUTES = "routes"  # prompts' block keys and the replicas they went to, between front ends through the pool
 START_TIMEOUT_S = 300.0
+SHARE_EVERY_S = 0.02  # how often a front end sends the routes it made since the last time
 
 
 class FrontEndError(MTPServeError):
@@ -135,7 +138,7 @@ def wait_serving(control: Connection, proc: BaseProcess, name: str) -> tuple[Any
 
 def run_front_ends(
     cfg: MTPServeConfig,
-    engine_pipe: Connection | tuple[str, bytes],
+    engine_pipe: Connection | list[tuple[str, bytes]],
     control: Connection,
     parent_pid: int,
     log_level: int,
@@ -144,14 +147,15 @@ def run_front_ends(
     """Entry point of a front-end process: serve over `engine_pipe` until told to stop on `control` (or until
     the parent or the engine is gone); the bound endpoints, or the error, go back on `control`.
 
-    Given a Unix socket path and key instead of a pipe, it is one of several front ends of a FrontEndPool: it
-    connects to the engine there, shares the configured ports with the others and serves no metrics port (the
-    pool serves one view of all)."""
+    Given Unix socket paths and keys instead of a pipe, it is one of several front ends of a FrontEndPool: it
+    connects to the engine listening at each (several: replicas), shares the configured ports with the others and
+    serves no metrics port (the pool serves one view of all)."""
     serve_as_child(parent_pid, log_level, tag)
     try:
-        if isinstance(engine_pipe, tuple):
-            conn = Client(engine_pipe[0], family="AF_UNIX", authkey=engine_pipe[1])
-            server = MTPServer(None, cfg, metrics=False, engine_pipe=conn, engine_metrics=False, reuse_port=True)
+        if isinstance(engine_pipe, list):
+            server = MTPServer(
+                None, cfg, metrics=False, engine_addresses=engine_pipe, engine_metrics=False, reuse_port=True
+            )
         else:
             server = MTPServer(None, cfg, engine_pipe=engine_pipe)
         server.start()
@@ -159,10 +163,48 @@ def run_front_ends(
         control.send((ERROR, portable(exc)))
         return
     control.send((SERVING, server.address, server.metrics_port, server.http_address, server.port, server.http_port))
+    outbox = RouteOutbox(control)
+    if isinstance(server.loop, ReplicaSet):
+        server.loop.on_route = outbox.add
+        threading.Thread(target=outbox.run, name="mtpserve-route-share", daemon=True).start()
     try:
-        while server.loop.running and not control.poll(0.5):
-            pass
+        while server.loop.running:
+            if not control.poll(0.5):
+                continue
+            msg = control.recv()
+            if msg[0] != ROUTES:
+                break  # STOP_SERVING
+            if isinstance(server.loop, ReplicaSet):
+                server.loop.learn(msg[1])
     except (EOFError, OSError):
         pass
     finally:
+        outbox.stopped.set()
         server.stop(grace=cfg.server.drain_timeout_s)
+
+
+class RouteOutbox:
+    """The routes a front end's replica set made, sent on its control pipe every SHARE_EVERY_S in one message; the
+    pool hands them to the other front ends, whose routers then know which replica caches those prefixes."""
+
+    def __init__(self, control: Connection) -> None:
+        self._control = control
+        self._lock = threading.Lock()
+        self._routes: list[tuple[list[bytes], int]] = []
+        self.stopped = threading.Event()
+
+    def add(self, keys: list[bytes], replica: int) -> None:
+        """A prompt's block keys went to `replica`."""
+        with self._lock:
+            self._routes.append((keys, replica))
+
+    def run(self) -> None:
+        """Send what was added, in batches, until stopped or the pipe closes."""
+        while not self.stopped.wait(SHARE_EVERY_S):
+            with self._lock:
+                routes, self._routes = self._routes, []
+            if routes:
+                try:
+                    self._control.send((ROUTES, routes))
+                except OSError:
+                    return

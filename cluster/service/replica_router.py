@@ -9,7 +9,9 @@ choosing) by at least `threshold` of the prompt's blocks, and its load (running 
 least loaded replica's by no more than `balance`. Otherwise the request goes to the less loaded of two replicas
 drawn at random (power of two choices): a short match would pull every chat to one replica, and a busy holder
 would make the request wait longer than its prefix saves. Afterwards its keys point at the replica chosen too, as
-that replica will cache those blocks.
+that replica will cache those blocks. Several front ends, each with its own router over the same replicas, tell
+one another where they sent which keys (`learn`), so a chat's later turn finds its prefix whichever front end
+takes it.
 
 Example, two replicas, block size 16: a chat's first turn (40 prompt tokens: 2 keyable blocks) finds nothing
 and goes to replica 1 by load; its second turn repeats those 40 tokens and adds 30 (4 blocks), so its first 2
@@ -23,7 +25,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mtpserve.cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 
@@ -35,6 +37,7 @@ class RouteChoice:
     replica: int
     matched_blocks: int
     reason: str  # "prefix", "load" (prefix overruled by load, or none found) or "only" (one replica live)
+    keys: list[bytes] = field(default_factory=list)  # the prompt's block keys, now indexed at `replica`
 
 
 class PrefixRouter:
@@ -77,13 +80,20 @@ class PrefixRouter:
             a, b = self._rng.sample(sorted(self.live), 2)
             pick = b if self.loads[b] < self.loads[a] else a  # ties: the first drawn, at random
             choice = RouteChoice(pick, runs[pick], "load")
+        choice.keys = keys
+        self.learn(keys, choice.replica)
+        self.loads[choice.replica] += 1  # until the replica reports again
+        return choice
+
+    def learn(self, keys: Sequence[bytes], replica: int) -> None:
+        """Index `keys` at `replica`: a prompt routed there, by this router or by another front end's."""
+        if replica not in self.live:
+            return
         for key in keys:
-            self._index.setdefault(key, set()).add(choice.replica)
+            self._index.setdefault(key, set()).add(replica)
             self._index.move_to_end(key)
         while len(self._index) > self.capacity:
             self._index.popitem(last=False)
-        self.loads[choice.replica] += 1  # until the replica reports again
-        return choice
 
     def _runs(self, keys: list[bytes]) -> dict[int, int]:
         """For each live replica, how many of the leading keys it holds without a gap."""

@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
 from typing import Any, Protocol
 
+from mtpserve.cluster.engine.errors import WorkerUnavailableError
 from mtpserve.cluster.engine.request import SamplingParams
 from mtpserve.cluster.service.engine_process import EngineProcess
 from mtpserve.cluster.service.metrics import EngineMetrics, ServerMetrics
@@ -31,6 +33,7 @@ from mtpserve.cluster.service.request_book import (
     LoopSnapshot,
     RequestHandle,
     observe_engine,
+    summed_loads,
 )
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.speculative.stats import SpecStats
@@ -39,6 +42,8 @@ from mtpserve.workers.config import MTPServeConfig
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 0.5  # how often the replicas' summed state reaches the engine-wide metrics
 REVIVE_RETRY_S = 5.0  # after a failed rebuild of a dead replica
+RECONNECT_WAIT_S = 600.0  # how long a front end waits for a dead replica's engine to listen again (a model build)
+CONNECT_POLL_S = 0.1
 
 
 class Replica(EngineCore, Protocol):
@@ -56,6 +61,9 @@ class RoundRobin:
     def __init__(self, replicas: int) -> None:
         self.live = set(range(replicas))
         self._turn = itertools.count()
+
+    def learn(self, keys: Sequence[bytes], replica: int) -> None:
+        """Turns know no prefixes."""
 
     def route(self, token_ids: Sequence[int]) -> RouteChoice:
         """The next live replica."""
@@ -111,6 +119,7 @@ class ReplicaSet:
         self.scaled: list[tuple[str, int]] = []  # ("up" | "down", slot), in order
         self._stopping = threading.Event()
         self._publisher = threading.Thread(target=self._watch, name="mtpserve-replicas", daemon=True)
+        self.on_route: Callable[[list[bytes], int], None] | None = None  # hears each prompt's keys and replica
 
     # ---- EngineCore ------------------------------------------------------------------------------
     @property
@@ -187,8 +196,16 @@ class ReplicaSet:
             choice = self.router.route(prompt_token_ids)
             self.counts.by_reason[choice.reason] = self.counts.by_reason.get(choice.reason, 0) + 1
             self.counts.by_replica[choice.replica] += 1
+        if self.on_route is not None and choice.keys:
+            self.on_route(choice.keys, choice.replica)
         replica = self.replicas[choice.replica]
         return replica.submit_nowait(prompt_token_ids, params, request_id, frontend, on_event=on_event)
+
+    def learn(self, routes: Sequence[tuple[list[bytes], int]]) -> None:
+        """Prompts' block keys and the replicas other front ends sent them to, for this set's router."""
+        with self._lock:
+            for keys, replica in routes:
+                self.router.learn(keys, replica)
 
     def abort(self, request_id: str, wait: bool = True, reason: str = "abort") -> bool:
         """Abort a request on the replica that has it (each knows its own in a look-up); False when none has it."""
@@ -211,25 +228,7 @@ class ReplicaSet:
     # ---- metrics ---------------------------------------------------------------------------------
     def load(self) -> EngineLoad:
         """The replicas' last step states added up (the depth: the deepest any replica ran)."""
-        loads = [r.load for r in self.replicas]
-        kinds: dict[str, int] = {}
-        for load in loads:
-            for kind, n in (load.depth_steps or {}).items():
-                kinds[kind] = kinds.get(kind, 0) + n
-        return EngineLoad(
-            running=sum(x.running for x in loads),
-            waiting=sum(x.waiting for x in loads),
-            kv_blocks_used=sum(x.kv_blocks_used for x in loads),
-            kv_blocks_total=sum(x.kv_blocks_total for x in loads),
-            kv_blocks_cached=sum(x.kv_blocks_cached for x in loads),
-            prefix_query_tokens=sum(x.prefix_query_tokens for x in loads),
-            prefix_hit_tokens=sum(x.prefix_hit_tokens for x in loads),
-            depth_steps=kinds,
-            depth=max(x.depth for x in loads),
-            steps=sum(x.steps for x in loads),
-            rows=sum(x.rows for x in loads),
-            preemptions=sum(x.preemptions for x in loads),
-        )
+        return summed_loads([r.load for r in self.replicas])
 
     def _watch(self) -> None:
         """Every PUBLISH_EVERY_S: the summed state to the metrics, and a rebuild for each replica that stopped."""
@@ -335,6 +334,46 @@ def start_replicas(
         for replica in built:
             replica.stop()
         raise failed[0]  # type: ignore[misc]
-    prefix = cfg.server.routing == "prefix"
-    router: PrefixRouter | RoundRobin = PrefixRouter(n, cfg.scheduler.block_size) if prefix else RoundRobin(n)
-    return ReplicaSet(built, router, metrics.engine, build, scaler=scaler)
+    return ReplicaSet(built, make_router(cfg, n), metrics.engine, build, scaler=scaler)
+
+
+def make_router(cfg: MTPServeConfig, replicas: int) -> PrefixRouter | RoundRobin:
+    """The router `cfg.server.routing` names, over `replicas` replicas."""
+    if cfg.server.routing == "prefix":
+        return PrefixRouter(replicas, cfg.scheduler.block_size)
+    return RoundRobin(replicas)
+
+
+def connect_engine(address: tuple[str, bytes], wait_s: float) -> Connection:
+    """A connection to the engine listening at `address` (a Unix socket and its key), waiting up to `wait_s` s
+    for it to listen (an engine being built again); WorkerUnavailableError past that."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return Client(address[0], family="AF_UNIX", authkey=address[1])
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise WorkerUnavailableError(f"no engine listens at {address[0]} after {wait_s:.0f} s") from None
+            time.sleep(CONNECT_POLL_S)
+
+
+def connect_replicas(
+    cfg: MTPServeConfig,
+    addresses: Sequence[tuple[str, bytes]],
+    event_loop: asyncio.AbstractEventLoop,
+    metrics: ServerMetrics,
+    on_health_change: Callable[[bool], None],
+    on_serving: Callable[[bool], None],
+) -> ReplicaSet:
+    """A set over engines that run already, each in its own process listening at one of `addresses`: what each
+    of several front ends (front_end_pool.py) serves. A replica whose engine stops is connected to again once
+    the pool has built it again at the same address."""
+
+    def build(i: int) -> EngineProcess:
+        conn = connect_engine(addresses[i], RECONNECT_WAIT_S)
+        return EngineProcess(
+            cfg, event_loop, metrics, on_health_change, pipe=conn, on_serving=on_serving, engine_wide_metrics=False
+        )
+
+    built = [build(i) for i in range(len(addresses))]
+    return ReplicaSet(built, make_router(cfg, len(addresses)), None, build)

@@ -93,6 +93,28 @@ class EngineLoad:
     preemptions: int = 0
 
 
+def summed_loads(loads: list[EngineLoad]) -> EngineLoad:
+    """Several engines' states as one: counts added up, the depth the deepest any ran."""
+    kinds: dict[str, int] = {}
+    for load in loads:
+        for kind, n in (load.depth_steps or {}).items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    return EngineLoad(
+        running=sum(x.running for x in loads),
+        waiting=sum(x.waiting for x in loads),
+        kv_blocks_used=sum(x.kv_blocks_used for x in loads),
+        kv_blocks_total=sum(x.kv_blocks_total for x in loads),
+        kv_blocks_cached=sum(x.kv_blocks_cached for x in loads),
+        prefix_query_tokens=sum(x.prefix_query_tokens for x in loads),
+        prefix_hit_tokens=sum(x.prefix_hit_tokens for x in loads),
+        depth_steps=kinds,
+        depth=max((x.depth for x in loads), default=0),
+        steps=sum(x.steps for x in loads),
+        rows=sum(x.rows for x in loads),
+        preemptions=sum(x.preemptions for x in loads),
+    )
+
+
 def observe_engine(m: EngineMetrics, load: EngineLoad) -> None:
     """Bring the engine-wide metrics up to the engine state `load`."""
     m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)

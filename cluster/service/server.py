@@ -9,6 +9,7 @@ import contextlib
 import logging
 import resource
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 import grpc
@@ -31,7 +32,7 @@ from mtpserve.cluster.service.grpc_handlers import add_inference_servicer
 from mtpserve.cluster.service.health import LiveHealth
 from mtpserve.cluster.service.http_api import OpenAIAPI
 from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
-from mtpserve.cluster.service.replica_set import start_replicas
+from mtpserve.cluster.service.replica_set import connect_engine, connect_replicas, start_replicas
 from mtpserve.cluster.service.request_book import EngineCore
 from mtpserve.cluster.service.servicer import SERVICE_NAME, InferenceServicer
 from mtpserve.workers.config import MTPServeConfig
@@ -65,8 +66,9 @@ class MTPServer:
     Given an engine, the server drives it from a thread of this process (EngineLoop). Given none, it builds the
     engine from `cfg` in a process of its own (EngineProcess; the build's errors, such as ModelLoadError, are
     raised here; `server.replicas` > 1 such processes behind one `ReplicaSet`), or, given `engine_pipe`, drives the
-    engine at the other end of that pipe. One of several front
-    ends on the same ports takes `reuse_port`, and `engine_metrics` False (another process records those)."""
+    engine at the other end of that pipe. One of several front ends on the same ports takes `reuse_port`,
+    `engine_metrics` False (another process records those) and the Unix-socket `engine_addresses` its engines
+    listen at (several: replicas, behind one `ReplicaSet`)."""
 
     def __init__(
         self,
@@ -76,6 +78,7 @@ class MTPServer:
         engine_pipe: Connection | None = None,
         engine_metrics: bool = True,
         reuse_port: bool = False,
+        engine_addresses: Sequence[tuple[str, bytes]] = (),
     ) -> None:
         if cfg is None:
             assert engine is not None, "give an engine or a config"
@@ -92,7 +95,16 @@ class MTPServer:
         )
         self.loop: EngineCore
         try:
-            if engine is None and engine_pipe is None and cfg.server.most_replicas > 1:
+            if len(engine_addresses) > 1:
+                self.loop = connect_replicas(
+                    cfg,
+                    engine_addresses,
+                    self.front_end.loop,
+                    self.metrics,
+                    lambda _ok: self.health.changed(),
+                    on_serving=self.set_serving,
+                )
+            elif engine is None and engine_pipe is None and not engine_addresses and cfg.server.most_replicas > 1:
                 self.loop = start_replicas(
                     cfg,
                     self.front_end.loop,
@@ -106,7 +118,7 @@ class MTPServer:
                     self.front_end.loop,
                     self.metrics,
                     lambda _ok: self.health.changed(),
-                    pipe=engine_pipe,
+                    pipe=connect_engine(engine_addresses[0], 0.0) if engine_addresses else engine_pipe,
                     on_serving=self.set_serving,
                 )
             else:

@@ -69,6 +69,46 @@ def test_later_turns_land_where_their_prefix_is_cached() -> None:
     assert 10 <= sum(first_turns) <= 31, first_turns
 
 
+def test_routers_of_several_front_ends_that_share_their_routes_keep_chats_on_their_cache() -> None:
+    """Three front ends, each with its own router over the same 2 replicas, each prompt taken by a front end at
+    random: told one another's routes, they serve >= 90% of one replica's cache hits; kept apart, clearly fewer."""
+    order = interleaved(conversations(41, 4, seed=2))
+    hits = {}
+    for sharing in (True, False):
+        routers = [PrefixRouter(2, BLOCK, seed=i) for i in range(3)]
+        rng = random.Random(5)
+        routed: list[int] = []
+        for prompt in order:
+            taker = rng.randrange(3)
+            choice = routers[taker].route(prompt)
+            routed.append(choice.replica)
+            assert choice.keys == extend_keys([], prompt, BLOCK, num_keyable_blocks(len(prompt), BLOCK))
+            in_flight = routed[-16:]
+            for router in routers:
+                if sharing and router is not routers[taker]:
+                    router.learn(choice.keys, choice.replica)
+                for r in range(2):
+                    router.report_load(r, in_flight.count(r), 0)
+        hits[sharing] = hit_tokens(order, routed, 2)
+    one = hit_tokens(order, [0] * len(order), 1)
+    print(f"\nhit tokens: one replica {one}, routers sharing {hits[True]}, apart {hits[False]}")
+    assert hits[True] >= 0.9 * one, (hits, one)
+    assert hits[False] <= 0.8 * one, (hits, one)
+
+
+def test_a_route_learned_for_a_replica_out_of_service_is_ignored() -> None:
+    """Keys reported for a removed replica index nothing: the prompt goes by load, not to the dead replica."""
+    router = PrefixRouter(2, BLOCK, seed=0)
+    prompt = list(range(64))
+    keys = extend_keys([], prompt, BLOCK, num_keyable_blocks(len(prompt), BLOCK))
+    router.remove(1)
+    router.learn(keys, 1)
+    router.add(1)
+    router.report_load(0, 0, 0)
+    router.report_load(1, 5, 0)
+    assert router.route(prompt).replica == 0
+
+
 def test_load_overrules_a_busy_holder_and_ties_go_by_prefix() -> None:
     router = PrefixRouter(2, BLOCK, balance=4)
     prompt = list(range(100))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from mtpserve.cluster.service.engine_process import EngineProcess
 from mtpserve.cluster.service.replica_set import ReplicaSet
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
-from tests.helpers.service import wait_for, write_tiny_model
+from tests.helpers.service import stream_all, wait_for, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -91,23 +90,6 @@ def test_later_turns_find_their_prefix_on_the_replica_that_holds_it(tiny: tuple[
     assert results["prefix"][0] == results["one"][0] == results["round_robin"][0]
 
 
-def _stream_all(address: str, n: int, tokens: int, errors: list[Any], done: list[int]) -> list[threading.Thread]:
-    def one(i: int) -> None:
-        client = MTPServeClient(address)
-        try:
-            out = client.generate(token_ids=[300 + i, 301, 302, 303], max_tokens=tokens, ignore_eos=True)
-            done.append(len(out["token_ids"]))
-        except grpc.RpcError as exc:
-            errors.append((time.monotonic(), exc.code()))
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    return threads
-
-
 def test_a_killed_replica_ends_its_streams_and_the_other_keeps_serving(tiny: tuple[Path, Path]) -> None:
     """Under 16 streams over two replicas, one replica's engine process is killed: its streams end UNAVAILABLE
     within 5 s, the other's complete, health stays SERVING, new requests succeed throughout, and the replica is
@@ -118,7 +100,7 @@ def test_a_killed_replica_ends_its_streams_and_the_other_keeps_serving(tiny: tup
         assert isinstance(loop, ReplicaSet)
         errors: list[Any] = []
         done: list[int] = []
-        threads = _stream_all(srv.address, 16, 200, errors, done)
+        threads = stream_all(srv.address, 16, 200, errors, done)
         deadline = time.monotonic() + 30
         while min(r.snapshot.running for r in loop.replicas) == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -150,13 +132,17 @@ def test_a_killed_replica_ends_its_streams_and_the_other_keeps_serving(tiny: tup
         srv.stop(grace=0.0)
 
 
-def test_replicas_need_engine_processes_and_one_front_end() -> None:
-    """More than one replica is refused, naming the field, without engine processes or with several front ends."""
+def test_replicas_need_engine_processes_and_scaling_one_front_end() -> None:
+    """More than one replica is refused without engine processes, and scaling with several front ends, each naming
+    the field; fixed replicas take several front ends, and scaling defaults to one."""
     base = {"model": {"device": "cpu"}, "server": {"replicas": 2}}
     assert MTPServeConfig.from_dict(base).server.replicas == 2
-    for extra, field in (({"engine_process": False}, "engine_process"), ({"frontends": 2}, "frontends")):
-        with pytest.raises(ValueError, match=rf"server\.replicas > 1.*server\.{field}"):
-            MTPServeConfig.from_dict({**base, "server": {"replicas": 2, **extra}})
+    with pytest.raises(ValueError, match=r"server\.replicas > 1.*server\.engine_process"):
+        MTPServeConfig.from_dict({**base, "server": {"replicas": 2, "engine_process": False}})
+    with pytest.raises(ValueError, match=r"server\.max_replicas.*server\.frontends"):
+        MTPServeConfig.from_dict({**base, "server": {"replicas": 2, "max_replicas": 3, "frontends": 2}})
+    assert MTPServeConfig.from_dict({**base, "server": {"replicas": 2, "frontends": 2}}).server.num_frontends == 2
+    assert MTPServeConfig.from_dict({**base, "server": {"replicas": 1, "max_replicas": 2}}).server.num_frontends == 1
 
 
 def test_replicas_through_ray_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,132 @@
+"""`serve --replicas 2 --frontends 2`: every front-end process routes over every engine replica (`FrontEndPool`
+with replicas). Shown here: a chat's later turns find their prefix whichever front end takes them (the front ends
+tell one another their routes), answers equal to one engine's, and a replica's engine killed under load while the
+other serves, then built again and connected to by every front end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.front_end_pool import FrontEndPool
+from mtpserve.workers.config import MTPServeConfig
+from tests.helpers.service import stream_all, wait_for, write_tiny_model
+
+pytestmark = pytest.mark.slow
+
+CHATS, TURNS, FRONT_ENDS = 7, 4, 2
+
+
+def _config(model: Path, head: Path, replicas: int, routing: str = "prefix") -> MTPServeConfig:
+    server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "replicas": replicas, "routing": routing}
+    return MTPServeConfig.from_dict(
+        {
+            "model": {"path": str(model), "device": "cpu"},
+            "speculative": {"draft": str(head), "num_draft_tokens": 2},
+            "scheduler": {"num_kv_blocks": 256, "max_num_requests": 8, "block_size": 16},
+            "server": {**server, "frontends": FRONT_ENDS},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model dir, draft head) of a tiny model with SmolLM2's tokenizer."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _chats(pool: FrontEndPool) -> tuple[list[list[int]], int]:
+    """Every chat's answers, turn after turn, each request on a new connection (so the kernel spreads them over
+    the front ends), and the prompt tokens the engines served from their prefix caches."""
+    prompts = [list(range(200 + 50 * c, 240 + 50 * c)) for c in range(CHATS)]
+    answers: list[list[int]] = []
+    for turn in range(TURNS):
+        for c in range(CHATS):
+            client = MTPServeClient(pool.address)
+            try:
+                out = client.generate(token_ids=prompts[c], max_tokens=8, ignore_eos=True)
+            finally:
+                client.close()
+            answers.append(out["token_ids"])
+            prompts[c] = [*prompts[c], *out["token_ids"], *range(1000 + 40 * turn + c, 1024 + 40 * turn + c)]
+    return answers, wait_for(lambda: _settled_hits(pool), 10)
+
+
+def _settled_hits(pool: FrontEndPool) -> int:
+    """The engines' prefix-cache hit tokens once their reported states stop changing (0 until then)."""
+    before = pool.loads
+    time.sleep(0.5)
+    return before[0].prefix_hit_tokens + sum(x.prefix_hit_tokens for x in before[1:]) if pool.loads == before else 0
+
+
+def test_later_turns_find_their_prefix_through_any_front_end(tiny: tuple[Path, Path]) -> None:
+    """Two front ends over two prefix-routed replicas serve >= 90% of the cached prompt tokens that two front ends
+    over one engine serve, round-robin clearly fewer; the answers are one engine's, token for token."""
+    results: dict[str, tuple[list[list[int]], int]] = {}
+    for name, replicas, routing in (("one", 1, "prefix"), ("prefix", 2, "prefix"), ("round_robin", 2, "round_robin")):
+        pool = FrontEndPool(_config(*tiny, replicas, routing), FRONT_ENDS)
+        try:
+            assert len(pool.engine_pids) == replicas and len(pool.pids) == FRONT_ENDS
+            results[name] = _chats(pool)
+            if replicas > 1:
+                assert all(load.steps > 0 for load in pool.loads), pool.loads  # both replicas served
+        finally:
+            pool.stop(timeout=10.0)
+    one, prefix, rr = results["one"][1], results["prefix"][1], results["round_robin"][1]
+    print(
+        f"\nprefix-cache hit tokens over {FRONT_ENDS} front ends: one engine {one}, two replicas by prefix {prefix}, "
+        f"two round-robin {rr}"
+    )
+    assert one > 0
+    assert prefix >= 0.9 * one, (one, prefix)
+    assert rr <= 0.75 * one, (one, rr)
+    assert results["prefix"][0] == results["one"][0] == results["round_robin"][0]
+
+
+def test_a_killed_replica_is_built_again_and_every_front_end_serves_it(tiny: tuple[Path, Path]) -> None:
+    """Under 16 streams over two front ends and two replicas, one replica's engine process is killed: its streams
+    end UNAVAILABLE within 5 s, the others complete, new requests succeed while it is down, the pool builds it
+    again at the same socket, and requests reach it again."""
+    pool = FrontEndPool(_config(*tiny, 2), FRONT_ENDS)
+    try:
+        errors: list[Any] = []
+        done: list[int] = []
+        threads = stream_all(pool.address, 16, 200, errors, done)
+        assert wait_for(lambda: min(load.running for load in pool.loads) > 0, 30), pool.loads
+        victim = pool.engine_pids[0]
+        assert victim is not None
+        t_kill = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert errors and done, (errors, done)
+        assert all(code == grpc.StatusCode.UNAVAILABLE and t - t_kill < 5.0 for t, code in errors), errors
+        assert len(errors) + len(done) == 16 and all(n == 200 for n in done)
+        client = MTPServeClient(pool.address)
+        try:
+            for i in range(4):  # while the replica is built again
+                assert len(client.generate(token_ids=[7, 8, 9, i], max_tokens=4, ignore_eos=True)["token_ids"]) == 4
+        finally:
+            client.close()
+        assert wait_for(lambda: pool.engines_built == 1, 90)
+        assert pool.engine_pids[0] not in (None, victim) and pool.engine_running
+        steps = pool.loads[0].steps
+
+        def served_again() -> bool:
+            c = MTPServeClient(pool.address)  # a new connection: either front end
+            try:
+                assert len(c.generate(token_ids=[17, 18, 19, 20], max_tokens=4, ignore_eos=True)["token_ids"]) == 4
+            finally:
+                c.close()
+            return pool.loads[0].steps > steps
+
+        assert wait_for(served_again, 60)  # each front end connected to the new engine and routes to it
+    finally:
+        pool.stop(timeout=10.0)
