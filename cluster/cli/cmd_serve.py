@@ -4,10 +4,14 @@ and Prometheus metrics until signalled."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import shutil
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from types import FrameType
 
 import yaml
@@ -78,13 +82,15 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
         print(f"mtpserve: {exc}", file=sys.stderr)
         return 2
     if uses_ray(cfg):
-        if cfg.server.most_replicas > 1:
+        if cfg.server.most_replicas > cfg.server.replicas:
             print(
-                "mtpserve: server.replicas > 1 runs engine processes on this node; through Ray (--tp > 1, "
-                "--distributed, --address) it is not supported yet",
+                "mtpserve: server.max_replicas (replicas added and removed at run time) runs on this node only; "
+                "through Ray (--tp > 1, --distributed, --address) give a fixed server.replicas",
                 file=sys.stderr,
             )
             return 2
+        if cfg.server.replicas > 1:
+            return serve_ray_replicas(cfg, stop)
         return serve_with_actor(cfg, stop)
 
     if cfg.server.engine_process and cfg.server.num_frontends > 1:
@@ -126,13 +132,16 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     return rc
 
 
-def serve_pooled(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
-    """`serve` with several front-end processes (FrontEndPool) over one engine or `server.replicas`; exit status 1
-    when an engine stops on its own and is not built again (one engine: never)."""
+def serve_pooled(
+    cfg: MTPServeConfig, stop: threading.Event | None = None, listening: Sequence[tuple[str, bytes]] = ()
+) -> int:
+    """`serve` with several front-end processes (FrontEndPool) over one engine, `server.replicas` engine processes,
+    or the engines already `listening` at those sockets (Ray replicas); exit status 1 when an engine stops on its own
+    and is not built again (one engine: never)."""
     from mtpserve.cluster.service.front_end_pool import FrontEndPool
 
     try:
-        pool = FrontEndPool(cfg, cfg.server.num_frontends)
+        pool = FrontEndPool(cfg, cfg.server.num_frontends, listening=listening)
     except MTPServeError as exc:
         print(f"mtpserve: {exc}", file=sys.stderr)
         return 2
@@ -185,6 +194,30 @@ def serve_with_actor(cfg: MTPServeConfig, stop: threading.Event | None = None) -
         stop_scheduler_actor(actor)
     print("mtpserve: stopped", flush=True)
     return 0
+
+
+def serve_ray_replicas(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
+    """`serve --replicas N` through Ray: N scheduler actors on this node, each with its workers placed by its own
+    placement group anywhere in the cluster, behind this process's front ends (a FrontEndPool routing over all)."""
+    import tempfile
+
+    from mtpserve.cluster.distributed.scheduler_actor import start_replica_actors, stop_scheduler_actor
+
+    folder = tempfile.mkdtemp(prefix="mtpserve-replicas-")
+    addresses = [(os.path.join(folder, f"replica-{i}.sock"), os.urandom(32)) for i in range(cfg.server.replicas)]
+    try:
+        actors = start_replica_actors(cfg, addresses)
+    except Exception as exc:  # actor construction errors arrive wrapped by Ray
+        print(f"mtpserve: could not start the replicas' scheduler actors: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rc = serve_pooled(cfg, stop, listening=addresses)
+    finally:
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                stop_scheduler_actor(actor)
+        shutil.rmtree(folder, ignore_errors=True)
+    return rc
 
 
 def run(args: argparse.Namespace) -> int:

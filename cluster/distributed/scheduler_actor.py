@@ -6,12 +6,15 @@ from its own process."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from mtpserve.cluster.service.front_end_pool import FrontEndPool
 from mtpserve.cluster.service.front_end_process import FrontEndProcess
+from mtpserve.cluster.service.pool_engines import EngineThread
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
 
@@ -22,7 +25,7 @@ RESTARTS = 3  # Ray restarts a crashed scheduler actor this often; it rebuilds i
 class SchedulerActor:
     """Runs on a CPU of the driver's node; creates the TP target and draft worker actors itself."""
 
-    def __init__(self, cfg_json: str) -> None:
+    def __init__(self, cfg_json: str, listen: tuple[str, bytes] | None = None) -> None:
         import ray
 
         from mtpserve.cluster.distributed.actors import build_distributed_engine
@@ -32,8 +35,10 @@ class SchedulerActor:
         workers = f"mtpserve-workers-{ray.get_runtime_context().get_actor_id()}"  # the same after a restart
         self.engine = build_distributed_engine(self.cfg, workers)
         self._stopping = False
-        self.server: MTPServer | FrontEndProcess | FrontEndPool
-        if self.cfg.server.engine_process and self.cfg.server.num_frontends > 1:
+        self.server: MTPServer | FrontEndProcess | FrontEndPool | EngineThread
+        if listen is not None:  # one replica: the driver's front ends connect to its engine at `listen`
+            self.server = EngineThread(self.engine, listen, drained=True)
+        elif self.cfg.server.engine_process and self.cfg.server.num_frontends > 1:
             self.server = FrontEndPool(self.cfg, self.cfg.server.num_frontends, engine=self.engine)
         elif self.cfg.server.engine_process:
             self.server = FrontEndProcess(self.engine, self.cfg, on_lost=self._front_ends_lost)
@@ -43,6 +48,7 @@ class SchedulerActor:
 
     def endpoints(self) -> tuple[str, int | None, str | None]:
         """(gRPC host:port, metrics port, HTTP host:port or None)."""
+        assert not isinstance(self.server, EngineThread), "a replica's actor serves no endpoint of its own"
         return self.server.address, self.server.metrics_port, self.server.http_address
 
     def ready(self) -> bool:
@@ -54,6 +60,8 @@ class SchedulerActor:
         srv = self.server
         if isinstance(srv, FrontEndPool):
             return os.getpid(), srv.pids[0]
+        if isinstance(srv, EngineThread):
+            return os.getpid(), None
         return os.getpid(), None if isinstance(srv, MTPServer) else srv.pid
 
     def worker_pids(self) -> list[int]:
@@ -88,21 +96,37 @@ def start_scheduler_actor(cfg: MTPServeConfig) -> tuple[Any, str, int | None, st
     If its process dies, Ray starts it again (up to RESTARTS times): it builds new workers and serves the
     same server.port again, so clients reconnect to the same address (with port 0 the new port differs)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from mtpserve.cluster.distributed.actors import connect_ray
 
     connect_ray(cfg.parallel.ray_address)
-    here = ray.get_runtime_context().get_node_id()
     actor_cls = ray.remote(SchedulerActor)
-    actor: Any = actor_cls.options(  # type: ignore[attr-defined]
-        name=None,
-        num_cpus=0,
-        max_restarts=RESTARTS,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-    ).remote(cfg.model_dump_json())
+    actor: Any = actor_cls.options(**_pinned_here()).remote(cfg.model_dump_json())  # type: ignore[attr-defined]
     address, metrics_port, http_address = ray.get(actor.endpoints.remote(), timeout=900)
     return actor, address, metrics_port, http_address
+
+
+def start_replica_actors(cfg: MTPServeConfig, addresses: Sequence[tuple[str, bytes]]) -> list[Any]:
+    """One scheduler actor per replica, pinned to this node, each building its engine and workers (its own
+    placement group) at once and serving it at one of `addresses` for the front ends of this process to connect
+    to; raises what a build raised (after stopping the others). Ray restarts a crashed one, which listens again at
+    the same socket."""
+    import ray
+
+    from mtpserve.cluster.distributed.actors import connect_ray
+
+    connect_ray(cfg.parallel.ray_address)
+    actor_cls: Any = ray.remote(SchedulerActor)
+    options = _pinned_here()
+    actors = [actor_cls.options(**options).remote(cfg.model_dump_json(), address) for address in addresses]
+    try:
+        ray.get([a.ready.remote() for a in actors], timeout=900)
+    except BaseException:
+        for a in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        raise
+    return actors
 
 
 def stop_scheduler_actor(actor: Any) -> None:
@@ -113,3 +137,17 @@ def stop_scheduler_actor(actor: Any) -> None:
         ray.get(actor.stop.remote(), timeout=60)
     finally:
         ray.kill(actor, no_restart=True)
+
+
+def _pinned_here() -> dict[str, Any]:
+    """Ray options of a scheduler actor: no CPU of its own, restarted on a crash, on this node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return {
+        "name": None,
+        "num_cpus": 0,
+        "max_restarts": RESTARTS,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+    }

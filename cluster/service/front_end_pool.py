@@ -22,9 +22,8 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from multiprocessing import connection as mp_connection
-from multiprocessing.connection import Connection, Listener
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -41,14 +40,12 @@ from mtpserve.cluster.service.engine_child import (
     READY,
     STOP,
     STOPPED,
-    PipedEngine,
     kill_at_exit,
-    run_engine_process,
-    send_ready,
 )
 from mtpserve.cluster.service.front_end_process import ROUTES, STOP_SERVING, run_front_ends, wait_serving
 from mtpserve.cluster.service.metrics import EngineMetrics
 from mtpserve.cluster.service.metrics_http import MetricsEndpoint
+from mtpserve.cluster.service.pool_engines import EngineChild, EngineThread, ListeningEngine, PoolEngine
 from mtpserve.cluster.service.request_book import EngineLoad, observe_engine, summed_loads
 from mtpserve.cluster.service.server import host_port
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
@@ -105,78 +102,6 @@ class FrontEnd:
         self.control.close()
 
 
-class EngineChild:
-    """The engine built from `cfg` in a spawned process that listens for front ends on `address`; `control` is
-    this process's pipe to it."""
-
-    def __init__(self, cfg: MTPServeConfig, address: tuple[str, bytes]) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(address[0])  # the socket of an engine that died, when this one replaces it
-        ctx = mp.get_context("spawn")
-        self.control, child_end = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=run_engine_process,
-            args=(cfg, child_end, os.getpid(), logging.getLogger().getEffectiveLevel(), address),
-            name="mtpserve-engine",
-            daemon=True,
-        )
-        self._proc.start()
-        atexit.register(kill_at_exit, self._proc)
-        child_end.close()
-
-    @property
-    def pid(self) -> int | None:
-        """The engine process's id."""
-        return self._proc.pid
-
-    def status(self) -> str:
-        """How it ended, for errors and logs."""
-        self._proc.join(0.5)
-        return f"the engine process exited (exit code {self._proc.exitcode})"
-
-    def join(self, timeout: float) -> None:
-        """Wait for it to end after STOP; kill it past `timeout` s."""
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            log.warning("the engine process did not stop within %.0f s; killing it", timeout)
-            self._proc.kill()
-            self._proc.join(5.0)
-
-
-class EngineThread:
-    """An engine of this process (the Ray scheduler actor's) served to front ends that connect on `address`,
-    from a thread; `control` is the pipe that stops it."""
-
-    def __init__(self, engine: LLMEngine, address: tuple[str, bytes]) -> None:
-        self.control, engine_end = mp.Pipe()
-        listener = Listener(address[0], family="AF_UNIX", authkey=address[1])
-        self._engine = engine
-        self._piped = PipedEngine(engine, engine_end, streams=False, listener=listener)
-        self._thread = threading.Thread(target=self._run, args=(engine_end,), name="mtpserve-piped-engine", daemon=True)
-        self._thread.start()
-
-    def _run(self, engine_end: Connection) -> None:
-        try:
-            # from this thread: READY carries the tokenizer, more than a pipe holds, and the pool reads it only
-            # once this object is built
-            send_ready(self._engine, engine_end)
-            self._piped.run()
-        except Exception:
-            log.exception("serving the engine to the front ends failed")
-        finally:
-            engine_end.close()
-
-    pid = None  # the engine runs in this process
-
-    def status(self) -> str:
-        """How it ended, for errors and logs."""
-        return "the engine's thread stopped"
-
-    def join(self, timeout: float) -> None:
-        """Wait for it to end after STOP."""
-        self._thread.join(timeout)
-
-
 class FrontEndPool:
     """`count` front-end processes on the same ports beside an engine (see the module doc): `cfg.server.replicas`
     engines built from `cfg`, each in a process of its own, or `engine` served from a thread of this process.
@@ -186,25 +111,36 @@ class FrontEndPool:
     engine that stops is built again at the same socket while the others serve, and the front ends connect to it
     again."""
 
-    def __init__(self, cfg: MTPServeConfig, count: int, engine: LLMEngine | None = None) -> None:
+    def __init__(
+        self,
+        cfg: MTPServeConfig,
+        count: int,
+        engine: LLMEngine | None = None,
+        listening: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
         self.cfg = cfg
         self._dir = tempfile.mkdtemp(prefix="mtpserve-")
         self._metrics_dir = os.path.join(self._dir, "metrics")
         os.mkdir(self._metrics_dir)
-        n = 1 if engine is not None else cfg.server.replicas
-        self._addresses = [(os.path.join(self._dir, f"engine-{i}.sock"), os.urandom(32)) for i in range(n)]
+        n = len(listening) or (1 if engine is not None else cfg.server.replicas)
+        self._addresses = list(listening) or [
+            (os.path.join(self._dir, f"engine-{i}.sock"), os.urandom(32)) for i in range(n)
+        ]
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._front_ends: list[FrontEnd] = []
         self._http_server: MetricsEndpoint | None = None
         self.engine_running = False
-        self.engines_built = 0  # engines built again after theirs stopped (replicas only)
-        self._engines: list[EngineChild | EngineThread] = (
-            [EngineChild(cfg, a) for a in self._addresses]
-            if engine is None
-            else [EngineThread(engine, self._addresses[0])]
-        )
+        self.engines_built = 0  # engines built again (or connected to again) after theirs stopped (replicas only)
+        self._engines: list[PoolEngine] = []
+        self._readers: list[threading.Thread] = []  # one per engine: its state, until it says STOPPED
         try:
+            if listening:
+                self._engines.extend(ListeningEngine(a) for a in listening)
+            elif engine is not None:
+                self._engines.append(EngineThread(engine, self._addresses[0]))
+            else:
+                self._engines.extend(EngineChild(cfg, a) for a in self._addresses)
             ready = [self._wait_engine(e) for e in self._engines]
             self.info = ready[0][0]
             self._loads = [load for _, load in ready]
@@ -235,9 +171,9 @@ class FrontEndPool:
             self.stop(timeout=5.0)
             raise
         for i in range(n):
-            threading.Thread(
-                target=self._read_engine, args=(i,), name=f"mtpserve-engine-state-{i}", daemon=True
-            ).start()
+            reader = threading.Thread(target=self._read_engine, args=(i,), name=f"mtpserve-engine-{i}", daemon=True)
+            reader.start()
+            self._readers.append(reader)
         threading.Thread(target=self._watch, name="mtpserve-front-end-watch", daemon=True).start()
 
     @property
@@ -273,7 +209,7 @@ class FrontEndPool:
         """The engines' states as last reported, added up."""
         return summed_loads(self.loads)
 
-    def _wait_engine(self, engine: EngineChild | EngineThread) -> tuple[pb.ModelInfo, EngineLoad]:
+    def _wait_engine(self, engine: PoolEngine) -> tuple[pb.ModelInfo, EngineLoad]:
         try:
             msg = engine.control.recv()
         except (EOFError, OSError):
@@ -310,25 +246,28 @@ class FrontEndPool:
             if self._stopping.is_set():
                 return
             log.error("engine %d: %s", i, engine.status())
-            if len(self._engines) == 1 or not self._build_again(i):
+            if len(self._engines) == 1 or not self._build_again(i):  # one engine: serving ends with it
                 self.engine_running = False
                 return
 
     def _build_again(self, i: int) -> bool:
-        """Replace stopped engine i with a new one at its socket, retrying until it loads; False once stopping."""
+        """Replace stopped engine i with what its `again()` gives (a new engine at its socket, or a connection to
+        the one its owner started again), retrying until it is ready; False when nothing replaces it or once
+        stopping."""
         while not self._stopping.is_set():
-            with self._lock:
-                if self._stopping.is_set():
-                    return False
-                fresh = self._engines[i] = EngineChild(self.cfg, self._addresses[i])
             try:
+                fresh = self._engines[i].again()
+                if fresh is None:
+                    return False
+                with self._lock:
+                    self._engines[i] = fresh
                 self._observe(i, self._wait_engine(fresh)[1])
             except Exception:
                 log.exception("engine %d could not be built again; trying again in %.0f s", i, REBUILD_RETRY_S)
                 self._stopping.wait(REBUILD_RETRY_S)
                 continue
             self.engines_built += 1
-            log.info("engine %d is built again; the front ends connect to it", i)
+            log.info("engine %d is back; the front ends connect to it", i)
             return True
         return False
 
@@ -391,6 +330,9 @@ class FrontEndPool:
                 engine.control.send((STOP,))
         for engine in engines:
             engine.join(timeout)
+        for reader in self._readers:
+            reader.join(5.0)  # until its engine answered STOPPED: then its connection may close
+        for engine in engines:
             engine.control.close()
         if self._http_server is not None:
             self._http_server.stop()

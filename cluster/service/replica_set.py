@@ -17,13 +17,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection
 from typing import Any, Protocol
 
-from mtpserve.cluster.engine.errors import WorkerUnavailableError
 from mtpserve.cluster.engine.request import SamplingParams
 from mtpserve.cluster.service.engine_process import EngineProcess
 from mtpserve.cluster.service.metrics import EngineMetrics, ServerMetrics
+from mtpserve.cluster.service.pool_engines import RECONNECT_WAIT_S, connect_engine
 from mtpserve.cluster.service.replica_router import PrefixRouter, RouteChoice
 from mtpserve.cluster.service.replica_scaling import Scaler
 from mtpserve.cluster.service.request_book import (
@@ -42,8 +41,6 @@ from mtpserve.workers.config import MTPServeConfig
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 0.5  # how often the replicas' summed state reaches the engine-wide metrics
 REVIVE_RETRY_S = 5.0  # after a failed rebuild of a dead replica
-RECONNECT_WAIT_S = 600.0  # how long a front end waits for a dead replica's engine to listen again (a model build)
-CONNECT_POLL_S = 0.1
 
 
 class Replica(EngineCore, Protocol):
@@ -342,19 +339,6 @@ def make_router(cfg: MTPServeConfig, replicas: int) -> PrefixRouter | RoundRobin
     if cfg.server.routing == "prefix":
         return PrefixRouter(replicas, cfg.scheduler.block_size)
     return RoundRobin(replicas)
-
-
-def connect_engine(address: tuple[str, bytes], wait_s: float) -> Connection:
-    """A connection to the engine listening at `address` (a Unix socket and its key), waiting up to `wait_s` s
-    for it to listen (an engine being built again); WorkerUnavailableError past that."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return Client(address[0], family="AF_UNIX", authkey=address[1])
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise WorkerUnavailableError(f"no engine listens at {address[0]} after {wait_s:.0f} s") from None
-            time.sleep(CONNECT_POLL_S)
 
 
 def connect_replicas(

@@ -32,7 +32,8 @@ from mtpserve.cluster.service.grpc_handlers import add_inference_servicer
 from mtpserve.cluster.service.health import LiveHealth
 from mtpserve.cluster.service.http_api import OpenAIAPI
 from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
-from mtpserve.cluster.service.replica_set import connect_engine, connect_replicas, start_replicas
+from mtpserve.cluster.service.pool_engines import connect_engine
+from mtpserve.cluster.service.replica_set import connect_replicas, start_replicas
 from mtpserve.cluster.service.request_book import EngineCore
 from mtpserve.cluster.service.servicer import SERVICE_NAME, InferenceServicer
 from mtpserve.workers.config import MTPServeConfig

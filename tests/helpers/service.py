@@ -208,16 +208,20 @@ def dummy_server_config(model: Path, num_draft_tokens: int = 3) -> Any:
     )
 
 
-def stream_all(address: str, n: int, tokens: int, errors: list[Any], done: list[int]) -> list[threading.Thread]:
-    """`n` threads, each streaming `tokens` greedy tokens over its own gRPC connection: the lengths received go to
-    `done`, each error as (when, status code) to `errors`."""
+def stream_all(
+    address: str, n: int, tokens: int, errors: list[Any], done: list[int], base: int = 300
+) -> list[threading.Thread]:
+    """`n` threads, each streaming `tokens` greedy tokens over its own gRPC connection (prompt i: base + i and the
+    three tokens after base): the lengths received go to `done`, each error as (when, status code) to `errors`."""
 
     from mtpserve.cluster.service.client import MTPServeClient
 
     def one(i: int) -> None:
         client = MTPServeClient(address)
         try:
-            out = client.generate(token_ids=[300 + i, 301, 302, 303], max_tokens=tokens, ignore_eos=True)
+            out = client.generate(
+                token_ids=[base + i, base + 1, base + 2, base + 3], max_tokens=tokens, ignore_eos=True
+            )
             done.append(len(out["token_ids"]))
         except grpc.RpcError as exc:
             errors.append((time.monotonic(), exc.code()))

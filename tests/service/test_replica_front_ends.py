@@ -17,11 +17,12 @@ import pytest
 from mtpserve.cluster.service.client import MTPServeClient
 from mtpserve.cluster.service.front_end_pool import FrontEndPool
 from mtpserve.workers.config import MTPServeConfig
+from tests.helpers.replicas import pool_chats, serves_again
 from tests.helpers.service import stream_all, wait_for, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
-CHATS, TURNS, FRONT_ENDS = 7, 4, 2
+FRONT_ENDS = 2
 
 
 def _config(model: Path, head: Path, replicas: int, routing: str = "prefix") -> MTPServeConfig:
@@ -42,30 +43,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def _chats(pool: FrontEndPool) -> tuple[list[list[int]], int]:
-    """Every chat's answers, turn after turn, each request on a new connection (so the kernel spreads them over
-    the front ends), and the prompt tokens the engines served from their prefix caches."""
-    prompts = [list(range(200 + 50 * c, 240 + 50 * c)) for c in range(CHATS)]
-    answers: list[list[int]] = []
-    for turn in range(TURNS):
-        for c in range(CHATS):
-            client = MTPServeClient(pool.address)
-            try:
-                out = client.generate(token_ids=prompts[c], max_tokens=8, ignore_eos=True)
-            finally:
-                client.close()
-            answers.append(out["token_ids"])
-            prompts[c] = [*prompts[c], *out["token_ids"], *range(1000 + 40 * turn + c, 1024 + 40 * turn + c)]
-    return answers, wait_for(lambda: _settled_hits(pool), 10)
-
-
-def _settled_hits(pool: FrontEndPool) -> int:
-    """The engines' prefix-cache hit tokens once their reported states stop changing (0 until then)."""
-    before = pool.loads
-    time.sleep(0.5)
-    return before[0].prefix_hit_tokens + sum(x.prefix_hit_tokens for x in before[1:]) if pool.loads == before else 0
-
-
 def test_later_turns_find_their_prefix_through_any_front_end(tiny: tuple[Path, Path]) -> None:
     """Two front ends over two prefix-routed replicas serve >= 90% of the cached prompt tokens that two front ends
     over one engine serve, round-robin clearly fewer; the answers are one engine's, token for token."""
@@ -74,7 +51,7 @@ def test_later_turns_find_their_prefix_through_any_front_end(tiny: tuple[Path, P
         pool = FrontEndPool(_config(*tiny, replicas, routing), FRONT_ENDS)
         try:
             assert len(pool.engine_pids) == replicas and len(pool.pids) == FRONT_ENDS
-            results[name] = _chats(pool)
+            results[name] = pool_chats(pool, vocab=2048)
             if replicas > 1:
                 assert all(load.steps > 0 for load in pool.loads), pool.loads  # both replicas served
         finally:
@@ -117,16 +94,6 @@ def test_a_killed_replica_is_built_again_and_every_front_end_serves_it(tiny: tup
             client.close()
         assert wait_for(lambda: pool.engines_built == 1, 90)
         assert pool.engine_pids[0] not in (None, victim) and pool.engine_running
-        steps = pool.loads[0].steps
-
-        def served_again() -> bool:
-            c = MTPServeClient(pool.address)  # a new connection: either front end
-            try:
-                assert len(c.generate(token_ids=[17, 18, 19, 20], max_tokens=4, ignore_eos=True)["token_ids"]) == 4
-            finally:
-                c.close()
-            return pool.loads[0].steps > steps
-
-        assert wait_for(served_again, 60)  # each front end connected to the new engine and routes to it
+        assert serves_again(pool, 0)  # each front end connected to the new engine and routes to it
     finally:
         pool.stop(timeout=10.0)

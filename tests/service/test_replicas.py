@@ -143,14 +143,3 @@ def test_replicas_need_engine_processes_and_scaling_one_front_end() -> None:
         MTPServeConfig.from_dict({**base, "server": {"replicas": 2, "max_replicas": 3, "frontends": 2}})
     assert MTPServeConfig.from_dict({**base, "server": {"replicas": 2, "frontends": 2}}).server.num_frontends == 2
     assert MTPServeConfig.from_dict({**base, "server": {"replicas": 1, "max_replicas": 2}}).server.num_frontends == 1
-
-
-def test_replicas_through_ray_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    """`serve --replicas 2 --distributed` stops at once with status 2 and says why (no Ray started)."""
-    from mtpserve.cluster.cli.cmd_serve import serve
-
-    cfg = MTPServeConfig.from_dict(
-        {"model": {"device": "cpu"}, "parallel": {"distributed": True}, "server": {"replicas": 2}}
-    )
-    assert serve(cfg) == 2
-    assert "server.replicas > 1" in capsys.readouterr().err
