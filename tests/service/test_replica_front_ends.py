@@ -45,7 +45,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def test_later_turns_find_their_prefix_through_any_front_end(tiny: tuple[Path, Path]) -> None:
     """Two front ends over two prefix-routed replicas serve >= 90% of the cached prompt tokens that two front ends
-    over one engine serve, round-robin clearly fewer; the answers are one engine's, token for token."""
+    over one engine serve; the answers are one engine's, token for token. (Round-robin is printed, not bounded:
+    each front end keeps its own turn, so where a chat's turns land depends on which front end the kernel gives
+    each connection; one front end's round-robin is bounded in test_replicas.py.)"""
     results: dict[str, tuple[list[list[int]], int]] = {}
     for name, replicas, routing in (("one", 1, "prefix"), ("prefix", 2, "prefix"), ("round_robin", 2, "round_robin")):
         pool = FrontEndPool(_config(*tiny, replicas, routing), FRONT_ENDS)
@@ -63,7 +65,7 @@ def test_later_turns_find_their_prefix_through_any_front_end(tiny: tuple[Path, P
     )
     assert one > 0
     assert prefix >= 0.9 * one, (one, prefix)
-    assert rr <= 0.75 * one, (one, rr)
+    assert rr < one, (one, rr)
     assert results["prefix"][0] == results["one"][0] == results["round_robin"][0]
 
 
