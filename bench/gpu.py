@@ -132,8 +132,8 @@ def attention_check() -> dict[str, Any]:
     kc = torch.randn(200, 16, 3, 64, device="cuda", generator=g).bfloat16()
     vc = torch.randn(200, 16, 3, 64, device="cuda", generator=g).bfloat16()
     q = torch.randn(sum(counts), 9, 64, device="cuda", generator=g).bfloat16()
-    got = RaggedMetadata.build(starts, counts, tables_r, 16, "cuda").attend(q, kc, vc, 0.125)
-    dense = AttentionMetadata.build(starts, counts, tables_r, 16, "cuda")
+    got = RaggedMetadata.build(starts, counts, tables_r, block_size=16, device="cuda").attend(q, kc, vc, 0.125)
+    dense = AttentionMetadata.build(starts, counts, tables_r, block_size=16, device="cuda")
     ref = dense.attend(q.double(), kc.double(), vc.double(), 0.125)
     res["ragged_max_abs_err"] = (got.double() - ref).abs().max().item()
     return res
@@ -158,7 +158,9 @@ def decode_group(args: argparse.Namespace, errors: list[str], path: Path) -> dic
         "variants": args.variants,
         "max_model_len": args.max_model_len,
     }
-    doc = bench_report.report("gpu decode", command(), base.cfg, settings, [], model=args.model, draft=args.draft)
+    doc = bench_report.report(
+        "gpu decode", command(), cfg=base.cfg, settings=settings, results=[], model=args.model, draft=args.draft
+    )
     if torch.cuda.is_available() and args.device == "cuda":
         extra["attention_check"] = guarded(errors, "attention check", attention_check)
     runs: list[dict[str, Any]] = []

@@ -182,7 +182,7 @@ class RaggedMetadata:
         packed = torch.from_numpy(np.concatenate([slots, q_starts, counts, ends, table.reshape(-1)])).to(device)
         n, b = len(slots), len(counts)
         s, qs, ql, sl, tb = packed.split([n, b, b, b, table.size])
-        meta = cls(s, tb.view(b, width), qs, ql, sl, int(counts.max()))
+        meta = cls(s, tb.view(b, width), q_starts=qs, q_lens=ql, seq_lens=sl, max_q_len=int(counts.max()))
         if row_masks is not None and any(m is not None for m in row_masks):
             meta.row_masks = row_masks
             meta.tree_width, bits = _tree_bits(row_masks, seq_num_tokens)
@@ -248,8 +248,12 @@ def ragged_metadata(
     """Metadata for a ragged step: the Triton kernel's on CUDA, the masked-SDPA path elsewhere (`row_masks`:
     draft trees, see `AttentionMetadata.build`)."""
     if torch.device(device).type == "cuda" and triton_attention.available():
-        return RaggedMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device, row_masks)
-    return AttentionMetadata.build(seq_starts, seq_num_tokens, block_tables, block_size, device, row_masks)
+        return RaggedMetadata.build(
+            seq_starts, seq_num_tokens, block_tables, block_size=block_size, device=device, row_masks=row_masks
+        )
+    return AttentionMetadata.build(
+        seq_starts, seq_num_tokens, block_tables, block_size=block_size, device=device, row_masks=row_masks
+    )
 
 
 @dataclass

@@ -44,7 +44,9 @@ class DeepseekDecoderLayer(DecoderLayer):
         whole: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer with its last residual add deferred, or done with `whole` (see `DecoderLayer.step`)."""
-        q, residual = self.self_attn.project(x, residual, self.input_layernorm, rope, k_cache, v_cache, meta)
+        q, residual = self.self_attn.project(
+            x, residual, norm=self.input_layernorm, rope=rope, k_cache=k_cache, v_cache=v_cache, meta=meta
+        )
         a = self.self_attn(q, k_cache, v_cache, meta)
         post = self.post_attention_layernorm
         h, residual = post.ops.add_rms_norm(a, residual, post.weight, post.eps)

@@ -379,7 +379,7 @@ def _rows_and_residual(
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for rows x [M, K] and weight [N, K]; for the few rows `gemv_fits` accepts."""
-    return _norm_linear_call(x, None, None, 0.0, weight)[0]
+    return _norm_linear_call(x, residual=None, norm_weight=None, eps=0.0, weight=weight)[0]
 
 
 def norm_linear(
@@ -387,7 +387,7 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight.T, x + residual) for rows x [M, K] and weight [N, K]; without a
     residual, (rms_norm(x) @ weight.T, x). For the few rows `gemv_fits` accepts."""
-    return _norm_linear_call(x, residual, norm_weight, eps, weight)
+    return _norm_linear_call(x, residual, norm_weight, eps, weight=weight)
 
 
 def _norm_linear_call(

@@ -160,8 +160,8 @@ class TritonOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel for small steps (norm, q/k/v projection, RoPE, KV write); two otherwise."""
         if not (self._small(x, qkv_weight) and fused_kernels.rope_fits(x.shape[0], x.shape[1], kv.head_dim)):
-            return super().norm_qkv_rope(x, residual, norm_weight, eps, qkv_weight, kv)
-        return fused_kernels.norm_qkv_rope(x, residual, norm_weight, eps, qkv_weight, kv)
+            return super().norm_qkv_rope(x, residual, norm_weight, eps, qkv_weight=qkv_weight, kv=kv)
+        return fused_kernels.norm_qkv_rope(x, residual, norm_weight, eps, weight=qkv_weight, kv=kv)
 
     def norm_argmax(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
         """Two launches for up to 16 rows, without writing the logits; norm, cuBLAS and argmax otherwise."""

@@ -169,8 +169,20 @@ class Attention(nn.Module):
         meta: Metadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rotated q [T, H, D], x + residual) of the normed input; writes this chunk's K/V into the cache."""
-        kv = KVWrite(*rope, meta.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim)
-        return self.ops.norm_qkv_rope(x, residual, norm.weight, norm.eps, self.qkv_proj_weight(), kv)
+        kv = self.kv_write(rope, k_cache, v_cache, meta)
+        return self.ops.norm_qkv_rope(x, residual, norm.weight, norm.eps, qkv_weight=self.qkv_proj_weight(), kv=kv)
+
+    def kv_write(self, rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Metadata) -> KVWrite:
+        """Where this step's K/V go in the layer's caches (`meta`'s slots), rotated by `rope`, in its head layout."""
+        return KVWrite(
+            *rope,
+            slot_mapping=meta.slot_mapping,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Metadata) -> torch.Tensor:
         """Attend with rotated q [T, H, D] over the cache and project back (partial sum under TP)."""
@@ -237,7 +249,7 @@ class DecoderLayer(nn.Module):
         meta: Metadata,
     ) -> torch.Tensor:
         """Residual attention then residual MLP."""
-        return self.step(x, None, rope, k_cache, v_cache, meta, whole=True)[0]
+        return self.step(x, None, rope=rope, k_cache=k_cache, v_cache=v_cache, meta=meta, whole=True)[0]
 
     def step(
         self,
@@ -255,7 +267,9 @@ class DecoderLayer(nn.Module):
         down projection where the ops allow), returning (hidden state, None)."""
         ops = self.input_layernorm.ops
         pre, post = self.input_layernorm, self.post_attention_layernorm
-        q, residual = self.self_attn.project(x, residual, pre, rope, k_cache, v_cache, meta)
+        q, residual = self.self_attn.project(
+            x, residual, norm=pre, rope=rope, k_cache=k_cache, v_cache=v_cache, meta=meta
+        )
         a = self.self_attn(q, k_cache, v_cache, meta)
         gate_up, residual = ops.norm_linear(a, residual, post.weight, post.eps, weight=self.mlp.gate_up_proj_weight())
         if whole:
@@ -334,7 +348,15 @@ class LlamaModel(nn.Module):
     ) -> KVCache:
         """A paged cache of `num_layers` layers holding this rank's share of the KV heads."""
         lo, hi = (tp or TPContext()).kv_head_range(args.num_key_value_heads)
-        return KVCache.allocate(num_layers, num_blocks, block_size, hi - lo, args.dim_per_head, dtype, device)
+        return KVCache.allocate(
+            num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads=hi - lo,
+            head_dim=args.dim_per_head,
+            dtype=dtype,
+            device=device,
+        )
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, d]."""
@@ -363,7 +385,9 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             read = i == last or i in self.feature_layers  # outputs that are read whole
             step = cast(DecoderLayer, layer).step
-            x, residual = step(x, residual, rope, cache.keys[i], cache.values[i], meta, whole=read)
+            x, residual = step(
+                x, residual, rope=rope, k_cache=cache.keys[i], v_cache=cache.values[i], meta=meta, whole=read
+            )
             if read:
                 taps[i] = x
         hidden = x

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from mtpserve.modeling.attention import Metadata
-from mtpserve.modeling.kv_cache import KVWrite
 from mtpserve.modeling.model import Attention, DecoderLayer, LlamaArgs, LlamaModel, RMSNorm, Rope, load_sharded
 from mtpserve.modeling.model import random_llama_weights as _llama_weights
 from mtpserve.modeling.parallel import TPContext
@@ -116,7 +115,7 @@ class QwenAttention(Attention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rotated q [T, H, D], x + residual): the input norm and projection, bias, head norms, then RoPE
         and the KV write."""
-        kv = KVWrite(*rope, meta.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim)
+        kv = self.kv_write(rope, k_cache, v_cache, meta)
         qkv, s = self.ops.norm_linear(x, residual, norm.weight, norm.eps, weight=self.qkv_proj_weight())
         bias = self.qkv_bias()
         if bias is not None:

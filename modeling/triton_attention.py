@@ -312,7 +312,9 @@ def triton_uniform_attention(
     out = torch.empty_like(q)
     tile = kv_tile(block, UNIFORM_TILE)
     splits = split_cap(bsz * row_tiles, kv_heads)
-    part, stat, count = _Scratch.get(q.device, bsz * kv_heads * row_tiles, splits, rows * dim, rows)
+    part, stat, count = _Scratch.get(
+        q.device, groups=bsz * kv_heads * row_tiles, splits=splits, rows_dim=rows * dim, rows=rows
+    )
     tree = tree_bits is not None
     # the kernel ahead (norm_qkv_rope, or rope_write_kv after cuBLAS) releases it early
     on = pdl.active(q, pdl.ATTENTION_STEP_ROWS)

@@ -65,7 +65,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         or the head's own outputs [T, d]; `shared` is the target (its embedding, and maybe its output head),
         whose kernel choices hold meanwhile. `rope` may hold the cos/sin rows of `positions`, computed ahead."""
         with kernel_choices.in_force(shared.kernel_choices):
-            return self._step(shared, tokens, hidden, positions, cache, meta, rope)
+            return self._step(shared, tokens, hidden=hidden, positions=positions, cache=cache, meta=meta, rope=rope)
 
     @abstractmethod
     def _step(

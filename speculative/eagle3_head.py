@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mtpserve.modeling.attention import Metadata
-from mtpserve.modeling.kv_cache import KVCache, KVWrite
+from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.model import MLP, Attention, LlamaArgs, LlamaModel, RMSNorm, Rope
 from mtpserve.modeling.parallel import TPContext
 from mtpserve.speculative import eagle3_config as fmt
@@ -68,7 +68,7 @@ class Eagle3Layer(nn.Module):
         ops, att, post = self.input_layernorm.ops, self.self_attn, self.post_attention_layernorm
         h = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), h], dim=-1)
-        kv = KVWrite(*rope, meta.slot_mapping, k_cache, v_cache, att.num_heads, att.num_kv_heads, att.head_dim)
+        kv = att.kv_write(rope, k_cache, v_cache, meta)
         q = ops.rope_write_kv(ops.linear(x, att.qkv_proj_weight()), kv)
         a = att(q, k_cache, v_cache, meta)
         residual = h if self.norm_before_residual else hidden
@@ -152,7 +152,14 @@ class Eagle3Head(DraftHead):
     ) -> torch.Tensor:
         """Draft hidden states [T, d] for rows reading (embedding of token i+1, features or hidden at i)."""
         rope = self.rotary.table(positions)
-        return self.midlayer(embeds.to(self.dtype), self.project(hidden), rope, cache.keys[0], cache.values[0], meta)
+        return self.midlayer(
+            embeds.to(self.dtype),
+            self.project(hidden),
+            rope=rope,
+            k_cache=cache.keys[0],
+            v_cache=cache.values[0],
+            meta=meta,
+        )
 
     def _step(
         self,
@@ -167,7 +174,7 @@ class Eagle3Head(DraftHead):
         """`forward` for token ids [T]; `rope` may hold the cos/sin rows of `positions`, computed ahead."""
         rope = self.rotary.table(positions) if rope is None else rope
         e, h = self.embed(shared, tokens), self.project(hidden)
-        return self.midlayer(e, h, rope, cache.keys[0], cache.values[0], meta)
+        return self.midlayer(e, h, rope=rope, k_cache=cache.keys[0], v_cache=cache.values[0], meta=meta)
 
     # ---- output head ---------------------------------------------------------------------------------
     def logits(self, shared: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -191,7 +198,15 @@ class Eagle3Head(DraftHead):
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> KVCache:
         """The draft's own paged KV cache: one layer of the draft layer's KV heads."""
         la = self.layer_args
-        return KVCache.allocate(1, num_blocks, block_size, la.num_key_value_heads, la.dim_per_head, self.dtype, device)
+        return KVCache.allocate(
+            num_layers=1,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=la.num_key_value_heads,
+            head_dim=la.dim_per_head,
+            dtype=self.dtype,
+            device=device,
+        )
 
     @torch.no_grad()
     def init_from_target(self, target_weights: dict[str, torch.Tensor], layer: int | None = None) -> None:
@@ -245,7 +260,7 @@ class Eagle3Head(DraftHead):
         meta = dict(metadata or {})
         save_file(tensors, str(out / "model.safetensors"), metadata=meta)
         extra = {"mtpserve": meta} if meta else None
-        cfg = fmt.hf_config(self.args, self.layer_args, self.spec(), dtype, extra)
+        cfg = fmt.hf_config(self.args, self.layer_args, self.spec(), dtype, extra=extra)
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
     @classmethod

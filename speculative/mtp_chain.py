@@ -37,7 +37,7 @@ def propose_from_rows(
     only the draft KV is written.
     """
     bsz, q = num_accepted.shape[0], meta.q_len
-    dh = head.step(shared, row_tokens, hidden, positions, cache, meta)
+    dh = head.step(shared, row_tokens, hidden=hidden, positions=positions, cache=cache, meta=meta)
     if k == 0:
         return torch.zeros(bsz, 0, dtype=torch.long, device=row_tokens.device)
     last = torch.arange(bsz, device=row_tokens.device) * q + num_accepted
@@ -67,7 +67,9 @@ def chain_from(
         for j in range(k - 1):
             rows = slice(j * bsz, (j + 1) * bsz)
             step_meta = UniformMetadata(slots[j], block_tables, seq_lens[j], 1)
-            h = head.step(shared, tok, h, pos[j], cache, step_meta, (cos[rows], sin[rows]))
+            h = head.step(
+                shared, tok, hidden=h, positions=pos[j], cache=cache, meta=step_meta, rope=(cos[rows], sin[rows])
+            )
             tok = head.greedy_tokens(shared, h)
             drafts.append(tok)
     return torch.stack(drafts, dim=1)
@@ -135,7 +137,7 @@ class MTPEagleChain(DraftMethod):
         for _ in range(k - 1):
             pos = pos + 1
             meta = ragged_metadata(pos.tolist(), [1] * len(rows), tables, self.cache.block_size, device=dev)
-            h = self.head.step(self.shared, tok, h, pos, self.cache, meta)
+            h = self.head.step(self.shared, tok, hidden=h, positions=pos, cache=self.cache, meta=meta)
             tok = self.head.greedy_tokens(self.shared, h)
             drafts.append(tok)
         return DraftOutputs(inputs.step_id, [inputs.request_ids[i] for i in rows], torch.stack(drafts, 1).cpu())
@@ -169,4 +171,6 @@ class MTPEagleChain(DraftMethod):
         host_pos = inputs.positions
         starts = [int(host_pos[int(e) - int(n) + 1]) for e, n in zip(last_rows(seq_lens), seq_lens, strict=True)]
         meta = ragged_metadata(starts, inputs.seq_lens, inputs.block_ids, self.cache.block_size, device=dev)
-        return self.head.step(self.shared, ids, hidden, positions, self.cache, meta), positions
+        return self.head.step(
+            self.shared, ids, hidden=hidden, positions=positions, cache=self.cache, meta=meta
+        ), positions

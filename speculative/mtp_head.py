@@ -176,7 +176,7 @@ class MTPEagleHead(DraftHead):
 
     def _layer(self, x: torch.Tensor, rope: Rope, cache: KVCache, meta: Metadata) -> torch.Tensor:
         for i, layer in enumerate(self.decoder_layers):
-            x = layer(x, rope, cache.keys[i], cache.values[i], meta)
+            x = layer(x, rope, k_cache=cache.keys[i], v_cache=cache.values[i], meta=meta)
         return x
 
     # ---- output head ---------------------------------------------------------------------------------

@@ -121,7 +121,14 @@ class MTPEagleTree(DraftMethod):
             visible[:, :, (r - 1) * w : r * w] |= eye
             meta = meta_for(r, visible[:, :, : r * w])
             pos = roots.repeat_interleave(w) + r
-            h = head.step(shared, frontier_tok.reshape(-1), frontier_h.reshape(bsz * w, -1), pos, cache, meta)
+            h = head.step(
+                shared,
+                frontier_tok.reshape(-1),
+                hidden=frontier_h.reshape(bsz * w, -1),
+                positions=pos,
+                cache=cache,
+                meta=meta,
+            )
             lp, idx = head.top_logprobs(shared, h, w)  # [B*w, w]
             child_score = (frontier_score[:, :, None] + lp.view(bsz, w, w)).reshape(bsz, w * w)
             node_tokens.append(head.token_ids(idx).view(bsz, w * w))

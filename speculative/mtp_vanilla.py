@@ -74,7 +74,7 @@ class VanillaMTPChain(DraftMethod):
             self.caches[j].block_size,
             device=self.device,
         )
-        return self.heads[j].step(self.shared, tokens, hidden, pos, self.caches[j], meta)
+        return self.heads[j].step(self.shared, tokens, hidden=hidden, positions=pos, cache=self.caches[j], meta=meta)
 
     @torch.no_grad()
     def propose(self, inputs: DraftInputs) -> DraftOutputs:
@@ -115,7 +115,7 @@ class VanillaMTPChain(DraftMethod):
                 else:
                     h_in = torch.cat([self._shifted(outs[j - 1][b], old[b], j - 1)[rows[b].start :] for b in live])
                     tok = torch.cat([ids[firsts[b] + rows[b].start : firsts[b] + n[b]] for b in live])
-                out = self._run(j, tok, h_in, [rows[b] for b in live], [inputs.block_ids[b] for b in live])
+                out = self._run(j, tok, h_in, rows=[rows[b] for b in live], tables=[inputs.block_ids[b] for b in live])
                 at = 0
                 for b in live:
                     c = rows[b].count - rows[b].start
@@ -160,7 +160,7 @@ class VanillaMTPChain(DraftMethod):
             t_all = torch.stack(drafts, dim=1)  # [B, j]
             h_in = torch.cat([h_all[i, r.start :] for i, r in enumerate(rows)])
             t_in = torch.cat([t_all[i, r.start :] for i, r in enumerate(rows)])
-            out = self._run(j, t_in, h_in, rows, tables)
+            out = self._run(j, t_in, h_in, rows=rows, tables=tables)
             per, at = [], 0
             for r in rows:
                 c = r.count - r.start

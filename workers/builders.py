@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -285,14 +285,25 @@ def build_draft(
     heads = [_prepared(cfg, h, device, dtype) for h in heads]
     caches = [h.allocate_cache(num_blocks, cfg.scheduler.block_size, device) for h in heads]
     lookahead = LookaheadBuffer(cfg.scheduler.max_num_requests, device)
-    method = DRAFT_METHODS[cfg.speculative.method].build(cfg, heads, shared, caches, lookahead, device)
+    method = DRAFT_METHODS[cfg.speculative.method].build(cfg, heads, shared, caches, look=lookahead, dev=device)
     spec = cfg.speculative
     if spec.tree_budget and isinstance(method, MTPEagleChain):
         return MTPEagleTree(method, spec.num_draft_tokens, spec.tree_width, spec.tree_budget, chains=spec.adaptive)
     return method
 
 
-DraftBuilder = Callable[[MTPServeConfig, list[DraftHead], LlamaModel, list[KVCache], LookaheadBuffer, str], DraftMethod]
+class DraftBuilder(Protocol):
+    """Builds a method's draft around its heads (a protocol, not a Callable, so it is called with keywords)."""
+
+    def __call__(
+        self,
+        cfg: MTPServeConfig,
+        heads: list[DraftHead],
+        shared: LlamaModel,
+        caches: list[KVCache],
+        look: LookaheadBuffer,
+        dev: str,
+    ) -> DraftMethod: ...
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,9 @@ class UniformChainStep:
         self.chain, self.k, self.q = chain, k, k + 1
         dev, cache = chain.device, chain.cache
         rows = max_batch * self.q
-        self.buffers = StepBuffers.allocate(max_batch, self.q, max_blocks, cache.block_size, cache.scratch_block, dev)
+        self.buffers = StepBuffers.allocate(
+            max_batch, self.q, max_blocks, cache.block_size, scratch_block=cache.scratch_block, device=dev
+        )
         self.buffers.fill([], [], [], max_batch)
         dtype = chain.head.dtype
         self.hidden = torch.zeros(rows, chain.head.feature_size, dtype=dtype, device=dev)

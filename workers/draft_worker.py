@@ -59,7 +59,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         cfg = self.cfg
         _, args, weights = load_target(cfg)
         dtype = to_dtype(cfg.model.dtype, self.device)
-        shared = build_shared(cfg, args, weights, dtype, self.device)
+        shared = build_shared(cfg, args, weights, dtype, device=self.device)
         max_len = max_model_len(cfg, args)
         num_blocks = num_blocks_for(cfg, max_len)
         self.method = build_draft(

@@ -56,7 +56,9 @@ class FusedSpecStep:
         self.target, self.cache, self.chain, self.k = target, cache, chain, k
         dev = torch.device(device)
         sizes = capture_sizes(max_batch)
-        self.buffers = StepBuffers.allocate(max_batch, k + 1, max_blocks, cache.block_size, cache.scratch_block, dev)
+        self.buffers = StepBuffers.allocate(
+            max_batch, k + 1, max_blocks, cache.block_size, scratch_block=cache.scratch_block, device=dev
+        )
         self.forced = None if replay is None else ForcedRows(replay, max_batch, k + 1, dev)  # depth 0: moves it on
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)

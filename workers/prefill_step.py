@@ -96,8 +96,10 @@ class PrefillBuffers:
         fpacked = torch.zeros(4, dtype=torch.float32, device=device)
         fstaging = torch.zeros(4, dtype=torch.float32, pin_memory=device.type == "cuda")
         return cls(
-            packed, staging, ids, pos, slots, table.view(1, width), q_start, q_len, seq_len, real_len, last,
-            fpacked, fstaging, block_size, scratch_block, max_blocks,
+            packed=packed, staging=staging, input_ids=ids, positions=pos, slot_mapping=slots,
+            block_table=table.view(1, width), q_start=q_start, q_len=q_len, seq_len=seq_len, real_len=real_len,
+            last_row=last, fpacked=fpacked, fstaging=fstaging, block_size=block_size, scratch_block=scratch_block,
+            max_blocks=max_blocks,
         )  # fmt: skip
 
     def sampling(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,7 +164,9 @@ class CapturedPrefill:
             raise ValueError("a draft chain needs at least one draft token")
         self.model, self.cache, self.chain, self.k = model, cache, chain, k
         dev = torch.device(device)
-        self.buffers = PrefillBuffers.allocate(max_tokens, max_blocks, cache.block_size, cache.scratch_block, dev)
+        self.buffers = PrefillBuffers.allocate(
+            max_tokens, max_blocks, block_size=cache.block_size, scratch_block=cache.scratch_block, device=dev
+        )
         self._first_context = torch.zeros(1, dtype=torch.long, device=dev)  # the chunk is context request 0
         sizes = prefill_sizes(max_tokens)
         self.final = GreedyAndSampledSteps(partial(self._forward, final=True), sizes, dev, use_graphs)
@@ -201,7 +205,7 @@ class CapturedPrefill:
         if c is None:
             return token[:, None]
         rows = draft_input_tokens(ids, b.real_len, self._first_context, c.lookahead.tokens, sampled_tokens=token)
-        out = c.head.step(c.shared, rows, features, pos, c.cache, meta)
+        out = c.head.step(c.shared, rows, hidden=features, positions=pos, cache=c.cache, meta=meta)
         if not final:
             return token[:, None]
         last = b.last_row

@@ -62,22 +62,22 @@ class StepBuffers:
         fstagings = (torch.zeros(sum(fsizes), dtype=torch.float32, pin_memory=pin) for _ in range(HOST_TWINS))
         temp, top_k, top_p, keys = fpacked.split(fsizes)
         return cls(
-            packed,
-            tuple(stagings),
-            ids,
-            pos,
-            slots,
-            lens,
-            tables.view(max_batch, max_blocks),
-            fpacked,
-            tuple(fstagings),
-            temp,
-            top_k,
-            top_p,
-            keys.view(torch.int32),
-            q_len,
-            block_size,
-            scratch_block,
+            packed=packed,
+            stagings=tuple(stagings),
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slots,
+            seq_lens=lens,
+            block_tables=tables.view(max_batch, max_blocks),
+            fpacked=fpacked,
+            fstagings=tuple(fstagings),
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            keys=keys.view(torch.int32),
+            q_len=q_len,
+            block_size=block_size,
+            scratch_block=scratch_block,
         )
 
     @property

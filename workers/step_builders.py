@@ -143,7 +143,7 @@ def captured_steps(
     if not cfg.model.fused_steps:
         build_chain_graphs(cfg, draft, max_len)
     elif isinstance(draft, MTPEagleChain):
-        chain = (build_fused_depths if cfg.speculative.adaptive else build_fused)(cfg, parts, draft, k, max_len)
+        chain = (build_fused_depths if cfg.speculative.adaptive else build_fused)(cfg, parts, draft, k, max_len=max_len)
     elif isinstance(draft, MTPEagleTree):
         if draft.chains:
             chain = build_fused_depths(cfg, parts, draft.chain, k, max_len=max_len)

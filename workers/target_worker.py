@@ -143,7 +143,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
             elif self.world == 1:  # the draft shares this process's model: the same captured steps as in process
                 self.draft = build_draft(cfg, heads, model, num_blocks, device=self.device, dtype=dtype)
             else:
-                shared = build_shared(cfg, args, weights, dtype, self.device)
+                shared = build_shared(cfg, args, weights, dtype, device=self.device)
                 self.draft = build_draft(cfg, heads, shared, num_blocks, device=self.device, dtype=dtype)
                 build_chain_graphs(cfg, self.draft, max_len)
         parts = TargetParts(model, cache, torch.device(self.device))

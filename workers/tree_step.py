@@ -73,7 +73,7 @@ class FusedTreeStep:
         dev = torch.device(device)
         self.forced = None if replay is None else ForcedRows(replay, max_batch, self.q_len, dev)
         self.buffers = StepBuffers.allocate(
-            max_batch, self.q_len, max_blocks, cache.block_size, cache.scratch_block, dev
+            max_batch, self.q_len, max_blocks, cache.block_size, scratch_block=cache.scratch_block, device=dev
         )
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.trees = TreeBuffers(max_batch, self.q_len, dev)
@@ -94,7 +94,7 @@ class FusedTreeStep:
             hidden, features = self.target.forward_features(ids, rope, self.cache, meta)
         with record_function("tree:accept"):
             tokens = ids.view(bucket, q)
-            n_acc, path, bonus = self._accept(tokens, hidden, slots, bucket, mode)
+            n_acc, path, bonus = self._accept(tokens, hidden, slots, bucket=bucket, mode=mode)
         branch = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # [bucket, D+1] nodes, the root first
         emitted = torch.cat([tokens.gather(1, path), bonus[:, None]], dim=1)
         emitted = emitted.scatter(1, n_acc[:, None], bonus[:, None])  # the bonus right after the accepted drafts
@@ -103,7 +103,9 @@ class FusedTreeStep:
         chain = self.drafter.chain
         rerun = UniformMetadata(slots[:, : d + 1].reshape(-1), tables, start + d + 1, d + 1)
         with record_function("tree:draft_rerun"):
-            dh = chain.head.step(chain.shared, emitted.reshape(-1), features[rows], pos, chain.cache, rerun)
+            dh = chain.head.step(
+                chain.shared, emitted.reshape(-1), hidden=features[rows], positions=pos, cache=chain.cache, meta=rerun
+            )
         roots = start + n_acc
         h0 = dh.view(bucket, d + 1, -1).gather(1, n_acc[:, None, None].expand(-1, 1, dh.shape[-1]))[:, 0]
         with record_function("tree:grow"):
@@ -201,7 +203,11 @@ class FusedTreeStep:
         mode = SamplingMode.GREEDY
         if keys is not None:
             self.buffers.fill_sampling(
-                [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], keys, bucket
+                [s.temperature for s in seqs],
+                [s.top_k for s in seqs],
+                [s.top_p for s in seqs],
+                keys=keys,
+                bucket=bucket,
             )
             mode = sampling_mode(seqs)
         if after is not None:
@@ -211,7 +217,7 @@ class FusedTreeStep:
 
     def _advance(self, previous: torch.Tensor, m: int) -> None:
         advance = tree_kernels.advance_trees if tree_kernels_apply(previous) else advance_trees
-        advance(previous, self.columns, self.buffers, self.trees, m)
+        advance(previous, self.columns, self.buffers, self.trees, m=m)
 
     def read(self, plan: StepPlan, host: torch.Tensor) -> TargetOutput:
         """Tokens, accept counts and the next trees from a launch's results, copied to the host."""

@@ -41,7 +41,9 @@ class UniformTargetStep:
         self.q_len = q_len
         dev = torch.device(device)
         sizes = capture_sizes(max_batch)
-        self.buffers = StepBuffers.allocate(max_batch, q_len, max_blocks, cache.block_size, cache.scratch_block, dev)
+        self.buffers = StepBuffers.allocate(
+            max_batch, q_len, max_blocks, cache.block_size, scratch_block=cache.scratch_block, device=dev
+        )
         self.forced = None if replay is None or q_len == 1 else ForcedRows(replay, max_batch, q_len, dev)
         self.buffers.fill([], [], [], max_batch)  # capture warm-up writes only the scratch block
         self.steps = GreedyAndSampledSteps(self._forward, sizes, dev, use_graphs)
@@ -106,7 +108,9 @@ def fill_step(
         forced.fill(seqs, bucket)
     if keys is None:
         return SamplingMode.GREEDY
-    buffers.fill_sampling([s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], keys, bucket)
+    buffers.fill_sampling(
+        [s.temperature for s in seqs], [s.top_k for s in seqs], [s.top_p for s in seqs], keys=keys, bucket=bucket
+    )
     return sampling_mode(seqs)
 
 

@@ -44,7 +44,7 @@ def measure(data: TokenDataset, head: MTPEagleHead, shared: Any, cuts: list[int]
         d = cut_answers(data, cut)
         store = HiddenStore(shared, d, torch.device("cpu"), keep=False, layers=head.feature_layers)
         idx = list(range(len(d)))
-        res = evaluate(head, shared, store, idx, k, batch_size=8)
+        res = evaluate(head, shared, store, indices=idx, k=k, batch_size=8)
         lengths, starts = torch.tensor(d.lengths()), torch.tensor(d.response_start)
         repeats = int(repeated_tokens(pad_ids(d.ids, "cpu"), lengths, starts).sum())
         responses = int((lengths - starts).sum())
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     target = src.args()
     shared = build_shared(target, src.weights(), "cpu", torch.float32)
     head = MTPEagleHead.load(args.head, target)
-    figures = measure(load_dataset(args.data_dir), head, shared, cuts, args.num_draft_tokens)
+    figures = measure(load_dataset(args.data_dir), head, shared, cuts=cuts, k=args.num_draft_tokens)
     print("| answer tokens | AL, decoding path | AL, every position | repeated 8-gram share | response tokens |")
     print("|---|---|---|---|---|")
     for cut, f in figures.items():

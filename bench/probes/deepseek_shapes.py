@@ -209,7 +209,7 @@ def main() -> None:
         try:
             eng = engine(model_dir, spec, max(batches), graphs=True)
             build_s = time.perf_counter() - t0
-            run = measure(label, eng, batches, a.prompt_len, a.output_len)
+            run = measure(label, eng, batches, prompt_len=a.prompt_len, output_len=a.output_len)
             run["build_s"] = build_s
         except Exception as exc:  # one failing variant must not hide the others' figures
             run = {"label": label, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}

@@ -270,7 +270,7 @@ def gemv_report(dev: str, g: torch.Generator) -> dict[str, object]:
         w = (0.05 * torch.randn(n, k, device=dev, generator=g)).to(torch.bfloat16)
         for rows in (1, 2, 4, 8, 16, 32):
             x = torch.randn(rows, 2 * k if name == "down" else k, device=dev, generator=g).to(torch.bfloat16)
-            triton_fn, cublas_fn, ref = _gemv_case(name == "down", x, nw, w, ops)
+            triton_fn, cublas_fn, ref = _gemv_case(name == "down", x, nw=nw, w=w, ops=ops)
             got = triton_fn()
             entry = {"triton_us": graph_us(triton_fn), "cublas_us": graph_us(cublas_fn),
                      "max_abs_err_vs_fp32": (got.float() - ref).abs().max().item()}  # fmt: skip

@@ -216,7 +216,16 @@ def run_acceptance_settings(
 ) -> list[AcceptanceResult]:
     """`run_acceptance` for each setting on the same prompts."""
     return [
-        run_acceptance(factory, cfg, s, prompts, max_tokens, ignore_eos=ignore_eos, progress=progress, groups=groups)
+        run_acceptance(
+            factory,
+            cfg,
+            s,
+            prompts=prompts,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            progress=progress,
+            groups=groups,
+        )
         for s in settings
     ]
 

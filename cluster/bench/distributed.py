@@ -233,9 +233,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return bench_report.report(
         "distributed",
         bench_report.command_of(args),
-        cfg,
-        bench_report.settings_of(args, SETTINGS),
-        best_rows(runs),
+        cfg=cfg,
+        settings=bench_report.settings_of(args, SETTINGS),
+        results=best_rows(runs),
         model={"shape": args.shape, "path": args.model, "draft": args.draft if args.shape == "smollm2" else "random"},
         runs=runs,
         errors=errors,

@@ -106,7 +106,7 @@ def one_round(
 ) -> Round:
     """All prompts at once over one front end; the server's CPU seconds (with its engine process) over the round."""
     cpu0 = tree_cpu_s(args.server_pid)
-    streams = clients.run(front_end, addresses, prompts, args.output_len, args.channels)
+    streams = clients.run(front_end, addresses, prompts, output_len=args.output_len, channels=args.channels)
     cpu1 = tree_cpu_s(args.server_pid)
     seconds = max(s.end for s in streams) - min(s.sent for s in streams)
     r = Round(front_end, len(prompts), False, seconds, tokens=sum(s.tokens for s in streams))
@@ -169,7 +169,7 @@ def _rounds(clients: Clients, args: argparse.Namespace, addresses: dict[str, str
         for i in range(args.repeats + 1):
             for fe in FRONT_ENDS if i % 2 == 0 else FRONT_ENDS[::-1]:
                 prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-                r = one_round(clients, fe, addresses, prompts, args)
+                r = one_round(clients, fe, addresses, prompts=prompts, args=args)
                 r.warmup = i == 0
                 rounds.append(r)
                 asyncio.run(settle(addresses["grpc"]))
@@ -239,9 +239,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return bench_report.report(
         "http_vs_grpc",
         bench_report.command_of(args),
-        MTPServeConfig.from_dict({"model": {"device": args.device, "dtype": args.dtype}}),
-        bench_report.settings_of(args, SETTINGS),
-        summarize(rounds),
+        cfg=MTPServeConfig.from_dict({"model": {"device": args.device, "dtype": args.dtype}}),
+        settings=bench_report.settings_of(args, SETTINGS),
+        results=summarize(rounds),
         model=model if not args.tiny else {"tiny": TINY_CONFIG},
         server_config=config,
         rounds=[asdict(r) | {"tok_per_s": r.tok_per_s} for r in rounds],

@@ -246,7 +246,7 @@ def run_rounds(args: argparse.Namespace, proc: subprocess.Popen[str], address: s
     equal: dict[str, Any] = {}
     vocab = args.vocab or asyncio.run(served_vocab(address))
     for r in range(args.rounds):
-        specs = plan(args.streams, r, vocab, args.lengths, (lo, hi))
+        specs = plan(args.streams, seed=r, vocab=vocab, lengths=args.lengths, max_tokens=(lo, hi))
         outcomes, seconds = asyncio.run(one_round(address, specs, args.channels, args.deadline_ms / 1e3))
         settled = asyncio.run(settle(address))
         row = {
@@ -326,9 +326,9 @@ def main(args: argparse.Namespace) -> int:
     doc = bench_report.report(
         "load",
         bench_report.command_of(args),
-        cfg,
-        settings,
-        rounds,
+        cfg=cfg,
+        settings=settings,
+        results=rounds,
         server_config=config,
         greedy_alone=equal,
         server_log_tail=log[-20:],

@@ -117,10 +117,10 @@ def record_into(args: argparse.Namespace, configs: list[str]) -> None:
     recording = record(
         build,
         configs,
-        args.prompts or heldout_files(),
-        args.max_tokens,
-        record_labels(args),
-        shapes(),
+        prompt_files=args.prompts or heldout_files(),
+        max_tokens=args.max_tokens,
+        labels=record_labels(args),
+        shapes=shapes(),
         num_prompts=args.record_num_prompts,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace, recording: Recording | None = None, sets: list
         replay = None if spec is None else ReplayAcceptance(recording.sets[sets[0]].streams[key], positional)
         t0 = time.perf_counter()
         eager = name.endswith(bench_trees.EAGER_SUFFIX)
-        engine = LLMEngine.from_config(engine_config(args, spec, recording, sets, not eager), replay=replay)
+        engine = LLMEngine.from_config(engine_config(args, spec, recording, sets, fused_steps=not eager), replay=replay)
         built = time.perf_counter() - t0
         try:
             if spec is not None and engine.draft is None:
@@ -241,7 +241,7 @@ def config_rows(
             n = batch * -(-max(batch, args.num_requests) // batch)
             prompts = synthetic_prompts(recorded.prompt_tokens, engine.args.vocab_size, n)
             row = {"set": set_name, "config": name, "batch": batch, "build_s": built}
-            row.update(measure(engine, replay, prompts, batch, args.max_tokens))
+            row.update(measure(engine, replay, prompts, batch=batch, max_tokens=args.max_tokens))
             row["acceptance_length_recorded"] = None if replay is None else recorded.acceptance_length(key)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -276,9 +276,9 @@ def report(
     return bench_report.report(
         "replay",
         bench_report.command_of(args),
-        bench_trees.config(args, None, max(args.batches)),
-        settings(args, sets),
-        rows,
+        cfg=bench_trees.config(args, None, max(args.batches)),
+        settings=settings(args, sets),
+        results=rows,
         banner=banner(recording),
         replayed=True,
         acceptance_source=source_summary(recording, sets, args.configs),

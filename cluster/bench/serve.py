@@ -229,7 +229,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             for api in apis:
                                 cpu0 = server_cpu(proc.pid)
                                 r = clients.run(
-                                    api, found[api], streams, prompts, args.output_len, args.warmup_s, args.window_s
+                                    api,
+                                    found[api],
+                                    streams=streams,
+                                    prompts=prompts,
+                                    output_len=args.output_len,
+                                    warmup_s=args.warmup_s,
+                                    window_s=args.window_s,
                                 )
                                 row = {"config": config, "frontends": frontends, "front_end": api, "streams": streams}
                                 row |= served_row(r, args, cpu0, server_cpu(proc.pid))
@@ -245,9 +251,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return bench_report.report(
         "serve",
         bench_report.command_of(args),
-        MTPServeConfig.from_dict({"model": {"device": args.device, "dtype": args.dtype}}),
-        bench_report.settings_of(args, SETTINGS),
-        rows,
+        cfg=MTPServeConfig.from_dict({"model": {"device": args.device, "dtype": args.dtype}}),
+        settings=bench_report.settings_of(args, SETTINGS),
+        results=rows,
         model=model if not args.tiny else {"tiny": TINY_CONFIG},
     )
 

@@ -164,9 +164,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return bench_report.report(
         "trees",
         bench_report.command_of(args),
-        cfg,
-        settings,
-        rows,
+        cfg=cfg,
+        settings=settings,
+        results=rows,
         model=args.model,
         load_format=args.load_format,
         draft=args.draft,

@@ -184,9 +184,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return bench_report.report(
         "ttft",
         bench_report.command_of(args),
-        config(args, 0, True),
-        settings,
-        rows,
+        cfg=config(args, 0, True),
+        settings=settings,
+        results=rows,
         model=args.model,
         draft=args.draft,
     )

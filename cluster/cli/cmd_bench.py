@@ -166,7 +166,13 @@ def run_throughput(args: argparse.Namespace) -> int:
         engine = build_engine(cfg)
         try:
             rows = bench_throughput.run_throughput(
-                engine, args.batch_sizes, args.prompt_len, args.output_len, args.warmup_steps, args.seed, _err
+                engine,
+                args.batch_sizes,
+                prompt_len=args.prompt_len,
+                output_len=args.output_len,
+                warmup_steps=args.warmup_steps,
+                seed=args.seed,
+                log=_err,
             )
             report = bench_throughput.throughput_report(
                 cfg,

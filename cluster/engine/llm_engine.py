@@ -216,7 +216,7 @@ class LLMEngine:
             depth=depth,
             tree=tree,
         )
-        return cls(cfg, args, sched, target, draft, tokenizer)
+        return cls(cfg, args, scheduler=sched, target=target, draft=draft, tokenizer=tokenizer)
 
     # ---- requests --------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | dict[str, Any]) -> SamplingParams:

@@ -43,7 +43,11 @@ class MetricsEndpoint:
     def __init__(self, registry: CollectorRegistry, port: int, host: str, token: bytes | None = None) -> None:
         app = make_wsgi_app(registry)
         self._server = make_server(
-            host, port, app if token is None else _with_token(app, token), _ThreadingServer, _QuietHandler
+            host,
+            port,
+            app if token is None else _with_token(app, token),
+            server_class=_ThreadingServer,
+            handler_class=_QuietHandler,
         )
         self.port = int(self._server.server_port)
         self._thread = threading.Thread(target=self._server.serve_forever, name="mtpserve-metrics", daemon=True)

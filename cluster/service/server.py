@@ -102,7 +102,7 @@ class MTPServer:
                     engine_addresses,
                     self.front_end.loop,
                     self.metrics,
-                    lambda _ok: self.health.changed(),
+                    on_health_change=lambda _ok: self.health.changed(),
                     on_serving=self.set_serving,
                 )
             elif engine is None and engine_pipe is None and not engine_addresses and cfg.server.most_replicas > 1:

@@ -172,7 +172,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"n: at most {MAX_CHOICES}, got {request.n}")
         stop, keep = list(request.sampling.stop), request.sampling.include_stop_str_in_output
         choices = Choices(
-            partial(EngineStream, self.loop, self.tokenizers.decoder, stop, GRPC, keep), max(1, request.n)
+            partial(EngineStream, self.loop, self.tokenizers.decoder, stop, frontend=GRPC, keep_stop=keep),
+            max(1, request.n),
         )
         # however the call ends (a cancel may leave this generator paused at a yield), the requests are aborted
         context.add_done_callback(lambda _: choices.close())

@@ -154,7 +154,7 @@ def head_unrolled(
         out = head.eh_proj(torch.cat([emb, head.hnorm(h_in.to(emb.dtype))], dim=-1))
         mask = None if k == 1 else unroll_mask(length, k, ids.device)
         for layer, layer_past in zip(layers, past, strict=True):
-            out, kv = decoder_layer(layer, head.rotary, out, positions, mask, layer_past)
+            out, kv = decoder_layer(layer, head.rotary, out, positions, mask=mask, past=layer_past)
             layer_past.append(kv)
         outs.append(out)
         h_in = F.pad(out[:, :-1], (0, 0, 1, 0))

@@ -211,7 +211,7 @@ def evaluate_heads(
     out: dict[str, dict[str, Any]] = {}
 
     def counts(v: list[int], n: int) -> dict[str, Any]:
-        return summarize(v[0], v[1 : k + 1], n, (v[k + 1], v[k + 2]), (v[k + 3], v[k + 4]))
+        return summarize(v[0], v[1 : k + 1], n, online=(v[k + 1], v[k + 2]), first=(v[k + 3], v[k + 4]))
 
     for name, tot in totals.items():
         summary = counts(tot.get("all", [0] * (k + 5)), seqs.get("all", 0))

@@ -14,10 +14,9 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,9 +30,15 @@ from mtpserve.speculative.train.trainer import TrainConfig, Trainer, build_share
 
 log = logging.getLogger(__name__)
 FORMAT_TAGS = {"mtp": "mtpserve-mtp-eagle/1", "eagle3": "mtpserve-eagle3/1"}  # by TrainConfig.head_format
-# Builds the `engine` generator from (args, weights, device, dtype, batch_size, max_len); the caller supplies it
-# (cluster/cli/train_generator.py), since it drives the serving engine above this package.
-GeneratorFactory = Callable[[LlamaArgs, dict[str, torch.Tensor], str, str, int, int], Generator]
+
+
+class GeneratorFactory(Protocol):
+    """Builds the `engine` generator; the caller supplies it (cluster/cli/train_generator.py), since it drives the
+    serving engine above this package."""
+
+    def __call__(
+        self, args: LlamaArgs, weights: dict[str, torch.Tensor], device: str, dtype: str, batch_size: int, max_len: int
+    ) -> Generator: ...
 
 
 @dataclass
@@ -127,7 +132,12 @@ def make_generator(
     if engine_generator is None:
         raise TrainSetupError("--generator", "'engine' needs the engine generator from the caller; use --generator hf")
     return engine_generator(
-        target.args, target.weights, device, "auto", opts.gen_batch_size, s.max_prompt_tokens + longest
+        target.args,
+        target.weights,
+        device=device,
+        dtype="auto",
+        batch_size=opts.gen_batch_size,
+        max_len=s.max_prompt_tokens + longest,
     )
 
 
@@ -200,7 +210,9 @@ def run_eval_stage(opts: TrainDraftOptions, target: LoadedTarget, data: TokenDat
     head = load_head_file(path, target.args).to(device)
     _, dev = data.split(cfg.dev_fraction, cfg.seed, cfg.holdout_sources)
     store = HiddenStore(shared, data, device, keep=False, layers=head.feature_layers)
-    res = evaluate(head, shared, store, dev, cfg.num_draft_tokens, batch_size=cfg.eval_batch_size, dtype=dtype)
+    res = evaluate(
+        head, shared, store, indices=dev, k=cfg.num_draft_tokens, batch_size=cfg.eval_batch_size, dtype=dtype
+    )
     return {"head": str(path), "dev": res, "command": opts.command}
 
 
