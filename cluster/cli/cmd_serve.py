@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import shutil
 import signal
 import sys
@@ -202,9 +201,10 @@ def serve_ray_replicas(cfg: MTPServeConfig, stop: threading.Event | None = None)
     import tempfile
 
     from mtpserve.cluster.distributed.scheduler_actor import start_replica_actors, stop_scheduler_actor
+    from mtpserve.cluster.service.pool_engines import engine_addresses
 
     folder = tempfile.mkdtemp(prefix="mtpserve-replicas-")
-    addresses = [(os.path.join(folder, f"replica-{i}.sock"), os.urandom(32)) for i in range(cfg.server.replicas)]
+    addresses = engine_addresses(folder, cfg.server.replicas, stem="replica")
     try:
         actors = start_replica_actors(cfg, addresses)
     except Exception as exc:  # actor construction errors arrive wrapped by Ray

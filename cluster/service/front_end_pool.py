@@ -45,7 +45,13 @@ from mtpserve.cluster.service.engine_child import (
 from mtpserve.cluster.service.front_end_process import ROUTES, STOP_SERVING, run_front_ends, wait_serving
 from mtpserve.cluster.service.metrics import EngineMetrics
 from mtpserve.cluster.service.metrics_http import MetricsEndpoint
-from mtpserve.cluster.service.pool_engines import EngineChild, EngineThread, ListeningEngine, PoolEngine
+from mtpserve.cluster.service.pool_engines import (
+    EngineChild,
+    EngineThread,
+    ListeningEngine,
+    PoolEngine,
+    engine_addresses,
+)
 from mtpserve.cluster.service.request_book import EngineLoad, observe_engine, summed_loads
 from mtpserve.cluster.service.server import host_port
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
@@ -123,9 +129,7 @@ class FrontEndPool:
         self._metrics_dir = os.path.join(self._dir, "metrics")
         os.mkdir(self._metrics_dir)
         n = len(listening) or (1 if engine is not None else cfg.server.replicas)
-        self._addresses = list(listening) or [
-            (os.path.join(self._dir, f"engine-{i}.sock"), os.urandom(32)) for i in range(n)
-        ]
+        self._addresses = list(listening) or engine_addresses(self._dir, n)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._front_ends: list[FrontEnd] = []

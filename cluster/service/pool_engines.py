@@ -62,6 +62,12 @@ def unlink_socket(path: str) -> None:
         os.unlink(path)
 
 
+def engine_addresses(folder: str, count: int, stem: str = "engine") -> list[tuple[str, bytes]]:
+    """`count` Unix socket paths in `folder` (`<stem>-<i>.sock`), each with a fresh random key, for engines to
+    listen at and front ends to connect to."""
+    return [(os.path.join(folder, f"{stem}-{i}.sock"), os.urandom(32)) for i in range(count)]
+
+
 def connect_engine(address: tuple[str, bytes], wait_s: float) -> Connection:
     """A connection to the engine listening at `address` (a Unix socket and its key), waiting up to `wait_s` s
     for it to listen (an engine being built again); WorkerUnavailableError past that."""

@@ -5,7 +5,6 @@ answers, a replica's actor killed under load and restarted by Ray, and the comma
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from mtpserve.cluster.service.client import MTPServeClient
 from mtpserve.cluster.service.front_end_pool import FrontEndPool
+from mtpserve.cluster.service.pool_engines import engine_addresses
 from mtpserve.workers.config import MTPServeConfig
 from tests.helpers.replicas import pool_chats, serves_again
 from tests.helpers.service import ServeProcess, stream_all, wait_for
@@ -53,7 +53,7 @@ def ray_replicas(ray_local: Any, model: tuple[str, str]) -> Iterator[tuple[list[
 
     cfg = _config(model, 2)
     folder = tempfile.mkdtemp(prefix="mtpserve-test-")
-    addresses = [(os.path.join(folder, f"replica-{i}.sock"), os.urandom(32)) for i in range(2)]
+    addresses = engine_addresses(folder, 2, stem="replica")
     actors = start_replica_actors(cfg, addresses)
     try:
         pool = FrontEndPool(cfg, 2, listening=addresses)

@@ -5,10 +5,28 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 from mtpserve.cluster.service.client import MTPServeClient
 from mtpserve.cluster.service.front_end_pool import FrontEndPool
+from mtpserve.workers.config import MTPServeConfig
 from tests.helpers.service import wait_for
+
+
+def replica_config(
+    model: Path, head: Path, replicas: int, routing: str = "prefix", frontends: int = 1
+) -> MTPServeConfig:
+    """A CPU config of the tiny model (K=2 chain) with `replicas` engines routed by `routing` behind `frontends`
+    front ends, every port 0."""
+    server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "replicas": replicas, "routing": routing}
+    return MTPServeConfig.from_dict(
+        {
+            "model": {"path": str(model), "device": "cpu"},
+            "speculative": {"draft": str(head), "num_draft_tokens": 2},
+            "scheduler": {"num_kv_blocks": 256, "max_num_requests": 8, "block_size": 16},
+            "server": {**server, "frontends": frontends},
+        }
+    )
 
 
 def pool_chats(pool: FrontEndPool, vocab: int, chats: int = 7, turns: int = 4) -> tuple[list[list[int]], int]:

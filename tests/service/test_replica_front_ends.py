@@ -16,25 +16,12 @@ import pytest
 
 from mtpserve.cluster.service.client import MTPServeClient
 from mtpserve.cluster.service.front_end_pool import FrontEndPool
-from mtpserve.workers.config import MTPServeConfig
-from tests.helpers.replicas import pool_chats, serves_again
+from tests.helpers.replicas import pool_chats, replica_config, serves_again
 from tests.helpers.service import stream_all, wait_for, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
 FRONT_ENDS = 2
-
-
-def _config(model: Path, head: Path, replicas: int, routing: str = "prefix") -> MTPServeConfig:
-    server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "replicas": replicas, "routing": routing}
-    return MTPServeConfig.from_dict(
-        {
-            "model": {"path": str(model), "device": "cpu"},
-            "speculative": {"draft": str(head), "num_draft_tokens": 2},
-            "scheduler": {"num_kv_blocks": 256, "max_num_requests": 8, "block_size": 16},
-            "server": {**server, "frontends": FRONT_ENDS},
-        }
-    )
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +37,7 @@ def test_later_turns_find_their_prefix_through_any_front_end(tiny: tuple[Path, P
     each connection; one front end's round-robin is bounded in test_replicas.py.)"""
     results: dict[str, tuple[list[list[int]], int]] = {}
     for name, replicas, routing in (("one", 1, "prefix"), ("prefix", 2, "prefix"), ("round_robin", 2, "round_robin")):
-        pool = FrontEndPool(_config(*tiny, replicas, routing), FRONT_ENDS)
+        pool = FrontEndPool(replica_config(*tiny, replicas, routing, frontends=FRONT_ENDS), FRONT_ENDS)
         try:
             assert len(pool.engine_pids) == replicas and len(pool.pids) == FRONT_ENDS
             results[name] = pool_chats(pool, vocab=2048)
@@ -73,7 +60,7 @@ def test_a_killed_replica_is_built_again_and_every_front_end_serves_it(tiny: tup
     """Under 16 streams over two front ends and two replicas, one replica's engine process is killed: its streams
     end UNAVAILABLE within 5 s, the others complete, new requests succeed while it is down, the pool builds it
     again at the same socket, and requests reach it again."""
-    pool = FrontEndPool(_config(*tiny, 2), FRONT_ENDS)
+    pool = FrontEndPool(replica_config(*tiny, 2, frontends=FRONT_ENDS), FRONT_ENDS)
     try:
         errors: list[Any] = []
         done: list[int] = []

@@ -21,22 +21,12 @@ from mtpserve.cluster.service.engine_process import EngineProcess
 from mtpserve.cluster.service.replica_set import ReplicaSet
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
+from tests.helpers.replicas import replica_config
 from tests.helpers.service import stream_all, wait_for, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
 CHATS, TURNS = 7, 4  # an odd number of chats: round-robin sends a chat's turns to alternate replicas
-
-
-def _config(model: Path, head: Path, replicas: int, routing: str = "prefix") -> MTPServeConfig:
-    return MTPServeConfig.from_dict(
-        {
-            "model": {"path": str(model), "device": "cpu"},
-            "speculative": {"draft": str(head), "num_draft_tokens": 2},
-            "scheduler": {"num_kv_blocks": 256, "max_num_requests": 8, "block_size": 16},
-            "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "replicas": replicas, "routing": routing},
-        }
-    )
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +63,7 @@ def test_later_turns_find_their_prefix_on_the_replica_that_holds_it(tiny: tuple[
     clearly fewer; the answers are one engine's, token for token."""
     results: dict[str, tuple[list[list[int]], int]] = {}
     for name, replicas, routing in (("one", 1, "prefix"), ("prefix", 2, "prefix"), ("round_robin", 2, "round_robin")):
-        srv = _serve(_config(*tiny, replicas, routing))
+        srv = _serve(replica_config(*tiny, replicas, routing))
         try:
             if replicas > 1:
                 assert isinstance(srv.loop, ReplicaSet) and len(srv.loop.replicas) == 2
@@ -94,7 +84,7 @@ def test_a_killed_replica_ends_its_streams_and_the_other_keeps_serving(tiny: tup
     """Under 16 streams over two replicas, one replica's engine process is killed: its streams end UNAVAILABLE
     within 5 s, the other's complete, health stays SERVING, new requests succeed throughout, and the replica is
     built again and takes requests."""
-    srv = _serve(_config(*tiny, 2))
+    srv = _serve(replica_config(*tiny, 2))
     try:
         loop = srv.loop
         assert isinstance(loop, ReplicaSet)
