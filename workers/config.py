@@ -355,8 +355,7 @@ class ServerConfig(_Strict):
         le=64,
         description="front-end processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each tokenizing, "
         "detokenizing and streaming its own requests, beside the engine's process (or every replica's, routing "
-        "over all); None: one per 4 cores, at most 4, or one while max_replicas scales (with engine_process; with "
-        "Ray, beside the scheduler actor)",
+        "over all); None: one per 4 cores, at most 4 (with engine_process; with Ray, beside the scheduler actor)",
     )
 
     replicas: int = Field(
@@ -390,11 +389,9 @@ class ServerConfig(_Strict):
 
     @property
     def num_frontends(self) -> int:
-        """Front-end processes to run: `frontends`, or one per 4 cores (1 to 4); one while `max_replicas` scales."""
+        """Front-end processes to run: `frontends`, or one per 4 cores (1 to 4)."""
         if self.frontends is not None:
             return self.frontends
-        if self.most_replicas > self.replicas:
-            return 1
         return max(1, min(4, (os.cpu_count() or 1) // 4))
 
     @model_validator(mode="after")
@@ -412,11 +409,6 @@ class ServerConfig(_Strict):
         if self.most_replicas > 1 and not self.engine_process:
             raise ValueError(
                 "server.replicas > 1 runs each replica's engine in a process of its own: keep server.engine_process"
-            )
-        if self.most_replicas > self.replicas and (self.frontends or 1) > 1:
-            raise ValueError(
-                "server.max_replicas (replicas added and removed at run time) is served by one front-end process for "
-                "now: leave server.frontends unset or 1"
             )
         return self
 

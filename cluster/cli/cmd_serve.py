@@ -10,8 +10,9 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -19,6 +20,9 @@ from mtpserve.cluster.cli.common import add_engine_flags, config_from_args
 from mtpserve.cluster.cli.config_flags import SERVER_SECTIONS, add_config_flags
 from mtpserve.cluster.engine.errors import MTPServeError
 from mtpserve.workers.config import MTPServeConfig
+
+if TYPE_CHECKING:
+    from mtpserve.cluster.service.pool_engines import PoolEngine
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +84,13 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     except MTPServeError as exc:
         print(f"mtpserve: {exc}", file=sys.stderr)
         return 2
+    scales = cfg.server.most_replicas > cfg.server.replicas
     if uses_ray(cfg):
-        if cfg.server.most_replicas > cfg.server.replicas:
-            print(
-                "mtpserve: server.max_replicas (replicas added and removed at run time) runs on this node only; "
-                "through Ray (--tp > 1, --distributed, --address) give a fixed server.replicas",
-                file=sys.stderr,
-            )
-            return 2
-        if cfg.server.replicas > 1:
+        if cfg.server.replicas > 1 or scales:
             return serve_ray_replicas(cfg, stop)
         return serve_with_actor(cfg, stop)
 
-    if cfg.server.engine_process and cfg.server.num_frontends > 1:
+    if cfg.server.engine_process and (cfg.server.num_frontends > 1 or scales):
         return serve_pooled(cfg, stop)
     engine, rc = None, 0
     try:
@@ -132,15 +130,18 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
 
 
 def serve_pooled(
-    cfg: MTPServeConfig, stop: threading.Event | None = None, listening: Sequence[tuple[str, bytes]] = ()
+    cfg: MTPServeConfig,
+    stop: threading.Event | None = None,
+    listening: Sequence[tuple[str, bytes]] = (),
+    spawn: Callable[[tuple[str, bytes]], PoolEngine] | None = None,
 ) -> int:
     """`serve` with several front-end processes (FrontEndPool) over one engine, `server.replicas` engine processes,
-    or the engines already `listening` at those sockets (Ray replicas); exit status 1 when an engine stops on its own
-    and is not built again (one engine: never)."""
+    or the engines already `listening` at those sockets (Ray replicas, more of which `spawn` starts as the pool
+    grows); exit status 1 when an engine stops on its own and is not built again (one engine: never)."""
     from mtpserve.cluster.service.front_end_pool import FrontEndPool
 
     try:
-        pool = FrontEndPool(cfg, cfg.server.num_frontends, listening=listening)
+        pool = FrontEndPool(cfg, cfg.server.num_frontends, listening=listening, spawn=spawn)
     except MTPServeError as exc:
         print(f"mtpserve: {exc}", file=sys.stderr)
         return 2
@@ -197,10 +198,15 @@ def serve_with_actor(cfg: MTPServeConfig, stop: threading.Event | None = None) -
 
 def serve_ray_replicas(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     """`serve --replicas N` through Ray: N scheduler actors on this node, each with its workers placed by its own
-    placement group anywhere in the cluster, behind this process's front ends (a FrontEndPool routing over all)."""
+    placement group anywhere in the cluster, behind this process's front ends (a FrontEndPool routing over all,
+    which starts and stops more of them between `replicas` and `max_replicas`)."""
     import tempfile
 
-    from mtpserve.cluster.distributed.scheduler_actor import start_replica_actors, stop_scheduler_actor
+    from mtpserve.cluster.distributed.scheduler_actor import (
+        ReplicaActorEngine,
+        start_replica_actors,
+        stop_scheduler_actor,
+    )
     from mtpserve.cluster.service.pool_engines import engine_addresses
 
     folder = tempfile.mkdtemp(prefix="mtpserve-replicas-")
@@ -211,7 +217,7 @@ def serve_ray_replicas(cfg: MTPServeConfig, stop: threading.Event | None = None)
         print(f"mtpserve: could not start the replicas' scheduler actors: {exc}", file=sys.stderr)
         return 2
     try:
-        rc = serve_pooled(cfg, stop, listening=addresses)
+        rc = serve_pooled(cfg, stop, listening=addresses, spawn=ReplicaActorEngine.spawner(cfg))
     finally:
         for actor in actors:
             with contextlib.suppress(Exception):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtpserve.cluster.service.front_end_pool import FrontEndPool
 from mtpserve.cluster.service.front_end_process import FrontEndProcess
-from mtpserve.cluster.service.pool_engines import EngineThread
+from mtpserve.cluster.service.pool_engines import EngineThread, ListeningEngine
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
 
@@ -127,6 +127,39 @@ def start_replica_actors(cfg: MTPServeConfig, addresses: Sequence[tuple[str, byt
                 ray.kill(a, no_restart=True)
         raise
     return actors
+
+
+class ReplicaActorEngine:
+    """A replica's scheduler actor that a FrontEndPool adds at run time (`server.max_replicas`), as one of its
+    engines: the pool hears it as a ListeningEngine, and `close` stops the actor with its workers."""
+
+    def __init__(self, address: tuple[str, bytes], actor: Any) -> None:
+        self.address, self.actor = address, actor
+        self._listening = ListeningEngine(address)
+        self.control = self._listening.control
+
+    @classmethod
+    def spawner(cls, cfg: MTPServeConfig) -> Callable[[tuple[str, bytes]], ReplicaActorEngine]:
+        """What builds one more replica actor for the pool, serving at the address given."""
+        return lambda address: cls(address, start_replica_actors(cfg, [address])[0])
+
+    pid = None  # the actor's process is Ray's to know
+
+    def status(self) -> str:
+        """How it ended, for errors and logs."""
+        return self._listening.status()
+
+    def join(self, timeout: float) -> None:
+        """Nothing to wait for: `close` stops it."""
+
+    def again(self) -> ReplicaActorEngine:
+        """A connection to the same actor once Ray has started it again after a crash (it listens where it did)."""
+        return ReplicaActorEngine(self.address, self.actor)
+
+    def close(self) -> None:
+        """Stop the actor and its workers (nothing if it is gone already)."""
+        with contextlib.suppress(Exception):
+            stop_scheduler_actor(self.actor)
 
 
 def stop_scheduler_actor(actor: Any) -> None:

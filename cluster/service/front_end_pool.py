@@ -14,18 +14,15 @@ state, sent here), and stops everything in order.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Sequence
 from multiprocessing import connection as mp_connection
-from multiprocessing.process import BaseProcess
-from typing import Any
 
 from prometheus_client import CollectorRegistry, multiprocess
 
@@ -40,72 +37,33 @@ from mtpserve.cluster.service.engine_child import (
     READY,
     STOP,
     STOPPED,
-    kill_at_exit,
 )
-from mtpserve.cluster.service.front_end_process import ROUTES, STOP_SERVING, run_front_ends, wait_serving
+from mtpserve.cluster.service.front_end_process import (
+    DRAIN,
+    DRAINED,
+    GROW,
+    ROUTES,
+    FrontEnd,
+)
 from mtpserve.cluster.service.metrics import EngineMetrics
 from mtpserve.cluster.service.metrics_http import MetricsEndpoint
 from mtpserve.cluster.service.pool_engines import (
     EngineChild,
+    EngineSlots,
     EngineThread,
     ListeningEngine,
     PoolEngine,
     engine_addresses,
 )
+from mtpserve.cluster.service.replica_scaling import Scaler
 from mtpserve.cluster.service.request_book import EngineLoad, observe_engine, summed_loads
 from mtpserve.cluster.service.server import host_port
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 REBUILD_RETRY_S = 5.0  # after an engine failed to build again
-
-
-class FrontEnd:
-    """One front-end process of the pool, and the pipe it reports on."""
-
-    def __init__(self, cfg: MTPServeConfig, engines: list[tuple[str, bytes]], index: int, metrics_dir: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.index = index
-        self._send_lock = threading.Lock()
-        self.control, child_control = ctx.Pipe()
-        self.proc: BaseProcess = ctx.Process(
-            target=run_front_ends,
-            args=(
-                cfg,
-                engines,
-                child_control,
-                os.getpid(),
-                logging.getLogger().getEffectiveLevel(),
-                f"front end {index}",
-            ),
-            name=f"mtpserve-front-end-{index}",
-            daemon=True,
-        )
-        with _environ(MULTIPROC_ENV, metrics_dir):  # the child's metrics go to the shared files
-            self.proc.start()
-        atexit.register(kill_at_exit, self.proc)
-        child_control.close()
-
-    def wait_serving(self) -> tuple[int, int | None]:
-        """The gRPC and HTTP ports it bound, once it serves; FrontEndError (or its own error) if it cannot."""
-        msg = wait_serving(self.control, self.proc, f"front end {self.index}")
-        return msg[4], msg[5]
-
-    def send(self, msg: tuple[Any, ...]) -> None:
-        """Send on its control pipe (from any thread); nothing if the pipe is closed."""
-        with self._send_lock, contextlib.suppress(OSError):
-            self.control.send(msg)
-
-    def stop(self, timeout: float) -> None:
-        """Ask it to stop (its streams end as at any server stop); kill it past `timeout` s."""
-        self.send((STOP_SERVING,))
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5.0)
-        self.control.close()
+SCALE_EVERY_S = 0.5  # how often the scaler reads the engines' loads
 
 
 class FrontEndPool:
@@ -123,13 +81,27 @@ class FrontEndPool:
         count: int,
         engine: LLMEngine | None = None,
         listening: Sequence[tuple[str, bytes]] = (),
+        spawn: Callable[[tuple[str, bytes]], PoolEngine] | None = None,
     ) -> None:
         self.cfg = cfg
         self._dir = tempfile.mkdtemp(prefix="mtpserve-")
         self._metrics_dir = os.path.join(self._dir, "metrics")
         os.mkdir(self._metrics_dir)
         n = len(listening) or (1 if engine is not None else cfg.server.replicas)
-        self._addresses = list(listening) or engine_addresses(self._dir, n)
+        slots = n if engine is not None else max(n, cfg.server.most_replicas)
+        self._addresses = list(listening) + engine_addresses(self._dir, slots)[len(listening) :]
+        self._spawn = spawn or (lambda address: EngineChild(cfg, address))
+        self._count = n  # engines in slots 0..count-1 (the last one may be draining)
+        self._draining: int | None = None  # the slot leaving, until every front end said DRAINED
+        self._drain_waits: set[int] = set()  # the front ends (indexes) still to say so
+        self._retired: set[int] = set()  # slots whose engine the pool stopped on purpose
+        self.scaled: list[tuple[str, int]] = []  # ("up" | "down", slot), in order
+        sc = cfg.server
+        self._scaler = (
+            Scaler(sc.replicas, sc.most_replicas, sc.scale_up_waiting, cfg.scheduler.max_num_requests, sc.scale_hold_s)
+            if engine is None and sc.most_replicas > sc.replicas
+            else None
+        )
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._front_ends: list[FrontEnd] = []
@@ -144,19 +116,21 @@ class FrontEndPool:
             elif engine is not None:
                 self._engines.append(EngineThread(engine, self._addresses[0]))
             else:
-                self._engines.extend(EngineChild(cfg, a) for a in self._addresses)
+                self._engines.extend(self._spawn(a) for a in self._addresses[:n])
             ready = [self._wait_engine(e) for e in self._engines]
             self.info = ready[0][0]
             self._loads = [load for _, load in ready]
             self.engine_running = True
-            first = FrontEnd(cfg, self._addresses, 0, self._metrics_dir)
+            first = FrontEnd(cfg, EngineSlots(self._addresses, n), 0, self._metrics_dir)
             self._front_ends.append(first)
             self.port, self.http_port = first.wait_serving()
             # the others bind the ports the first one bound (it may have been given 0)
             self._bound = cfg.model_copy(
                 update={"server": cfg.server.model_copy(update={"port": self.port, "http_port": self.http_port})}
             )
-            more = [FrontEnd(self._bound, self._addresses, i, self._metrics_dir) for i in range(1, count)]
+            more = [
+                FrontEnd(self._bound, EngineSlots(self._addresses, n), i, self._metrics_dir) for i in range(1, count)
+            ]
             self._front_ends.extend(more)
             for fe in more:
                 fe.wait_serving()
@@ -175,10 +149,10 @@ class FrontEndPool:
             self.stop(timeout=5.0)
             raise
         for i in range(n):
-            reader = threading.Thread(target=self._read_engine, args=(i,), name=f"mtpserve-engine-{i}", daemon=True)
-            reader.start()
-            self._readers.append(reader)
+            self._start_reader(i)
         threading.Thread(target=self._watch, name="mtpserve-front-end-watch", daemon=True).start()
+        if self._scaler is not None:
+            threading.Thread(target=self._scale, args=(self._scaler,), name="mtpserve-scaling", daemon=True).start()
 
     @property
     def address(self) -> str:
@@ -204,14 +178,21 @@ class FrontEndPool:
 
     @property
     def loads(self) -> list[EngineLoad]:
-        """Each engine's state as it last reported it."""
+        """Each engine slot's state as it last reported it."""
         with self._lock:
             return list(self._loads)
 
     @property
     def load(self) -> EngineLoad:
-        """The engines' states as last reported, added up."""
-        return summed_loads(self.loads)
+        """The running engines' states as last reported, added up."""
+        with self._lock:
+            return summed_loads(self._loads[: self._count])
+
+    @property
+    def engines_up(self) -> int:
+        """Engines running (one being drained included; `loads` also keeps the last state of those stopped)."""
+        with self._lock:
+            return self._count
 
     def _wait_engine(self, engine: PoolEngine) -> tuple[pb.ModelInfo, EngineLoad]:
         try:
@@ -227,7 +208,12 @@ class FrontEndPool:
     def _observe(self, i: int, load: EngineLoad) -> None:
         with self._lock:
             self._loads[i] = load
-            observe_engine(self._engine_metrics, summed_loads(self._loads))
+            observe_engine(self._engine_metrics, summed_loads(self._loads[: self._count]))
+
+    def _start_reader(self, i: int) -> None:
+        reader = threading.Thread(target=self._read_engine, args=(i,), name=f"mtpserve-engine-{i}", daemon=True)
+        reader.start()
+        self._readers.append(reader)
 
     def _read_engine(self, i: int) -> None:
         """Engine i's state (a few times a second) into the engine-wide metrics, until it ends; then, with
@@ -247,7 +233,7 @@ class FrontEndPool:
                 pass
             except Exception:
                 log.exception("reading engine %d's state failed", i)
-            if self._stopping.is_set():
+            if self._stopping.is_set() or i in self._retired:
                 return
             log.error("engine %d: %s", i, engine.status())
             if len(self._engines) == 1 or not self._build_again(i):  # one engine: serving ends with it
@@ -283,6 +269,8 @@ class FrontEndPool:
         try:
             while True:
                 msg = fe.control.recv()
+                if msg[0] == DRAINED:
+                    self._heard_drained(fe.index, msg[1])
                 if msg[0] != ROUTES:
                     continue
                 with self._lock:
@@ -306,7 +294,9 @@ class FrontEndPool:
                 if fe.proc.pid is not None:
                     multiprocess.mark_process_dead(fe.proc.pid, self._metrics_dir)
                 fe.control.close()
-                new = FrontEnd(self._bound, self._addresses, fe.index, self._metrics_dir)
+                with self._lock:
+                    in_service = self._count - (self._draining is not None)
+                new = FrontEnd(self._bound, EngineSlots(self._addresses, in_service), fe.index, self._metrics_dir)
                 try:
                     new.wait_serving()
                     self._start_relay(new)
@@ -314,6 +304,83 @@ class FrontEndPool:
                     log.exception("front end %d could not be started again", fe.index)
                 with self._lock:
                     self._front_ends[self._front_ends.index(fe)] = new
+                    missed = range(in_service, self._count - (self._draining is not None))
+                for slot in missed:  # engines added while it started
+                    new.send((GROW, slot))
+                self._heard_drained(fe.index, self._draining)  # the new one never routed to a leaving slot
+
+    # ---- scaling (server.max_replicas) --------------------------------------------------------------
+    def _scale(self, scaler: Scaler) -> None:
+        """Every SCALE_EVERY_S, what `scaler` asks of the engines in service: one more (built, then every front end
+        connects to it) or one fewer (every front end stops sending it requests; once each has nothing left in
+        flight there, it is stopped)."""
+        while not self._stopping.wait(SCALE_EVERY_S):
+            with self._lock:
+                if self._draining is not None:
+                    continue
+                loads = [(load.running, load.waiting) for load in self._loads[: self._count]]
+            action = scaler.decide(loads, time.monotonic())
+            if action == "up":
+                self._grow()
+            elif action == "down":
+                self._drain()
+
+    def _grow(self) -> None:
+        slot = self._count
+        log.info("requests wait at every engine: adding engine %d", slot)
+        try:
+            engine = self._spawn(self._addresses[slot])
+            load = self._wait_engine(engine)[1]
+        except Exception:
+            log.exception("engine %d could not be built; the pool stays at %d", slot, slot)
+            return
+        with self._lock:
+            if slot < len(self._engines):
+                self._engines[slot], self._loads[slot] = engine, load
+            else:
+                self._engines.append(engine)
+                self._loads.append(load)
+            self._retired.discard(slot)
+            self._count += 1
+            self.scaled.append(("up", slot))
+            front_ends = list(self._front_ends)
+        self._start_reader(slot)
+        for fe in front_ends:
+            fe.send((GROW, slot))
+
+    def _drain(self) -> None:
+        with self._lock:
+            slot = self._count - 1
+            self._draining = slot
+            self._drain_waits = {fe.index for fe in self._front_ends}
+            self.scaled.append(("down", slot))
+            front_ends = list(self._front_ends)
+        log.info("the load fits fewer engines: engine %d takes no new requests and stops when idle", slot)
+        for fe in front_ends:
+            fe.send((DRAIN, slot))
+
+    def _heard_drained(self, front_end: int, slot: int | None) -> None:
+        """Front end `front_end` has nothing in flight on `slot` any more; the last one to say so stops it."""
+        with self._lock:
+            if slot is None or slot != self._draining or front_end not in self._drain_waits:
+                return
+            self._drain_waits.discard(front_end)
+            if self._drain_waits:
+                return
+            self._retired.add(slot)
+            engine = self._engines[slot]
+        threading.Thread(target=self._retire, args=(slot, engine), name=f"mtpserve-retire-{slot}", daemon=True).start()
+
+    def _retire(self, slot: int, engine: PoolEngine) -> None:
+        with contextlib.suppress(OSError):
+            engine.control.send((STOP,))
+        engine.join(self.cfg.server.drain_timeout_s + 15.0)
+        engine.close()
+        with self._lock:
+            self._count -= 1
+            self._draining = None
+            observe_engine(self._engine_metrics, summed_loads(self._loads[: self._count]))
+        log.info("engine %d stopped; %d in service", slot, self._count)
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop the front ends (in parallel; each drains its streams first), then the engines; remove the pool's
@@ -323,7 +390,7 @@ class FrontEndPool:
         self._stopping.set()
         with self._lock:
             front_ends = list(self._front_ends)
-            engines = list(self._engines)
+            engines = [e for i, e in enumerate(self._engines) if i not in self._retired]
         stoppers = [threading.Thread(target=fe.stop, args=(timeout,)) for fe in front_ends]
         for t in stoppers:
             t.start()
@@ -338,20 +405,7 @@ class FrontEndPool:
             reader.join(5.0)  # until its engine answered STOPPED: then its connection may close
         for engine in engines:
             engine.control.close()
+            engine.close()
         if self._http_server is not None:
             self._http_server.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    """`name` set to `value` in this process's environment for the block (a spawned child copies it)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old

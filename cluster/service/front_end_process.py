@@ -11,7 +11,7 @@ import logging
 import multiprocessing as mp
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 from mtpserve.cluster.engine.errors import MTPServeError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.service.engine_child import ERROR, PipedEngine, kill_at_exit, portable, send_ready, serve_as_child
+from mtpserve.cluster.service.pool_engines import EngineSlots
 from mtpserve.cluster.service.replica_set import ReplicaSet
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
@@ -26,6 +27,9 @@ from mtpserve.workers.config import MTPServeConfig
 log = logging.getLogger(__name__)
 SERVING, STOP_SERVING = "serving", "stop-serving"
 ROUTES = "routes"  # prompts' block keys and the replicas they went to, between front ends through the pool
+GROW, DRAIN = "grow", "drain"  # from the pool: connect to the engine of a slot; send a slot no new requests
+DRAINED = "drained"  # to the pool: nothing of this front end is in flight on a draining slot any more
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 START_TIMEOUT_S = 300.0
 SHARE_EVERY_S = 0.02  # how often a front end sends the routes it made since the last time
 
@@ -138,7 +142,7 @@ def wait_serving(control: Connection, proc: BaseProcess, name: str) -> tuple[Any
 
 def run_front_ends(
     cfg: MTPServeConfig,
-    engine_pipe: Connection | list[tuple[str, bytes]],
+    engine_pipe: Connection | EngineSlots,
     control: Connection,
     parent_pid: int,
     log_level: int,
@@ -152,10 +156,8 @@ def run_front_ends(
     serves no metrics port (the pool serves one view of all)."""
     serve_as_child(parent_pid, log_level, tag)
     try:
-        if isinstance(engine_pipe, list):
-            server = MTPServer(
-                None, cfg, metrics=False, engine_addresses=engine_pipe, engine_metrics=False, reuse_port=True
-            )
+        if isinstance(engine_pipe, EngineSlots):
+            server = MTPServer(None, cfg, metrics=False, engines=engine_pipe, engine_metrics=False, reuse_port=True)
         else:
             server = MTPServer(None, cfg, engine_pipe=engine_pipe)
         server.start()
@@ -164,18 +166,20 @@ def run_front_ends(
         return
     control.send((SERVING, server.address, server.metrics_port, server.http_address, server.port, server.http_port))
     outbox = RouteOutbox(control)
-    if isinstance(server.loop, ReplicaSet):
-        server.loop.on_route = outbox.add
+    replicas = server.loop if isinstance(server.loop, ReplicaSet) else None
+    if replicas is not None:
+        replicas.on_route = outbox.add
+        replicas.on_drained = lambda slot: outbox.send((DRAINED, slot))
         threading.Thread(target=outbox.run, name="mtpserve-route-share", daemon=True).start()
     try:
         while server.loop.running:
             if not control.poll(0.5):
                 continue
             msg = control.recv()
-            if msg[0] != ROUTES:
+            if msg[0] not in (ROUTES, GROW, DRAIN):
                 break  # STOP_SERVING
-            if isinstance(server.loop, ReplicaSet):
-                server.loop.learn(msg[1])
+            if replicas is not None:
+                _follow_pool(replicas, msg)
     except (EOFError, OSError):
         pass
     finally:
@@ -183,13 +187,25 @@ def run_front_ends(
         server.stop(grace=cfg.server.drain_timeout_s)
 
 
+def _follow_pool(replicas: ReplicaSet, msg: tuple[Any, ...]) -> None:
+    """Do what a pool's message asks of this front end's replica set."""
+    if msg[0] == ROUTES:
+        replicas.learn(msg[1])
+    elif msg[0] == GROW:
+        replicas.grow(msg[1])
+    else:
+        replicas.drain(msg[1])
+
+
 class RouteOutbox:
-    """The routes a front end's replica set made, sent on its control pipe every SHARE_EVERY_S in one message; the
-    pool hands them to the other front ends, whose routers then know which replica caches those prefixes."""
+    """The routes a front end's replica set made, sent on its control pipe every SHARE_EVERY_S in one message (the
+    pool hands them to the other front ends, whose routers then know which replica caches those prefixes), and
+    whatever else the front end tells the pool (`send`)."""
 
     def __init__(self, control: Connection) -> None:
         self._control = control
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._routes: list[tuple[list[bytes], int]] = []
         self.stopped = threading.Event()
 
@@ -198,13 +214,79 @@ class RouteOutbox:
         with self._lock:
             self._routes.append((keys, replica))
 
+    def send(self, msg: tuple[Any, ...]) -> bool:
+        """Send one message on the control pipe (the only sender there); False once the pipe is closed."""
+        with self._send_lock:
+            try:
+                self._control.send(msg)
+            except OSError:
+                return False
+        return True
+
     def run(self) -> None:
         """Send what was added, in batches, until stopped or the pipe closes."""
         while not self.stopped.wait(SHARE_EVERY_S):
             with self._lock:
                 routes, self._routes = self._routes, []
-            if routes:
-                try:
-                    self._control.send((ROUTES, routes))
-                except OSError:
-                    return
+            if routes and not self.send((ROUTES, routes)):
+                return
+
+
+class FrontEnd:
+    """One front-end process of the pool, and the pipe it reports on."""
+
+    def __init__(self, cfg: MTPServeConfig, engines: EngineSlots, index: int, metrics_dir: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.index = index
+        self._send_lock = threading.Lock()
+        self.control, child_control = ctx.Pipe()
+        self.proc: BaseProcess = ctx.Process(
+            target=run_front_ends,
+            args=(
+                cfg,
+                engines,
+                child_control,
+                os.getpid(),
+                logging.getLogger().getEffectiveLevel(),
+                f"front end {index}",
+            ),
+            name=f"mtpserve-front-end-{index}",
+            daemon=True,
+        )
+        with _environ(MULTIPROC_ENV, metrics_dir):  # the child's metrics go to the shared files
+            self.proc.start()
+        atexit.register(kill_at_exit, self.proc)
+        child_control.close()
+
+    def wait_serving(self) -> tuple[int, int | None]:
+        """The gRPC and HTTP ports it bound, once it serves; FrontEndError (or its own error) if it cannot."""
+        msg = wait_serving(self.control, self.proc, f"front end {self.index}")
+        return msg[4], msg[5]
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Send on its control pipe (from any thread); nothing if the pipe is closed."""
+        with self._send_lock, contextlib.suppress(OSError):
+            self.control.send(msg)
+
+    def stop(self, timeout: float) -> None:
+        """Ask it to stop (its streams end as at any server stop); kill it past `timeout` s."""
+        self.send((STOP_SERVING,))
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+        self.control.close()
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """`name` set to `value` in this process's environment for the block (a spawned child copies it)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old

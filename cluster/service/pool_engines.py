@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Protocol
 
@@ -55,11 +56,24 @@ class PoolEngine(Protocol):
         """What replaces it once it stopped (None: nothing)."""
         ...
 
+    def close(self) -> None:
+        """Release what it holds once it stopped (a Ray replica's actor); idempotent."""
+        ...
+
 
 def unlink_socket(path: str) -> None:
     """Remove a Unix socket file left by an engine that is gone (nothing if there is none)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+@dataclass
+class EngineSlots:
+    """The sockets a pool's engines listen at, one per slot, and how many of the first slots run an engine now
+    (a scaling pool fills the others as it grows)."""
+
+    addresses: list[tuple[str, bytes]]
+    up: int
 
 
 def engine_addresses(folder: str, count: int, stem: str = "engine") -> list[tuple[str, bytes]]:
@@ -103,6 +117,9 @@ class ListeningEngine:
         """A connection to the engine started again at the same socket (waits for it to listen)."""
         return ListeningEngine(self.address)
 
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 class EngineChild:
     """The engine built from `cfg` in a spawned process that listens for front ends on `address`; `control` is
@@ -144,6 +161,9 @@ class EngineChild:
     def again(self) -> EngineChild:
         """A new engine process in place of this one, at the same socket."""
         return EngineChild(self.cfg, self.address)
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 class EngineThread:
@@ -191,6 +211,9 @@ class EngineThread:
 
     def again(self) -> None:
         """None: an engine of this process is not built again here."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop serving the engine (its front ends' requests end) and wait for the thread."""

@@ -2,9 +2,10 @@
 (`EngineCore`) and sends each request to one replica, chosen by cached prefix and load (`PrefixRouter`) or in
 turn; aborts go to the replica that took the request. The replicas' states add up to one snapshot and one set of
 engine-wide metrics. A replica whose engine stops takes no more requests while the others serve, and is built
-again (`build`) and put back in service. With a `Scaler` the set grows by one replica under queue pressure and
-shrinks by one when the load would fit fewer: the leaving replica takes no new requests, finishes its streams, then
-stops (its slot parked, to be built again by the next growth)."""
+again (`build`) and put back in service. The set grows and shrinks as its pool says (front_end_pool.py, which
+scales the engines for all its front ends): `grow` connects to one more engine; `drain` takes a replica out of
+service, tells `on_drained` once this front end has nothing left in flight there, and parks the slot when its
+engine stops (to be filled by the next growth)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import contextlib
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -22,9 +22,8 @@ from typing import Any, Protocol
 from mtpserve.cluster.engine.request import SamplingParams
 from mtpserve.cluster.service.engine_process import EngineProcess
 from mtpserve.cluster.service.metrics import EngineMetrics, ServerMetrics
-from mtpserve.cluster.service.pool_engines import RECONNECT_WAIT_S, connect_engine
+from mtpserve.cluster.service.pool_engines import RECONNECT_WAIT_S, EngineSlots, connect_engine
 from mtpserve.cluster.service.replica_router import PrefixRouter, RouteChoice
-from mtpserve.cluster.service.replica_scaling import Scaler
 from mtpserve.cluster.service.request_book import (
     GRPC,
     EngineCore,
@@ -98,7 +97,6 @@ class ReplicaSet:
         router: PrefixRouter | RoundRobin,
         engine_metrics: EngineMetrics | None = None,
         build: Callable[[int], Replica] | None = None,
-        scaler: Scaler | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("a replica set needs at least one replica")
@@ -108,12 +106,12 @@ class ReplicaSet:
         self._lock = threading.Lock()
         self.counts = RoutedCounts({}, [0] * len(self.replicas))
         self._build = build
-        self._scaler = scaler
         self._reviving: set[int] = set()  # slots being built (again, or by growth)
-        self._draining: set[int] = set()  # leaving: no new requests, stopped once their streams end
+        self._draining: set[int] = set()  # leaving: no new requests; parked once their engine stops
+        self._told_drained: set[int] = set()  # draining slots `on_drained` heard about
         self.parked: set[int] = set()  # slots a shrink emptied
         self.revived = 0  # replicas built again after their engine stopped
-        self.scaled: list[tuple[str, int]] = []  # ("up" | "down", slot), in order
+        self.on_drained: Callable[[int], object] | None = None  # hears a draining slot with nothing in flight here
         self._stopping = threading.Event()
         self._publisher = threading.Thread(target=self._watch, name="mtpserve-replicas", daemon=True)
         self.on_route: Callable[[list[bytes], int], None] | None = None  # hears each prompt's keys and replica
@@ -238,37 +236,43 @@ class ReplicaSet:
                 if not replica.running and i not in self._reviving | self._draining | self.parked:
                     log.warning("replica %d stopped; building it again", i)
                     self._start_build(i, replica)
-            if self._scaler is not None:
-                self._scale(self._scaler)
+            self._follow_drains()
 
     def _start_build(self, i: int, old: Replica | None) -> None:
         self._reviving.add(i)
         threading.Thread(target=self._rebuild, args=(i, old), daemon=True).start()
 
-    def _scale(self, scaler: Scaler) -> None:
-        """Grow or shrink by one replica as the scaler asks; stop drained replicas."""
-        busy = self._reviving | self._draining | self.parked
-        active = [i for i, r in enumerate(self.replicas) if r.running and i not in busy]
-        snapshots = [self.replicas[i].snapshot for i in active]
-        loads = [(s.running, s.waiting) for s in snapshots]
-        action = scaler.decide(loads, time.monotonic()) if not self._reviving and not self._draining else None
-        if action == "up":
-            slot = min(self.parked) if self.parked else len(self.replicas)
-            log.info("requests wait at every replica: adding replica %d", slot)
-            self.scaled.append(("up", slot))
-            self._start_build(slot, None)
-        elif action == "down" and len(active) > 1:
-            slot = max(active)
-            log.info("the load fits fewer replicas: replica %d takes no new requests and stops when idle", slot)
-            self.scaled.append(("down", slot))
-            with self._lock:
-                self._draining.add(slot)
-                self._update_service()
+    # ---- growing and shrinking, as the pool says -------------------------------------------------------
+    def grow(self, slot: int) -> None:
+        """Connect to the engine the pool built for `slot` (the next one, or a parked one) and put it in service."""
+        with self._lock:
+            if slot in self._reviving or (slot < len(self.replicas) and slot not in self.parked):
+                return  # already in service, or on its way
+            if slot > len(self.replicas):
+                raise ValueError(f"slot {slot} is past the next one ({len(self.replicas)})")
+            self._reviving.add(slot)
+        threading.Thread(target=self._rebuild, args=(slot, None), daemon=True).start()
+
+    def drain(self, slot: int) -> None:
+        """Send `slot` no new requests; its streams here run to their end (then `on_drained` hears of it)."""
+        with self._lock:
+            self._draining.add(slot)
+            self._told_drained.discard(slot)
+            self._update_service()
+
+    def _follow_drains(self) -> None:
+        """Tell `on_drained` of draining slots with nothing in flight here; park those whose engine stopped."""
         for slot in list(self._draining):
-            if self.replicas[slot].in_flight() == 0:
-                self.replicas[slot].stop()
-                self._draining.discard(slot)
-                self.parked.add(slot)
+            replica = self.replicas[slot]
+            if slot not in self._told_drained and replica.in_flight() == 0:
+                self._told_drained.add(slot)
+                if self.on_drained is not None:
+                    self.on_drained(slot)
+            if not replica.running:
+                with self._lock:
+                    self._draining.discard(slot)
+                    self.parked.add(slot)
+                replica.stop(1.0)
 
     def _rebuild(self, i: int, old: Replica | None) -> None:
         """Build replica i (replacing a stopped one, filling a parked slot, or appending) and put it in service,
@@ -318,11 +322,6 @@ def start_replicas(
             cfg, event_loop, metrics, on_health_change, on_serving=on_serving, engine_wide_metrics=False
         )
 
-    sc = cfg.server
-    scaler = None
-    if sc.most_replicas > sc.replicas:
-        capacity = cfg.scheduler.max_num_requests
-        scaler = Scaler(sc.replicas, sc.most_replicas, sc.scale_up_waiting, capacity, hold_s=sc.scale_hold_s)
     with futures.ThreadPoolExecutor(n) as pool:
         jobs = [pool.submit(build, i) for i in range(n)]
     built = [j.result() for j in jobs if j.exception() is None]
@@ -331,7 +330,7 @@ def start_replicas(
         for replica in built:
             replica.stop()
         raise failed[0]  # type: ignore[misc]
-    return ReplicaSet(built, make_router(cfg, n), metrics.engine, build, scaler=scaler)
+    return ReplicaSet(built, make_router(cfg, n), metrics.engine, build)
 
 
 def make_router(cfg: MTPServeConfig, replicas: int) -> PrefixRouter | RoundRobin:
@@ -343,21 +342,22 @@ def make_router(cfg: MTPServeConfig, replicas: int) -> PrefixRouter | RoundRobin
 
 def connect_replicas(
     cfg: MTPServeConfig,
-    addresses: Sequence[tuple[str, bytes]],
+    slots: EngineSlots,
     event_loop: asyncio.AbstractEventLoop,
     metrics: ServerMetrics,
     on_health_change: Callable[[bool], None],
     on_serving: Callable[[bool], None],
 ) -> ReplicaSet:
-    """A set over engines that run already, each in its own process listening at one of `addresses`: what each
-    of several front ends (front_end_pool.py) serves. A replica whose engine stops is connected to again once
-    the pool has built it again at the same address."""
+    """A set over the engines that run already in the first `slots.up` slots, each in its own process listening
+    at its slot's address: what each of several front ends (front_end_pool.py) serves. A replica whose engine
+    stops is connected to again once the pool has built it again at the same address; `grow` connects to the
+    engine of a further slot."""
 
     def build(i: int) -> EngineProcess:
-        conn = connect_engine(addresses[i], RECONNECT_WAIT_S)
+        conn = connect_engine(slots.addresses[i], RECONNECT_WAIT_S)
         return EngineProcess(
             cfg, event_loop, metrics, on_health_change, pipe=conn, on_serving=on_serving, engine_wide_metrics=False
         )
 
-    built = [build(i) for i in range(len(addresses))]
-    return ReplicaSet(built, make_router(cfg, len(addresses)), None, build)
+    built = [build(i) for i in range(slots.up)]
+    return ReplicaSet(built, make_router(cfg, slots.up), None, build)

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import resource
 import time
-from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 import grpc
@@ -32,7 +31,7 @@ from mtpserve.cluster.service.grpc_handlers import add_inference_servicer
 from mtpserve.cluster.service.health import LiveHealth
 from mtpserve.cluster.service.http_api import OpenAIAPI
 from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
-from mtpserve.cluster.service.pool_engines import connect_engine
+from mtpserve.cluster.service.pool_engines import EngineSlots, connect_engine
 from mtpserve.cluster.service.replica_set import connect_replicas, start_replicas
 from mtpserve.cluster.service.request_book import EngineCore
 from mtpserve.cluster.service.servicer import SERVICE_NAME, InferenceServicer
@@ -68,7 +67,7 @@ class MTPServer:
     engine from `cfg` in a process of its own (EngineProcess; the build's errors, such as ModelLoadError, are
     raised here; `server.replicas` > 1 such processes behind one `ReplicaSet`), or, given `engine_pipe`, drives the
     engine at the other end of that pipe. One of several front ends on the same ports takes `reuse_port`,
-    `engine_metrics` False (another process records those) and the Unix-socket `engine_addresses` its engines
+    `engine_metrics` False (another process records those) and the Unix-socket `engines` its engines
     listen at (several: replicas, behind one `ReplicaSet`)."""
 
     def __init__(
@@ -79,7 +78,7 @@ class MTPServer:
         engine_pipe: Connection | None = None,
         engine_metrics: bool = True,
         reuse_port: bool = False,
-        engine_addresses: Sequence[tuple[str, bytes]] = (),
+        engines: EngineSlots | None = None,
     ) -> None:
         if cfg is None:
             assert engine is not None, "give an engine or a config"
@@ -96,16 +95,18 @@ class MTPServer:
         )
         self.loop: EngineCore
         try:
-            if len(engine_addresses) > 1:
+            if cfg.server.most_replicas > cfg.server.replicas and engines is None:
+                raise ValueError("server.max_replicas scales the engines of a FrontEndPool, not of one MTPServer")
+            if engines is not None and len(engines.addresses) > 1:
                 self.loop = connect_replicas(
                     cfg,
-                    engine_addresses,
+                    engines,
                     self.front_end.loop,
                     self.metrics,
                     on_health_change=lambda _ok: self.health.changed(),
                     on_serving=self.set_serving,
                 )
-            elif engine is None and engine_pipe is None and not engine_addresses and cfg.server.most_replicas > 1:
+            elif engine is None and engine_pipe is None and engines is None and cfg.server.replicas > 1:
                 self.loop = start_replicas(
                     cfg,
                     self.front_end.loop,
@@ -119,7 +120,7 @@ class MTPServer:
                     self.front_end.loop,
                     self.metrics,
                     lambda _ok: self.health.changed(),
-                    pipe=connect_engine(engine_addresses[0], 0.0) if engine_addresses else engine_pipe,
+                    pipe=connect_engine(engines.addresses[0], 0.0) if engines is not None else engine_pipe,
                     on_serving=self.set_serving,
                 )
             else:

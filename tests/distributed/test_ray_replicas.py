@@ -5,10 +5,11 @@ answers, a replica's actor killed under load and restarted by Ray, and the comma
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from mtpserve.cluster.service.client import MTPServeClient
 from mtpserve.cluster.service.front_end_pool import FrontEndPool
 from mtpserve.cluster.service.pool_engines import engine_addresses
 from mtpserve.workers.config import MTPServeConfig
-from tests.helpers.replicas import pool_chats, serves_again
+from tests.helpers.replicas import grows_and_shrinks, pool_chats, serves_again
 from tests.helpers.service import ServeProcess, stream_all, wait_for
 from tests.helpers.tiny import save_mimic
 
@@ -46,17 +47,19 @@ def _config(model: tuple[str, str], replicas: int, distributed: bool = True) -> 
     )
 
 
-@pytest.fixture
-def ray_replicas(ray_local: Any, model: tuple[str, str]) -> Iterator[tuple[list[Any], FrontEndPool]]:
-    """Two replica actors and a pool of two front ends over them; stopped after the test."""
+@contextlib.contextmanager
+def _ray_pool(
+    cfg: MTPServeConfig, spawn: Callable[[tuple[str, bytes]], Any] | None = None
+) -> Iterator[tuple[list[Any], FrontEndPool]]:
+    """`cfg.server.replicas` replica actors and a pool of two front ends over them (growing through `spawn`);
+    everything stopped afterwards."""
     from mtpserve.cluster.distributed.scheduler_actor import start_replica_actors, stop_scheduler_actor
 
-    cfg = _config(model, 2)
     folder = tempfile.mkdtemp(prefix="mtpserve-test-")
-    addresses = engine_addresses(folder, 2, stem="replica")
+    addresses = engine_addresses(folder, cfg.server.replicas, stem="replica")
     actors = start_replica_actors(cfg, addresses)
     try:
-        pool = FrontEndPool(cfg, 2, listening=addresses)
+        pool = FrontEndPool(cfg, 2, listening=addresses, spawn=spawn)
         try:
             yield actors, pool
         finally:
@@ -65,6 +68,13 @@ def ray_replicas(ray_local: Any, model: tuple[str, str]) -> Iterator[tuple[list[
         for actor in actors:
             stop_scheduler_actor(actor)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def ray_replicas(ray_local: Any, model: tuple[str, str]) -> Iterator[tuple[list[Any], FrontEndPool]]:
+    """Two replica actors and a pool of two front ends over them; stopped after the test."""
+    with _ray_pool(_config(model, 2)) as pair:
+        yield pair
 
 
 def test_ray_replicas_route_by_prefix_and_answer_like_one_engine(
@@ -114,11 +124,8 @@ def test_a_killed_replica_actor_is_restarted_by_ray_and_served_again(
     assert serves_again(pool, 0, timeout=120)
 
 
-def test_serve_replicas_through_ray_from_the_command_line(
-    model: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`mtpserve serve --distributed --replicas 2 --frontends 2` serves greedy tokens equal to one local engine's,
-    and scaling through Ray is refused by name."""
+def test_serve_replicas_through_ray_from_the_command_line(model: tuple[str, str], tmp_path: Path) -> None:
+    """`mtpserve serve --distributed --replicas 2 --frontends 2` serves greedy tokens equal to one local engine's."""
     cfg = _config(model, 2)
     path = tmp_path / "cfg.yaml"
     path.write_text(cfg.model_dump_json())
@@ -130,8 +137,32 @@ def test_serve_replicas_through_ray_from_the_command_line(
             assert got == client.generate(token_ids=[5, 6, 7, 8], max_tokens=8, ignore_eos=True)["token_ids"]
     finally:
         one.stop(timeout=10.0)
-    from mtpserve.cluster.cli.cmd_serve import serve
 
-    scaling = cfg.model_copy(update={"server": cfg.server.model_copy(update={"max_replicas": 3, "frontends": 1})})
-    assert serve(scaling) == 2
-    assert "server.max_replicas" in capsys.readouterr().err
+
+def test_ray_replicas_grow_under_pressure_and_shrink_without_cutting_a_stream(
+    ray_local: Any, model: tuple[str, str]
+) -> None:
+    """`serve --distributed --replicas 1 --max-replicas 2 --frontends 2`: the pool starts a second replica actor
+    under queue pressure, both front ends route to it, and once idle it drains it and stops the actor; no stream is
+    cut (tests.helpers.replicas.grows_and_shrinks)."""
+    from mtpserve.cluster.distributed.scheduler_actor import ReplicaActorEngine
+
+    cfg = _config(model, 1)
+    server = {"max_replicas": 2, "scale_up_waiting": 2, "scale_hold_s": 0.5}
+    cfg = cfg.model_copy(
+        update={
+            "server": cfg.server.model_copy(update=server),
+            "scheduler": cfg.scheduler.model_copy(update={"max_num_requests": 2}),
+        }
+    )
+    spawned: list[ReplicaActorEngine] = []
+
+    def spawn(address: tuple[str, bytes]) -> ReplicaActorEngine:
+        spawned.append(ReplicaActorEngine.spawner(cfg)(address))
+        return spawned[-1]
+
+    with _ray_pool(cfg, spawn) as (_, pool):
+        grows_and_shrinks(pool)
+    assert len(spawned) == 1
+    with pytest.raises(ray_local.exceptions.RayActorError):  # the shrink stopped the added replica's actor
+        ray_local.get(spawned[0].actor.ready.remote(), timeout=30)

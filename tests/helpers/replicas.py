@@ -1,9 +1,10 @@
 """Multi-turn chats against a FrontEndPool of replicas, and what its engines report: the prefix-cache tokens they
-served, and whether a given replica takes requests."""
+served, whether a given replica takes requests, and a growth and shrink of its engines under streams."""
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -65,3 +66,48 @@ def serves_again(pool: FrontEndPool, replica: int, timeout: float = 60.0) -> boo
         return pool.loads[replica].steps > steps
 
     return bool(wait_for(reached, timeout))
+
+
+def grows_and_shrinks(pool: FrontEndPool) -> None:
+    """Drive `pool` (one engine of 2 requests, growing to 2 engines once 2 requests wait per engine) through a
+    growth and a shrink: 8 clients send requests of 120 tokens one after another (2 run, 6 wait) until it has
+    added an engine, then 6 clients send 3 requests of 40 tokens each (those after the front ends connected to
+    the new engine go there too), and once idle it stops the added one. Asserts that no stream was cut and that a
+    request after the shrink is served."""
+    lengths: dict[int, list[int]] = {120: [], 40: []}
+    errors: list[BaseException] = []
+    grown = threading.Event()
+
+    def stream(i: int, tokens: int, requests: int) -> None:
+        try:
+            for _ in range(requests):
+                if tokens == 120 and grown.is_set():
+                    return
+                with MTPServeClient(pool.address) as client:
+                    out = client.generate(token_ids=[40 + i, 41, 42], max_tokens=tokens, ignore_eos=True)
+                lengths[tokens].append(len(out["token_ids"]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    assert pool.engines_up == 1
+    first = [threading.Thread(target=stream, args=(i, 120, 1000)) for i in range(8)]
+    for t in first:
+        t.start()
+    try:
+        wait_for(lambda: pool.engines_up == 2, 180)
+    except TimeoutError:
+        raise AssertionError(f"no growth: loads {pool.loads}, errors {errors}") from None
+    finally:
+        grown.set()
+    second = [threading.Thread(target=stream, args=(10 + i, 40, 3)) for i in range(6)]
+    for t in second:
+        t.start()
+    for t in first + second:
+        t.join(300)
+    assert errors == [] and lengths[40] == [40] * 18, (errors, lengths)
+    assert lengths[120] and set(lengths[120]) == {120}, lengths[120]
+    assert pool.loads[1].steps > 0, pool.loads  # the added engine took some of the requests
+    assert wait_for(lambda: pool.engines_up == 1, 120), pool.scaled  # idle again: back to one engine
+    assert pool.scaled == [("up", 1), ("down", 1)]
+    with MTPServeClient(pool.address) as client:
+        assert len(client.generate(token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)["token_ids"]) == 4

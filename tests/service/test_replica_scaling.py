@@ -1,18 +1,16 @@
-"""Scaling a replica set: the rule (`Scaler`) on loads, and `serve --max-replicas 2` growing under queue pressure and
-shrinking back without cutting a stream."""
+"""Scaling the engines: the rule (`Scaler`) on loads, and `serve --max-replicas 2` over two front ends growing under
+queue pressure and shrinking back without cutting a stream."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.front_end_pool import FrontEndPool
 from mtpserve.cluster.service.replica_scaling import Scaler
-from mtpserve.cluster.service.replica_set import ReplicaSet
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
-from tests.helpers.service import wait_for, write_tiny_model
+from tests.helpers.replicas import grows_and_shrinks
+from tests.helpers.service import write_tiny_model
 
 
 def test_the_rule_grows_under_waiting_and_shrinks_when_the_load_fits_fewer() -> None:
@@ -28,9 +26,11 @@ def test_the_rule_grows_under_waiting_and_shrinks_when_the_load_fits_fewer() -> 
 
 
 @pytest.mark.slow
-def test_a_set_grows_to_two_under_pressure_and_back_without_cutting_a_stream(
+def test_a_pool_grows_to_two_under_pressure_and_back_without_cutting_a_stream(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    """`serve --max-replicas 2 --frontends 2`: the pool adds an engine under queue pressure, both front ends route
+    to it, and once idle it drains and stops it; no stream is cut (tests.helpers.replicas.grows_and_shrinks)."""
     model, head = write_tiny_model(tmp_path_factory.mktemp("tiny"))
     cfg = MTPServeConfig.from_dict(
         {
@@ -38,47 +38,20 @@ def test_a_set_grows_to_two_under_pressure_and_back_without_cutting_a_stream(
             "speculative": {"draft": str(head), "num_draft_tokens": 2},
             "scheduler": {"num_kv_blocks": 256, "max_num_requests": 2},
             "server": {
-                "host": "127.0.0.1", "port": 0, "metrics_port": 0,
+                "host": "127.0.0.1", "port": 0, "metrics_port": 0, "frontends": 2,
                 "replicas": 1, "max_replicas": 2, "scale_up_waiting": 2, "scale_hold_s": 0.5,
             },
         }
     )  # fmt: skip
-    srv = MTPServer(None, cfg, metrics=False)
-    srv.start()
-    lengths: list[int] = []
-    errors: list[BaseException] = []
-
-    def stream(i: int, tokens: int) -> None:
-        client = MTPServeClient(srv.address)
-        try:
-            lengths.append(
-                len(client.generate(token_ids=[40 + i, 41, 42], max_tokens=tokens, ignore_eos=True)["token_ids"])
-            )
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            client.close()
-
+    pool = FrontEndPool(cfg, cfg.server.num_frontends)
     try:
-        loop = srv.loop
-        assert isinstance(loop, ReplicaSet) and len(loop.replicas) == 1
-        first = [threading.Thread(target=stream, args=(i, 120)) for i in range(8)]  # 2 run, 6 wait
-        for t in first:
-            t.start()
-        assert wait_for(lambda: len(loop.replicas) == 2 and 1 in loop.router.live, 90), loop.scaled
-        second = [threading.Thread(target=stream, args=(10 + i, 120)) for i in range(6)]
-        for t in second:
-            t.start()
-        for t in first + second:
-            t.join(300)
-        assert errors == [] and lengths == [120] * 14, (errors, lengths)
-        assert loop.counts.by_replica[1] > 0, loop.counts  # the added replica took some of the second wave
-        assert wait_for(lambda: loop.parked == {1}, 60), loop.scaled  # idle again: back to one replica
-        assert loop.scaled == [("up", 1), ("down", 1)]
-        client = MTPServeClient(srv.address)
-        try:
-            assert len(client.generate(token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)["token_ids"]) == 4
-        finally:
-            client.close()
+        grows_and_shrinks(pool)
     finally:
-        srv.stop(grace=0.0)
+        pool.stop(timeout=10.0)
+
+
+def test_one_server_refuses_to_scale_without_a_pool() -> None:
+    """Scaling is the pool's: an MTPServer asked to scale its own engines says so by field name."""
+    cfg = MTPServeConfig.from_dict({"model": {"device": "cpu"}, "server": {"replicas": 1, "max_replicas": 2}})
+    with pytest.raises(ValueError, match=r"server\.max_replicas"):
+        MTPServer(None, cfg, metrics=False)

@@ -122,14 +122,13 @@ def test_a_killed_replica_ends_its_streams_and_the_other_keeps_serving(tiny: tup
         srv.stop(grace=0.0)
 
 
-def test_replicas_need_engine_processes_and_scaling_one_front_end() -> None:
-    """More than one replica is refused without engine processes, and scaling with several front ends, each naming
-    the field; fixed replicas take several front ends, and scaling defaults to one."""
+def test_replicas_need_engine_processes_and_take_several_front_ends() -> None:
+    """More than one replica is refused without engine processes, naming the field; fixed and scaling replicas
+    both take several front ends."""
     base = {"model": {"device": "cpu"}, "server": {"replicas": 2}}
     assert MTPServeConfig.from_dict(base).server.replicas == 2
     with pytest.raises(ValueError, match=r"server\.replicas > 1.*server\.engine_process"):
         MTPServeConfig.from_dict({**base, "server": {"replicas": 2, "engine_process": False}})
-    with pytest.raises(ValueError, match=r"server\.max_replicas.*server\.frontends"):
-        MTPServeConfig.from_dict({**base, "server": {"replicas": 2, "max_replicas": 3, "frontends": 2}})
     assert MTPServeConfig.from_dict({**base, "server": {"replicas": 2, "frontends": 2}}).server.num_frontends == 2
-    assert MTPServeConfig.from_dict({**base, "server": {"replicas": 1, "max_replicas": 2}}).server.num_frontends == 1
+    scaling = MTPServeConfig.from_dict({**base, "server": {"replicas": 2, "max_replicas": 3, "frontends": 2}})
+    assert scaling.server.num_frontends == 2 and scaling.server.most_replicas == 3
