@@ -78,8 +78,7 @@ class RMSNorm(nn.Module):
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim] fp32
 
 
-# Rows the RoPE tables hold past the model's last position: a request's last steps draft (and verify) rows
-# past max_model_len, whose tokens are then cut off; a chain or tree is never deeper than this.
+# Rows the RoPE tables hold past the last position, for drafts past max_model_len (cut off); no chain or tree is deeper.
 DRAFT_POSITIONS = 64
 
 
@@ -175,14 +174,9 @@ class Attention(nn.Module):
     def kv_write(self, rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Metadata) -> KVWrite:
         """Where this step's K/V go in the layer's caches (`meta`'s slots), rotated by `rope`, in its head layout."""
         return KVWrite(
-            *rope,
-            slot_mapping=meta.slot_mapping,
-            k_cache=k_cache,
-            v_cache=v_cache,
-            heads=self.num_heads,
-            kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-        )
+            *rope, slot_mapping=meta.slot_mapping, k_cache=k_cache, v_cache=v_cache,
+            heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+        )  # fmt: skip
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Metadata) -> torch.Tensor:
         """Attend with rotated q [T, H, D] over the cache and project back (partial sum under TP)."""
@@ -266,11 +260,9 @@ class DecoderLayer(nn.Module):
         the next layer fuse that add into its input norm. `whole`: the add is done here instead (in the
         down projection where the ops allow), returning (hidden state, None)."""
         ops = self.input_layernorm.ops
-        pre, post = self.input_layernorm, self.post_attention_layernorm
-        q, residual = self.self_attn.project(
-            x, residual, norm=pre, rope=rope, k_cache=k_cache, v_cache=v_cache, meta=meta
-        )
-        a = self.self_attn(q, k_cache, v_cache, meta)
+        pre, post, attn = self.input_layernorm, self.post_attention_layernorm, self.self_attn
+        q, residual = attn.project(x, residual, norm=pre, rope=rope, k_cache=k_cache, v_cache=v_cache, meta=meta)
+        a = attn(q, k_cache, v_cache, meta)
         gate_up, residual = ops.norm_linear(a, residual, post.weight, post.eps, weight=self.mlp.gate_up_proj_weight())
         if whole:
             return self.mlp.down(gate_up, residual), None
@@ -348,15 +340,8 @@ class LlamaModel(nn.Module):
     ) -> KVCache:
         """A paged cache of `num_layers` layers holding this rank's share of the KV heads."""
         lo, hi = (tp or TPContext()).kv_head_range(args.num_key_value_heads)
-        return KVCache.allocate(
-            num_layers,
-            num_blocks,
-            block_size,
-            num_kv_heads=hi - lo,
-            head_dim=args.dim_per_head,
-            dtype=dtype,
-            device=device,
-        )
+        heads = {"num_kv_heads": hi - lo, "head_dim": args.dim_per_head}
+        return KVCache.allocate(num_layers, num_blocks, block_size, dtype=dtype, device=device, **heads)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, d]."""

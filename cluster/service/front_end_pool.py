@@ -98,7 +98,13 @@ class FrontEndPool:
         self.scaled: list[tuple[str, int]] = []  # ("up" | "down", slot), in order
         sc = cfg.server
         self._scaler = (
-            Scaler(sc.replicas, sc.most_replicas, sc.scale_up_waiting, cfg.scheduler.max_num_requests, sc.scale_hold_s)
+            Scaler(
+                min_replicas=sc.replicas,
+                max_replicas=sc.most_replicas,
+                up_waiting=sc.scale_up_waiting,
+                capacity=cfg.scheduler.max_num_requests,
+                hold_s=sc.scale_hold_s,
+            )
             if engine is None and sc.most_replicas > sc.replicas
             else None
         )
