@@ -26,6 +26,7 @@ from mtpserve.cluster.engine.errors import MTPServeError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.engine.scheduler import RequestOutput
 from mtpserve.cluster.service.model_info import model_info
+from mtpserve.cluster.service.peer_sender import PeerSender
 from mtpserve.cluster.service.request_book import EngineFailure, engine_load, step_error
 from mtpserve.modeling.loader import resolve_device
 from mtpserve.speculative.logits_processing import TokenLogprobs
@@ -207,7 +208,8 @@ class PipedEngine:
         self.peers = [Peer(conn, streams=streams)]
         self.owner: dict[str, Peer] = {}
         self.peer_gone = False
-        self._send_lock = threading.Lock()  # health listeners may call from the workers' restart thread
+        self._joining_lock = threading.Lock()  # the accepting thread adds to `_joining`
+        self._sender = PeerSender(self._broken)
         self._joining: list[Connection] = []
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._listener = listener
@@ -234,6 +236,8 @@ class PipedEngine:
             for peer in self.peers:
                 self._send_to(peer, (STOPPED, load))
         finally:
+            self._sender.flush()
+            self._sender.stop()
             if self._listener is not None:
                 with contextlib.suppress(OSError):
                     self._listener.close()
@@ -252,7 +256,7 @@ class PipedEngine:
             except Exception:  # a bad handshake (wrong key): refuse that one, keep listening
                 log.warning("refused a connection to the engine", exc_info=True)
                 continue
-            with self._send_lock:
+            with self._joining_lock:
                 self._joining.append(conn)
             with contextlib.suppress(OSError):
                 self._wake_w.send_bytes(b"j")
@@ -261,7 +265,7 @@ class PipedEngine:
         with contextlib.suppress(EOFError, OSError):
             while self._wake_r.poll():
                 self._wake_r.recv_bytes()
-        with self._send_lock:
+        with self._joining_lock:
             joining, self._joining = self._joining, []
         for conn in joining:
             peer = Peer(conn, streams=True, primary=False)
@@ -284,8 +288,7 @@ class PipedEngine:
         self.peers.remove(peer)
         for other in self.peers:
             other.stale = True  # its requests' blocks are free now
-        with contextlib.suppress(OSError):
-            peer.conn.close()
+        self._sender.close(peer.conn)
         log.info("a front end left (%d peers)", len(self.peers))
 
     # ---- commands -----------------------------------------------------------------------------------
@@ -399,9 +402,10 @@ class PipedEngine:
             self._send_to(peer, (HEALTH, ok))
 
     def _send_to(self, peer: Peer, msg: tuple[Any, ...]) -> None:
-        try:
-            with self._send_lock:
-                peer.conn.send(msg)
-        except OSError:
-            if peer.primary:
-                self.peer_gone = True
+        self._sender.send(peer.conn, msg)
+
+    def _broken(self, conn: Connection) -> None:
+        """A write to `conn` failed: when it is the primary peer's, serving ends (another peer's failure shows as
+        its pipe closing, and it leaves then)."""
+        if any(p.primary and p.conn is conn for p in self.peers):
+            self.peer_gone = True
