@@ -3,7 +3,8 @@
 The service config (ConfigMap config.yaml, loaded with MTPServeConfig) is the source of truth for
 the gRPC, HTTP and metrics ports. Against it, check_consistency compares the Service, the Ray head's
 container ports and probes (gRPC probes on the gRPC port, HTTP probes on /health of the HTTP port),
-the PodMonitor, the Dockerfile's EXPOSE, the image everywhere, the RayJob's --config path, the GPU
+the PodMonitor, the Dockerfile's EXPOSE, the image everywhere, the --config path of what runs the server (a
+RayJob's entrypoint, a RayService's Serve application, whose replica's resource the head must offer), the GPU
 worker groups and every container's security settings. The image itself (the Dockerfile, or a built
 image's config) must expose exactly the ports the Services publish, carry the manifests' image name and
 tag in its labels, and run as the pods' uid.
@@ -135,16 +136,42 @@ def _pod_monitor_errors(docs: list[Doc], heads: list[Doc]) -> Iterator[str]:
                     yield f"{_label(mon)}: {where}: no head container port named {ep.get('port')!r}"
 
 
-def jobs_running_on(owner: Doc, docs: list[Doc]) -> list[Doc]:
-    """The RayJobs whose driver runs on owner's head: owner itself, or clusterSelector jobs aimed at it."""
+SERVE_APP = "mtpserve.cluster.cli.serve_app:app"  # the Serve application a RayService runs the server with
+
+
+def servers_on(owner: Doc, docs: list[Doc]) -> list[tuple[Doc, str, Doc]]:
+    """(object, command line, its args) of what runs the server on owner's head: the RayJobs whose driver runs
+    there (owner itself, or clusterSelector jobs aimed at it; args empty), or a RayService's mtpserve Serve
+    application (its `serve` flags, and its args)."""
+    if owner.get("kind") == "RayService":
+        return [(owner, " ".join(a.get("argv") or []), a) for a in serve_app_args(owner)]
     if owner.get("kind") == "RayJob":
-        return [owner]
-    name = (owner.get("metadata") or {}).get("name")
-    return [
-        j
-        for j in _by_kind(docs, "RayJob")
-        if ((j.get("spec") or {}).get("clusterSelector") or {}).get("ray.io/cluster") == name
-    ]
+        jobs = [owner]
+    else:
+        name = (owner.get("metadata") or {}).get("name")
+        jobs = [
+            j
+            for j in _by_kind(docs, "RayJob")
+            if ((j.get("spec") or {}).get("clusterSelector") or {}).get("ray.io/cluster") == name
+        ]
+    return [(j, str((j.get("spec") or {}).get("entrypoint", "")), {}) for j in jobs]
+
+
+def serve_app_args(service: Doc) -> list[Doc]:
+    """The args of every application of a RayService's serveConfigV2 that runs mtpserve (SERVE_APP)."""
+    config = yaml.safe_load((service.get("spec") or {}).get("serveConfigV2") or "") or {}
+    apps = config.get("applications") or []
+    return [a.get("args") or {} for a in apps if isinstance(a, dict) and a.get("import_path") == SERVE_APP]
+
+
+def _offered_resources(head_spec: Doc) -> dict[str, Any]:
+    """The custom resources a head's rayStartParams offer (a JSON object in a string)."""
+    raw = (head_spec.get("rayStartParams") or {}).get("resources")
+    try:
+        offered = yaml.safe_load(raw) if isinstance(raw, str) else {}
+    except yaml.YAMLError:
+        return {}
+    return offered if isinstance(offered, dict) else {}
 
 
 def _mounted_volumes(template: Doc) -> Iterator[tuple[str, Doc]]:
@@ -180,7 +207,7 @@ def _credential_errors(where: str, template: Doc, cfg: Any) -> Iterator[str]:
 
 
 def _head_errors(
-    owner: Doc, path: list[Any], template: Doc, cfg: Any, config_map: Doc, jobs: list[Doc]
+    owner: Doc, path: list[Any], template: Doc, cfg: Any, config_map: Doc, servers: list[tuple[Doc, str, Doc]]
 ) -> Iterator[str]:
     where = f"{_label(owner)}: {json_path(path)}"
     container = template["spec"]["containers"][0]
@@ -197,12 +224,16 @@ def _head_errors(
     if mount is None:
         yield f"{where}: the head does not mount ConfigMap {config_map['metadata']['name']}"
         return
-    if not jobs:
-        yield f"{where}: no RayJob runs on this head"
-    for job in jobs:
+    if not servers:
+        yield f"{where}: nothing runs the server on this head (a RayJob, or a RayService with {SERVE_APP})"
+    for runner, command, args in servers:
         config_arg = f"--config {mount}/{CONFIG_KEY}"
-        if config_arg not in str((job.get("spec") or {}).get("entrypoint", "")):
-            yield f"{_label(job)}: entrypoint does not pass {config_arg!r}"
+        if config_arg not in command:
+            what = "the Serve application's args.argv" if runner.get("kind") == "RayService" else "entrypoint"
+            yield f"{_label(runner)}: {what} does not pass {config_arg!r}"
+        resource = args.get("endpoint_resource")
+        if resource is not None and resource not in _offered_resources(head_spec):
+            yield f"{_label(runner)}: the head's rayStartParams do not offer resource {resource!r} (endpoint_resource)"
 
 
 def _probe_errors(where: str, container: Doc, cfg: Any) -> Iterator[str]:
@@ -323,11 +354,9 @@ def check_consistency(docs: list[Doc], dockerfile: Path | None = DOCKERFILE, ima
         errors.append(f"image tag of {image} differs from the project version {project_version()}")
     heads = list(head_templates(docs))
     if not heads:
-        errors.append("no Ray head pod template (RayCluster or RayJob.rayClusterSpec)")
+        errors.append("no Ray head pod template (RayCluster, RayJob.rayClusterSpec or RayService.rayClusterConfig)")
     for owner, path, template in heads:
-        errors.extend(
-            _head_errors(owner, path, template, cfg, config_map=config_map, jobs=jobs_running_on(owner, docs))
-        )
+        errors.extend(_head_errors(owner, path, template, cfg, config_map=config_map, servers=servers_on(owner, docs)))
     errors.extend(_service_errors(docs, cfg, [t for _, _, t in heads]))
     errors.extend(_pod_monitor_errors(docs, [t for _, _, t in heads]))
     if _by_kind(docs, "PodMonitor") and cfg.server.metrics_host in ("127.0.0.1", "localhost", "::1", "[::1]"):

@@ -26,13 +26,15 @@ def json_path(parts: Iterable[Any]) -> str:
 
 
 def pod_templates(doc: Doc) -> Iterator[tuple[list[Any], dict[str, Any]]]:
-    """(path, template) of every pod template inside a RayCluster or RayJob."""
+    """(path, template) of every pod template inside a RayCluster, RayJob or RayService."""
     spec = doc.get("spec") or {}
     prefix: list[Any] = ["spec"]
     if doc.get("kind") == "RayJob":
         if isinstance(spec.get("submitterPodTemplate"), dict):
             yield ["spec", "submitterPodTemplate"], spec["submitterPodTemplate"]
         spec, prefix = spec.get("rayClusterSpec") or {}, ["spec", "rayClusterSpec"]
+    elif doc.get("kind") == "RayService":
+        spec, prefix = spec.get("rayClusterConfig") or {}, ["spec", "rayClusterConfig"]
     head = spec.get("headGroupSpec") or {}
     if isinstance(head.get("template"), dict):
         yield [*prefix, "headGroupSpec", "template"], head["template"]

@@ -1,6 +1,6 @@
 """Validate Kubernetes manifests offline and report every error with its JSON path.
 
-- RayCluster and RayJob (ray.io/v1): KubeRay's CRD OpenAPI schemas, read from the folder in
+- RayCluster, RayJob and RayService (ray.io/v1): KubeRay's CRD OpenAPI schemas, read from the folder in
   ``$MTPSERVE_KUBERAY_CRDS`` (default ``../shared/kuberay-crds`` from the repository root).
   Unknown fields are errors, as with ``kubectl apply``'s strict field validation.
 - Built-in kinds, and every pod template inside a Ray resource: the Kubernetes schemas
@@ -31,7 +31,11 @@ from mtpserve.deploy.manifest import REPO_ROOT, json_path, pod_templates
 from mtpserve.deploy.render import Doc, RenderError, find_kustomization, load_docs, render
 
 CRD_ENV = "MTPSERVE_KUBERAY_CRDS"
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+CRD_FILES = {
+    "RayCluster": "ray.io_rayclusters.yaml",
+    "RayJob": "ray.io_rayjobs.yaml",
+    "RayService": "ray.io_rayservices.yaml",
+}
 K8S_VERSION = "1.32"
 
 

@@ -22,7 +22,7 @@ from mtpserve.workers.config import MTPServeConfig  # noqa: E402
 
 K8S = REPO / "deploy" / "k8s"
 BASE = K8S / "base"
-OVERLAYS = ["cpu-dev", "gpu", "gpu-tp2", "existing-cluster"]
+OVERLAYS = ["cpu-dev", "gpu", "gpu-tp2", "existing-cluster", "rayservice"]
 TARGETS = ["base", *(f"overlays/{o}" for o in OVERLAYS)]
 IMAGE = "ghcr.io/mtpserve/mtpserve:0.1.0"
 
@@ -84,7 +84,8 @@ def test_base_manifest_files_validate(path: Path) -> None:
 def test_rendered_manifests_validate(target: str) -> None:
     docs = rendered(target)
     kinds = {d["kind"] for d in docs}
-    assert {"RayJob", "Service", "ConfigMap"} <= kinds
+    runner = "RayService" if target == "overlays/rayservice" else "RayJob"
+    assert {runner, "Service", "ConfigMap"} <= kinds
     assert [e for d in docs for e in validate.validate_manifest(d)] == []
 
 
@@ -364,6 +365,53 @@ def test_cpu_dev_has_no_gpus() -> None:
     assert "nvidia.com/gpu" not in yaml.safe_dump(job)
     assert "PodMonitor" not in {d["kind"] for d in docs}
     assert head_container(job)["readinessProbe"]["httpGet"]["path"] == "/health"  # the head kept its container
+
+
+def _serve_app(service: dict[str, Any]) -> dict[str, Any]:
+    apps = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert len(apps) == 1
+    return dict(apps[0])
+
+
+def test_rayservice_runs_the_serve_application_in_place_of_the_rayjob() -> None:
+    """The RayService overlay: no RayJob, a RayService whose one Serve application is mtpserve's (an import path
+    that resolves to the application builder) with the mounted config, on the head that offers its resource."""
+    import importlib
+
+    docs = rendered("overlays/rayservice")
+    assert not [d for d in docs if d["kind"] == "RayJob"]
+    service = one(docs, "RayService")
+    app = _serve_app(service)
+    assert app["import_path"] == consistency.SERVE_APP
+    module, name = app["import_path"].split(":")
+    assert callable(getattr(importlib.import_module(module), name))
+    assert app["args"]["argv"] == ["--config", "/etc/mtpserve/config.yaml"]
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert app["args"]["endpoint_resource"] in yaml.safe_load(head["rayStartParams"]["resources"])
+    assert consistency.check_consistency(docs) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ("argv", "the Serve application's args.argv does not pass '--config /etc/mtpserve/config.yaml'"),
+        ("resource", "the head's rayStartParams do not offer resource 'mtpserve-endpoint'"),
+        ("app", "nothing runs the server on this head"),
+    ],
+)
+def test_rayservice_disagreements_are_found(change: str, expected: str) -> None:
+    docs = rendered("overlays/rayservice")
+    service = one(docs, "RayService")
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    if change == "argv":
+        config["applications"][0]["args"]["argv"] = ["--config", "/etc/other.yaml"]
+    elif change == "resource":
+        del service["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["resources"]
+    else:
+        config["applications"][0]["import_path"] = "other.app:app"
+    service["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    errors = consistency.check_consistency(docs)
+    assert any(expected in e for e in errors), errors
 
 
 def test_existing_cluster_uses_cluster_selector() -> None:
