@@ -123,6 +123,9 @@ def test_the_built_image_agrees_with_the_manifests(built: Built, capsys: pytest.
 def test_the_image_runs_as_uid_1000_with_the_model_baked_in(built: Built) -> None:
     assert built.run("id", "-u").strip() == "1000"
     assert "serve" in built.run("mtpserve", "--help")
+    # the application the RayService manifest names imports (its Ray Serve dependencies are installed)
+    app = built.run("python", "-c", "from mtpserve.cluster.cli.serve_app import app; print(app.__name__)")
+    assert app.strip().splitlines()[-1] == "app"
     probe = (
         "import glob, json, os\n"
         "before = sorted(glob.glob(os.environ['MTPSERVE_CACHE'] + '/*/.complete'))\n"
