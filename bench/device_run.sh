@@ -20,6 +20,10 @@
 #   bash bench/device_run.sh serve    SmolLM2: `bench serve`, served over gRPC and HTTP (FRONTENDS front ends, default
 #                                     4) against the engine alone, target-only and K=3, at 1, 64 and 256 streams,
 #                                     CLIENTS client processes (default 8)
+#   bash bench/device_run.sh serveab  `bench serve` (target-only, 64 and 256 streams) of this checkout against an older
+#                                     one in OLD (default .device/old: `git archive REV | tar -x -C .device/old`, carried
+#                                     beside .device/wheels), then of this checkout again, and `serve --max-replicas 2`
+#                                     (the replica router over one engine), all on one warm machine
 #   bash bench/device_run.sh replicas `bench serve` of `serve --replicas 2` (two engines on the GPU, 4 front ends)
 #                                     against plain serve, target-only, 64 and 256 streams
 #   bash bench/device_run.sh served   `bench serve` in process and through Ray (--distributed) at 64 streams, the
@@ -34,7 +38,7 @@
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, adaptive8b, ray8b, smollm2, ray, prof, tiles, default, serveprof, serve, replicas, served, e3a, e3b or e3"}
+PHASE=${1:?"phase: 8b, adaptive8b, ray8b, smollm2, ray, prof, tiles, default, serveprof, serve, serveab, replicas, served, e3a, e3b or e3"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
@@ -126,6 +130,15 @@ case $PHASE in
     step serve 560 python3 -m mtpserve bench serve --model "$M" --device cuda --configs target-only,speculative \
       --streams 1,64,256 --frontends "${FRONTENDS:-4}" --warmup-s 3 --window-s 6 --client-procs "${CLIENTS:-8}" \
       --json "$R/serve.json"
+    ;;
+  serveab)  # this checkout's served path against OLD's, the same closed loop, in turn on one machine
+    for run in new:. old:"${OLD:-.device/old}" again:. router:.; do
+      name=${run%%:*} tree=${run#*:}
+      extra=$([ "$name" = router ] && echo "--serve-args=--max-replicas=2" || echo "")
+      step "serve_$name" 150 bash -c "cd '$tree' && PYTHONPATH=/tmp/site:\$PWD python3 -m mtpserve bench serve --model '$M' \
+        --device cuda --configs target-only --streams 64,256 --frontends 4 --warmup-s 3 --window-s 5 --client-procs 8 \
+        --no-engine-alone $extra --json '$R/serve_$name.json'"
+    done
     ;;
   replicas)  # `serve --replicas 2` (two engines on the one GPU, four front ends routing over both) against plain serve,
     # target-only at 64 and 256 streams over both APIs (the engine-alone rows are the plain engine's)

@@ -99,13 +99,13 @@ def test_ray_replicas_route_by_prefix_and_answer_like_one_engine(
 def test_a_killed_replica_actor_is_restarted_by_ray_and_served_again(
     ray_replicas: tuple[list[Any], FrontEndPool], ray_local: Any
 ) -> None:
-    """Under 16 streams, one replica's scheduler actor is killed: its streams end UNAVAILABLE within 5 s, the
-    others complete, new requests succeed while it is down, Ray restarts it at the same socket, and both front ends
-    route to it again."""
+    """Under 32 streams (two replicas of 8 slots: some wait), one replica's scheduler actor is killed: its streams,
+    running or waiting, end UNAVAILABLE within 5 s, the others complete, new requests succeed while it is down, Ray
+    restarts it at the same socket, and both front ends route to it again."""
     actors, pool = ray_replicas
     errors: list[Any] = []
     done: list[int] = []
-    threads = stream_all(pool.address, 16, 120, errors, done, base=20)
+    threads = stream_all(pool.address, 32, 120, errors, done, base=20)
     try:  # both replicas hold streams (the pool hears each engine's state every 0.1 s)
         wait_for(lambda: min(load.running for load in pool.loads) > 0, 120)
     except TimeoutError:
@@ -116,7 +116,7 @@ def test_a_killed_replica_actor_is_restarted_by_ray_and_served_again(
         t.join(120)
     assert errors and done, (errors, done)
     assert all(code == grpc.StatusCode.UNAVAILABLE and t - t_kill < 5.0 for t, code in errors), errors
-    assert len(errors) + len(done) == 16 and all(n == 120 for n in done)
+    assert len(errors) + len(done) == 32 and all(n == 120 for n in done)
     with MTPServeClient(pool.address) as client:
         for i in range(4):  # while Ray restarts the actor
             assert len(client.generate(token_ids=[7, 8, 9, i], max_tokens=4, ignore_eos=True)["token_ids"]) == 4
