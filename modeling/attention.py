@@ -207,6 +207,8 @@ class RaggedMetadata:
         outs = []
         masks = self.row_masks or [None] * len(self.host_rows)
         for (start, n, end), table, rm in zip(self.host_rows, self.block_tables, masks, strict=True):
+            if n == 0:
+                continue  # an unused slot of a fixed-shape step
             width = -(-end // block_size)
             tree = None if rm is None else rm[None].to(q.device)
             lens = self.seq_lens.new_tensor([end])

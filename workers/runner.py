@@ -31,8 +31,6 @@ from mtpserve.workers.step_buffers import HOST_TWINS
 from mtpserve.workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
 from mtpserve.workers.uniform_step import pack_verified, read_verified, token_results
 
-MAX_SPLIT_CHUNKS = 8  # more prompt chunks in one step run eagerly: one eager step beats that many replays
-
 
 def _sub_plan(plan: StepPlan, seqs: list[SeqPlan]) -> StepPlan:
     """The same step restricted to some of its rows."""
@@ -188,14 +186,9 @@ class TargetRunner:
             return TargetOutput(plan.step_id, [])
         if any(s.processing is not None for s in plan.seqs):
             return self._run_eager(plan, plan_trees(plan.seqs))
-        prefill = self.steps.prefill
-        if prefill is not None:
-            split = self.split_buckets(plan)
-            if split is not None:
-                return self.run_split(plan, *split)
-            bucket = prefill.bucket_for(plan)
-            if bucket is not None:
-                return prefill.run(plan, bucket, self._context_keys(plan.seqs[0]))
+        split = self.split_buckets(plan)
+        if split is not None:
+            return self.run_split(plan, *split)
         q_len = len(plan.seqs[0].token_ids)
         for step in self.steps.generation():
             if (step_bucket := step.bucket_for(plan)) is not None:
@@ -239,41 +232,47 @@ class TargetRunner:
             )
         return TargetOutput(plan.step_id, results, draft_inputs)
 
-    def split_buckets(self, plan: StepPlan) -> tuple[list[tuple[int, int]], int | None] | None:
-        """([(row of a prompt chunk, its prefill bucket), ...], the generation rows' bucket or None when there are
-        none) when a step holds 1 to MAX_SPLIT_CHUNKS prompt chunks (two or more if nothing else) that the captured
-        prefill step takes, beside generation rows that the captured steps take; else None."""
+    def split_buckets(self, plan: StepPlan) -> tuple[list[tuple[list[int], int]], int | None] | None:
+        """([(rows of prompt chunks replayed together, their prefill bucket), ...], the generation rows' bucket or
+        None when there are none) when the step's prompt chunks fit the captured prefill step's replays
+        (`CapturedPrefill.groups`) and its generation rows, if any, the captured generation steps; else None."""
         ctx, prefill = [i for i, s in enumerate(plan.seqs) if s.is_context], self.steps.prefill
-        if prefill is None or not ctx or len(ctx) > MAX_SPLIT_CHUNKS or len(plan.seqs) < 2:
+        if prefill is None or not ctx:
+            return None
+        groups = prefill.groups([plan.seqs[i] for i in ctx])
+        if groups is None:
             return None
         chunks = []
-        for i in ctx:
-            bucket = prefill.bucket_for(_sub_plan(plan, [plan.seqs[i]]))
+        for group in groups:
+            members = [ctx[j] for j in group]
+            bucket = prefill.bucket_for(_sub_plan(plan, [plan.seqs[i] for i in members]))
             if bucket is None:
                 return None
-            chunks.append((i, bucket))
+            chunks.append((members, bucket))
         if len(ctx) == len(plan.seqs):
             return chunks, None
         gen, spec = _sub_plan(plan, [s for s in plan.seqs if not s.is_context]), self.launch_spec()
         gen_bucket = None if spec is None or spec.is_tree(gen) else spec.bucket_for(gen)  # tree steps run whole
         return None if gen_bucket is None else (chunks, gen_bucket)
 
-    def run_split(self, plan: StepPlan, chunks: list[tuple[int, int]], gen_bucket: int | None) -> TargetOutput:
-        """A step of prompt chunks (and generation rows) as fixed-shape steps: each chunk through the captured
-        prefill step, in the plan's order, then the generation rows through the captured generation step;
-        results in the plan's order.
+    def run_split(self, plan: StepPlan, chunks: list[tuple[list[int], int]], gen_bucket: int | None) -> TargetOutput:
+        """A step of prompt chunks (and generation rows) as fixed-shape steps: the chunks through the captured
+        prefill step (several to a replay), then the generation rows through the captured generation step, all
+        queued before anything is read; results in the plan's order.
 
-        Requests A (a prompt chunk), B and C (decoding, K=3) and D (a prompt chunk): prefill(A), prefill(D),
-        then one generation step over [B, C]; results [A, B, C, D]; draft outputs those of A, D, B, C."""
+        Requests A (a prompt chunk), B and C (decoding, K=3) and D (a prompt chunk): prefill(A, D), then one
+        generation step over [B, C]; results [A, B, C, D]; draft outputs those of A, D, B, C."""
         prefill = self.steps.prefill
         assert prefill is not None  # split_buckets found the chunks' buckets in it
+        if len(chunks) == 1 and gen_bucket is None:
+            return prefill.run(plan, chunks[0][1], self._context_keys(plan.seqs))
         results: list[SeqResult | None] = [None] * len(plan.seqs)
+        launched = []
+        for members, bucket in chunks:
+            sub = _sub_plan(plan, [plan.seqs[i] for i in members])
+            launched.append((sub, members, prefill.launch(sub, bucket, self._context_keys(sub.seqs)).clone()))
         drafts = []
-        for i, bucket in chunks:
-            ctx = plan.seqs[i]
-            out = prefill.run(_sub_plan(plan, [ctx]), bucket, self._context_keys(ctx))
-            results[i] = out.results[0]
-            drafts.append(out.draft_outputs)
+        rest = None
         if gen_bucket is not None:
             rows = [i for i, s in enumerate(plan.seqs) if not s.is_context]
             gen = _sub_plan(plan, [plan.seqs[i] for i in rows])
@@ -284,6 +283,12 @@ class TargetRunner:
                 rest = token_results(gen, self.steps.target.run(gen, gen_bucket, self.keys(gen))[1].tolist())
             for i, r in zip(rows, rest.results, strict=True):
                 results[i] = r
+        for sub, members, out in launched:
+            read = prefill.read(sub, out.tolist())
+            for i, r in zip(members, read.results, strict=True):
+                results[i] = r
+            drafts.append(read.draft_outputs)
+        if rest is not None:
             drafts.append(rest.draft_outputs)
         done = [r for r in results if r is not None]
         assert len(done) == len(results)
@@ -291,14 +296,16 @@ class TargetRunner:
         if not made:
             return TargetOutput(plan.step_id, done)
         ids = [r for d in made for r in d.request_ids]
-        tokens = torch.cat([d.draft_token_ids.reshape(len(d.request_ids), plan.num_draft_tokens) for d in made])
+        proposed = [d.draft_token_ids.reshape(len(d.request_ids), -1) for d in made if d.request_ids]
+        tokens = torch.cat(proposed) if proposed else torch.zeros((0, plan.num_draft_tokens), dtype=torch.long)
         return TargetOutput(plan.step_id, done, None, DraftOutputs(plan.step_id, ids, tokens))
 
-    def _context_keys(self, s: SeqPlan) -> list[int] | None:
-        """[the sampling key] of a sampling final chunk (its first token's draw); None for other chunks."""
-        if s.temperature <= 0 or not s.is_final_chunk:
+    def _context_keys(self, seqs: list[SeqPlan]) -> list[int] | None:
+        """Each chunk's sampling key where it is a sampling final chunk (its first token's draw), else 0; None
+        when none is."""
+        if all(s.temperature <= 0 or not s.is_final_chunk for s in seqs):
             return None
-        return [self._key(s)]
+        return [self._key(s) if s.temperature > 0 and s.is_final_chunk else 0 for s in seqs]
 
     def _eager_verify(
         self,

@@ -16,7 +16,7 @@ from mtpserve.workers.captured_steps import CapturedSteps
 from mtpserve.workers.chain_step import UniformChainStep
 from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.fused_step import FusedDepthSteps, FusedSpecStep
-from mtpserve.workers.prefill_step import CapturedPrefill
+from mtpserve.workers.prefill_step import PREFILL_ROWS, CapturedPrefill
 from mtpserve.workers.runner import TargetRunner
 from mtpserve.workers.tree_step import FusedTreeStep
 from mtpserve.workers.uniform_step import UniformTargetStep
@@ -85,9 +85,8 @@ def build_fused_depths(
 def build_prefill(
     cfg: MTPServeConfig, parts: TargetParts, draft: DraftMethod | None, k: int, max_len: int
 ) -> CapturedPrefill | None:
-    """A lone greedy prompt chunk's step, target and colocated chain together, captured per chunk-length
-    bucket; None where it does not apply (config, a latent-attention model, `sampled` lookahead, another
-    draft method)."""
+    """A step's prompt chunks, target and colocated chain together, captured per row bucket; None where it does
+    not apply (config, a latent-attention model, `sampled` lookahead, another draft method)."""
     chain = draft if isinstance(draft, MTPEagleChain) else None
     if isinstance(draft, MTPEagleTree) and draft.chains:
         chain = draft.chain  # adaptive: chain steps' prompt chunks (a tree step's chunks run eagerly)
@@ -101,7 +100,7 @@ def build_prefill(
         parts.cache,
         chain,
         k,
-        max_tokens=min(sc.chunk_size, sc.max_num_batched_tokens),
+        max_tokens=min(max(sc.chunk_size, PREFILL_ROWS), sc.max_num_batched_tokens),
         max_blocks=graph_max_blocks(cfg, k, max_len),
         device=parts.device,
     )

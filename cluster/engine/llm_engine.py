@@ -119,7 +119,7 @@ class Completion:
         }
 
 
-WARM_UP_BURST = 12  # prompts at once in `warm_up`: more than a step replays one by one (MAX_SPLIT_CHUNKS)
+WARM_UP_BURST = 12  # prompts at once in `warm_up`, so that several chunks share a step
 
 
 class LLMEngine:

@@ -240,13 +240,13 @@ def test_captured_prefill_proposes_the_step_depth() -> None:
     runner = eng.target
     assert isinstance(runner, TargetRunner)
     used: list[int] = []
-    orig = runner.steps.prefill.run
+    orig = runner.steps.prefill.launch
 
-    def counted(plan: Any, bucket: int, uniform: float | None = None) -> Any:
+    def counted(plan: Any, bucket: int, keys: list[int] | None = None) -> Any:
         used.append(plan.num_draft_tokens)
-        return orig(plan, bucket, uniform)
+        return orig(plan, bucket, keys)
 
-    runner.steps.prefill.run = counted
+    runner.steps.prefill.launch = counted
     assert staggered(eng, prompts, params) == want
     assert len(set(used)) >= 2, used
 

@@ -195,13 +195,13 @@ def test_prompt_chunks_of_tree_steps_take_the_captured_prefill() -> None:
     runner = eng.target
     assert isinstance(runner, TargetRunner)
     used: list[int] = []
-    run_prefill = runner.steps.prefill.run
+    run_prefill = runner.steps.prefill.launch
 
-    def counted(plan: Any, bucket: int, uniform: float | None = None) -> Any:
+    def counted(plan: Any, bucket: int, keys: list[int] | None = None) -> Any:
         used.append(plan.num_draft_tokens)
-        return run_prefill(plan, bucket, uniform)
+        return run_prefill(plan, bucket, keys)
 
-    runner.steps.prefill.run = counted
+    runner.steps.prefill.launch = counted
     assert staggered(eng, prompts, params) == want
     assert SPEC["tree_budget"] in used and 2 in used, used
     assert policy.tree_steps > 0 and eng.totals.accepted > 0

@@ -11,7 +11,8 @@ import torch
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.speculative.messages import SeqPlan, StepPlan
 from mtpserve.speculative.sampling import SamplingMode
-from mtpserve.workers.prefill_step import CapturedPrefill, prefill_sizes
+from mtpserve.workers.prefill_buffers import PREFILL_SLOTS
+from mtpserve.workers.prefill_step import PREFILL_REPLAYS, PREFILL_ROWS, CapturedPrefill, prefill_sizes
 from mtpserve.workers.runner import TargetRunner
 from mtpserve.workers.step_builders import TargetParts, build_prefill
 from tests.helpers.tiny import mimic_head, mimic_target, random_prompts, slots_of, tiny_engine, with_steps
@@ -179,8 +180,9 @@ def chunk(n: int, **over: Any) -> SeqPlan:
 
 
 def test_which_steps_take_the_prefill_step() -> None:
-    """One prompt chunk that fits (greedy or sampling) takes the smallest bucket that holds it; anything
-    else (two requests, generation rows, a draft tree, too many rows or blocks) does not."""
+    """Prompt chunks that fit one replay (greedy or sampling, up to PREFILL_SLOTS of them) take the smallest
+    bucket that holds their rows together; anything else (generation rows, a draft tree, too many rows, chunks
+    or blocks) does not. More chunks split, in order, into at most PREFILL_REPLAYS replays."""
     assert prefill_sizes(512) == [16, 32, 64, 128, 256, 512] and prefill_sizes(20) == [16, 20]
     assert prefill_sizes(6) == [6]
     args, w = mimic_target()
@@ -188,7 +190,14 @@ def test_which_steps_take_the_prefill_step() -> None:
     step, _ = with_prefill(eng, 3)
     assert step.bucket_for(plan_of(chunk(1))) == 16 and step.bucket_for(plan_of(chunk(17))) == 20
     assert step.bucket_for(plan_of(chunk(21))) is None
-    assert step.bucket_for(plan_of(chunk(4), chunk(4, request_id="s"))) is None
+    assert step.bucket_for(plan_of(chunk(4), chunk(4, request_id="s"))) == 16
+    assert step.bucket_for(plan_of(chunk(12), chunk(4, request_id="s"), chunk(3, request_id="t"))) == 20
+    assert step.bucket_for(plan_of(chunk(12), chunk(12, request_id="s"))) is None
+    assert step.bucket_for(plan_of(*[chunk(1, request_id=str(i)) for i in range(PREFILL_SLOTS + 1)])) is None
+    assert step.groups([chunk(12), chunk(4), chunk(9), chunk(20), chunk(1)]) == [[0, 1], [2], [3], [4]]
+    assert step.groups([chunk(1)] * (PREFILL_SLOTS + 1)) == [list(range(PREFILL_SLOTS)), [PREFILL_SLOTS]]
+    assert step.groups([chunk(12)] * (PREFILL_REPLAYS + 1)) is None
+    assert step.groups([chunk(4), chunk(4, is_context=False)]) is None
     assert step.bucket_for(plan_of(chunk(4, is_context=False))) is None
     assert step.bucket_for(plan_of(chunk(4, temperature=0.8, top_p=0.9))) == 16
     assert step.bucket_for(plan_of(chunk(4, draft_parents=[-1, 0, 0, 1]))) is None
@@ -211,7 +220,8 @@ def test_build_prefill_applies_only_where_it_is_exact() -> None:
     base = chain_eng.cfg
     step = build_prefill(base, parts(chain_eng), chain_eng.draft, 3, max_len=64)  # type: ignore[arg-type]
     assert isinstance(step, CapturedPrefill) and step.chain is chain_eng.draft
-    assert step.sizes == prefill_sizes(base.scheduler.chunk_size)
+    sched = base.scheduler  # one replay takes PREFILL_ROWS rows (or a chunk, if longer) within the token budget
+    assert step.sizes == prefill_sizes(min(max(sched.chunk_size, PREFILL_ROWS), sched.max_num_batched_tokens))
     off = base.model_copy(update={"model": base.model.model_copy(update={"prefill_graphs": False})})
     assert build_prefill(off, parts(chain_eng), chain_eng.draft, 3, max_len=64) is None  # type: ignore[arg-type]
     sampled = base.model_copy(
@@ -235,10 +245,45 @@ def test_capture_warm_ups_read_a_real_chunk() -> None:
     )  # type: ignore[arg-type]
     step.capture()
     b = step.buffers
-    assert (b.real_len.item(), b.last_row.item(), b.q_len.item()) == (1, 0, step.sizes[0])
-    assert b.seq_len.item() >= 1 and b.sampling()[0].item() > 0
+    assert (b.last_row[0].item(), b.q_len[0].item()) == (0, step.sizes[0])
+    assert b.q_len[1:].eq(0).all() and b.last_row.eq(0).all() and b.source.eq(0).all()  # unused slots repeat slot 0
+    assert b.seq_len[0].item() >= 1 and b.sampling()[0].gt(0).all()
     scratch = eng.target.cache.scratch_block  # type: ignore[attr-defined]
     assert set(b.slot_mapping[: step.sizes[0]].div(b.block_size, rounding_mode="floor").tolist()) == {scratch}
     for bucket in step.sizes[:2]:
         for mode in SamplingMode:
             assert torch.isfinite(step._forward(bucket, mode, final=True).float()).all()
+
+
+def test_chunks_in_one_replay_write_the_eager_kv_and_drafts() -> None:
+    """Three prompt chunks in one replay (final, non-final with its next prompt token as lookahead, final; the
+    last padded) give the eager step's first tokens, drafts, target KV and draft KV: each chunk's last row
+    reads its own lookahead entry."""
+    args, w = mimic_target(seed=6)
+    head = mimic_head(args, w)
+    ref = tiny_engine(args, w, head, scheduler={"chunk_size": CHUNK})
+    eng = tiny_engine(args, w, head, scheduler={"chunk_size": CHUNK})
+    _, log = with_prefill(eng, 3)
+    a, b, c = random_prompts(3, args.vocab_size, [6, 9, 3], seed=3)
+    seqs = [
+        chunk(6, request_id="a", token_ids=a, block_ids=[1]),
+        chunk(5, request_id="b", token_ids=b[:5], block_ids=[2], is_final_chunk=False, lookahead_token=b[5]),
+        chunk(3, request_id="c", token_ids=c, block_ids=[3]),
+    ]
+    plan = plan_of(*seqs)
+    want = ref.target.execute(plan)
+    assert want.draft_inputs is not None and ref.draft is not None
+    want_drafts = ref.draft.propose(want.draft_inputs)
+    got = eng.target.execute(plan)
+    assert log == [(6, 16, True)]  # one replay of all three chunks (the spy logs the first)
+    assert [r.new_token_ids for r in got.results] == [r.new_token_ids for r in want.results]
+    assert [r.new_token_ids for r in got.results][1] == []  # a non-final chunk reports no token
+    assert got.draft_outputs is not None and got.draft_outputs.request_ids == ["a", "c"]
+    assert got.draft_outputs.draft_token_ids.tolist() == want_drafts.draft_token_ids.tolist()
+    for s in seqs:
+        caches = [ref.target.cache, eng.target.cache, ref.draft.cache, eng.draft.cache]  # type: ignore[attr-defined]
+        slots = slots_of(s.block_ids, caches[0].block_size, len(s.token_ids))
+        for r, e in (caches[:2], caches[2:]):
+            for layer in range(len(r.keys)):
+                for x, y in zip(r.gather(layer, slots), e.gather(layer, slots), strict=True):
+                    torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)

@@ -109,10 +109,10 @@ def test_sampling_rows_beside_a_greedy_prompt_keep_their_draws() -> None:
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_several_prompt_chunks_in_a_step_replay_one_by_one_and_match_eager(k: int) -> None:
-    """Prompts arriving three at a time meet each other and others' generation rows: each chunk of the step
-    runs through the prefill step, the generation rows through theirs, and tokens, acceptance and blocks equal
-    the eager steps'."""
+def test_several_prompt_chunks_in_a_step_share_the_prefill_step_and_match_eager(k: int) -> None:
+    """Prompts arriving three at a time meet each other and others' generation rows: the step's chunks run
+    through the prefill step together, the generation rows through theirs, and tokens, acceptance and blocks
+    equal the eager steps'."""
     args, w = mimic_target(seed=3)
     head = mimic_head(args, w) if k else None
     spec = {"num_draft_tokens": max(k, 1)}
@@ -126,6 +126,44 @@ def test_several_prompt_chunks_in_a_step_replay_one_by_one_and_match_eager(k: in
     assert staggered(eng, prompts, params, together=3) == want
     assert any(n >= 2 and g >= 1 for g, _, n in log), log  # several chunks beside generation rows
     assert any(n >= 2 and g == 0 for g, _, n in log), log  # several chunks alone
+    assert (eng.totals.accepted, eng.totals.drafted) == (ref.totals.accepted, ref.totals.drafted)
+    blocks = eng.scheduler.blocks
+    assert blocks.num_free == blocks.num_blocks
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_burst_of_prompt_chunks_shares_replays_and_matches_eager(k: int) -> None:
+    """Prompts arriving seven at a time, some sampling (seeded), meet each other and others' generation rows:
+    several chunks go into one replay of the prefill step (several replays where their rows do not fit one),
+    queued with the generation step before anything is read; tokens, acceptance and blocks equal the eager
+    steps'."""
+    args, w = mimic_target(seed=8)
+    head = mimic_head(args, w) if k else None
+    spec = {"num_draft_tokens": max(k, 1)}
+    sched = {"chunk_size": CHUNK, "max_num_batched_tokens": 96}
+    lengths = [5, 23, 9, 2, 31, 4, 6, 11, 1, 8, 3, 25, 10, 2]  # some longer than a chunk
+    prompts = random_prompts(len(lengths), args.vocab_size, lengths, seed=9)
+    params: list[dict[str, Any]] = [
+        {"max_tokens": 9, "temperature": 0.9, "seed": i} if i % 3 == 0 else {"max_tokens": 9}
+        for i in range(len(prompts))
+    ]
+    ref = tiny_engine(args, w, head, speculative=spec, scheduler=sched)
+    want = staggered(ref, prompts, params, together=7)
+    eng = tiny_engine(args, w, head, speculative=spec, scheduler=sched)
+    log = fixed_shape_steps(eng, k)
+    prefill = eng.target.steps.prefill  # type: ignore[attr-defined]
+    replays: list[int] = []
+    launch = prefill.launch
+
+    def spy(plan: StepPlan, *rest: Any) -> Any:
+        replays.append(len(plan.seqs))
+        return launch(plan, *rest)
+
+    prefill.launch = spy
+    assert staggered(eng, prompts, params, together=7) == want
+    assert max(replays) >= 3, replays  # several chunks in one replay
+    assert len(replays) > len(log), (log, replays)  # a step whose chunks took several replays
+    assert any(n >= 2 and g >= 1 for g, _, n in log), log  # chunks beside generation rows
     assert (eng.totals.accepted, eng.totals.drafted) == (ref.totals.accepted, ref.totals.drafted)
     blocks = eng.scheduler.blocks
     assert blocks.num_free == blocks.num_blocks
