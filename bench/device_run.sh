@@ -20,10 +20,12 @@
 #   bash bench/device_run.sh serve    SmolLM2: `bench serve`, served over gRPC and HTTP (FRONTENDS front ends, default
 #                                     4) against the engine alone, target-only and K=3, at 1, 64 and 256 streams,
 #                                     CLIENTS client processes (default 8)
-#   bash bench/device_run.sh serveab  `bench serve` (target-only, 64 and 256 streams) of this checkout against an older
-#                                     one in OLD (default .device/old: `git archive REV | tar -x -C .device/old`, carried
-#                                     beside .device/wheels), then of this checkout again, and `serve --max-replicas 2`
-#                                     (the replica router over one engine), all on one warm machine
+#   bash bench/device_run.sh serveab  `bench serve` (CONFIGS, default target-only; 64 and 256 streams; ALONE=1 adds the
+#                                     engine alone) of this checkout against an older one in OLD (default .device/old:
+#                                     `git archive REV | tar -x -C .device/old`, carried beside .device/wheels), then of
+#                                     this checkout again, and `serve --max-replicas 2` (the replica router over one
+#                                     engine), all on one warm machine; RUNS picks some of them ("new:. old:DIR");
+#                                     PREFILL=1 adds `bench throughput` of 64 x 128-token prompts in each
 #   bash bench/device_run.sh replicas `bench serve` of `serve --replicas 2` (two engines on the GPU, 4 front ends)
 #                                     against plain serve, target-only, 64 and 256 streams
 #   bash bench/device_run.sh served   `bench serve` in process and through Ray (--distributed) at 64 streams, the
@@ -132,12 +134,20 @@ case $PHASE in
       --json "$R/serve.json"
     ;;
   serveab)  # this checkout's served path against OLD's, the same closed loop, in turn on one machine
-    for run in new:. old:"${OLD:-.device/old}" again:. router:.; do
+    for run in ${RUNS:-new:. old:${OLD:-.device/old} again:. router:.}; do
       name=${run%%:*} tree=${run#*:}
       extra=$([ "$name" = router ] && echo "--serve-args=--max-replicas=2" || echo "")
-      step "serve_$name" 150 bash -c "cd '$tree' && PYTHONPATH=/tmp/site:\$PWD python3 -m mtpserve bench serve --model '$M' \
-        --device cuda --configs target-only --streams 64,256 --frontends 4 --warmup-s 3 --window-s 5 --client-procs 8 \
-        --no-engine-alone $extra --json '$R/serve_$name.json'"
+      alone=$([ "${ALONE:-0}" = 1 ] || echo "--no-engine-alone")
+      step "serve_$name" "${LIMIT:-150}" bash -c "cd '$tree' && PYTHONPATH=/tmp/site:\$PWD python3 -m mtpserve bench serve \
+        --model '$M' --device cuda --configs ${CONFIGS:-target-only} --streams 64,256 --frontends 4 --warmup-s 3 \
+        --window-s 5 --client-procs 8 $alone $extra --json '$R/serve_$name.json'"
+      if [ "${PREFILL:-0}" = 1 ]; then  # 64 x 128-token prompts at once, target-only and speculative
+        for spec in --no-speculation ""; do
+          step "prefill_$name${spec:+_t}" 120 bash -c "cd '$tree' && PYTHONPATH=/tmp/site:\$PWD python3 -m mtpserve \
+            bench throughput --model '$M' --device cuda $spec --batch-sizes 64,64 --prompt-len 128 --output-len 8 \
+            --json '$R/prefill_$name${spec:+_t}.json'"
+        done
+      fi
     done
     ;;
   replicas)  # `serve --replicas 2` (two engines on the one GPU, four front ends routing over both) against plain serve,
