@@ -26,6 +26,7 @@
 #                                     this checkout again, and `serve --max-replicas 2` (the replica router over one
 #                                     engine), all on one warm machine; RUNS picks some of them ("new:. old:DIR");
 #                                     PREFILL=1 adds `bench throughput` of 64 x 128-token prompts in each
+#   bash bench/device_run.sh gc       SmolLM2: garbage-collector pauses of the step loop at 256 streams, heap as is and frozen
 #   bash bench/device_run.sh replicas `bench serve` of `serve --replicas 2` (two engines on the GPU, 4 front ends)
 #                                     against plain serve, target-only, 64 and 256 streams
 #   bash bench/device_run.sh served   `bench serve` in process and through Ray (--distributed) at 64 streams, the
@@ -40,7 +41,7 @@
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, adaptive8b, ray8b, smollm2, ray, prof, tiles, default, serveprof, serve, serveab, replicas, served, e3a, e3b or e3"}
+PHASE=${1:?"phase: 8b, adaptive8b, ray8b, smollm2, ray, prof, tiles, default, serveprof, serve, serveab, gc, replicas, served, e3a, e3b or e3"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
@@ -149,6 +150,9 @@ case $PHASE in
         done
       fi
     done
+    ;;
+  gc)  # garbage-collector pauses in the engine's step loop, start-up heap as it is and frozen
+    step gc 240 python3 bench/probes/gc_pauses.py --model "$M" --device cuda --streams 256 --steps 2000 --out "$R"
     ;;
   replicas)  # `serve --replicas 2` (two engines on the one GPU, four front ends routing over both) against plain serve,
     # target-only at 64 and 256 streams over both APIs (the engine-alone rows are the plain engine's)

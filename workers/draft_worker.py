@@ -25,6 +25,7 @@ from mtpserve.workers.builders import (
 from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.convert import draft_inputs_from_proto, draft_outputs_to_proto
 from mtpserve.workers.grpc_util import node_ip, start_server
+from mtpserve.workers.heap import freeze_startup_heap
 from mtpserve.workers.message_checks import StepLimits, check_draft_inputs
 from mtpserve.workers.step_builders import build_chain_graphs
 from mtpserve.workers.step_link import draft_listener
@@ -70,6 +71,7 @@ class DraftWorker(wpb_grpc.DraftWorkerServicer):
         build_chain_graphs(cfg, self.method, max_len)
         k = cfg.speculative.proposed_tokens
         self.limits = step_limits(cfg, args.vocab_size, args.hidden_size, num_blocks, max_len=max_len, k=k)
+        freeze_startup_heap("draft worker")
         return num_blocks
 
     def ready(self) -> int:

@@ -37,6 +37,7 @@ from mtpserve.workers.convert import draft_inputs_to_proto, draft_outputs_from_p
 from mtpserve.workers.distributed import free_port, init_tp_group
 from mtpserve.workers.fused_step import FusedDepthSteps
 from mtpserve.workers.grpc_util import channel_options, node_ip, start_server
+from mtpserve.workers.heap import freeze_startup_heap
 from mtpserve.workers.launch_spec import LaunchSpec
 from mtpserve.workers.message_checks import StepLimits
 from mtpserve.workers.runner import TargetRunner
@@ -151,6 +152,7 @@ class TargetWorker(wpb_grpc.TargetWorkerServicer):
         self.runner = build_runner(
             cfg, parts, self.draft if local else None, k, max_len=max_len, local=local, drafting=drafting
         )
+        freeze_startup_heap(f"target rank {self.rank}")
         return num_blocks
 
     def ready(self) -> int:

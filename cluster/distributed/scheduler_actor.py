@@ -17,6 +17,7 @@ from mtpserve.cluster.service.front_end_process import FrontEndProcess
 from mtpserve.cluster.service.pool_engines import EngineThread, ListeningEngine
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 RESTARTS = 3  # Ray restarts a crashed scheduler actor this often; it rebuilds its workers and rebinds its port
@@ -45,6 +46,7 @@ class SchedulerActor:
         else:
             self.server = MTPServer(self.engine, self.cfg)
             self.server.start()
+        freeze_startup_heap("scheduler actor")
 
     def endpoints(self) -> tuple[str, int | None, str | None]:
         """(gRPC host:port, metrics port, HTTP host:port or None)."""

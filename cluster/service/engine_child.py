@@ -33,6 +33,7 @@ from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.builders import set_cpu_threads
 from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ def run_engine_process(
         return
     try:
         warm_up_for_serving(engine)
+        freeze_startup_heap("engine process")
         listener = None if listen is None else Listener(listen[0], family="AF_UNIX", authkey=listen[1])
         send_ready(engine, conn)
         PipedEngine(engine, conn, streams=listener is None, listener=listener).run()

@@ -23,6 +23,7 @@ from mtpserve.cluster.service.pool_engines import EngineSlots
 from mtpserve.cluster.service.replica_set import ReplicaSet
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 SERVING, STOP_SERVING = "serving", "stop-serving"
@@ -161,6 +162,7 @@ def run_front_ends(
         else:
             server = MTPServer(None, cfg, engine_pipe=engine_pipe)
         server.start()
+        freeze_startup_heap(tag)
     except BaseException as exc:
         control.send((ERROR, portable(exc)))
         return

@@ -85,8 +85,11 @@ def model_id(server: ServeProcess) -> str:
 
 
 def test_two_front_ends_listen_and_check_the_token(server: ServeProcess) -> None:
-    """Two processes hold the ports; calls without the token are refused, however the kernel spreads them."""
+    """Two processes hold the ports, each (and the engine's) with its start-up heap frozen; calls without the token
+    are refused, however the kernel spreads them."""
     assert len(front_end_pids(server)) == 2
+    for who in ("engine process", "front end 0", "front end 1"):  # each froze its start-up heap
+        assert re.search(rf"{who}: [1-9][0-9]* start-up objects frozen", server.log), server.log[-3000:]
     for _ in range(24):  # a new connection each: both front ends answer some
         refused = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="wrong", max_retries=0, timeout=30)
         with pytest.raises(openai.AuthenticationError):
