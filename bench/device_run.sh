@@ -25,7 +25,8 @@
 #                                     `git archive REV | tar -x -C .device/old`, carried beside .device/wheels), then of
 #                                     this checkout again, and `serve --max-replicas 2` (the replica router over one
 #                                     engine), all on one warm machine; RUNS picks some of them ("new:. old:DIR");
-#                                     PREFILL=1 adds `bench throughput` of 64 x 128-token prompts in each
+#                                     PREFILL=1 adds `bench throughput` of 64 x 128-token prompts in each;
+#                                     FRONT_ENDS= (empty) leaves only the engine-alone figures (in the log)
 #   bash bench/device_run.sh gc       SmolLM2: garbage-collector pauses of the step loop at 256 streams, heap as is and frozen
 #   bash bench/device_run.sh replicas `bench serve` of `serve --replicas 2` (two engines on the GPU, 4 front ends)
 #                                     against plain serve, target-only, 64 and 256 streams
@@ -141,7 +142,7 @@ case $PHASE in
       alone=$([ "${ALONE:-0}" = 1 ] || echo "--no-engine-alone")
       step "serve_$name" "${LIMIT:-150}" bash -c "cd '$tree' && PYTHONPATH=/tmp/site:\$PWD python3 -m mtpserve bench serve \
         --model '$M' --device cuda --configs ${CONFIGS:-target-only} --streams 64,256 --frontends 4 --warmup-s 3 \
-        --window-s 5 --client-procs 8 $alone $extra --json '$R/serve_$name.json'"
+        --window-s 5 --client-procs 8 --front-ends='${FRONT_ENDS-http,grpc}' $alone $extra --json '$R/serve_$name.json'"
       if [ "${PREFILL:-0}" = 1 ]; then  # 64 x 128-token prompts at once, target-only and speculative
         for spec in --no-speculation ""; do
           step "prefill_$name${spec:+_t}" 120 bash -c "cd '$tree' && PYTHONPATH=/tmp/site:\$PWD python3 -m mtpserve \
