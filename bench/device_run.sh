@@ -20,7 +20,7 @@
 #   bash bench/device_run.sh serve    SmolLM2: `bench serve`, served over gRPC and HTTP (FRONTENDS front ends, default
 #                                     4) against the engine alone, target-only and K=3, at 1, 64 and 256 streams,
 #                                     CLIENTS client processes (default 8)
-#   bash bench/device_run.sh serveab  `bench serve` (CONFIGS, default target-only; 64 and 256 streams; ALONE=1 adds the
+#   bash bench/device_run.sh serveab  `bench serve` (CONFIGS, default target-only; STREAMS, default 64,256; ALONE=1 adds the
 #                                     engine alone) of this checkout against an older one in OLD (default .device/old:
 #                                     `git archive REV | tar -x -C .device/old`, carried beside .device/wheels), then of
 #                                     this checkout again, and `serve --max-replicas 2` (the replica router over one
@@ -141,7 +141,7 @@ case $PHASE in
       extra=$([ "$name" = router ] && echo "--serve-args=--max-replicas=2" || echo "")
       alone=$([ "${ALONE:-0}" = 1 ] || echo "--no-engine-alone")
       step "serve_$name" "${LIMIT:-150}" bash -c "cd '$tree' && PYTHONPATH=/tmp/site:\$PWD python3 -m mtpserve bench serve \
-        --model '$M' --device cuda --configs ${CONFIGS:-target-only} --streams 64,256 --frontends 4 --warmup-s 3 \
+        --model '$M' --device cuda --configs ${CONFIGS:-target-only} --streams ${STREAMS:-64,256} --frontends 4 --warmup-s 3 \
         --window-s 5 --client-procs 8 --front-ends='${FRONT_ENDS-http,grpc}' $alone $extra --json '$R/serve_$name.json'"
       if [ "${PREFILL:-0}" = 1 ]; then  # 64 x 128-token prompts at once, target-only and speculative
         for spec in --no-speculation ""; do
