@@ -17,8 +17,8 @@ PREFILL_SLOTS = 16  # prompt chunks one replay of the prefill step takes
 class PrefillBuffers:
     """Fixed-address inputs of up to S chunks, every integer field a view of one device tensor filled by one
     copy: [ids T | positions T | slots T | block table S*W | chain table S*W | q start S | q len S | seq len S |
-    last row S | slot S]. Unused slots have no rows and repeat the last chunk's last row, chain table, sampling
-    settings and slot index (their lookahead entry is the last chunk's)."""
+    real rows S | last row S | slot S]. Unused slots have no rows and repeat the last chunk's last row, chain
+    table, sampling settings and slot index (their lookahead entry is the last chunk's)."""
 
     packed: torch.Tensor
     staging: torch.Tensor  # its host twin (pinned on CUDA)
@@ -30,6 +30,7 @@ class PrefillBuffers:
     q_start: torch.Tensor  # [S] each chunk's first row
     q_len: torch.Tensor  # [S] rows: the last chunk's padded to the bucket, 0 for unused slots
     seq_len: torch.Tensor  # [S] start + q_len (0 for unused slots)
+    real_len: torch.Tensor  # [S] each chunk's rows without padding (0 for unused slots)
     last_row: torch.Tensor  # [S] each chunk's last real row
     source: torch.Tensor  # [S] the chunk a slot stands for: itself, or the last chunk for unused slots
     fpacked: torch.Tensor  # device float32 [S, temperature | top-k | top-p | key (int32 bits)]
@@ -44,17 +45,17 @@ class PrefillBuffers:
     ) -> PrefillBuffers:
         """Buffers for steps of up to `max_tokens` rows and requests of up to `max_blocks` blocks."""
         slots, width = PREFILL_SLOTS, max_blocks + -(-max_tokens // block_size) + 1
-        sizes = [max_tokens] * 3 + [slots * width] * 2 + [slots] * 5
+        sizes = [max_tokens] * 3 + [slots * width] * 2 + [slots] * 6
         packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         staging = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
-        ids, pos, slot_map, table, chain, q_start, q_len, seq_len, last, source = packed.split(sizes)
+        ids, pos, slot_map, table, chain, q_start, q_len, seq_len, real_len, last, source = packed.split(sizes)
         fpacked = torch.zeros((slots, 4), dtype=torch.float32, device=device)
         fstaging = torch.zeros((slots, 4), dtype=torch.float32, pin_memory=device.type == "cuda")
         return cls(
             packed=packed, staging=staging, input_ids=ids, positions=pos, slot_mapping=slot_map,
             block_table=table.view(slots, width), chain_table=chain.view(slots, width), q_start=q_start,
-            q_len=q_len, seq_len=seq_len, last_row=last, source=source, fpacked=fpacked, fstaging=fstaging,
-            block_size=block_size, scratch_block=scratch_block, max_blocks=max_blocks,
+            q_len=q_len, seq_len=seq_len, real_len=real_len, last_row=last, source=source, fpacked=fpacked,
+            fstaging=fstaging, block_size=block_size, scratch_block=scratch_block, max_blocks=max_blocks,
         )  # fmt: skip
 
     def sampling(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,12 +94,12 @@ class PrefillBuffers:
         host = self.staging.numpy()
         ids, pos, slot_map = host[:t_max], host[t_max : 2 * t_max], host[2 * t_max : 3 * t_max]
         tables = host[3 * t_max : 3 * t_max + 2 * slots * width].reshape(2, slots, width)
-        q_start, q_len, seq_len, last, source = host[3 * t_max + 2 * slots * width :].reshape(5, slots)
+        q_start, q_len, seq_len, real_len, last, source = host[3 * t_max + 2 * slots * width :].reshape(6, slots)
         tables[:] = self.scratch_block
         rows = np.arange(bucket)
         ids[:bucket], pos[:bucket] = 0, 0  # padding rows' RoPE angle; they attend by row, not by position
         slot_map[:bucket] = self.scratch_block * bs + rows % bs
-        q_start[:], q_len[:], seq_len[:] = n, 0, 0
+        q_start[:], q_len[:], seq_len[:], real_len[:] = n, 0, 0, 0
         offset = 0
         for j, s in enumerate(seqs):
             m = len(s.token_ids)
@@ -110,7 +111,8 @@ class PrefillBuffers:
             pos[offset : offset + m] = real
             slot_map[offset : offset + m] = tables[0, j, real // bs] * bs + real % bs
             rows_j = m if j < len(seqs) - 1 else bucket - offset
-            q_start[j], q_len[j], seq_len[j], last[j], source[j] = offset, rows_j, s.start + rows_j, offset + m - 1, j
+            q_start[j], q_len[j], seq_len[j], real_len[j] = offset, rows_j, s.start + rows_j, m
+            last[j], source[j] = offset + m - 1, j
             offset += m
         used = len(seqs)
         tables[1, used:] = tables[1, used - 1]

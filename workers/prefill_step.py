@@ -44,7 +44,7 @@ import torch
 from mtpserve.modeling.attention import RaggedMetadata
 from mtpserve.modeling.kv_cache import KVCache
 from mtpserve.modeling.model import LlamaModel
-from mtpserve.speculative.lookahead import INVALID_TOKEN
+from mtpserve.speculative.draft_inputs import draft_input_tokens
 from mtpserve.speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
 from mtpserve.speculative.mtp_chain import MTPEagleChain, chain_from
 from mtpserve.speculative.sampling import SamplingMode, processed_probs, sample_at_threshold, sampling_mode
@@ -126,9 +126,7 @@ class CapturedPrefill:
         c = self.chain
         if c is None:
             return token[:, None]
-        look = c.lookahead.tokens.index_select(0, b.source)
-        rows = torch.roll(ids, -1)  # row i reads token i+1; each chunk's last row its lookahead or first token
-        rows[b.last_row] = torch.where(look != INVALID_TOKEN, look, token).to(rows.dtype)
+        rows = draft_input_tokens(ids, b.real_len, b.source, c.lookahead.tokens, sampled_tokens=token)
         out = c.head.step(c.shared, rows, hidden=features, positions=pos, cache=c.cache, meta=meta)
         if not final:
             return token[:, None]
@@ -141,26 +139,33 @@ class CapturedPrefill:
         """A bucket when every request of the step is a prompt chunk and they fit one replay; else None. A step
         asking for more than K drafts (adaptive speculation's tree) gets the chain's K, which the next step
         fits into its tree."""
-        seqs = plan.seqs
-        if not all(s.is_context and s.draft_parents is None for s in seqs) or not self.buffers.fits(seqs):
-            return None
-        return pick_bucket(sum(len(s.token_ids) for s in seqs), self.sizes)
+        groups = self.groups(plan.seqs)
+        return groups[0][1] if groups is not None and len(groups) == 1 else None
 
-    def groups(self, seqs: list[SeqPlan]) -> list[list[int]] | None:
-        """The chunks split, in order, into replays that each fit (at most PREFILL_REPLAYS); None when they
-        do not fit that many, or a chunk fits none (too many blocks, a draft tree)."""
+    def groups(self, seqs: list[SeqPlan]) -> list[tuple[list[int], int]] | None:
+        """The chunks split, in order, into replays that each fit, with each replay's row bucket (at most
+        PREFILL_REPLAYS replays); None when they do not fit that many, or a chunk fits none (too many blocks,
+        a draft tree)."""
         out: list[list[int]] = []
-        rows = 0
+        rows: list[int] = []
         for i, s in enumerate(seqs):
             if not s.is_context or s.draft_parents is not None or not self.buffers.fits([s]):
                 return None
-            if out and len(out[-1]) < self.buffers.slots and rows + len(s.token_ids) <= self.buffers.max_tokens:
+            n = len(s.token_ids)
+            if out and len(out[-1]) < self.buffers.slots and rows[-1] + n <= self.buffers.max_tokens:
                 out[-1].append(i)
-                rows += len(s.token_ids)
+                rows[-1] += n
             else:
                 out.append([i])
-                rows = len(s.token_ids)
-        return out if len(out) <= PREFILL_REPLAYS else None
+                rows.append(n)
+        if not out or len(out) > PREFILL_REPLAYS:
+            return None
+        return [(group, self._bucket(n)) for group, n in zip(out, rows, strict=True)]
+
+    def _bucket(self, rows: int) -> int:
+        bucket = pick_bucket(rows, self.sizes)
+        assert bucket is not None  # the largest bucket is max_tokens, which `fits` holds the rows to
+        return bucket
 
     def launch(self, plan: StepPlan, bucket: int, keys: list[int] | None = None) -> torch.Tensor:
         """Fill and replay without waiting: a device tensor [chunks, 1 + drafts] (first token or the argmax

@@ -242,13 +242,7 @@ class TargetRunner:
         groups = prefill.groups([plan.seqs[i] for i in ctx])
         if groups is None:
             return None
-        chunks = []
-        for group in groups:
-            members = [ctx[j] for j in group]
-            bucket = prefill.bucket_for(_sub_plan(plan, [plan.seqs[i] for i in members]))
-            if bucket is None:
-                return None
-            chunks.append((members, bucket))
+        chunks = [([ctx[j] for j in group], bucket) for group, bucket in groups]
         if len(ctx) == len(plan.seqs):
             return chunks, None
         gen, spec = _sub_plan(plan, [s for s in plan.seqs if not s.is_context]), self.launch_spec()
@@ -270,7 +264,8 @@ class TargetRunner:
         launched = []
         for members, bucket in chunks:
             sub = _sub_plan(plan, [plan.seqs[i] for i in members])
-            launched.append((sub, members, prefill.launch(sub, bucket, self._context_keys(sub.seqs)).clone()))
+            out = prefill.launch(sub, bucket, self._context_keys(sub.seqs))
+            launched.append((sub, members, out.clone() if len(chunks) > 1 else out))  # a later replay overwrites it
         drafts = []
         rest = None
         if gen_bucket is not None:

@@ -194,8 +194,10 @@ def test_which_steps_take_the_prefill_step() -> None:
     assert step.bucket_for(plan_of(chunk(12), chunk(4, request_id="s"), chunk(3, request_id="t"))) == 20
     assert step.bucket_for(plan_of(chunk(12), chunk(12, request_id="s"))) is None
     assert step.bucket_for(plan_of(*[chunk(1, request_id=str(i)) for i in range(PREFILL_SLOTS + 1)])) is None
-    assert step.groups([chunk(12), chunk(4), chunk(9), chunk(20), chunk(1)]) == [[0, 1], [2], [3], [4]]
-    assert step.groups([chunk(1)] * (PREFILL_SLOTS + 1)) == [list(range(PREFILL_SLOTS)), [PREFILL_SLOTS]]
+    assert step.groups([chunk(12), chunk(4), chunk(9), chunk(20), chunk(1)]) == [
+        ([0, 1], 16), ([2], 16), ([3], 20), ([4], 16)
+    ]  # fmt: skip
+    assert step.groups([chunk(1)] * (PREFILL_SLOTS + 1)) == [(list(range(PREFILL_SLOTS)), 16), ([PREFILL_SLOTS], 16)]
     assert step.groups([chunk(12)] * (PREFILL_REPLAYS + 1)) is None
     assert step.groups([chunk(4), chunk(4, is_context=False)]) is None
     assert step.bucket_for(plan_of(chunk(4, is_context=False))) is None
