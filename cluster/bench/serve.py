@@ -203,6 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise bench_report.BenchError(f"--configs: unknown {sorted(unknown)} (choose from {', '.join(CONFIGS)})")
     apis = [a for a in args.front_ends.split(",") if a]
     rows: list[dict[str, Any]] = []
+    alone_by_run: dict[str, Any] = {}  # engine-alone figures by "config streams", for a report cut short
     clients = LoopClients(args.client_procs)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
@@ -219,7 +220,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not args.no_engine_alone:
                     for streams in args.streams:
                         engine[streams] = run_engine_alone(cfg, args, streams, vocab)
+                        alone_by_run[f"{config} {streams}"] = engine[streams]
                         print(f"{config} engine alone, {streams} streams: {engine[streams]}", file=sys.stderr)
+                        save_so_far(args, rows, model, alone_by_run)
                 prompts = prompts_for(args, vocab)
                 for frontends in args.frontends:
                     cmd = serve_command(args, Path(tmp) / "serve.yaml", frontends)
@@ -244,10 +247,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 row["ratio"] = row["served_tok_s"] / alone if alone else None
                                 rows.append(row)
                                 print(short(row), file=sys.stderr, flush=True)
+                                save_so_far(args, rows, model, alone_by_run)
                     finally:
                         bench_report.stop_subprocess(proc)
     finally:
         clients.close()
+    return serve_report(args, rows, model)
+
+
+def serve_report(
+    args: argparse.Namespace, rows: list[dict[str, Any]], model: str | None, **sections: Any
+) -> dict[str, Any]:
+    """The report of `rows` (with any further `sections`)."""
     return bench_report.report(
         "serve",
         bench_report.command_of(args),
@@ -255,7 +266,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         settings=bench_report.settings_of(args, SETTINGS),
         results=rows,
         model=model if not args.tiny else {"tiny": TINY_CONFIG},
+        **sections,
     )
+
+
+def save_so_far(args: argparse.Namespace, rows: list[dict[str, Any]], model: str | None, alone: dict[str, Any]) -> None:
+    """The report of what has finished, written to --json marked incomplete (the finished report replaces it), so
+    that a run cut short by a time limit keeps its figures."""
+    if args.json:
+        bench_report.write_json(args.json, serve_report(args, rows, model, complete=False, engine_alone=alone))
 
 
 def short(row: dict[str, Any]) -> str:

@@ -197,6 +197,22 @@ def test_serve_report_on_a_tiny_server_with_two_front_ends(tmp_path: Path) -> No
         assert r["requests_finished"] > 0 and r["server_cpu_s_per_1k_tokens_per_process"]
 
 
+def test_serve_report_so_far_is_marked_incomplete(tmp_path: Path) -> None:
+    """What `bench serve` has finished is on disk after each row, marked incomplete, so a run that a time limit
+    cuts short keeps its figures."""
+    from mtpserve.cluster.bench import serve as bench_serve
+    from mtpserve.cluster.cli.mtpserve import build_parser
+
+    out = tmp_path / "serve.json"
+    args = build_parser().parse_args(["bench", "serve", "--tiny", "--device", "cpu", "--json", str(out)])
+    row = {"config": "target-only", "front_end": "grpc", "streams": 64, "served_tok_s": 123.0}
+    bench_serve.save_so_far(args, [row], None, {"target-only 64": {"engine_tok_s": 456.0}})
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and doc["results"] == [row]
+    assert doc["engine_alone"] == {"target-only 64": {"engine_tok_s": 456.0}}
+    assert doc["settings"]["tiny"] is True and doc["benchmark"] == "serve"
+
+
 def test_unknown_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     for kind in ("ttft", "distributed", "http-vs-grpc", "serve"):
         with pytest.raises(SystemExit):
