@@ -65,6 +65,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--py-spy", default="py-spy")
     p.add_argument("--rate", type=int, default=100, help="samples per second and process")
+    p.add_argument(
+        "--engine-alone",
+        action="store_true",
+        help="profile the engine-alone run first too (its process's step beside the served engine's)",
+    )
     p.add_argument("--out", default=".")
     args = p.parse_args()
     out = Path(args.out)
@@ -72,7 +77,8 @@ def main() -> None:
     raw = out / "serve_prof_raw.txt"
     bench = [sys.executable, "-m", "mtpserve", "bench", "serve", "--device", args.device]
     bench += ["--tiny"] if args.tiny else ["--model", args.model]
-    bench += ["--configs", args.config, "--streams", str(args.streams), "--front-ends", args.api, "--no-engine-alone"]
+    bench += ["--configs", args.config, "--streams", str(args.streams), "--front-ends", args.api]
+    bench += [] if args.engine_alone else ["--no-engine-alone"]
     bench += ["--frontends", str(args.frontends), "--client-procs", str(args.client_procs), "--warmup-s", "3"]
     bench += ["--window-s", str(args.window_s), "--json", str(out / "serve_prof_bench.json")]
     spy = [args.py_spy, "record", "-s", "-r", str(args.rate), "-f", "raw", "--nonblocking", "-o", str(raw), "--"]
