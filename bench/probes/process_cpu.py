@@ -15,11 +15,15 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-TICK = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from mtpserve.cluster.bench.procs import cpu_s, read_stat
+
 KINDS = (  # (kind, pattern over "comm | cmdline"), first match wins
     ("pytest xdist worker", r"exec\(eval\(sys\.stdin\.readline\(\)\)\)"),
     ("pytest", r"-m pytest|/pytest "),
@@ -35,10 +39,12 @@ def sample(tree: dict[tuple[int, int], dict[str, Any]], pids: set[int]) -> None:
     """Record the CPU seconds now of every process in the tree of `pids` (new children join it), keyed by (pid,
     start time)."""
     for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+        stat = read_stat(pid)
+        if stat is None:
+            continue
+        comm, fields = stat
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            comm, fields = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :].split()
-            key, cpu = (pid, int(fields[19])), (int(fields[11]) + int(fields[12])) / TICK
+            key, cpu = (pid, int(fields[19])), cpu_s(fields)
             if key not in tree:
                 if pid not in pids and int(fields[1]) not in pids:
                     continue

@@ -21,18 +21,26 @@ def process_tree(pid: int) -> list[int]:
     return pids
 
 
+def read_stat(pid: int) -> tuple[str, list[str]] | None:
+    """(command name, the fields after it) of /proc/PID/stat; None once the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :].split()
+
+
+def cpu_s(fields: list[str]) -> float:
+    """User plus system CPU seconds in the fields `read_stat` returns."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_s(pid: int | None) -> float | None:
     """User plus system CPU seconds so far of a process and its live descendants; None without /proc."""
     if pid is None or not Path(f"/proc/{pid}/stat").is_file():
         return None
-    total = 0.0
-    for p in process_tree(pid):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    stats = (read_stat(p) for p in process_tree(pid))
+    return sum(cpu_s(fields) for _, fields in filter(None, stats))
 
 
 def tree_rss_mb(pid: int) -> float:

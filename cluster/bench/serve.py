@@ -30,7 +30,7 @@ from mtpserve import cluster
 from mtpserve.cluster.bench import report as bench_report
 from mtpserve.cluster.bench.http_vs_grpc import SERVING, TINY_CONFIG
 from mtpserve.cluster.bench.loop_clients import LoopClients, LoopResult
-from mtpserve.cluster.bench.procs import process_tree
+from mtpserve.cluster.bench.procs import cpu_s, process_tree, read_stat
 from mtpserve.workers.config import MTPServeConfig
 
 ROOT = Path(cluster.__file__).resolve().parent.parent  # the checkout the server subprocess imports from
@@ -147,14 +147,8 @@ def run_engine_alone(cfg: dict[str, Any], args: argparse.Namespace, streams: int
 
 def server_cpu(pid: int) -> dict[int, float]:
     """CPU seconds so far of each process of the served tree."""
-    out = {}
-    for p in process_tree(pid):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        out[p] = (int(fields[11]) + int(fields[12])) / 100.0
-    return out
+    stats = {p: read_stat(p) for p in process_tree(pid)}
+    return {p: cpu_s(st[1]) for p, st in stats.items() if st is not None}
 
 
 def pct(values: list[float], q: float) -> float | None:
