@@ -24,7 +24,9 @@
 #                                     engine alone) of this checkout against an older one in OLD (default .device/old:
 #                                     `git archive REV | tar -x -C .device/old`, carried beside .device/wheels), then of
 #                                     this checkout again, and `serve --max-replicas 2` (the replica router over one
-#                                     engine), all on one warm machine; RUNS picks some of them ("new:. old:DIR");
+#                                     engine), all on one warm machine; RUNS picks some of them ("new:. old:DIR"; a
+#                                     third field adds serve flags, commas for spaces: "w0:.:--scheduler.admit-wait-ms=0");
+#                                     ALONE_EACH=0 measures the engine alone in the first run only;
 #                                     PREFILL=1 adds `bench throughput` of 64 x 128-token prompts in each;
 #                                     FRONT_ENDS= (empty) leaves only the engine-alone figures (in the log)
 #   bash bench/device_run.sh gc       SmolLM2: garbage-collector pauses of the step loop at 256 streams, heap as is and frozen
@@ -136,13 +138,17 @@ case $PHASE in
       --json "$R/serve.json"
     ;;
   serveab)  # this checkout's served path against OLD's, the same closed loop, in turn on one machine
+    first=1
     for run in ${RUNS:-new:. old:${OLD:-.device/old} again:. router:.}; do
-      name=${run%%:*} tree=${run#*:}
-      extra=$([ "$name" = router ] && echo "--serve-args=--max-replicas=2" || echo "")
-      alone=$([ "${ALONE:-0}" = 1 ] || echo "--no-engine-alone")
+      name=${run%%:*} rest=${run#*:} tree=${run#*:} more=""
+      [[ $rest == *:* ]] && tree=${rest%%:*} more=${rest#*:}  # name:tree:serve-args (commas for spaces)
+      extra=$([ "$name" = router ] && echo "--max-replicas=2" || echo "")
+      extra="--serve-args=$extra ${more//,/ }"
+      alone=$({ [ "${ALONE:-0}" = 1 ] && { [ "$first" = 1 ] || [ "${ALONE_EACH:-1}" = 1 ]; }; } || echo "--no-engine-alone")
+      first=0
       step "serve_$name" "${LIMIT:-150}" bash -c "cd '$tree' && PYTHONPATH=/tmp/site:\$PWD python3 -m mtpserve bench serve \
         --model '$M' --device cuda --configs ${CONFIGS:-target-only} --streams ${STREAMS:-64,256} --frontends 4 --warmup-s 3 \
-        --window-s 5 --client-procs 8 --front-ends='${FRONT_ENDS-http,grpc}' $alone $extra --json '$R/serve_$name.json'"
+        --window-s 5 --client-procs 8 --front-ends='${FRONT_ENDS-http,grpc}' $alone '$extra' --json '$R/serve_$name.json'"
       if [ "${PREFILL:-0}" = 1 ]; then  # 64 x 128-token prompts at once, target-only and speculative
         for spec in --no-speculation ""; do
           step "prefill_$name${spec:+_t}" 120 bash -c "cd '$tree' && PYTHONPATH=/tmp/site:\$PWD python3 -m mtpserve \

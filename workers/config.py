@@ -213,6 +213,7 @@ class SpeculativeConfig(_Strict):
         return self.num_draft_tokens
 
 
+ADMIT_WAIT_MS = 8.0  # how long an arrival may wait to join a batch on launched steps, by default
 PREFILL_SHARE = 8192  # prompt tokens a step may take beside a full decode batch, by default (vLLM's on large GPUs)
 
 
@@ -231,6 +232,13 @@ class SchedulerConfig(_Strict):
     block_size: int = Field(16, gt=0, description="tokens per KV-cache block (and per prefix-cache key)")
     num_kv_blocks: int | None = Field(None, gt=0, description="None sizes the cache from max_num_requests")
     max_queue: int = Field(1024, gt=0, description="waiting requests before RESOURCE_EXHAUSTED")
+    admit_wait_ms: float = Field(
+        ADMIT_WAIT_MS,
+        ge=0,
+        description="while steps are launched ahead, requests that arrive wait up to this long to join the batch "
+        "together (or until they are an eighth of it): each join reads the launched steps and runs a step in turn; "
+        "0 joins each at the next step",
+    )
     prefix_caching: bool = Field(
         True,
         description="reuse the target and draft KV of full blocks whose tokens (and next token) an earlier "

@@ -39,7 +39,7 @@ from mtpserve.cluster.bench.stream_clients import Clients
 from mtpserve.workers.config import MTPServeConfig
 
 ROOT = Path(cluster.__file__).resolve().parent.parent  # the checkout the server subprocess imports from
-SERVING = re.compile(r"serving gRPC on (?P<grpc>\S+), metrics on :\d+, HTTP on (?P<http>\S+)")
+SERVING = re.compile(r"serving gRPC on (?P<grpc>\S+), metrics on :(?P<metrics>\d+), HTTP on (?P<http>\S+)")
 FRONT_ENDS = ("grpc", "http")
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 128,

@@ -21,6 +21,7 @@ import random
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, cast
 
@@ -119,7 +120,8 @@ def engine_alone(cfg: dict[str, Any], args: dict[str, Any], streams: int) -> dic
         seq = 0
         start = time.perf_counter()
         measure_from, end = start + args["warmup_s"], start + args["warmup_s"] + args["window_s"]
-        tokens = steps = 0
+        tokens = 0
+        before = engine_counters(engine)
         while (now := time.perf_counter()) < end:
             while len(live) < streams:
                 rid = f"r{seq}"
@@ -131,8 +133,9 @@ def engine_alone(cfg: dict[str, Any], args: dict[str, Any], streams: int) -> dic
                     tokens += len(o.new_token_ids)
                 if o.finished:
                     live.discard(o.request_id)
-            steps += now >= measure_from
-        return {"engine_tok_s": tokens / args["window_s"], "engine_steps": steps}
+            if now < measure_from:
+                before = engine_counters(engine)
+        return {"engine_tok_s": tokens / args["window_s"]} | step_shares(before, engine_counters(engine))
     finally:
         engine.shutdown()
 
@@ -157,6 +160,35 @@ def pct(values: list[float], q: float) -> float | None:
         return None
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+STEP_COUNTERS = {
+    "steps": "mtpserve_engine_steps_total",
+    "launched": "mtpserve_engine_steps_launched_total",
+    "rows": "mtpserve_engine_step_rows_total",
+}
+
+
+def step_counters(metrics_port: str) -> dict[str, float]:
+    """The engine's step counters from the server's /metrics (zeros where one is missing)."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    values = dict(line.rsplit(" ", 1) for line in page.splitlines() if line and not line.startswith("#"))
+    return {key: float(values.get(name, 0.0)) for key, name in STEP_COUNTERS.items()}
+
+
+def engine_counters(engine: Any) -> dict[str, float]:
+    """An in-process engine's step counters, as `step_counters` reads them from /metrics."""
+    return {"steps": engine.steps_run, "launched": engine.steps_launched, "rows": engine.rows_run}
+
+
+def step_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Steps between two readings of the step counters, the share of them launched ahead and rows per step."""
+    steps = after["steps"] - before["steps"]
+    return {
+        "engine_steps": steps,
+        "launched_share": (after["launched"] - before["launched"]) / steps if steps else None,
+        "rows_per_step": (after["rows"] - before["rows"]) / steps if steps else None,
+    }
 
 
 def served_row(
@@ -224,7 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     try:
                         for streams in args.streams:
                             for api in apis:
-                                cpu0 = server_cpu(proc.pid)
+                                cpu0, steps0 = server_cpu(proc.pid), step_counters(found["metrics"])
                                 r = clients.run(
                                     api,
                                     found[api],
@@ -236,6 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 )
                                 row = {"config": config, "frontends": frontends, "front_end": api, "streams": streams}
                                 row |= served_row(r, args, cpu0, server_cpu(proc.pid))
+                                row |= step_shares(steps0, step_counters(found["metrics"]))
                                 alone = engine.get(streams, {}).get("engine_tok_s")
                                 row["engine_tok_s"] = alone
                                 row["ratio"] = row["served_tok_s"] / alone if alone else None
@@ -246,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bench_report.stop_subprocess(proc)
     finally:
         clients.close()
-    return serve_report(args, rows, model)
+    return serve_report(args, rows, model, engine_alone=alone_by_run)
 
 
 def serve_report(
@@ -274,11 +307,13 @@ def save_so_far(args: argparse.Namespace, rows: list[dict[str, Any]], model: str
 def short(row: dict[str, Any]) -> str:
     """A row in one line."""
     ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
-    ttft = row["ttft_p50_ms"] or 0.0
+    ttft, ttft99 = row["ttft_p50_ms"] or 0.0, row["ttft_p99_ms"] or 0.0
+    launched = row.get("launched_share")
     return (
         f"{row['config']:>11} fe={row['frontends']} {row['front_end']:>4} {row['streams']:>4} streams: "
         f"{row['served_tok_s']:9.0f} tok/s served, engine {row['engine_tok_s'] or 0:9.0f}, ratio {ratio}, "
-        f"TTFT p50 {ttft:.1f} ms, errors {row['errors']}"
+        f"TTFT p50/p99 {ttft:.1f}/{ttft99:.1f} ms, launched {'-' if launched is None else f'{launched:.2f}'}, "
+        f"errors {row['errors']}"
     )
 
 

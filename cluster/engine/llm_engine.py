@@ -145,6 +145,7 @@ class LLMEngine:
         self.totals = SpecStats()
         self.steps_run = 0  # steps applied, and the target rows they computed
         self.rows_run = 0
+        self.steps_launched = 0  # of the steps applied, those launched ahead of the one before them being read
         self.kind_steps: Counter[str] = Counter()  # steps with generation rows, by kind ('0'..'K', 'tree<N>')
         self._kind_names: dict[int, str] = {}  # a step's draft count -> its kind's name
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
@@ -329,6 +330,7 @@ class LLMEngine:
             self._refill = self._queue_ahead(runner)
         current = self._launched.popleft()
         out = runner.collect(current)
+        self.steps_launched += 1
         read = (len(current.plan.seqs), current.plan.num_draft_tokens)
         self._steady = self._read is not None and self._read[1] == read[1]
         self._read = read
@@ -368,6 +370,7 @@ class LLMEngine:
             assert self._launcher is not None  # the only one that queues steps
             launched = self._launched.popleft()
             out = self._launcher.collect(launched)
+            self.steps_launched += 1
             outputs += self._apply(launched.plan, out, out.draft_outputs)
         return outputs
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from mtpserve.cluster.engine.admit_window import admit_now
 from mtpserve.cluster.engine.block_manager import BlockManager
 from mtpserve.cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 from mtpserve.cluster.engine.request import Request, RequestStatus
@@ -207,9 +208,9 @@ class Scheduler:
         finish (by max_tokens), or whose next positions could pass max_model_len, are left out; those they
         may finish (a stop token, or enough accepted drafts) stay in, and `update` drops their extra steps.
         Blocks are grown for the most tokens the unapplied steps can accept (a tree's depth + 1 each). None
-        when the step should go through `schedule` instead: requests are waiting or running outside
-        `pending`, blocks would need a preemption, the kind changes, a request has logit rules (they read
-        the output so far), or nothing is left to run.
+        when the step should go through `schedule` instead: waiting requests should join (`admit_window.py`),
+        requests run outside `pending`, blocks would need a preemption, the kind changes, a request has logit
+        rules (they read the output so far), or nothing is left to run.
 
         Example, K=3, pending = step 7 over requests A (row 0) and B (row 1), at positions 40 and 90, one
         step unapplied: step 8 plans A as token_ids [0, 0, 0, 0] (row 0 of step 7; three placeholder drafts)
@@ -218,7 +219,11 @@ class Scheduler:
         results row 0 on the device. Had step 7 been A's last by max_tokens, A would be left out of step 8."""
         k = pending.num_draft_tokens
         planned = {sp.request_id for sp in pending.seqs}
-        if self.waiting or any(r.request_id not in planned or r.processed for r in self.running):
+        free = self.cfg.max_num_requests - len(self.running)
+        join = admit_now(
+            self.waiting, len(pending.seqs), free_slots=free, wait_ms=self.cfg.admit_wait_ms, now=time.monotonic()
+        )
+        if join or any(r.request_id not in planned or r.processed for r in self.running):
             return None  # (logit rules read the output so far, which the unapplied steps have not brought)
         if self.depth is not None:
             kind = self._step_kind(len(pending.seqs))

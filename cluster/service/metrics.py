@@ -175,7 +175,13 @@ class EngineMetrics:
         self.preemptions = Counter(
             f"{prefix}_preemptions", "Requests preempted when KV blocks ran out (they recompute later)", registry=r
         )
-        self._steps_seen = [0, 0, 0]
+        self.steps_launched = Counter(
+            f"{prefix}_engine_steps_launched",
+            "Engine steps launched on the device before the step ahead of them was read (the rest ran in turn)",
+            registry=r,
+        )
+        self._step_counters = (self.steps, self.rows, self.preemptions, self.steps_launched)
+        self._steps_seen = [0, 0, 0, 0]
         self.model = Gauge(
             f"{prefix}_model_info",
             "1, labelled with the served model (join on it to label the other series)",
@@ -224,9 +230,10 @@ class EngineMetrics:
             num_draft_tokens=str(draft.num_draft_tokens if draft.enabled else 0),
         ).set(1)
 
-    def observe_steps(self, steps: int, rows: int, preemptions: int) -> None:
-        """Bring the step, row and preemption counters up to the engine's running totals."""
-        for counter, total, key in ((self.steps, steps, 0), (self.rows, rows, 1), (self.preemptions, preemptions, 2)):
+    def observe_steps(self, steps: int, rows: int, preemptions: int, launched: int = 0) -> None:
+        """Bring the step, row, preemption and launched-step counters up to the engine's running totals."""
+        totals = (steps, rows, preemptions, launched)
+        for key, (counter, total) in enumerate(zip(self._step_counters, totals, strict=True)):
             counter.inc(max(0, total - self._steps_seen[key]))
             self._steps_seen[key] = max(self._steps_seen[key], total)
 

@@ -91,6 +91,7 @@ class EngineLoad:
     steps: int = 0
     rows: int = 0
     preemptions: int = 0
+    steps_launched: int = 0
 
 
 def summed_loads(loads: list[EngineLoad]) -> EngineLoad:
@@ -111,6 +112,7 @@ def summed_loads(loads: list[EngineLoad]) -> EngineLoad:
         depth=max((x.depth for x in loads), default=0),
         steps=sum(x.steps for x in loads),
         rows=sum(x.rows for x in loads),
+        steps_launched=sum(x.steps_launched for x in loads),
         preemptions=sum(x.preemptions for x in loads),
     )
 
@@ -120,7 +122,7 @@ def observe_engine(m: EngineMetrics, load: EngineLoad) -> None:
     m.observe_load(load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total)
     m.observe_prefix_cache(load.prefix_query_tokens, load.prefix_hit_tokens, load.kv_blocks_cached)
     m.observe_depths(load.depth_steps or {}, load.depth)
-    m.observe_steps(load.steps, load.rows, load.preemptions)
+    m.observe_steps(load.steps, load.rows, load.preemptions, load.steps_launched)
 
 
 def engine_load(engine: LLMEngine) -> EngineLoad:
@@ -140,6 +142,7 @@ def engine_load(engine: LLMEngine) -> EngineLoad:
         depth=sched.k if policy is None else policy.depth,  # a fixed chain runs its K every step
         steps=engine.steps_run,
         rows=engine.rows_run,
+        steps_launched=engine.steps_launched,
         preemptions=sched.num_preemptions,
     )
 

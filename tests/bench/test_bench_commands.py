@@ -195,6 +195,11 @@ def test_serve_report_on_a_tiny_server_with_two_front_ends(tmp_path: Path) -> No
         assert r["ratio"] == pytest.approx(r["served_tok_s"] / r["engine_tok_s"])
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["itl_p50_ms"] <= r["itl_p99_ms"]
         assert r["requests_finished"] > 0 and r["server_cpu_s_per_1k_tokens_per_process"]
+        assert r["engine_steps"] > 0 and r["launched_share"] == 0, "the engine's steps, all in turn on the CPU"
+        assert r["rows_per_step"] >= 1
+    assert set(doc["engine_alone"]) == {"target-only 1", "target-only 3"}
+    for alone in doc["engine_alone"].values():
+        assert alone["engine_steps"] > 0 and alone["launched_share"] == 0
 
 
 def test_serve_report_so_far_is_marked_incomplete(tmp_path: Path) -> None:

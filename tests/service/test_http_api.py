@@ -457,6 +457,7 @@ def test_metrics_are_labelled_by_front_end(client: openai.OpenAI, server: ServeP
     steps = value("mtpserve_engine_steps_total")
     assert steps >= 3 and value("mtpserve_engine_step_rows_total") >= steps  # a step computes a row at least
     assert value("mtpserve_preemptions_total") == 0
+    assert value("mtpserve_engine_steps_launched_total") == 0, "on the CPU every step runs in turn"
     info = re.search(r"^mtpserve_model_info\{([^}]*)\} 1\.0$", page, re.MULTILINE)
     assert info and f'model_name="{model_id}"' in info.group(1) and 'draft_method="mtp_eagle"' in info.group(1)
 

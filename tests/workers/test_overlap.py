@@ -119,6 +119,8 @@ def test_overlapped_decoding_emits_the_same_tokens(k: int, ahead: int) -> None:
     assert len(want["tokens"]["r0"]) <= 7 and want["tokens"]["r0"][-1] == first[6]
     assert want["blocks_held"] == 0 and got["blocks_held"] == 0
     assert ref_chained == [], "without overlap nothing is launched ahead"
+    assert eng.drain() == [], "a step launched before the abort is read only now; it brings nothing"
+    assert ref_engine.steps_launched == 0 and eng.steps_launched == len(chained), "each launched step is counted"
     least = 15 if k == 0 else 5  # speculative requests finish in fewer, longer steps
     assert sum(chained) >= least and sum(chained) > len(chained) // 2, f"most steps must be launched ahead: {chained}"
 

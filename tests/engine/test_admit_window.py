@@ -1,0 +1,95 @@
+"""Arrivals while steps are launched ahead: they join the batch together, when they are an eighth of it or the
+oldest has waited `scheduler.admit_wait_ms`, and the tokens are those of joining at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mtpserve.cluster.engine.admit_window import admit_now
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.request import Request, SamplingParams
+from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.runner import TargetRunner
+from mtpserve.workers.uniform_step import UniformTargetStep
+from tests.helpers.tiny import mimic_target, random_prompts, tiny_engine, with_steps
+
+BATCH = 12
+
+
+def aged(ms: float, now: float = 100.0) -> Request:
+    """A waiting request that arrived `ms` before `now`."""
+    return Request("r", [1, 2], SamplingParams(), arrival_time=now - ms / 1000)
+
+
+def test_the_rule() -> None:
+    now = 100.0
+    assert not admit_now([aged(2)] * 5, 256, free_slots=10, wait_ms=6, now=now), "few and fresh: they wait"
+    assert admit_now([aged(2)] * 32, 256, free_slots=40, wait_ms=6, now=now), "an eighth of the batch joins"
+    assert admit_now([aged(6), aged(1)], 256, free_slots=10, wait_ms=6, now=now), "the oldest waited long enough"
+    assert admit_now([aged(0)], 4, free_slots=1, wait_ms=6, now=now), "one is an eighth of a small batch"
+    assert admit_now([aged(0)], 256, free_slots=1, wait_ms=0, now=now), "wait 0 joins each at once"
+    assert not admit_now([aged(60)] * 40, 256, free_slots=0, wait_ms=6, now=now), "no slot: no reason to stop"
+    assert not admit_now([], 0, free_slots=8, wait_ms=0, now=now)
+
+
+def launching_engine(admit_wait_ms: float) -> tuple[LLMEngine, list[int]]:
+    """A tiny target-only engine on the fixed-buffer step (buckets up to 16) with steps launched ahead; the
+    list fills with the size of every step that ran in turn."""
+    args, w = mimic_target()
+    scheduler = {"admit_wait_ms": admit_wait_ms, "max_num_requests": 16}
+    eng = tiny_engine(args, w, model={"steps_ahead": 1}, scheduler=scheduler)
+    runner = eng.target
+    assert isinstance(runner, TargetRunner)
+    step = UniformTargetStep(runner.model, runner.cache, 1, max_batch=16, max_blocks=8, device="cpu", use_graphs=False)
+    runner = with_steps(eng, target=step)
+    in_turn: list[int] = []
+    execute = runner.execute
+    runner.execute = lambda plan: in_turn.append(len(plan.seqs)) or execute(plan)  # type: ignore[method-assign]
+    return eng, in_turn
+
+
+def drive(eng: LLMEngine, late: dict[int, str]) -> tuple[dict[str, list[int]], list[int]]:
+    """BATCH requests from the start and one more after each step numbered in `late` (from 1); every request's
+    tokens and the number waiting after each step (item i after step i + 1)."""
+    prompts = random_prompts(BATCH + len(late), eng.args.vocab_size, [7, 12, 5], seed=4)
+    params: dict[str, Any] = {"max_tokens": 40, "ignore_eos": True}
+    for i in range(BATCH):
+        eng.add_request(prompts[i], params, request_id=f"r{i}")
+    tokens: dict[str, list[int]] = {}
+    waiting: list[int] = []
+    steps = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+        if steps in late:
+            eng.add_request(prompts[BATCH + len(waiting) % len(late)], params, request_id=late[steps])
+        waiting.append(eng.scheduler.num_waiting)
+    return tokens, waiting
+
+
+@pytest.mark.parametrize("wait_ms", [0.0, 1e6])
+def test_arrivals_join_together_with_the_tokens_of_joining_at_once(wait_ms: float) -> None:
+    """12 decoding, arrivals after steps 5 and 9: with no wait the first joins at the next read; with a long
+    wait it rides the launched steps until the second makes them an eighth of the batch (2 x 8 >= 12), and both
+    join in one step run in turn. Greedy tokens are the same either way and as without launching."""
+    late = {5: "late-a", 9: "late-b"}
+    eng, in_turn = launching_engine(wait_ms)
+    tokens, waiting = drive(eng, late)
+    ref_eng = tiny_engine(*mimic_target(), model={"overlap_steps": False}, scheduler={"max_num_requests": 16})
+    want, _ = drive(ref_eng, late)
+    assert tokens == want and len(want["late-b"]) == 40
+    assert eng.steps_launched > eng.steps_run // 2, "most steps are launched ahead"
+    if wait_ms:
+        assert waiting[4:8] == [1, 1, 1, 1], "the first arrival waits for the second"
+        assert waiting[8] == 2 and sum(waiting[10:]) == 0, "then both join after the launched step is read"
+        assert in_turn.count(BATCH + 2) == 1, "both joined in one step"
+    else:
+        assert waiting[4] == 1 and waiting[6] == 0, "the first arrival joins once the launched step is read"
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
+
+
+def test_the_default_wait_is_short() -> None:
+    assert 0 < MTPServeConfig().scheduler.admit_wait_ms <= 10
