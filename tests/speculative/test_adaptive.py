@@ -252,8 +252,9 @@ def test_captured_prefill_proposes_the_step_depth() -> None:
 
 
 def token_counts(eng: LLMEngine, prompt: list[int], n: int, vocab: int, index: int) -> torch.Tensor:
-    """How often each token comes at `index` of the output over n requests sampled at temperature 1."""
-    params = [{"max_tokens": index + 1, "temperature": 1.0, "seed": s} for s in range(n)]
+    """How often each token comes at `index` of the output over n requests sampled at temperature 1 (of two
+    lengths, so that they finish apart and the batch passes through every bucket as it empties)."""
+    params = [{"max_tokens": index + 1 + s % 2, "temperature": 1.0, "seed": s} for s in range(n)]
     tokens = run(eng, [prompt] * n, params)
     return torch.bincount(torch.tensor([t[index] for t in tokens.values()]), minlength=vocab)
 
