@@ -319,7 +319,7 @@ class LLMEngine:
         self._period_start = started
         if not self._launched:
             self._refill = True
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(hold=self.steps_launched > 0)
             first = runner.launch(plan) if runner is not None else None
             if first is None:
                 self._read, self._steady = None, False  # a step run in turn: the next period is not a launched one

@@ -66,6 +66,11 @@ class SamplingParams(BaseModel):
         return value
 
     @property
+    def row_fields(self) -> dict[str, Any]:
+        """The sampling fields of the request's rows in a step (`SeqPlan`)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+
+    @property
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0, or below MIN_TEMPERATURE)."""
         return self.temperature == 0.0

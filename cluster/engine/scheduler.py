@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from mtpserve.cluster.engine.admit_window import admit_now
+from mtpserve.cluster.engine.admit_window import AdmitWindow
 from mtpserve.cluster.engine.block_manager import BlockManager
 from mtpserve.cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 from mtpserve.cluster.engine.request import Request, RequestStatus
@@ -65,6 +65,7 @@ class Scheduler:
     ) -> None:
         self.cfg = cfg
         self.depth = depth
+        self.window = AdmitWindow(cfg.admit_wait_ms)  # when arrivals join a batch on launched steps
         self.tree = tree  # the draft tree of steps whose draft count is its budget (adaptive or not)
         self._ahead: set[int] = set()  # steps planned by `plan_ahead` whose results are not applied yet
         self._next_kind: StepKind | None = None  # a kind `plan_ahead` chose for the step `schedule` plans next
@@ -121,8 +122,9 @@ class Scheduler:
         return len(self.running)
 
     # ---- planning --------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """Choose this step's rows: generation first, then context chunks, within the token budget."""
+    def schedule(self, hold: bool = False) -> StepPlan:
+        """Choose this step's rows: generation first, then context chunks, within the token budget. With `hold`
+        (steps are being launched ahead), waiting requests join only as `self.window` allows."""
         budget = self.cfg.max_num_batched_tokens
         gen: list[SeqPlan] = []
         ctx: list[SeqPlan] = []
@@ -158,6 +160,9 @@ class Scheduler:
                 ctx.append(plan)
                 scheduled.add(req.request_id)
                 budget -= len(plan.token_ids)
+        now = time.monotonic()
+        if hold and not self.window.admit_now(self.waiting, len(gen), free_slots=self._free_slots, now=now):
+            budget = 0  # they join a later step, and this one can be launched
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_requests:
             req = self.waiting[0]
             self._attach_cached(req)
@@ -170,7 +175,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
+                req.scheduled_time = now
             self.running.append(req)
             ctx.append(plan)
             scheduled.add(req.request_id)
@@ -180,6 +185,10 @@ class Scheduler:
             self._real_drafts[self._step] = padded
         finished, self._finished_since_plan = self._finished_since_plan, []
         return StepPlan(self._step, ctx + gen, self.k if kind is None else kind.num_draft_tokens, finished)
+
+    @property
+    def _free_slots(self) -> int:
+        return self.cfg.max_num_requests - len(self.running)
 
     def _step_kind(self, batch: int) -> StepKind | None:
         """The adaptive policy's kind for the next step (what it verifies and proposes); None without one."""
@@ -219,10 +228,7 @@ class Scheduler:
         results row 0 on the device. Had step 7 been A's last by max_tokens, A would be left out of step 8."""
         k = pending.num_draft_tokens
         planned = {sp.request_id for sp in pending.seqs}
-        free = self.cfg.max_num_requests - len(self.running)
-        join = admit_now(
-            self.waiting, len(pending.seqs), free_slots=free, wait_ms=self.cfg.admit_wait_ms, now=time.monotonic()
-        )
+        join = self.window.admit_now(self.waiting, len(pending.seqs), free_slots=self._free_slots, now=time.monotonic())
         if join or any(r.request_id not in planned or r.processed for r in self.running):
             return None  # (logit rules read the output so far, which the unapplied steps have not brought)
         if self.depth is not None:
@@ -281,7 +287,6 @@ class Scheduler:
                 return None
         elif not self.blocks.grow(req.block_ids, need):
             return None
-        p = req.params
         return SeqPlan(
             request_id=req.request_id,
             token_ids=seq[start:end],
@@ -290,10 +295,7 @@ class Scheduler:
             is_context=True,
             is_final_chunk=final,
             lookahead_token=-1 if final else seq[end],
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            seed=p.seed,
+            **req.params.row_fields,
             processing=req.processing([[]]) if final and req.processed else None,
         )
 
@@ -306,7 +308,6 @@ class Scheduler:
         draft_parents: list[int] | None = None,
     ) -> SeqPlan:
         """A generation row: token_ids are the last token (or, planned ahead, its row) and the drafts."""
-        p = req.params
         return SeqPlan(
             request_id=req.request_id,
             token_ids=token_ids,
@@ -316,10 +317,7 @@ class Scheduler:
             is_final_chunk=True,
             lookahead_token=-1,
             num_draft_tokens=len(token_ids) - 1,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            seed=p.seed,
+            **req.params.row_fields,
             draft_probs=draft_probs,
             draft_parents=draft_parents,
             processing=req.processing(row_branches(token_ids, draft_parents, len(token_ids)))
@@ -399,6 +397,8 @@ class Scheduler:
         kind = None if self.depth is None else self.depth.kind_of(plan.num_draft_tokens)
         ahead = plan.step_id in self._ahead
         self._ahead = {s for s in self._ahead if s > plan.step_id}  # (and those of steps dropped on a failure)
+        if plan.seqs and plan.seqs[0].is_context:  # prompt chunks come first
+            self.window.joined_at = time.monotonic()
         for sp, res in zip(plan.seqs, out.results, strict=True):
             req = self.requests.get(sp.request_id)
             if req is None or req.finished or req.status is not RequestStatus.RUNNING:

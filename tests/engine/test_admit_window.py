@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mtpserve.cluster.engine.admit_window import admit_now
+from mtpserve.cluster.engine.admit_window import AdmitWindow
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.engine.request import Request, SamplingParams
 from mtpserve.workers.config import MTPServeConfig
@@ -24,14 +24,17 @@ def aged(ms: float, now: float = 100.0) -> Request:
 
 
 def test_the_rule() -> None:
-    now = 100.0
-    assert not admit_now([aged(2)] * 5, 256, free_slots=10, wait_ms=6, now=now), "few and fresh: they wait"
-    assert admit_now([aged(2)] * 32, 256, free_slots=40, wait_ms=6, now=now), "an eighth of the batch joins"
-    assert admit_now([aged(6), aged(1)], 256, free_slots=10, wait_ms=6, now=now), "the oldest waited long enough"
-    assert admit_now([aged(0)], 4, free_slots=1, wait_ms=6, now=now), "one is an eighth of a small batch"
-    assert admit_now([aged(0)], 256, free_slots=1, wait_ms=0, now=now), "wait 0 joins each at once"
-    assert not admit_now([aged(60)] * 40, 256, free_slots=0, wait_ms=6, now=now), "no slot: no reason to stop"
-    assert not admit_now([], 0, free_slots=8, wait_ms=0, now=now)
+    now, window = 100.0, AdmitWindow(wait_ms=6)
+    assert not window.admit_now([aged(2)] * 5, 256, free_slots=10, now=now), "few and fresh: they wait"
+    assert window.admit_now([aged(2)] * 32, 256, free_slots=40, now=now), "an eighth of the batch joins"
+    assert window.admit_now([aged(6), aged(1)], 256, free_slots=10, now=now), "the oldest waited long enough"
+    assert window.admit_now([aged(0)], 4, free_slots=1, now=now), "one is an eighth of a small batch"
+    assert not window.admit_now([aged(60)] * 40, 256, free_slots=0, now=now), "no slot: no reason to stop"
+    assert not window.admit_now([], 0, free_slots=8, now=now)
+    assert AdmitWindow(wait_ms=0).admit_now([aged(0)], 256, free_slots=1, now=now), "wait 0 joins each at once"
+    window.joined_at = now - 0.003  # the last prompt chunks were applied 3 ms ago
+    assert not window.admit_now([aged(6)], 256, free_slots=10, now=now), "counted from the last join's end"
+    assert window.admit_now([aged(6)], 256, free_slots=10, now=now + 0.003)
 
 
 def launching_engine(admit_wait_ms: float) -> tuple[LLMEngine, list[int]]:
@@ -50,15 +53,16 @@ def launching_engine(admit_wait_ms: float) -> tuple[LLMEngine, list[int]]:
     return eng, in_turn
 
 
-def drive(eng: LLMEngine, late: dict[int, str]) -> tuple[dict[str, list[int]], list[int]]:
+def drive(eng: LLMEngine, late: dict[int, str]) -> tuple[dict[str, list[int]], list[int], list[int]]:
     """BATCH requests from the start and one more after each step numbered in `late` (from 1); every request's
-    tokens and the number waiting after each step (item i after step i + 1)."""
+    tokens, and after each step (item i after step i + 1) the number waiting and the steps launched so far."""
     prompts = random_prompts(BATCH + len(late), eng.args.vocab_size, [7, 12, 5], seed=4)
     params: dict[str, Any] = {"max_tokens": 40, "ignore_eos": True}
     for i in range(BATCH):
         eng.add_request(prompts[i], params, request_id=f"r{i}")
     tokens: dict[str, list[int]] = {}
     waiting: list[int] = []
+    launched: list[int] = []
     steps = 0
     while eng.has_unfinished():
         for o in eng.step():
@@ -67,7 +71,8 @@ def drive(eng: LLMEngine, late: dict[int, str]) -> tuple[dict[str, list[int]], l
         if steps in late:
             eng.add_request(prompts[BATCH + len(waiting) % len(late)], params, request_id=late[steps])
         waiting.append(eng.scheduler.num_waiting)
-    return tokens, waiting
+        launched.append(eng.steps_launched)
+    return tokens, waiting, launched
 
 
 @pytest.mark.parametrize("wait_ms", [0.0, 1e6])
@@ -77,9 +82,9 @@ def test_arrivals_join_together_with_the_tokens_of_joining_at_once(wait_ms: floa
     join in one step run in turn. Greedy tokens are the same either way and as without launching."""
     late = {5: "late-a", 9: "late-b"}
     eng, in_turn = launching_engine(wait_ms)
-    tokens, waiting = drive(eng, late)
+    tokens, waiting, _ = drive(eng, late)
     ref_eng = tiny_engine(*mimic_target(), model={"overlap_steps": False}, scheduler={"max_num_requests": 16})
-    want, _ = drive(ref_eng, late)
+    want, _, _ = drive(ref_eng, late)
     assert tokens == want and len(want["late-b"]) == 40
     assert eng.steps_launched > eng.steps_run // 2, "most steps are launched ahead"
     if wait_ms:
@@ -88,6 +93,22 @@ def test_arrivals_join_together_with_the_tokens_of_joining_at_once(wait_ms: floa
         assert in_turn.count(BATCH + 2) == 1, "both joined in one step"
     else:
         assert waiting[4] == 1 and waiting[6] == 0, "the first arrival joins once the launched step is read"
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
+
+
+def test_an_arrival_right_after_a_joining_step_rides_the_launched_steps() -> None:
+    """Two arrivals join in a step run in turn (step 11, as above); a third that comes right after it does not
+    join at the next step, which would run in turn again, but waits while the next steps are launched (the wait
+    counts from the joining step's end, and one is not an eighth of 14). Tokens as without launching."""
+    late = {5: "late-a", 9: "late-b", 11: "late-c"}
+    eng, in_turn = launching_engine(1e6)
+    tokens, waiting, launched = drive(eng, late)
+    ref_eng = tiny_engine(*mimic_target(), model={"overlap_steps": False}, scheduler={"max_num_requests": 16})
+    want, _, _ = drive(ref_eng, late)
+    assert tokens == want and len(want["late-c"]) == 40
+    assert waiting[9] == 2 and in_turn.count(BATCH + 2) == 1, "a and b joined at step 11"
+    assert waiting[10:14] == [1, 1, 1, 1], "c (added after step 11) waits"
+    assert launched[13] - launched[10] == 3, "steps 12-14 were launched"
     assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
 
 
