@@ -3,7 +3,7 @@
 A waiting request joins through `Scheduler.schedule`, so the launched steps must be read first, and its prompt
 chunk runs beside the decode rows in a step run in turn: each join costs the batch about a step's overlap. Joining
 arrivals together spreads that cost: they wait while few have arrived, for at most `scheduler.admit_wait_ms`
-counted from their arrival or from the end of the last step that ran prompt chunks, whichever is later (so that
+counted from their arrival or from the end of the last step that admitted requests, whichever is later (so that
 a slow joining step does not make every later arrival overdue at once)."""
 
 from __future__ import annotations
@@ -18,18 +18,20 @@ BATCH_SHARE = 8  # arrivals join at once when they are this fraction (1/8) of th
 
 @dataclass
 class AdmitWindow:
-    """The rule, and when the last step with prompt chunks was applied (`joined_at`, monotonic seconds)."""
+    """The rule, the last step that admitted requests (`admitted_in`) and when it was applied (`joined_at`,
+    monotonic seconds)."""
 
     wait_ms: float
     joined_at: float = 0.0
+    admitted_in: int = -1
 
     def admit_now(self, waiting: Sequence[Request], decoding: int, *, free_slots: int, now: float) -> bool:
         """Whether the `waiting` requests should join the `decoding` ones at the next step: there are any, a slot
         is free for them, and they are an eighth of the batch or the oldest has waited `wait_ms`.
 
-        Example, 256 decoding, wait_ms 6, the last prompt chunks applied 10 ms ago: 5 waiting requests, the
-        oldest 2 ms old, keep waiting; 32 waiting join; so does 1 that arrived 6 ms ago. Had the last prompt
-        chunks been applied 3 ms ago, that one would wait 3 ms more. With 4 decoding, 1 waiting joins at once."""
+        Example, 256 decoding, wait_ms 6, the last admitting step applied 10 ms ago: 5 waiting requests, the
+        oldest 2 ms old, keep waiting; 32 waiting join; so does 1 that arrived 6 ms ago. Had the last admitting
+        step been applied 3 ms ago, that one would wait 3 ms more. With 4 decoding, 1 waiting joins at once."""
         if not waiting or free_slots <= 0:
             return False
         if len(waiting) * BATCH_SHARE >= decoding:

@@ -173,6 +173,7 @@ class Scheduler:
             self.prefix_query_tokens += req.num_tokens
             self.prefix_hit_tokens += req.num_computed_tokens
             self.waiting.popleft()
+            self.window.admitted_in = self._step + 1  # this plan's id
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = now
@@ -397,7 +398,7 @@ class Scheduler:
         kind = None if self.depth is None else self.depth.kind_of(plan.num_draft_tokens)
         ahead = plan.step_id in self._ahead
         self._ahead = {s for s in self._ahead if s > plan.step_id}  # (and those of steps dropped on a failure)
-        if plan.seqs and plan.seqs[0].is_context:  # prompt chunks come first
+        if plan.step_id == self.window.admitted_in:
             self.window.joined_at = time.monotonic()
         for sp, res in zip(plan.seqs, out.results, strict=True):
             req = self.requests.get(sp.request_id)

@@ -37,11 +37,11 @@ def test_the_rule() -> None:
     assert window.admit_now([aged(6)], 256, free_slots=10, now=now + 0.003)
 
 
-def launching_engine(admit_wait_ms: float) -> tuple[LLMEngine, list[int]]:
+def launching_engine(admit_wait_ms: float, **scheduler: Any) -> tuple[LLMEngine, list[int]]:
     """A tiny target-only engine on the fixed-buffer step (buckets up to 16) with steps launched ahead; the
     list fills with the size of every step that ran in turn."""
     args, w = mimic_target()
-    scheduler = {"admit_wait_ms": admit_wait_ms, "max_num_requests": 16}
+    scheduler = {"admit_wait_ms": admit_wait_ms, "max_num_requests": 16, **scheduler}
     eng = tiny_engine(args, w, model={"steps_ahead": 1}, scheduler=scheduler)
     runner = eng.target
     assert isinstance(runner, TargetRunner)
@@ -110,6 +110,26 @@ def test_an_arrival_right_after_a_joining_step_rides_the_launched_steps() -> Non
     assert waiting[10:14] == [1, 1, 1, 1], "c (added after step 11) waits"
     assert launched[13] - launched[10] == 3, "steps 12-14 were launched"
     assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
+
+
+def test_only_admitting_steps_restart_the_wait() -> None:
+    """A 40-token prompt joins in 8-token chunks, one step each: the step that admitted it restarts the wait of
+    later arrivals, the steps that only continue its prompt do not (they would hold arrivals for its prefill)."""
+    eng, in_turn = launching_engine(1e6, chunk_size=8)
+    short, long = random_prompts(2, eng.args.vocab_size, [5, 40], seed=3)
+    eng.add_request(short, {"max_tokens": 30, "ignore_eos": True}, request_id="short")
+    eng.step()
+    admitted = eng.scheduler.window.joined_at
+    eng.step()
+    assert eng.scheduler.window.joined_at == admitted > 0, "a decode step restarts nothing"
+    eng.add_request(long, {"max_tokens": 4, "ignore_eos": True}, request_id="long")
+    stamps = []
+    while eng.has_unfinished():
+        eng.step()
+        stamps.append(eng.scheduler.window.joined_at)
+    assert in_turn.count(2) >= 5, "five prompt chunks ran beside the short request's decode rows"
+    assert len(set(stamps) - {admitted}) == 1, "only the step that admitted 'long' restarted it"
+    assert stamps[-1] > admitted
 
 
 def test_the_default_wait_is_short() -> None:
