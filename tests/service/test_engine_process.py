@@ -450,8 +450,8 @@ def test_warm_up_leaves_nothing_held_cached_or_counted() -> None:
     chunks: list[tuple[int, int]] = []  # (prompt chunks, decode rows) of every step
     schedule = warmed.scheduler.schedule
 
-    def spy() -> Any:
-        plan = schedule()
+    def spy(hold: bool = False) -> Any:
+        plan = schedule(hold)
         ctx = sum(s.is_context for s in plan.seqs)
         chunks.append((ctx, len(plan.seqs) - ctx))
         return plan
