@@ -23,6 +23,11 @@ ROLES = (  # a process's role from its command line, first match wins
     ("serve", "mtpserve serve"),
     ("child", "multiprocessing"),
 )
+ACTORS = (  # a Ray worker process's role from the code its stacks run (its command line is Ray's)
+    ("scheduler-actor", "scheduler_actor.py"),
+    ("target-worker", "target_worker.py"),
+    ("draft-worker", "draft_worker.py"),
+)
 
 
 def split_by_process(raw: Path, out: Path) -> dict[str, Path]:
@@ -46,6 +51,9 @@ def split_by_process(raw: Path, out: Path) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for pid, lines in by_pid.items():
         role = next((r for r, needle in ROLES if needle in names[pid]), "other")
+        if role == "other":
+            text = "\n".join(lines)
+            role = next((r for r, needle in ACTORS if needle in text), role)
         path = out / f"serve_prof_{role}_{pid}.txt"
         path.write_text("\n".join(lines) + "\n")
         files[f"{role} {pid}"] = path
@@ -70,6 +78,7 @@ def main() -> None:
         action="store_true",
         help="profile the engine-alone run first too (its process's step beside the served engine's)",
     )
+    p.add_argument("--serve-args", default="", help="more `mtpserve serve` flags, space-separated (--distributed)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     out = Path(args.out)
@@ -81,7 +90,21 @@ def main() -> None:
     bench += [] if args.engine_alone else ["--no-engine-alone"]
     bench += ["--frontends", str(args.frontends), "--client-procs", str(args.client_procs), "--warmup-s", "3"]
     bench += ["--window-s", str(args.window_s), "--json", str(out / "serve_prof_bench.json")]
-    spy = [args.py_spy, "record", "-s", "-r", str(args.rate), "-f", "raw", "--nonblocking", "-o", str(raw), "--"]
+    bench += [f"--serve-args={args.serve_args}"] if args.serve_args else []
+    spy = [
+        args.py_spy,
+        "record",
+        "-s",
+        "--threads",
+        "-r",
+        str(args.rate),
+        "-f",
+        "raw",
+        "--nonblocking",
+        "-o",
+        str(raw),
+        "--",
+    ]
     done = subprocess.run(spy + bench, capture_output=True, text=True)
     print(done.stdout[-3000:], done.stderr[-1500:])
     report: dict[str, object] = {"command": " ".join(sys.argv), "bench": " ".join(bench), "processes": {}}
