@@ -15,9 +15,9 @@
 #                                     adaptive speculation with the chosen table at batch 1, 8, 64
 #   bash bench/device_run.sh default  SmolLM2 + shipped head: target-only, fixed chains K=1..3 and the adaptive default
 #                                     at batch 1, 8, 64 and 256, 128 tokens (bench/gpu.py decode)
-#   bash bench/device_run.sh serveprof  SmolLM2: where each process of `bench serve` spends its time (py-spy; carry
-#                                     .device/tools; STREAMS, API, WINDOW, SERVE_ARGS=--distributed for the Ray
-#                                     path; ALONE=1 profiles the engine-alone process too)
+#   bash bench/device_run.sh serveprof  SmolLM2: where each process of `serve` spends its time over `bench serve`'s
+#                                     window (py-spy by thread; carry .device/tools; STREAMS, API, WINDOW,
+#                                     SERVE_ARGS=--distributed for the Ray path)
 #   bash bench/device_run.sh serve    SmolLM2: `bench serve`, served over gRPC and HTTP (FRONTENDS front ends, default
 #                                     4) against the engine alone, target-only and K=3, at 1, 64 and 256 streams,
 #                                     CLIENTS client processes (default 8)
@@ -130,7 +130,7 @@ case $PHASE in
     ;;
   serveprof)  # py-spy over every process of `bench serve` (target-only, STREAMS, API, 4 front ends); carry .device/tools
     step serveprof 200 python3 bench/probes/serve_profile.py --model "$M" --streams "${STREAMS:-64}" --api "${API:-http}" \
-      --frontends "${FRONTENDS:-4}" --py-spy .device/tools/py-spy --out "$R" ${ALONE:+--engine-alone} \
+      --frontends "${FRONTENDS:-4}" --py-spy .device/tools/py-spy --out "$R" \
       --window-s "${WINDOW:-8}" --serve-args="${SERVE_ARGS:-}"
     rm -f "$R"/serve_prof_raw.txt
     ;;

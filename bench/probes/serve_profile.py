@@ -1,6 +1,7 @@
 """Where `mtpserve serve`'s host time goes while it serves: `mtpserve bench serve` (one config, one stream count, one
-front-end API) runs under py-spy sampling every process of its tree; the samples are split by process (the engine
-process, each front end, the client processes, ...) and the functions holding most of each are printed and saved.
+front-end API) runs, and over its measured window py-spy samples every process of the server's tree (with
+--serve-args=--distributed: Ray's actors too) by thread; the samples are split by process (the engine process, each
+front end, the scheduler actor, the target worker, ...) and the functions holding most of each are printed and saved.
 
 python3 bench/probes/serve_profile.py --model $M --config target-only --streams 64 --api http --frontends 4 \
     --py-spy PATH --out $OUT
@@ -14,6 +15,8 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from rank_profile import top_frames
@@ -23,6 +26,7 @@ ROLES = (  # a process's role from its command line, first match wins
     ("serve", "mtpserve serve"),
     ("child", "multiprocessing"),
 )
+WARMUP_S = 3.0  # bench's --warmup-s, before its window
 ACTORS = (  # a Ray worker process's role from the code its stacks run (its command line is Ray's)
     ("scheduler-actor", "scheduler_actor.py"),
     ("target-worker", "target_worker.py"),
@@ -60,6 +64,24 @@ def split_by_process(raw: Path, out: Path) -> dict[str, Path]:
     return files
 
 
+def profile_window(bench: list[str], args: argparse.Namespace, raw: Path) -> str:
+    """Run `bench`; once it starts measuring (its `measuring:` line, after the warm-up), sample the server's
+    process tree for the window; returns bench's stderr."""
+    proc = subprocess.Popen(bench, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    lines: list[str] = []
+    for line in proc.stderr:
+        lines.append(line)
+        found = re.search(r"^measuring: .* serve pid (\d+)", line)
+        if found and not raw.exists():
+            time.sleep(WARMUP_S)
+            spy = [args.py_spy, "record", "-s", "--threads", "-r", str(args.rate), "-f", "raw", "--nonblocking"]
+            spy += ["-d", str(max(1, int(args.window_s) - 1)), "-o", str(raw), "-p", found.group(1)]
+            threading.Thread(target=subprocess.run, args=(spy,), kwargs={"capture_output": True}).start()
+    proc.wait()
+    return "".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="GGUF file or HF directory")
@@ -73,40 +95,20 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--py-spy", default="py-spy")
     p.add_argument("--rate", type=int, default=100, help="samples per second and process")
-    p.add_argument(
-        "--engine-alone",
-        action="store_true",
-        help="profile the engine-alone run first too (its process's step beside the served engine's)",
-    )
     p.add_argument("--serve-args", default="", help="more `mtpserve serve` flags, space-separated (--distributed)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     raw = out / "serve_prof_raw.txt"
-    bench = [sys.executable, "-m", "mtpserve", "bench", "serve", "--device", args.device]
+    bench = [sys.executable, "-m", "mtpserve", "bench", "serve", "--device", args.device, "--no-engine-alone"]
     bench += ["--tiny"] if args.tiny else ["--model", args.model]
     bench += ["--configs", args.config, "--streams", str(args.streams), "--front-ends", args.api]
-    bench += [] if args.engine_alone else ["--no-engine-alone"]
     bench += ["--frontends", str(args.frontends), "--client-procs", str(args.client_procs), "--warmup-s", "3"]
     bench += ["--window-s", str(args.window_s), "--json", str(out / "serve_prof_bench.json")]
     bench += [f"--serve-args={args.serve_args}"] if args.serve_args else []
-    spy = [
-        args.py_spy,
-        "record",
-        "-s",
-        "--threads",
-        "-r",
-        str(args.rate),
-        "-f",
-        "raw",
-        "--nonblocking",
-        "-o",
-        str(raw),
-        "--",
-    ]
-    done = subprocess.run(spy + bench, capture_output=True, text=True)
-    print(done.stdout[-3000:], done.stderr[-1500:])
+    log = profile_window(bench, args, raw)
+    print(log[-3000:])
     report: dict[str, object] = {"command": " ".join(sys.argv), "bench": " ".join(bench), "processes": {}}
     if raw.is_file():
         for label, path in split_by_process(raw, out).items():

@@ -256,6 +256,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     try:
                         for streams in args.streams:
                             for api in apis:
+                                print(
+                                    f"measuring: {config}, {api}, {streams} streams, serve pid {proc.pid}",
+                                    file=sys.stderr,
+                                )
                                 cpu0, steps0 = server_cpu(proc.pid), step_counters(found["metrics"])
                                 r = clients.run(
                                     api,
