@@ -114,6 +114,7 @@ class FrontEndPool:
         self._http_server: MetricsEndpoint | None = None
         self.engine_running = False
         self.engines_built = 0  # engines built again (or connected to again) after theirs stopped (replicas only)
+        self.routes_relayed = 0  # ROUTES messages handed from one front end to the others
         self._engines: list[PoolEngine] = []
         self._readers: list[threading.Thread] = []  # one per engine: its state, until it says STOPPED
         try:
@@ -280,6 +281,7 @@ class FrontEndPool:
                 if msg[0] != ROUTES:
                     continue
                 with self._lock:
+                    self.routes_relayed += 1
                     others = [other for other in self._front_ends if other is not fe]
                 for other in others:
                     other.send(msg)

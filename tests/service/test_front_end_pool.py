@@ -240,6 +240,7 @@ def test_front_ends_over_an_engine_of_this_process(tmp_path_factory: pytest.Temp
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )
         assert done.choices[0].token_ids == want.token_ids
+        assert pool.routes_relayed == 0, "one engine: the front ends share no routes through this process"
     finally:
         pool.stop()
         engine.shutdown()

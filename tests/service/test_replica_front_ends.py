@@ -43,6 +43,10 @@ def test_later_turns_find_their_prefix_through_any_front_end(tiny: tuple[Path, P
             results[name] = pool_chats(pool, vocab=2048)
             if replicas > 1:
                 assert all(load.steps > 0 for load in pool.loads), pool.loads  # both replicas served
+            if name == "prefix":
+                assert pool.routes_relayed > 0, "front ends share their routes"
+            else:  # one engine slot, or no prefix routing: routes decide nothing, so none are shared
+                assert pool.routes_relayed == 0, name
         finally:
             pool.stop(timeout=10.0)
     one, prefix, rr = results["one"][1], results["prefix"][1], results["round_robin"][1]
