@@ -8,12 +8,28 @@ from mtpserve.proto.codec import decode_tensor, encode_tensor
 from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
 from mtpserve.speculative.logits_processing import LogitsProcessing, TokenLogprobs
 from mtpserve.speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from mtpserve.workers.message_checks import InvalidStepMessage
+from mtpserve.workers.wire_columns import (
+    plain_results,
+    plain_rows,
+    plan_columns,
+    result_columns,
+    results_from_columns,
+    seqs_from_columns,
+)
 
 TIMELINE = ("decode_s", "worker_s", "t_received", "t_queued", "t_done", "t_replied")  # StepTiming's rank-0 figures
 
 
-def plan_to_proto(plan: StepPlan) -> wpb.StepPlan:
-    """StepPlan -> wire."""
+def plan_to_proto(plan: StepPlan, columns: bool = True) -> wpb.StepPlan:
+    """StepPlan -> wire: its rows as columns when they fit them (`columns`) and as row messages otherwise."""
+    if columns and plain_rows(plan.seqs):
+        return wpb.StepPlan(
+            step_id=plan.step_id,
+            columns=plan_columns(plan.seqs),
+            num_draft_tokens=plan.num_draft_tokens,
+            finished_request_ids=plan.finished_request_ids,
+        )
     seqs = []
     for s in plan.seqs:
         m = wpb.SeqPlan(
@@ -47,7 +63,11 @@ def plan_to_proto(plan: StepPlan) -> wpb.StepPlan:
 
 
 def plan_from_proto(m: wpb.StepPlan) -> StepPlan:
-    """Wire -> StepPlan."""
+    """Wire -> StepPlan (InvalidStepMessage for columns that do not hold together, or a plan with both forms)."""
+    if m.HasField("columns"):
+        if m.seqs:
+            raise InvalidStepMessage("columns", "a plan sends its rows as seqs or as columns, not both")
+        return StepPlan(m.step_id, seqs_from_columns(m.columns), m.num_draft_tokens, list(m.finished_request_ids))
     seqs = [
         SeqPlan(
             request_id=s.request_id,
@@ -186,9 +206,13 @@ def draft_outputs_from_proto(m: wpb.DraftOutputs) -> DraftOutputs:
 
 def target_output_to_proto(o: TargetOutput) -> wpb.TargetOutput:
     """TargetOutput -> wire (DraftInputs never travel back to the driver)."""
+    plain = plain_results(o.results)
     m = wpb.TargetOutput(
         step_id=o.step_id,
-        results=[
+        columns=result_columns(o.results) if plain else None,
+        results=[]
+        if plain
+        else [
             wpb.SeqResult(
                 request_id=r.request_id,
                 new_token_ids=r.new_token_ids,
@@ -213,7 +237,8 @@ def target_output_to_proto(o: TargetOutput) -> wpb.TargetOutput:
 
 def target_output_from_proto(m: wpb.TargetOutput) -> TargetOutput:
     """Wire -> TargetOutput."""
-    results = [
+    results = results_from_columns(m.columns) if m.HasField("columns") else []
+    results += [
         SeqResult(
             r.request_id,
             list(r.new_token_ids),

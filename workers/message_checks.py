@@ -148,12 +148,48 @@ def check_plan(plan: StepPlan, lim: StepLimits) -> None:
             "seqs", f"{plan.num_tokens} rows exceed max_num_batched_tokens {lim.max_num_batched_tokens}"
         )
     _request_ids("seqs.request_id", [s.request_id for s in plan.seqs])
+    if _rows_pass(plan.seqs, lim):
+        return
     seen_generation = False
     for i, s in enumerate(plan.seqs):
         if s.is_context and seen_generation:
             raise InvalidStepMessage(f"seqs[{i}].is_context", "context sequences must come before generation ones")
         seen_generation |= not s.is_context
         check_seq(f"seqs[{i}]", s, plan.num_draft_tokens, lim)
+
+
+def _rows_pass(seqs: Sequence[SeqPlan], lim: StepLimits) -> bool:
+    """Whether chain and context rows (no draft parents or probabilities) pass every check of `check_seq` and the
+    row order of `check_plan`, with no per-row field names built: the common case in one pass. False sends the
+    plan through the row checks, which name the first field that fails (or pass a tree's rows)."""
+    vocab, model_len, k, size = lim.vocab_size, lim.max_model_len, lim.num_draft_tokens, lim.block_size
+    generation = False
+    for s in seqs:
+        ids, blocks, context, final = s.token_ids, s.block_ids, s.is_context, s.is_final_chunk
+        if s.draft_parents is not None or s.draft_probs is not None or not ids or (context and generation):
+            return False
+        generation |= not context
+        end = s.start + len(ids)
+        drafts = 0 if context else len(ids) - 1
+        if not (
+            min(ids) >= 0
+            and max(ids) < vocab
+            and 0 <= s.start < model_len
+            and end <= (model_len if context else model_len + k)
+            and (context or final)
+            and s.num_draft_tokens == drafts <= k
+            and (s.lookahead_token == -1 if final else 0 <= s.lookahead_token < vocab)
+            and (not blocks or (min(blocks) >= 0 and max(blocks) < lim.num_blocks))
+            and len(set(blocks)) == len(blocks)
+            and len(blocks) * size >= end + (lim.scratch_slots if final else 0)
+            and math.isfinite(s.temperature)
+            and s.temperature >= 0
+            and math.isfinite(s.top_p)
+            and 0 < s.top_p <= 1
+            and s.top_k >= 0
+        ):
+            return False
+    return True
 
 
 def _per_request(d: DraftInputs, b: int) -> None:

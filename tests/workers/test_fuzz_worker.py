@@ -21,6 +21,7 @@ from mtpserve.proto.codec import encode_tensor
 from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
 from mtpserve.proto.mtpserve.v1 import worker_pb2_grpc as wpb_grpc
 from mtpserve.workers.config import MTPServeConfig
+from mtpserve.workers.convert import target_output_from_proto
 from mtpserve.workers.draft_worker import DraftWorker
 from mtpserve.workers.grpc_util import channel_options
 from mtpserve.workers.target_worker import TargetWorker
@@ -186,7 +187,7 @@ def test_fuzzed_step_plans_get_ok_or_invalid_argument(
     target: wpb_grpc.TargetWorkerStub, change: tuple[str, Any]
 ) -> None:
     call_mutated(target.Execute, valid_plan, "StepPlan", change)
-    out = target.Execute(valid_plan(), timeout=60)
+    out = target_output_from_proto(target.Execute(valid_plan(), timeout=60))
     assert [len(r.new_token_ids) for r in out.results] and len(out.results) == 2
 
 
@@ -233,10 +234,11 @@ def test_bad_plans_name_field_and_reason(target: wpb_grpc.TargetWorkerStub, path
 
 def test_the_valid_messages_run(target: wpb_grpc.TargetWorkerStub, draft: wpb_grpc.DraftWorkerStub) -> None:
     out = target.Execute(valid_plan(), timeout=60)
-    assert len(out.results[0].new_token_ids) == 1 and out.draft_outputs.request_ids == ["a", "b"]
+    assert len(target_output_from_proto(out).results[0].new_token_ids) == 1
+    assert out.draft_outputs.request_ids == ["a", "b"]
     tree = valid_plan()
     set_field(tree, "seqs.1.draft_parents", [0, 0, 1])  # two candidates after the last token, one below the first
-    out = target.Execute(tree, timeout=60)
+    out = target_output_from_proto(target.Execute(tree, timeout=60))
     assert 1 <= len(out.results[1].new_token_ids) <= 3
     assert list(draft.Propose(valid_draft_inputs(), timeout=60).draft_token_ids.shape) == [1, K]
 

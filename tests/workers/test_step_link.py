@@ -153,10 +153,10 @@ def test_tree_steps_queue_ahead_on_a_rank_drafting_in_process(model: tuple[str, 
         from mtpserve.workers.convert import plan_to_proto
 
         link = socket_link(r.worker.endpoint()[1])
-        first = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan))
+        first = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan, columns=False))
         first.plan.seqs[0].token_ids[0] = 1
         link.send(first)
-        chain = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH_AFTER, plan=plan_to_proto(plan))
+        chain = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH_AFTER, plan=plan_to_proto(plan, columns=False))
         chain.plan.num_draft_tokens = chain.plan.seqs[0].num_draft_tokens = K
         del chain.plan.seqs[0].token_ids[K + 1 :]
         del chain.plan.seqs[0].draft_parents[:]
@@ -376,17 +376,17 @@ def test_out_of_order_messages_are_refused(model: tuple[str, str]) -> None:
         for pending, row, code in ((False, 0, "FAILED_PRECONDITION"), (True, 5, "INVALID_ARGUMENT")):
             link = socket_link(name)
             if pending:
-                first = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan))
+                first = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan, columns=False))
                 first.plan.seqs[0].token_ids[0] = 1
                 link.send(first)
-            bad = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH_AFTER, plan=plan_to_proto(plan))
+            bad = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH_AFTER, plan=plan_to_proto(plan, columns=False))
             bad.plan.seqs[0].token_ids[0] = row
             link.send(bad)
             reply, _ = link.recv(10.0)
             assert reply.error.code == code, reply
             link.close()
         link = socket_link(name)  # more steps left unanswered than a rank has host buffers for
-        too_many = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan), unanswered=3)
+        too_many = wpb.StepRequest(kind=wpb.StepRequest.LAUNCH, plan=plan_to_proto(plan, columns=False), unanswered=3)
         too_many.plan.seqs[0].token_ids[0] = 1
         link.send(too_many)
         reply, _ = link.recv(10.0)

@@ -101,16 +101,46 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "seqs", "num_draft_tokens", "finished_request_ids")
+    __slots__ = ("step_id", "seqs", "num_draft_tokens", "finished_request_ids", "columns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seqs: _containers.RepeatedCompositeFieldContainer[SeqPlan]
     num_draft_tokens: int
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqPlan, _Mapping]]] = ..., num_draft_tokens: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    columns: PlanColumns
+    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqPlan, _Mapping]]] = ..., num_draft_tokens: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., columns: _Optional[_Union[PlanColumns, _Mapping]] = ...) -> None: ...
+
+class PlanColumns(_message.Message):
+    __slots__ = ("request_ids", "starts", "token_counts", "token_ids", "block_counts", "block_ids", "flags", "lookahead_tokens", "num_draft_tokens", "temperatures", "top_ps", "top_ks")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    TOP_PS_FIELD_NUMBER: _ClassVar[int]
+    TOP_KS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_counts: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    flags: _containers.RepeatedScalarFieldContainer[int]
+    lookahead_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    temperatures: _containers.RepeatedScalarFieldContainer[float]
+    top_ps: _containers.RepeatedScalarFieldContainer[float]
+    top_ks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., starts: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_counts: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., flags: _Optional[_Iterable[int]] = ..., lookahead_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., temperatures: _Optional[_Iterable[float]] = ..., top_ps: _Optional[_Iterable[float]] = ..., top_ks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SeqResult(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "num_drafted", "num_accepted", "logprobs")
@@ -227,18 +257,20 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TargetOutput(_message.Message):
-    __slots__ = ("step_id", "results", "draft_outputs", "timing", "error")
+    __slots__ = ("step_id", "results", "draft_outputs", "timing", "error", "columns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[SeqResult]
     draft_outputs: DraftOutputs
     timing: StepTiming
     error: StepError
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., draft_outputs: _Optional[_Union[DraftOutputs, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    columns: ResultColumns
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., draft_outputs: _Optional[_Union[DraftOutputs, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., columns: _Optional[_Union[ResultColumns, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("kind", "plan", "unanswered")
@@ -271,3 +303,17 @@ class PingResponse(_message.Message):
     rank: int
     pid: int
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class ResultColumns(_message.Message):
+    __slots__ = ("request_ids", "token_counts", "new_token_ids", "num_drafted", "num_accepted")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_drafted: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_counts: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
