@@ -7,7 +7,9 @@ exactly as `mtpserve serve` does, and exits cleanly on the SIGTERM that `ray job
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
 import sys
 
@@ -17,6 +19,9 @@ from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger("mtpserve.cluster.job")
 JOB_ENV_VARS = ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")
+STOP_WAIT_VAR = "RAY_JOB_STOP_WAIT_TIME_S"  # read by Ray's job supervisor from the job's runtime env
+RAY_STOP_WAIT_S = 3.0  # Ray's default time between `ray job stop`'s SIGTERM and its SIGKILL
+SHUTDOWN_S = 15.0  # after the drain: the scheduler actor, its workers and Ray to stop
 
 
 def in_ray_job() -> bool:
@@ -43,6 +48,26 @@ def connect_ray(cfg: MTPServeConfig) -> None:
     log.info("connected to Ray %s at %s (python %s)", ray.__version__, cfg.parallel.ray_address, sys.executable)
 
 
+def stop_wait_warning(cfg: MTPServeConfig) -> str | None:
+    """Inside a Ray job: a warning when `ray job stop` would kill the server before its drain ends (the streams in
+    flight would be cut), with the setting that fixes it; else None."""
+    if not in_ray_job():
+        return None
+    try:
+        wait = float(os.environ.get(STOP_WAIT_VAR, RAY_STOP_WAIT_S))
+    except ValueError:
+        wait = RAY_STOP_WAIT_S
+    drain = cfg.server.drain_timeout_s
+    need = math.ceil(drain + SHUTDOWN_S)
+    if wait >= need:
+        return None
+    env = json.dumps({"env_vars": {STOP_WAIT_VAR: str(need)}})
+    return (
+        f"`ray job stop` kills this job {wait:g} s after its SIGTERM ({STOP_WAIT_VAR}), before the {drain:g} s drain "
+        f"(server.drain_timeout_s) ends the streams in flight; submit with --runtime-env-json '{env}'"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The job's flags: the same as `mtpserve serve`."""
     p = argparse.ArgumentParser(
@@ -64,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print_config(cfg)
         return 0
+    warning = stop_wait_warning(cfg)
+    if warning:
+        log.warning(warning)
     connect_ray(cfg)
     import ray
 

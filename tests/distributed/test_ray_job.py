@@ -9,6 +9,7 @@ send the token and the dashboard answers "Missing authentication token".
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -123,7 +124,8 @@ def test_ray_job_serves_grpc_and_stops_cleanly(ray_head: RayHead, tmp_path: Path
     assert denied.returncode != 0 and "authentication token" in (denied.stdout + denied.stderr).lower()
 
     ray_head.ray(
-        "job", "submit", *address, "--working-dir", ".", "--submission-id", job_id, "--no-wait", "--",
+        "job", "submit", *address, "--working-dir", ".", "--submission-id", job_id, "--no-wait",
+        "--runtime-env-json", json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "45"}}), "--",
         "python", "-m", "mtpserve.cluster.job", "--model", str(model), "--load-format", "dummy", "--device", "cpu",
         "--draft", "random", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
     )  # fmt: skip
@@ -141,6 +143,7 @@ def test_ray_job_serves_grpc_and_stops_cleanly(ray_head: RayHead, tmp_path: Path
             assert out["stats"]["verify_steps"] > 0
             logs = ray_head.ray("job", "logs", *address, job_id).stdout
             assert "connected to Ray" in logs and f"(python {VENV_BIN}" in logs, logs
+            assert "kills this job" not in logs, "the stop wait covers the drain: no warning"
 
             t0 = time.monotonic()
             ray_head.ray("job", "stop", *address, job_id)
