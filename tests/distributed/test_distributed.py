@@ -44,7 +44,10 @@ def dist_config(model: tuple[str, str], placement: str = "separate", **sched: in
     )
 
 
-def wait_serving(client: MTPServeClient, timeout: float) -> None:
+RESTORE_S = 150  # new worker actors import torch and build the model; beside the image build, CI's two cores took >60 s
+
+
+def wait_serving(client: MTPServeClient, timeout: float = RESTORE_S) -> None:
     """Poll health until SERVING; fails the test after `timeout` seconds (the workers were not restored)."""
     deadline = time.monotonic() + timeout
     while client.health() != "SERVING":
@@ -153,7 +156,7 @@ def test_killed_worker_fails_requests_fast_then_recovers(ray_local, model, victi
             assert max(load.ended) - killed_at < 5.0, "every stream (running or queued) ends within 5 s"
             assert all("worker" in d for d in load.details)
             assert client.health() == "NOT_SERVING"
-            wait_serving(client, 60)
+            wait_serving(client)
             got = [client.generate(token_ids=p, max_tokens=12)["token_ids"] for p in prompts]
             assert got == reference(prompts, 12)
             stats = client.stats()
@@ -234,7 +237,7 @@ def test_stalled_worker_is_detected_by_the_step_timeout(ray_local, model) -> Non
             assert "stalled" in err.value.details() and "parallel.step_timeout_s = 3 s" in err.value.details()
             assert 2.5 < time.monotonic() - t0 < 10.0
             assert client.health() == "NOT_SERVING"
-            wait_serving(client, 60)
+            wait_serving(client)
             prompts = random_prompts(2, 96, [12, 20], seed=16)
             got = [client.generate(token_ids=p, max_tokens=12)["token_ids"] for p in prompts]
             assert got == reference(prompts, 12)
