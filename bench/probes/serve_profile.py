@@ -26,7 +26,7 @@ ROLES = (  # a process's role from its command line, first match wins
     ("serve", "mtpserve serve"),
     ("child", "multiprocessing"),
 )
-WARMUP_S = 3.0  # bench's --warmup-s, before its window
+WARMUP_S = 3.0  # the --warmup-s given to bench: its window starts this long after its `measuring:` line
 ACTORS = (  # a Ray worker process's role from the code its stacks run (its command line is Ray's)
     ("scheduler-actor", "scheduler_actor.py"),
     ("target-worker", "target_worker.py"),
@@ -70,6 +70,7 @@ def profile_window(bench: list[str], args: argparse.Namespace, raw: Path) -> str
     proc = subprocess.Popen(bench, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     lines: list[str] = []
+    spies: list[threading.Thread] = []
     for line in proc.stderr:
         lines.append(line)
         found = re.search(r"^measuring: .* serve pid (\d+)", line)
@@ -77,8 +78,11 @@ def profile_window(bench: list[str], args: argparse.Namespace, raw: Path) -> str
             time.sleep(WARMUP_S)
             spy = [args.py_spy, "record", "-s", "--threads", "-r", str(args.rate), "-f", "raw", "--nonblocking"]
             spy += ["-d", str(max(1, int(args.window_s) - 1)), "-o", str(raw), "-p", found.group(1)]
-            threading.Thread(target=subprocess.run, args=(spy,), kwargs={"capture_output": True}).start()
+            spies.append(threading.Thread(target=subprocess.run, args=(spy,), kwargs={"capture_output": True}))
+            spies[-1].start()
     proc.wait()
+    for spy_thread in spies:  # py-spy has written the whole window before it is read
+        spy_thread.join()
     return "".join(lines)
 
 
@@ -104,7 +108,7 @@ def main() -> None:
     bench = [sys.executable, "-m", "mtpserve", "bench", "serve", "--device", args.device, "--no-engine-alone"]
     bench += ["--tiny"] if args.tiny else ["--model", args.model]
     bench += ["--configs", args.config, "--streams", str(args.streams), "--front-ends", args.api]
-    bench += ["--frontends", str(args.frontends), "--client-procs", str(args.client_procs), "--warmup-s", "3"]
+    bench += ["--frontends", str(args.frontends), "--client-procs", str(args.client_procs), "--warmup-s", str(WARMUP_S)]
     bench += ["--window-s", str(args.window_s), "--json", str(out / "serve_prof_bench.json")]
     bench += [f"--serve-args={args.serve_args}"] if args.serve_args else []
     log = profile_window(bench, args, raw)
