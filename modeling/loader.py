@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from mtpserve.modeling.dtype_names import dtype_name
 from mtpserve.modeling.errors import ModelLoadError
 from mtpserve.modeling.families import InPlaceDummy, approx_parameters, args_from_config, family_of
 from mtpserve.modeling.model import LlamaArgs
@@ -164,9 +165,7 @@ def resolve_model(path: str | None, load_format: str = "auto", cache_dir: str | 
 
 def to_dtype(name: str, device: str) -> torch.dtype:
     """Map a config dtype name to torch (auto: fp32 on CPU, bf16 on CUDA)."""
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name(name, device)]
 
 
 def resolve_device(name: str) -> str:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtpserve.speculative.logits_processing import LogitsProcessing, TokenLogprobs
+from mtpserve.speculative.logits_processing import LogitsProcessing
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 
 
 @dataclass

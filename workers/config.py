@@ -264,6 +264,11 @@ class ParallelConfig(_Strict):
         120.0, gt=0, description="a worker step (or draft hop) taking longer counts as a stalled worker: restart"
     )
 
+    @property
+    def uses_ray(self) -> bool:
+        """True when this asks for Ray actors: tp_size > 1, `distributed`, or a Ray address."""
+        return self.tp_size > 1 or self.distributed or self.ray_address is not None
+
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 

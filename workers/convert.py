@@ -6,8 +6,9 @@ import torch
 
 from mtpserve.proto.codec import decode_tensor, encode_tensor
 from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
-from mtpserve.speculative.logits_processing import LogitsProcessing, TokenLogprobs
+from mtpserve.speculative.logits_processing import LogitsProcessing
 from mtpserve.speculative.messages import DraftInputs, DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 from mtpserve.workers.message_checks import InvalidStepMessage
 from mtpserve.workers.wire_columns import (
     plain_results,

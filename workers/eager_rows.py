@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtpserve.speculative.logits_processing import TokenLogprobs, process_rows, row_branches
+from mtpserve.speculative.logits_processing import process_rows, row_branches
 from mtpserve.speculative.messages import StepPlan
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 
 
 @dataclass

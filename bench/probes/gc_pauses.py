@@ -22,7 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mtpserve.cluster.engine.llm_engine import LLMEngine
-from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.modeling.model import LlamaArgs, random_llama_weights
 from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.heap import freeze_startup_heap

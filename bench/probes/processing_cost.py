@@ -16,7 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mtpserve.cluster.engine.grammar import GrammarSpec
+from mtpserve.cluster.engine.grammar_spec import GrammarSpec
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.workers.config import MTPServeConfig
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpserve.cluster.bench.report import BenchError, EngineFactory, environment, model_info, table, with_sections
-from mtpserve.cluster.engine.llm_engine import encode_text
+from mtpserve.cluster.engine.chat_encoding import encode_text
 from mtpserve.modeling.model import LlamaArgs
 from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.config import MTPServeConfig

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from mtpserve.cluster.bench.report import BenchError
-from mtpserve.cluster.engine.llm_engine import LLMEngine, encode_text
+from mtpserve.cluster.engine.chat_encoding import encode_text
+from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.speculative.messages import SeqPlan, SeqResult
 from mtpserve.speculative.replay import accepted_path
 

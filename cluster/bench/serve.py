@@ -110,7 +110,7 @@ def prompts_for(args: argparse.Namespace, vocab: int, n: int = 2048) -> list[lis
 def engine_alone(cfg: dict[str, Any], args: dict[str, Any], streams: int) -> dict[str, Any]:
     """In a process of its own: the engine in a closed loop of `streams` requests; output tok/s in the window."""
     from mtpserve.cluster.engine.llm_engine import LLMEngine
-    from mtpserve.cluster.engine.request import SamplingParams
+    from mtpserve.cluster.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_config(MTPServeConfig.from_dict(cfg))
     try:

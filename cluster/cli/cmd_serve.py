@@ -74,10 +74,8 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     With Ray (tp_size > 1, --distributed or --address) the scheduler runs in a scheduler actor on this node, which
     starts the worker actors and the front ends' process; this process only waits.
     """
-    from mtpserve.cluster.distributed.build import build_engine, uses_ray
     from mtpserve.cluster.service.auth import check_server_files
     from mtpserve.cluster.service.server import MTPServer
-    from mtpserve.workers.builders import set_cpu_threads
 
     try:
         check_server_files(cfg.server)
@@ -85,7 +83,7 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
         print(f"mtpserve: {exc}", file=sys.stderr)
         return 2
     scales = cfg.server.most_replicas > cfg.server.replicas
-    if uses_ray(cfg):
+    if cfg.parallel.uses_ray:
         if cfg.server.replicas > 1 or scales:
             return serve_ray_replicas(cfg, stop)
         return serve_with_actor(cfg, stop)
@@ -96,7 +94,10 @@ def serve(cfg: MTPServeConfig, stop: threading.Event | None = None) -> int:
     try:
         if cfg.server.engine_process:
             server = MTPServer(None, cfg)  # the engine is built in its own process
-        else:
+        else:  # the engine in this process: only here does this process load the model stack
+            from mtpserve.cluster.distributed.build import build_engine
+            from mtpserve.workers.builders import set_cpu_threads
+
             set_cpu_threads(cfg)
             engine = build_engine(cfg)
             server = MTPServer(engine, cfg)

@@ -15,15 +15,17 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every available sub-command."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with every available sub-command, or with `command` alone when it names one (the
+    others' modules, the benchmarks' model stack among them, are then not imported)."""
     parser = argparse.ArgumentParser(
         prog="mtpserve",
         description="Speculative-decoding LLM service: a tensor-parallel target plus an MTP Eagle draft head.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    chosen = {command: COMMANDS[command]} if command in COMMANDS else COMMANDS
+    for name, module in chosen.items():
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -36,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mtpserve` console script."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = argv
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

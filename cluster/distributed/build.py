@@ -9,14 +9,9 @@ from mtpserve.workers.config import MTPServeConfig
 def build_engine(cfg: MTPServeConfig) -> LLMEngine:
     """An LLMEngine whose target/draft executors match cfg.parallel: Ray actors when tp_size > 1,
     `distributed` is set or a Ray address is given; otherwise everything runs in this process."""
-    if uses_ray(cfg):
+    if cfg.parallel.uses_ray:
         from mtpserve.cluster.distributed.actors import build_distributed_engine
 
         return build_distributed_engine(cfg)
     return LLMEngine.from_config(cfg)
 
-
-def uses_ray(cfg: MTPServeConfig) -> bool:
-    """True when the config asks for Ray actors: tp_size > 1, `distributed`, or a Ray address."""
-    par = cfg.parallel
-    return par.tp_size > 1 or par.distributed or par.ray_address is not None

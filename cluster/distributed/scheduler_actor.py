@@ -12,9 +12,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mtpserve.cluster.service.actor_front_ends import FrontEndProcess
+from mtpserve.cluster.service.engine_child import EngineThread
 from mtpserve.cluster.service.front_end_pool import FrontEndPool
-from mtpserve.cluster.service.front_end_process import FrontEndProcess
-from mtpserve.cluster.service.pool_engines import EngineThread, ListeningEngine
+from mtpserve.cluster.service.pool_engines import ListeningEngine
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.heap import freeze_startup_heap
@@ -40,7 +41,9 @@ class SchedulerActor:
         if listen is not None:  # one replica: the driver's front ends connect to its engine at `listen`
             self.server = EngineThread(self.engine, listen, drained=True)
         elif self.cfg.server.engine_process and self.cfg.server.num_frontends > 1:
-            self.server = FrontEndPool(self.cfg, self.cfg.server.num_frontends, engine=self.engine)
+            self.server = FrontEndPool(
+                self.cfg, self.cfg.server.num_frontends, local_engine=lambda address: EngineThread(self.engine, address)
+            )
         elif self.cfg.server.engine_process:
             self.server = FrontEndProcess(self.engine, self.cfg, on_lost=self._front_ends_lost)
         else:

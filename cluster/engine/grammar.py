@@ -14,28 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from mtpserve.cluster.engine.errors import InvalidRequestError
+from mtpserve.cluster.engine.grammar_spec import GrammarSpec
 
 log = logging.getLogger(__name__)
-GrammarKind = Literal["json_object", "json_schema", "regex", "grammar"]
 MAX_ROLLBACK = 64  # drafts a matcher accepts and takes back per row (the deepest branch of a step)
 MAX_WHITESPACE = 16  # whitespace characters between two JSON tokens: room to indent, none to loop on
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request's output must match; `field` names it in errors (the API's field)."""
-
-    kind: GrammarKind
-    value: str = ""  # the JSON schema, regex or EBNF grammar; empty for json_object
-    field: str = "response_format"
-    prefix: str = ""  # literal text before the JSON (a JSON kind only; a tool call's opening tag)
-    suffix: str = ""  # literal text after it
 
 
 def bitmask_words(vocab_size: int) -> int:

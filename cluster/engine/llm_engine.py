@@ -12,18 +12,21 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from mtpserve.cluster.engine.chat_encoding import encode_text
 from mtpserve.cluster.engine.errors import InvalidRequestError, ModelLoadError, QueueFullError
 from mtpserve.cluster.engine.grammar import Grammars
-from mtpserve.cluster.engine.request import Request, SamplingParams, sampling_params
-from mtpserve.cluster.engine.scheduler import RequestOutput, Scheduler
+from mtpserve.cluster.engine.request import Request
+from mtpserve.cluster.engine.request_output import RequestOutput
+from mtpserve.cluster.engine.sampling_params import SamplingParams, sampling_params
+from mtpserve.cluster.engine.scheduler import Scheduler
 from mtpserve.modeling.loader import resolve_device, to_dtype
 from mtpserve.modeling.model import LlamaArgs
 from mtpserve.speculative.draft_head import DraftHead
-from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.messages import DraftInputs, DraftOutputs, StepPlan, TargetOutput
 from mtpserve.speculative.mtp_chain import MTPEagleChain
 from mtpserve.speculative.mtp_tree import MTPEagleTree
 from mtpserve.speculative.stats import SpecStats
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 from mtpserve.speculative.verify import ForcedAcceptance
 from mtpserve.workers.builders import (
     bind_features,
@@ -473,24 +476,3 @@ class LLMEngine:
         if self.tokenizer is None:
             return ""
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
-
-
-def encode_text(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
-    """Token ids for `text` with `tokenizer`, as a user turn of its chat template when chat is True."""
-    if chat and has_chat_template(tokenizer):
-        return encode_chat(tokenizer, [{"role": "user", "content": text}])
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def has_chat_template(tokenizer: Any) -> bool:
-    """Whether the tokenizer carries a chat template."""
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of a conversation ({"role", "content"} turns) in the tokenizer's chat template, with the
-    assistant's turn opened for the answer; `tools` (OpenAI tool definitions) rendered as the template does."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)

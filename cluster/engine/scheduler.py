@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -13,27 +13,13 @@ from mtpserve.cluster.engine.admit_window import AdmitWindow
 from mtpserve.cluster.engine.block_manager import BlockManager
 from mtpserve.cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
 from mtpserve.cluster.engine.request import Request, RequestStatus
+from mtpserve.cluster.engine.request_output import RequestOutput
 from mtpserve.speculative.adaptive import AdaptiveDepth, StepKind
 from mtpserve.speculative.draft_shapes import chain_as_tree, fit_drafts
-from mtpserve.speculative.logits_processing import TokenLogprobs, row_branches
+from mtpserve.speculative.logits_processing import row_branches
 from mtpserve.speculative.messages import DraftOutputs, SeqPlan, SeqResult, StepPlan, TargetOutput
-from mtpserve.speculative.stats import SpecStats
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 from mtpserve.workers.config import SchedulerConfig
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    stats: SpecStats = field(default_factory=SpecStats)
-    timings: tuple[float, float, float] | None = None  # when it finished: queued, prefill, decode seconds
-    logprobs: TokenLogprobs | None = None  # of new_token_ids, when the request asked for them
 
 
 class Scheduler:

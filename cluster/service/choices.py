@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.cluster.service.engine_stream import EngineStream, Piece
 
 MAX_CHOICES = 16

@@ -11,106 +11,44 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
-import os
-import pickle
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection, Listener
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 from mtpserve.cluster.engine.errors import MTPServeError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
-from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.engine.request_output import RequestOutput
+from mtpserve.cluster.service.child_link import (
+    ABORT,
+    ABORTED,
+    ADDED,
+    BATCH,
+    ERROR,
+    FAIL,
+    HEALTH,
+    OUT,
+    READY,
+    STOP,
+    STOPPED,
+    pack_outputs,
+    portable,
+    serve_as_child,
+)
 from mtpserve.cluster.service.model_info import model_info
 from mtpserve.cluster.service.peer_sender import PeerSender
-from mtpserve.cluster.service.request_book import EngineFailure, engine_load, step_error
+from mtpserve.cluster.service.pool_engines import unlink_socket
+from mtpserve.cluster.service.request_book import engine_load, step_error
 from mtpserve.modeling.loader import resolve_device
-from mtpserve.speculative.logits_processing import TokenLogprobs
-from mtpserve.speculative.stats import SpecStats
 from mtpserve.workers.builders import set_cpu_threads
 from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
-# front ends -> engine
-ADD, ABORT, STOP, BATCH = "add", "abort", "stop", "batch"  # a BATCH holds several of the others, in order
-# engine -> front ends
-READY, ERROR, ADDED, OUT, FAIL, STOPPED, HEALTH = "ready", "error", "added", "out", "fail", "stopped", "health"
-ABORTED = "aborted"
-
-PARENT_CHECK_S = 1.0
 STATE_EVERY_S = 0.1  # a peer without outputs in a step still hears the engine state this often
-
-PackedLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
-PackedOutput = tuple[
-    str,
-    list[int],
-    bool,
-    str | None,
-    int,
-    int,
-    tuple[int, int, int, list[int], list[int]],
-    tuple[float, ...] | None,
-    PackedLogprobs | None,
-]
-
-
-def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
-    """Outputs as plain tuples (pickled in half the time of the dataclasses)."""
-    return [
-        (
-            o.request_id,
-            o.new_token_ids,
-            o.finished,
-            o.finish_reason,
-            o.num_prompt_tokens,
-            o.num_output_tokens,
-            (
-                o.stats.drafted,
-                o.stats.accepted,
-                o.stats.verify_steps,
-                o.stats.accepted_per_position,
-                o.stats.drafted_per_position,
-            ),
-            o.timings,
-            None
-            if o.logprobs is None
-            else (o.logprobs.token_logprobs, o.logprobs.top_token_ids, o.logprobs.top_logprobs),
-        )
-        for o in outputs
-    ]
-
-
-def unpack_outputs(packed: list[PackedOutput]) -> list[RequestOutput]:
-    """The outputs `pack_outputs` packed."""
-    return [
-        RequestOutput(
-            rid,
-            ids,
-            finished,
-            reason,
-            num_prompt_tokens=n_prompt,
-            num_output_tokens=n_out,
-            stats=SpecStats(*stats),  # type: ignore[arg-type]
-            timings=timings,  # type: ignore[arg-type]
-            logprobs=None if lp is None else TokenLogprobs(*lp),
-        )
-        for rid, ids, finished, reason, n_prompt, n_out, stats, timings, lp in packed
-    ]
-
-
-def portable(exc: BaseException) -> BaseException:
-    """`exc` if it survives a pickle round trip, else an EngineFailure carrying its type and message."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return EngineFailure(f"{type(exc).__name__}: {exc}")
 
 
 def run_engine_process(
@@ -156,31 +94,6 @@ def warm_up_for_serving(engine: LLMEngine) -> None:
 def send_ready(engine: LLMEngine, conn: Connection) -> None:
     """Tell the peer what it serves: READY with the model info, the tokenizer and the scheduler state."""
     conn.send((READY, model_info(engine).SerializeToString(), engine.tokenizer, engine_load(engine)))
-
-
-def serve_as_child(parent_pid: int, log_level: int, tag: str) -> None:
-    """Set up a child of the server: signals to the whole process group (Ctrl-C, a supervisor's SIGTERM) are the
-    parent's to handle, which stops this process in order; log lines carry `tag`; the process ends by itself
-    once the parent is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[{tag}]: %(message)s")
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="mtpserve-parent-watch", daemon=True).start()
-
-
-def kill_at_exit(proc: BaseProcess) -> None:
-    """At this interpreter's exit, kill a child still running (it ignores SIGTERM, which multiprocessing's own exit
-    hook sends before it waits on the child without a limit)."""
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5.0)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """End this process once its parent is gone (killed while the model loads, say); a closed pipe ends it later."""
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_CHECK_S)
-    os._exit(1)
 
 
 @dataclass(eq=False)
@@ -411,3 +324,59 @@ class PipedEngine:
         its pipe closing, and it leaves then)."""
         if any(p.primary and p.conn is conn for p in self.peers):
             self.peer_gone = True
+
+
+class EngineThread:
+    """An engine of this process (the Ray scheduler actor's) served to front ends that connect on `address`,
+    from a thread; `control` is the pipe that stops it (the actor's own front ends, or the engine of one replica
+    that another process's front ends serve). With `drained`, nobody here reads `control`: a thread of its own
+    takes what the engine says on it (READY, its state), so that the engine never waits on a full pipe."""
+
+    def __init__(self, engine: LLMEngine, address: tuple[str, bytes], drained: bool = False) -> None:
+        self.control, engine_end = mp.Pipe()
+        unlink_socket(address[0])  # a restarted actor listens where its last life did
+        listener = Listener(address[0], family="AF_UNIX", authkey=address[1])
+        self._engine = engine
+        self._piped = PipedEngine(engine, engine_end, streams=False, listener=listener)
+        self._thread = threading.Thread(target=self._run, args=(engine_end,), name="mtpserve-piped-engine", daemon=True)
+        self._thread.start()
+        if drained:
+            threading.Thread(target=self._drain, name="mtpserve-engine-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            while self.control.recv()[0] != STOPPED:
+                pass
+
+    def _run(self, engine_end: Connection) -> None:
+        try:
+            # from this thread: READY carries the tokenizer, more than a pipe holds, and the pool reads it only
+            # once this object is built
+            send_ready(self._engine, engine_end)
+            self._piped.run()
+        except Exception:
+            log.exception("serving the engine to the front ends failed")
+        finally:
+            engine_end.close()
+
+    pid = None  # the engine runs in this process
+
+    def status(self) -> str:
+        """How it ended, for errors and logs."""
+        return "the engine's thread stopped"
+
+    def join(self, timeout: float) -> None:
+        """Wait for it to end after STOP."""
+        self._thread.join(timeout)
+
+    def again(self) -> None:
+        """None: an engine of this process is not built again here."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop serving the engine (its front ends' requests end) and wait for the thread."""
+        with contextlib.suppress(OSError):
+            self.control.send((STOP,))
+        self.join(timeout)

@@ -13,12 +13,11 @@ import uuid
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtpserve.cluster.engine.errors import WorkerUnavailableError
-from mtpserve.cluster.engine.llm_engine import LLMEngine
-from mtpserve.cluster.engine.request import SamplingParams
-from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.engine.request_output import RequestOutput
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
 from mtpserve.cluster.service.model_info import model_info
 from mtpserve.cluster.service.request_book import (
@@ -31,6 +30,9 @@ from mtpserve.cluster.service.request_book import (
     step_error,
 )
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from mtpserve.cluster.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

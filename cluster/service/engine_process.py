@@ -10,7 +10,6 @@ every request in flight fails with EngineFailure and the server reports NOT_SERV
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import itertools
 import logging
@@ -28,13 +27,14 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from mtpserve.cluster.engine.errors import ModelLoadError, WorkerUnavailableError
-from mtpserve.cluster.engine.request import SamplingParams
-from mtpserve.cluster.service.engine_child import (
+from mtpserve.cluster.engine.sampling_params import SamplingParams
+from mtpserve.cluster.service.child_link import (
     ABORT,
     ABORTED,
     ADD,
     ADDED,
     BATCH,
+    ENGINE_ENTRY,
     ERROR,
     FAIL,
     HEALTH,
@@ -42,8 +42,7 @@ from mtpserve.cluster.service.engine_child import (
     READY,
     STOP,
     STOPPED,
-    kill_at_exit,
-    run_engine_process,
+    spawn_child,
     unpack_outputs,
 )
 from mtpserve.cluster.service.metrics import GRPC, ServerMetrics
@@ -85,17 +84,9 @@ class EngineProcess:
         self._event_loop = event_loop
         self._proc: BaseProcess | None = None
         if pipe is None:
-            ctx = mp.get_context("spawn")  # a fresh interpreter: safe for CUDA, and no copy of this one's threads
-            self._conn, child_end = ctx.Pipe()
+            self._conn, child_end = mp.Pipe()
             level = logging.getLogger().getEffectiveLevel()
-            self._proc = ctx.Process(
-                target=run_engine_process,
-                args=(cfg, child_end, os.getpid(), level),
-                name="mtpserve-engine",
-                daemon=True,
-            )
-            self._proc.start()
-            atexit.register(kill_at_exit, self._proc)
+            self._proc = spawn_child(ENGINE_ENTRY, (cfg, child_end, os.getpid(), level), "mtpserve-engine")
             child_end.close()
         else:
             self._conn = pipe

@@ -15,14 +15,14 @@ from concurrent import futures
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mtpserve.cluster.engine.request import SamplingParams
-from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.engine.request_output import RequestOutput
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.cluster.service.detokenizer import IncrementalDetokenizer
 from mtpserve.cluster.service.metrics import HTTP
 from mtpserve.cluster.service.request_book import EngineCore, RequestHandle, ServerShuttingDown
 from mtpserve.cluster.service.stop_strings import StopStrings
-from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.stats import SpecStats
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 
 SUBMIT_POLL_S = 1.0  # how often a pending submission re-checks that the engine loop still runs
 

@@ -23,34 +23,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing import connection as mp_connection
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, multiprocess
 
 from mtpserve.cluster.engine.errors import ModelLoadError
-from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.service.auth import metrics_token
-from mtpserve.cluster.service.engine_child import (
-    ERROR,
-    FAIL,
-    HEALTH,
-    OUT,
-    READY,
-    STOP,
-    STOPPED,
-)
-from mtpserve.cluster.service.front_end_process import (
-    DRAIN,
-    DRAINED,
-    GROW,
-    ROUTES,
-    FrontEnd,
-)
+from mtpserve.cluster.service.child_link import ERROR, FAIL, HEALTH, OUT, READY, STOP, STOPPED
+from mtpserve.cluster.service.front_end_child import DRAIN, DRAINED, GROW, ROUTES
+from mtpserve.cluster.service.front_end_process import FrontEnd
 from mtpserve.cluster.service.metrics import EngineMetrics
 from mtpserve.cluster.service.metrics_http import MetricsEndpoint
 from mtpserve.cluster.service.pool_engines import (
     EngineChild,
     EngineSlots,
-    EngineThread,
     ListeningEngine,
     PoolEngine,
     engine_addresses,
@@ -61,6 +47,9 @@ from mtpserve.cluster.service.server import host_port
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.workers.config import MTPServeConfig
 
+if TYPE_CHECKING:
+    pass
+
 log = logging.getLogger(__name__)
 REBUILD_RETRY_S = 5.0  # after an engine failed to build again
 SCALE_EVERY_S = 0.5  # how often the scaler reads the engines' loads
@@ -68,7 +57,8 @@ SCALE_EVERY_S = 0.5  # how often the scaler reads the engines' loads
 
 class FrontEndPool:
     """`count` front-end processes on the same ports beside an engine (see the module doc): `cfg.server.replicas`
-    engines built from `cfg`, each in a process of its own, or `engine` served from a thread of this process.
+    engines built from `cfg`, each in a process of its own, or one engine of this process that `local_engine` serves
+    at the pool's socket (engine_child.EngineThread: the Ray scheduler actor's).
     Raises an engine's build error (ModelLoadError, ...) or a front end's start error.
 
     With one engine, the pool ends serving when the engine stops (`engine_running` turns False); with replicas, an
@@ -79,7 +69,7 @@ class FrontEndPool:
         self,
         cfg: MTPServeConfig,
         count: int,
-        engine: LLMEngine | None = None,
+        local_engine: Callable[[tuple[str, bytes]], PoolEngine] | None = None,
         listening: Sequence[tuple[str, bytes]] = (),
         spawn: Callable[[tuple[str, bytes]], PoolEngine] | None = None,
     ) -> None:
@@ -87,8 +77,8 @@ class FrontEndPool:
         self._dir = tempfile.mkdtemp(prefix="mtpserve-")
         self._metrics_dir = os.path.join(self._dir, "metrics")
         os.mkdir(self._metrics_dir)
-        n = len(listening) or (1 if engine is not None else cfg.server.replicas)
-        slots = n if engine is not None else max(n, cfg.server.most_replicas)
+        n = len(listening) or (1 if local_engine is not None else cfg.server.replicas)
+        slots = n if local_engine is not None else max(n, cfg.server.most_replicas)
         self._addresses = list(listening) + engine_addresses(self._dir, slots)[len(listening) :]
         self._spawn = spawn or (lambda address: EngineChild(cfg, address))
         self._count = n  # engines in slots 0..count-1 (the last one may be draining)
@@ -105,7 +95,7 @@ class FrontEndPool:
                 capacity=cfg.scheduler.max_num_requests,
                 hold_s=sc.scale_hold_s,
             )
-            if engine is None and sc.most_replicas > sc.replicas
+            if local_engine is None and sc.most_replicas > sc.replicas
             else None
         )
         self._lock = threading.Lock()
@@ -120,8 +110,8 @@ class FrontEndPool:
         try:
             if listening:
                 self._engines.extend(ListeningEngine(a) for a in listening)
-            elif engine is not None:
-                self._engines.append(EngineThread(engine, self._addresses[0]))
+            elif local_engine is not None:
+                self._engines.append(local_engine(self._addresses[0]))
             else:
                 self._engines.extend(self._spawn(a) for a in self._addresses[:n])
             ready = [self._wait_engine(e) for e in self._engines]

@@ -22,9 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
+from mtpserve.cluster.engine.chat_encoding import encode_chat, encode_text, has_chat_template
 from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
-from mtpserve.cluster.engine.llm_engine import encode_chat, encode_text, has_chat_template
-from mtpserve.cluster.engine.request import check_output_room, sampling_params
+from mtpserve.cluster.engine.sampling_params import check_output_room, sampling_params
 from mtpserve.cluster.service.auth import bearer
 from mtpserve.cluster.service.choices import Choices
 from mtpserve.cluster.service.detokenizer import Tokenizers
@@ -43,8 +43,8 @@ from mtpserve.cluster.service.openai_schema import (
 )
 from mtpserve.cluster.service.request_book import EngineCore, EngineFailure, ServerShuttingDown
 from mtpserve.cluster.service.tool_calls import StreamedCalls, ToolUse, offer_tools
-from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.stats import SpecStats
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

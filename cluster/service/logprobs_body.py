@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtpserve.speculative.logits_processing import TokenLogprobs
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 
 
 class TokenTexts:

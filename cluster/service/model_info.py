@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from mtpserve.cluster.engine.llm_engine import LLMEngine
-from mtpserve.modeling.loader import to_dtype
+from mtpserve.modeling.dtype_names import dtype_name
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from mtpserve.cluster.engine.llm_engine import LLMEngine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -18,7 +19,7 @@ def served_dtype(dtype: str, device: str) -> str:
     """The dtype the weights are in: `auto` resolved for the device ("bfloat16" on CUDA, "float32" on CPU)."""
     if dtype != "auto" or device not in ("cpu", "cuda"):
         return dtype
-    return str(to_dtype(dtype, device)).removeprefix("torch.")
+    return dtype_name(dtype, device)
 
 
 def model_info(engine: LLMEngine) -> pb.ModelInfo:
@@ -33,7 +34,7 @@ def model_info(engine: LLMEngine) -> pb.ModelInfo:
             arch = (json.loads(conf.read_text()).get("architectures") or [arch])[0]
     spec = cfg.speculative
     device = getattr(engine.target, "device", None) or cfg.model.device  # a remote target has none
-    kind = device.type if isinstance(device, torch.device) else str(device)
+    kind = str(getattr(device, "type", device))  # a torch.device or a name
     return pb.ModelInfo(
         model_name=name,
         architecture=arch,

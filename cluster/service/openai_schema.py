@@ -18,11 +18,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mtpserve.cluster.engine.errors import InvalidRequestError, invalid_field
-from mtpserve.cluster.engine.grammar import GrammarSpec
+from mtpserve.cluster.engine.grammar_spec import GrammarSpec
 from mtpserve.cluster.service.choices import MAX_CHOICES
 from mtpserve.cluster.service.stop_strings import stop_strings_problem
-from mtpserve.speculative.logits_processing import MAX_LOGPROBS
 from mtpserve.speculative.stats import SpecStats
+from mtpserve.speculative.token_logprobs import MAX_LOGPROBS
 
 INT32_MAX = 2**31 - 1
 # Known fields this server does not implement: refused unless absent or set to their neutral value.

@@ -6,27 +6,17 @@ state. Each offers `control` (the connection the pool hears the engine's state o
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import multiprocessing as mp
 import os
-import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection
 from typing import Protocol
 
 from mtpserve.cluster.engine.errors import WorkerUnavailableError
-from mtpserve.cluster.engine.llm_engine import LLMEngine
-from mtpserve.cluster.service.engine_child import (
-    STOP,
-    STOPPED,
-    PipedEngine,
-    kill_at_exit,
-    run_engine_process,
-    send_ready,
-)
+from mtpserve.cluster.service.child_link import ENGINE_ENTRY, spawn_child
 from mtpserve.workers.config import MTPServeConfig
 
 log = logging.getLogger(__name__)
@@ -128,16 +118,9 @@ class EngineChild:
     def __init__(self, cfg: MTPServeConfig, address: tuple[str, bytes]) -> None:
         self.cfg, self.address = cfg, address
         unlink_socket(address[0])  # the socket of an engine that died, when this one replaces it
-        ctx = mp.get_context("spawn")
-        self.control, child_end = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=run_engine_process,
-            args=(cfg, child_end, os.getpid(), logging.getLogger().getEffectiveLevel(), address),
-            name="mtpserve-engine",
-            daemon=True,
-        )
-        self._proc.start()
-        atexit.register(kill_at_exit, self._proc)
+        self.control, child_end = mp.Pipe()
+        level = logging.getLogger().getEffectiveLevel()
+        self._proc = spawn_child(ENGINE_ENTRY, (cfg, child_end, os.getpid(), level, address), "mtpserve-engine")
         child_end.close()
 
     @property
@@ -164,59 +147,3 @@ class EngineChild:
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-class EngineThread:
-    """An engine of this process (the Ray scheduler actor's) served to front ends that connect on `address`,
-    from a thread; `control` is the pipe that stops it (the actor's own front ends, or the engine of one replica
-    that another process's front ends serve). With `drained`, nobody here reads `control`: a thread of its own
-    takes what the engine says on it (READY, its state), so that the engine never waits on a full pipe."""
-
-    def __init__(self, engine: LLMEngine, address: tuple[str, bytes], drained: bool = False) -> None:
-        self.control, engine_end = mp.Pipe()
-        unlink_socket(address[0])  # a restarted actor listens where its last life did
-        listener = Listener(address[0], family="AF_UNIX", authkey=address[1])
-        self._engine = engine
-        self._piped = PipedEngine(engine, engine_end, streams=False, listener=listener)
-        self._thread = threading.Thread(target=self._run, args=(engine_end,), name="mtpserve-piped-engine", daemon=True)
-        self._thread.start()
-        if drained:
-            threading.Thread(target=self._drain, name="mtpserve-engine-drain", daemon=True).start()
-
-    def _drain(self) -> None:
-        with contextlib.suppress(EOFError, OSError):
-            while self.control.recv()[0] != STOPPED:
-                pass
-
-    def _run(self, engine_end: Connection) -> None:
-        try:
-            # from this thread: READY carries the tokenizer, more than a pipe holds, and the pool reads it only
-            # once this object is built
-            send_ready(self._engine, engine_end)
-            self._piped.run()
-        except Exception:
-            log.exception("serving the engine to the front ends failed")
-        finally:
-            engine_end.close()
-
-    pid = None  # the engine runs in this process
-
-    def status(self) -> str:
-        """How it ended, for errors and logs."""
-        return "the engine's thread stopped"
-
-    def join(self, timeout: float) -> None:
-        """Wait for it to end after STOP."""
-        self._thread.join(timeout)
-
-    def again(self) -> None:
-        """None: an engine of this process is not built again here."""
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop serving the engine (its front ends' requests end) and wait for the thread."""
-        with contextlib.suppress(OSError):
-            self.control.send((STOP,))
-        self.join(timeout)

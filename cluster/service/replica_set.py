@@ -19,7 +19,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.cluster.service.engine_process import EngineProcess
 from mtpserve.cluster.service.metrics import EngineMetrics, ServerMetrics
 from mtpserve.cluster.service.pool_engines import RECONNECT_WAIT_S, EngineSlots, connect_engine

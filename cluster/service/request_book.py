@@ -9,15 +9,17 @@ from collections import deque
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mtpserve.cluster.engine.errors import WorkerUnavailableError
-from mtpserve.cluster.engine.llm_engine import LLMEngine
-from mtpserve.cluster.engine.request import SamplingParams
-from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.engine.request_output import RequestOutput
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.cluster.service.metrics import GRPC, EngineMetrics, ServerMetrics
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.speculative.stats import SpecStats
+
+if TYPE_CHECKING:
+    from mtpserve.cluster.engine.llm_engine import LLMEngine
 
 
 class EngineFailure(Exception):

@@ -10,12 +10,12 @@ import logging
 import resource
 import time
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.service.admission import connection_cap, open_file_limit
 from mtpserve.cluster.service.auth import (
     BearerTokenInterceptor,
@@ -36,6 +36,9 @@ from mtpserve.cluster.service.replica_set import connect_replicas, start_replica
 from mtpserve.cluster.service.request_book import EngineCore
 from mtpserve.cluster.service.servicer import SERVICE_NAME, InferenceServicer
 from mtpserve.workers.config import MTPServeConfig
+
+if TYPE_CHECKING:
+    from mtpserve.cluster.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 STREAM_END_S = 2.0  # after the drain, time for the streams to send their terminal error before the ports close

@@ -15,10 +15,10 @@ from typing import Any, NoReturn
 
 import grpc
 
+from mtpserve.cluster.engine.chat_encoding import encode_chat, encode_text, has_chat_template
 from mtpserve.cluster.engine.errors import InvalidRequestError, QueueFullError, WorkerUnavailableError
-from mtpserve.cluster.engine.grammar import GrammarSpec
-from mtpserve.cluster.engine.llm_engine import encode_chat, encode_text, has_chat_template
-from mtpserve.cluster.engine.request import SamplingParams, check_output_room, sampling_params
+from mtpserve.cluster.engine.grammar_spec import GrammarSpec
+from mtpserve.cluster.engine.sampling_params import SamplingParams, check_output_room, sampling_params
 from mtpserve.cluster.service.choices import MAX_CHOICES, Choices
 from mtpserve.cluster.service.detokenizer import Tokenizers
 from mtpserve.cluster.service.engine_stream import EngineStream, Piece
@@ -30,8 +30,8 @@ from mtpserve.cluster.service.stop_strings import stop_strings_problem
 from mtpserve.cluster.service.tool_calls import StreamedCalls, ToolUse, offer_tools
 from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
 from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
-from mtpserve.speculative.logits_processing import TokenLogprobs
 from mtpserve.speculative.stats import SpecStats
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 FINISH_REASONS = {

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mtpserve.cluster.engine.errors import InvalidRequestError
-from mtpserve.cluster.engine.grammar import GrammarSpec
-from mtpserve.cluster.engine.request import SamplingParams
+from mtpserve.cluster.engine.grammar_spec import GrammarSpec
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 
 
 @dataclass

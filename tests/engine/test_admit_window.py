@@ -9,7 +9,8 @@ import pytest
 
 from mtpserve.cluster.engine.admit_window import AdmitWindow
 from mtpserve.cluster.engine.llm_engine import LLMEngine
-from mtpserve.cluster.engine.request import Request, SamplingParams
+from mtpserve.cluster.engine.request import Request
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.workers.config import MTPServeConfig
 from mtpserve.workers.runner import TargetRunner
 from mtpserve.workers.uniform_step import UniformTargetStep

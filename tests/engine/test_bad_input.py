@@ -64,7 +64,7 @@ def test_request_larger_than_cache_is_refused() -> None:
 def test_temperatures_below_the_floor_decode_greedily() -> None:
     """A temperature of 1e-40 would overflow the scaled logits to inf and the probabilities to NaN: below
     MIN_TEMPERATURE it decodes greedily, token for token as temperature 0."""
-    from mtpserve.cluster.engine.request import MIN_TEMPERATURE, SamplingParams
+    from mtpserve.cluster.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 
     assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=MIN_TEMPERATURE).greedy
     args = tiny_args()

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from mtpserve.cluster.engine.request import Request, SamplingParams
+from mtpserve.cluster.engine.request import Request
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.cluster.engine.scheduler import Scheduler
 from mtpserve.speculative.messages import DraftOutputs, SeqResult, StepPlan, TargetOutput
 from mtpserve.workers.config import SchedulerConfig

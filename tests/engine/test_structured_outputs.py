@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from mtpserve.cluster.engine.errors import InvalidRequestError
-from mtpserve.cluster.engine.grammar import GrammarSpec
+from mtpserve.cluster.engine.grammar_spec import GrammarSpec
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.workers.config import MTPServeConfig
 from tests.helpers.service import write_tiny_model

@@ -129,6 +129,14 @@ def test_engine_core_imports_no_ray_library(tree: Path) -> None:
     assert "mtpserve.cluster.engine.block_manager -> ray" in res.stdout
 
 
+def test_front_ends_cannot_import_torch(tree: Path) -> None:
+    add_line(tree / "cluster" / "service" / "stop_strings.py", "import mtpserve.speculative.logits_processing")
+    res = lint_imports(tree)
+    assert res.returncode != 0
+    assert "Front ends and their pool import no torch BROKEN" in res.stdout
+    assert "mtpserve.speculative.logits_processing -> torch" in res.stdout
+
+
 def test_no_source_file_over_limit() -> None:
     files = [
         p

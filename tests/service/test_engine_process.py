@@ -23,10 +23,10 @@ import pytest
 from mtpserve.cluster.bench.procs import process_tree
 from mtpserve.cluster.engine.errors import InvalidRequestError, ModelLoadError, MTPServeError
 from mtpserve.cluster.engine.llm_engine import LLMEngine
-from mtpserve.cluster.engine.request import SamplingParams
-from mtpserve.cluster.engine.scheduler import RequestOutput
-from mtpserve.cluster.service.client import MTPServeClient
-from mtpserve.cluster.service.engine_child import (
+from mtpserve.cluster.engine.request_output import RequestOutput
+from mtpserve.cluster.engine.sampling_params import SamplingParams
+from mtpserve.cluster.service.actor_front_ends import FrontEndProcess
+from mtpserve.cluster.service.child_link import (
     ABORT,
     ADD,
     ADDED,
@@ -35,14 +35,13 @@ from mtpserve.cluster.service.engine_child import (
     OUT,
     STOP,
     STOPPED,
-    PipedEngine,
     pack_outputs,
     portable,
-    send_ready,
     unpack_outputs,
 )
+from mtpserve.cluster.service.client import MTPServeClient
+from mtpserve.cluster.service.engine_child import PipedEngine, send_ready
 from mtpserve.cluster.service.engine_process import EngineProcess
-from mtpserve.cluster.service.front_end_process import FrontEndProcess
 from mtpserve.cluster.service.request_book import EngineFailure
 from mtpserve.cluster.service.server import MTPServer
 from mtpserve.speculative.stats import SpecStats

@@ -14,9 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mtpserve.cluster.engine.llm_engine import LLMEngine, encode_text
-from mtpserve.cluster.engine.request import SamplingParams
-from mtpserve.cluster.engine.scheduler import RequestOutput
+from mtpserve.cluster.engine.chat_encoding import encode_text
+from mtpserve.cluster.engine.llm_engine import LLMEngine
+from mtpserve.cluster.engine.request_output import RequestOutput
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.cluster.service.client import MTPServeClient
 from mtpserve.cluster.service.engine_stream import EngineStream, LoopWaker, merged
 from mtpserve.cluster.service.metrics import GRPC

@@ -61,6 +61,11 @@ def front_end_pids(server: ServeProcess) -> set[int]:
     return pids
 
 
+def loads_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped."""
+    return any("libtorch" in m.path for m in psutil.Process(pid).memory_maps())
+
+
 def metrics_text(server: ServeProcess) -> str:
     """What the one /metrics endpoint shows."""
     return urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
@@ -85,9 +90,14 @@ def model_id(server: ServeProcess) -> str:
 
 
 def test_two_front_ends_listen_and_check_the_token(server: ServeProcess) -> None:
-    """Two processes hold the ports, each (and the engine's) with its start-up heap frozen; calls without the token
-    are refused, however the kernel spreads them."""
-    assert len(front_end_pids(server)) == 2
+    """Two processes hold the ports, each (and the engine's) with its start-up heap frozen, and neither they nor the
+    serving process that started them loads torch (the engine does); calls without the token are refused, however
+    the kernel spreads them."""
+    assert server.proc is not None
+    front_ends = front_end_pids(server)
+    assert len(front_ends) == 2
+    assert not any(loads_torch(pid) for pid in [*front_ends, server.proc.pid])
+    assert any(loads_torch(c.pid) for c in psutil.Process(server.proc.pid).children(recursive=True))
     for who in ("engine process", "front end 0", "front end 1"):  # each froze its start-up heap
         assert re.search(rf"{who}: [1-9][0-9]* start-up objects frozen", server.log), server.log[-3000:]
     for _ in range(24):  # a new connection each: both front ends answer some
@@ -203,8 +213,10 @@ def test_front_ends_over_an_engine_of_this_process(tmp_path_factory: pytest.Temp
     processes. The ready message carries a real tokenizer (more than a pipe holds); the pool starts and a text
     prompt completes with the same tokens as the engine alone."""
     import threading
+    from functools import partial
 
     from mtpserve.cluster.engine.llm_engine import LLMEngine
+    from mtpserve.cluster.service.engine_child import EngineThread
     from mtpserve.cluster.service.front_end_pool import FrontEndPool
     from mtpserve.workers.config import MTPServeConfig
 
@@ -225,7 +237,8 @@ def test_front_ends_over_an_engine_of_this_process(tmp_path_factory: pytest.Temp
     alone.shutdown()
     engine = LLMEngine.from_config(cfg)
     started: list[Any] = []
-    starter = threading.Thread(target=lambda: started.append(FrontEndPool(cfg, 2, engine=engine)), daemon=True)
+    local = partial(EngineThread, engine)
+    starter = threading.Thread(target=lambda: started.append(FrontEndPool(cfg, 2, local_engine=local)), daemon=True)
     starter.start()
     starter.join(180)
     assert started, "the pool did not start within 180 s"

@@ -344,7 +344,8 @@ def test_adaptive_config_and_flag() -> None:
 def test_scheduler_cuts_or_pads_the_stored_drafts_to_the_step_depth() -> None:
     """A step deeper than the drafts its request holds pads them with the last token, and the padding is
     left out of the acceptance counts; a shallower step keeps the first drafts."""
-    from mtpserve.cluster.engine.request import Request, SamplingParams
+    from mtpserve.cluster.engine.request import Request
+    from mtpserve.cluster.engine.sampling_params import SamplingParams
     from mtpserve.cluster.engine.scheduler import Scheduler
     from mtpserve.speculative.messages import DraftOutputs, SeqResult, TargetOutput
     from mtpserve.workers.config import SchedulerConfig

@@ -247,7 +247,8 @@ def test_scheduler_reshapes_stored_drafts_between_kinds() -> None:
     """A chain proposal verified by a tree step becomes the first branch of a padded tree, the row counting
     only the chain's drafts and leaving the tree's acceptance alone; a tree proposal verified by a chain step
     gives its first branch."""
-    from mtpserve.cluster.engine.request import Request, SamplingParams
+    from mtpserve.cluster.engine.request import Request
+    from mtpserve.cluster.engine.sampling_params import SamplingParams
     from mtpserve.cluster.engine.scheduler import Scheduler
     from mtpserve.speculative.messages import DraftOutputs, SeqResult, TargetOutput
     from mtpserve.workers.config import SchedulerConfig

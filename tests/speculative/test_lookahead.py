@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtpserve.cluster.engine.request import Request, SamplingParams
+from mtpserve.cluster.engine.request import Request
+from mtpserve.cluster.engine.sampling_params import SamplingParams
 from mtpserve.cluster.engine.scheduler import Scheduler
 from mtpserve.speculative.draft_inputs import draft_input_tokens
 from mtpserve.speculative.lookahead import INVALID_TOKEN, LookaheadBuffer, lookahead_for_chunk

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtpserve.cluster.engine.llm_engine import encode_text
+from mtpserve.cluster.engine.chat_encoding import encode_text
 from mtpserve.modeling.model import LlamaArgs
 from mtpserve.speculative.mtp_head import MTPEagleHead
 from mtpserve.speculative.train.batches import HiddenStore

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from mtpserve.proto.mtpserve.v1 import worker_pb2 as wpb
-from mtpserve.speculative.logits_processing import LogitsProcessing, TokenLogprobs
+from mtpserve.speculative.logits_processing import LogitsProcessing
 from mtpserve.speculative.messages import SeqPlan, SeqResult, StepPlan, TargetOutput
+from mtpserve.speculative.token_logprobs import TokenLogprobs
 from mtpserve.workers.convert import plan_from_proto, plan_to_proto, target_output_from_proto, target_output_to_proto
 from mtpserve.workers.message_checks import InvalidStepMessage, StepLimits, check_plan, check_seq
 
