@@ -95,7 +95,8 @@ def allocate_on_device(module: nn.Module, device: str | torch.device, dtype: tor
     for m in module.modules():
         if isinstance(m, KeptInFp32):
             m.float()
-    module.to_empty(device=device)
+    # to_empty's empty_like on meta tensors loads torch's symbolic-shape machinery (about 1 s of CPU)
+    module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if isinstance(module, LlamaModel):
         module.tie_weights()
     for p in module.parameters():

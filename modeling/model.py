@@ -90,6 +90,9 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":  # a layout only: the table is built with the storage
+            self.register_buffer("cos_sin", torch.empty(max_pos + DRAFT_POSITIONS, 2 * head_dim), persistent=False)
+            return
         inv, attention_scaling = rope_frequencies(head_dim, theta, max_pos, scaling)
         freqs = torch.outer(torch.arange(max_pos + DRAFT_POSITIONS, dtype=torch.float64), inv)
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -14,4 +14,3 @@ def build_engine(cfg: MTPServeConfig) -> LLMEngine:
 
         return build_distributed_engine(cfg)
     return LLMEngine.from_config(cfg)
-
