@@ -96,10 +96,7 @@ class Rotary(nn.Module):
         inv, attention_scaling = rope_frequencies(head_dim, theta, max_pos, scaling)
         freqs = torch.outer(torch.arange(max_pos + DRAFT_POSITIONS, dtype=torch.float64), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        if scaling is None:
-            self.register_tables(emb.cos().float(), emb.sin().float())
-        else:
-            self.register_tables((emb.cos() * attention_scaling).float(), (emb.sin() * attention_scaling).float())
+        self.register_tables((emb.cos() * attention_scaling).float(), (emb.sin() * attention_scaling).float())
 
     def register_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Keep the cos and sin tables [max_pos, head_dim] side by side in one buffer, so that one gather
