@@ -17,9 +17,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def served_dtype(dtype: str, device: str) -> str:
     """The dtype the weights are in: `auto` resolved for the device ("bfloat16" on CUDA, "float32" on CPU)."""
-    if dtype != "auto" or device not in ("cpu", "cuda"):
-        return dtype
-    return dtype_name(dtype, device)
+    return dtype_name(dtype, device) if device in ("cpu", "cuda") else dtype
 
 
 def model_info(engine: LLMEngine) -> pb.ModelInfo:
