@@ -16,7 +16,7 @@
 #   bash bench/device_run.sh default  SmolLM2 + shipped head: target-only, fixed chains K=1..3 and the adaptive default
 #                                     at batch 1, 8, 64 and 256, 128 tokens (bench/gpu.py decode)
 #   bash bench/device_run.sh serveprof  SmolLM2: where each process of `serve` spends its time over `bench serve`'s
-#                                     window (py-spy by thread; carry .device/tools; STREAMS, API, WINDOW,
+#                                     window (py-spy by thread; carry .device/tools; CONFIG, STREAMS, API, WINDOW,
 #                                     SERVE_ARGS=--distributed for the Ray path)
 #   bash bench/device_run.sh serve    SmolLM2: `bench serve`, served over gRPC and HTTP (FRONTENDS front ends, default
 #                                     4) against the engine alone, target-only and K=3, at 1, 64 and 256 streams,
@@ -128,8 +128,9 @@ case $PHASE in
     step decode 330 python3 bench/gpu.py --model "$M" --groups decode --ks 1,2,3 --batches 1,8,64,256 \
       --variants adaptive --skip-hf --max-tokens 128 --out "$R"
     ;;
-  serveprof)  # py-spy over every process of `bench serve` (target-only, STREAMS, API, 4 front ends); carry .device/tools
+  serveprof)  # py-spy over every process of `bench serve` (CONFIG, STREAMS, API, 4 front ends); carry .device/tools
     step serveprof 200 python3 bench/probes/serve_profile.py --model "$M" --streams "${STREAMS:-64}" --api "${API:-http}" \
+      --config "${CONFIG:-target-only}" \
       --frontends "${FRONTENDS:-4}" --py-spy .device/tools/py-spy --out "$R" \
       --window-s "${WINDOW:-8}" --serve-args="${SERVE_ARGS:-}"
     rm -f "$R"/serve_prof_raw.txt

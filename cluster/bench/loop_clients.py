@@ -41,6 +41,8 @@ class LoopResult:
     requests: int = 0  # requests finished inside the window
     ttft_ms: list[float] = field(default_factory=list)  # requests sent inside the window
     itl_ms: list[float] = field(default_factory=list)  # per token: gap between chunks over the chunk's tokens
+    life_ms: list[float] = field(default_factory=list)  # sent to stream end, requests sent and ended inside
+    tail_ms: list[float] = field(default_factory=list)  # last token's chunk to stream end (usage, [DONE]), same
     errors: list[str] = field(default_factory=list)
     cpu_s: float = 0.0  # this process's CPU time over the window
 
@@ -51,6 +53,8 @@ class LoopResult:
         self.requests += other.requests
         self.ttft_ms += other.ttft_ms
         self.itl_ms += other.itl_ms
+        self.life_ms += other.life_ms
+        self.tail_ms += other.tail_ms
         self.errors += other.errors
         self.cpu_s += other.cpu_s
 
@@ -61,26 +65,41 @@ class Recorder:
     def __init__(self, job: LoopJob, out: LoopResult) -> None:
         self.job, self.out = job, out
 
-    def request(self) -> Callable[[int], None]:
-        """A callback for one request: call it with each chunk's token count as the chunk arrives."""
-        sent = time.time()
-        last: list[float] = []
+    def request(self) -> Stream:
+        """The recorder of one request, sent now."""
+        return Stream(self.job, self.out, time.time())
 
-        def chunk(n: int) -> None:
-            now = time.time()
-            if not n:
-                return
-            inside = self.job.measure_from <= now < self.job.end_at
-            if not last and inside and sent >= self.job.measure_from:
-                self.out.ttft_ms.append(1e3 * (now - sent))
-            elif last and inside:
-                self.out.itl_ms.extend([1e3 * (now - last[0]) / n] * n)
-            if inside:
-                self.out.tokens += n
-                self.out.chunks += 1
-            last[:] = [now]
 
-        return chunk
+@dataclass
+class Stream:
+    """One request's arrivals: `chunk` with each chunk's token count as it arrives, `end` when the stream ends."""
+
+    job: LoopJob
+    out: LoopResult
+    sent: float
+    last: float = 0.0  # when the last chunk with tokens arrived (0: none yet)
+
+    def chunk(self, n: int) -> None:
+        """A chunk of `n` tokens arrived (chunks without tokens count only at the end)."""
+        now = time.time()
+        if not n:
+            return
+        inside = self.job.measure_from <= now < self.job.end_at
+        if not self.last and inside and self.sent >= self.job.measure_from:
+            self.out.ttft_ms.append(1e3 * (now - self.sent))
+        elif self.last and inside:
+            self.out.itl_ms.extend([1e3 * (now - self.last) / n] * n)
+        if inside:
+            self.out.tokens += n
+            self.out.chunks += 1
+        self.last = now
+
+    def end(self) -> None:
+        """The stream ended whole."""
+        now = time.time()
+        if self.job.measure_from <= self.sent and now < self.job.end_at and self.last:
+            self.out.life_ms.append(1e3 * (now - self.sent))
+            self.out.tail_ms.append(1e3 * (now - self.last))
 
 
 async def http_loop(job: LoopJob, rec: Recorder) -> None:
@@ -98,7 +117,7 @@ async def http_loop(job: LoopJob, rec: Recorder) -> None:
     ) as client:
         model = (await client.models.list()).data[0].id
 
-        async def one(prompt: list[int], chunk: Callable[[int], None]) -> None:
+        async def one(prompt: list[int], rec: Stream) -> None:
             stream: Any = await client.completions.create(
                 model=model,
                 prompt=prompt,
@@ -109,7 +128,8 @@ async def http_loop(job: LoopJob, rec: Recorder) -> None:
                 extra_body={"ignore_eos": True, "return_token_ids": True},
             )
             async for c in stream:
-                chunk(sum(len(getattr(ch, "token_ids", None) or []) for ch in c.choices))
+                rec.chunk(sum(len(getattr(ch, "token_ids", None) or []) for ch in c.choices))
+            rec.end()
 
         await run_streams(job, rec, one)
 
@@ -125,14 +145,15 @@ async def grpc_loop(job: LoopJob, rec: Recorder) -> None:
     stubs = [pb_grpc.InferenceStub(c) for c in channels]
     turn = [0]
 
-    async def one(prompt: list[int], chunk: Callable[[int], None]) -> None:
+    async def one(prompt: list[int], rec: Stream) -> None:
         turn[0] += 1
         req = pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=prompt),
             sampling=pb.SamplingParams(max_tokens=job.output_len, ignore_eos=True),
         )
         async for msg in stubs[turn[0] % len(stubs)].Generate(req, timeout=600.0):
-            chunk(len(msg.token_ids))
+            rec.chunk(len(msg.token_ids))
+        rec.end()
 
     try:
         await run_streams(job, rec, one)
@@ -141,9 +162,7 @@ async def grpc_loop(job: LoopJob, rec: Recorder) -> None:
             await c.close()
 
 
-async def run_streams(
-    job: LoopJob, rec: Recorder, one: Callable[[list[int], Callable[[int], None]], Awaitable[None]]
-) -> None:
+async def run_streams(job: LoopJob, rec: Recorder, one: Callable[[list[int], Stream], Awaitable[None]]) -> None:
     """`job.streams` workers, each sending a new request as soon as its last one ends, until the window ends."""
     prompts = iter(job.prompts * (1 + 10_000 // max(1, len(job.prompts))))
 

@@ -116,26 +116,33 @@ def engine_alone(cfg: dict[str, Any], args: dict[str, Any], streams: int) -> dic
     try:
         prompts = iter(prompts_for(argparse.Namespace(**args), args["vocab"], 20_000))
         params = SamplingParams(max_tokens=args["output_len"], ignore_eos=True)
-        live: set[str] = set()
+        live: dict[str, float] = {}  # request id: when it was added, until its first token
         seq = 0
         start = time.perf_counter()
         measure_from, end = start + args["warmup_s"], start + args["warmup_s"] + args["window_s"]
         tokens = 0
+        ttft_ms: list[float] = []
         before = engine_counters(engine)
         while (now := time.perf_counter()) < end:
             while len(live) < streams:
                 rid = f"r{seq}"
                 seq += 1
                 engine.add_request(next(prompts), params, rid)
-                live.add(rid)
+                live[rid] = time.perf_counter()
             for o in engine.step():
                 if now >= measure_from:
                     tokens += len(o.new_token_ids)
+                added = live.get(o.request_id, 0.0)
+                if added > 0 and o.new_token_ids:
+                    if added >= measure_from:
+                        ttft_ms.append(1e3 * (time.perf_counter() - added))
+                    live[o.request_id] = 0.0
                 if o.finished:
-                    live.discard(o.request_id)
+                    live.pop(o.request_id, None)
             if now < measure_from:
                 before = engine_counters(engine)
-        return {"engine_tok_s": tokens / args["window_s"]} | step_shares(before, engine_counters(engine))
+        figures = {"engine_tok_s": tokens / args["window_s"], "engine_ttft_p50_ms": pct(ttft_ms, 0.5)}
+        return figures | step_shares(before, engine_counters(engine))
     finally:
         engine.shutdown()
 
@@ -204,6 +211,8 @@ def served_row(
         "ttft_p99_ms": pct(r.ttft_ms, 0.99),
         "itl_p50_ms": pct(r.itl_ms, 0.5),
         "itl_p99_ms": pct(r.itl_ms, 0.99),
+        "life_p50_ms": pct(r.life_ms, 0.5),
+        "tail_p50_ms": pct(r.tail_ms, 0.5),
         "tokens_per_chunk": r.tokens / r.chunks if r.chunks else None,
         "requests_finished": r.requests,
         "client_cpu_s_per_1k_tokens": r.cpu_s / k_tokens,
@@ -276,6 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 alone = engine.get(streams, {}).get("engine_tok_s")
                                 row["engine_tok_s"] = alone
                                 row["ratio"] = row["served_tok_s"] / alone if alone else None
+                                row["engine_life_ms"] = 1e3 * streams * args.output_len / alone if alone else None
+                                row["engine_ttft_p50_ms"] = engine.get(streams, {}).get("engine_ttft_p50_ms")
                                 rows.append(row)
                                 print(short(row), file=sys.stderr, flush=True)
                                 save_so_far(args, rows, model, alone_by_run)
@@ -317,8 +328,14 @@ def short(row: dict[str, Any]) -> str:
         f"{row['config']:>11} fe={row['frontends']} {row['front_end']:>4} {row['streams']:>4} streams: "
         f"{row['served_tok_s']:9.0f} tok/s served, engine {row['engine_tok_s'] or 0:9.0f}, ratio {ratio}, "
         f"TTFT p50/p99 {ttft:.1f}/{ttft99:.1f} ms, launched {'-' if launched is None else f'{launched:.2f}'}, "
-        f"errors {row['errors']}"
+        f"request life p50 {ms(row.get('life_p50_ms'))} ms (tail {ms(row.get('tail_p50_ms'))}; engine alone "
+        f"{ms(row.get('engine_life_ms'))}, its TTFT {ms(row.get('engine_ttft_p50_ms'))}), errors {row['errors']}"
     )
+
+
+def ms(value: float | None) -> str:
+    """Milliseconds to one decimal, or "-"."""
+    return "-" if value is None else f"{value:.1f}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -197,6 +197,8 @@ def test_serve_report_on_a_tiny_server_with_two_front_ends(tmp_path: Path) -> No
         assert r["requests_finished"] > 0 and r["server_cpu_s_per_1k_tokens_per_process"]
         assert r["engine_steps"] > 0 and r["launched_share"] == 0, "the engine's steps, all in turn on the CPU"
         assert r["rows_per_step"] >= 1
+        assert r["life_p50_ms"] > r["tail_p50_ms"] >= 0, "a request's life holds its stream's end"
+        assert r["engine_life_ms"] == pytest.approx(1e3 * r["streams"] * 6 / r["engine_tok_s"])
     assert set(doc["engine_alone"]) == {"target-only 1", "target-only 3"}
     for alone in doc["engine_alone"].values():
         assert alone["engine_steps"] > 0 and alone["launched_share"] == 0
