@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -216,8 +217,11 @@ class LoopClients:
         window_s: float,
         *,
         api_key: str = "unused",
+        at_window: Callable[[], None] | None = None,
     ) -> LoopResult:
-        """`streams` closed-loop streams spread over the client processes: a warm-up, then the measured window."""
+        """`streams` closed-loop streams spread over the client processes: a warm-up, then the measured window.
+        `at_window` is called (from a timer thread) as the window opens and again as it closes, so that readings
+        of the server span the same window as the clients' counts."""
         procs = min(self.procs, streams)
         start = time.time() + START_DELAY_S
         jobs = []
@@ -237,9 +241,18 @@ class LoopClients:
                     api_key=api_key,
                 )
             )
+        timers = []
+        if at_window is not None:
+            for at in (start + warmup_s, start + warmup_s + window_s):
+                timers.append(threading.Timer(max(0.0, at - time.time()), at_window))
+                timers[-1].start()
         total = LoopResult()
-        for r in self._pool.map(run_job, jobs):
-            total.merge(r)
+        try:
+            for r in self._pool.map(run_job, jobs):
+                total.merge(r)
+        finally:
+            for t in timers:
+                t.join()
         return total
 
     def close(self) -> None:

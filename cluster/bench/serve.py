@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -183,6 +184,18 @@ def step_counters(metrics_port: str) -> dict[str, float]:
     return {key: float(values.get(name, 0.0)) for key, name in STEP_COUNTERS.items()}
 
 
+@dataclass
+class WindowReadings:
+    """The served tree's CPU seconds and step counters, each time it is called (as a window opens and closes)."""
+
+    pid: int
+    metrics_port: str
+    taken: list[tuple[dict[int, float], dict[str, float]]] = field(default_factory=list)
+
+    def __call__(self) -> None:
+        self.taken.append((server_cpu(self.pid), step_counters(self.metrics_port)))
+
+
 def engine_counters(engine: Any) -> dict[str, float]:
     """An in-process engine's step counters, as `step_counters` reads them from /metrics."""
     return {"steps": engine.steps_run, "launched": engine.steps_launched, "rows": engine.rows_run}
@@ -269,7 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     f"measuring: {config}, {api}, {streams} streams, serve pid {proc.pid}",
                                     file=sys.stderr,
                                 )
-                                cpu0, steps0 = server_cpu(proc.pid), step_counters(found["metrics"])
+                                readings = WindowReadings(proc.pid, found["metrics"])
                                 r = clients.run(
                                     api,
                                     found[api],
@@ -278,10 +291,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     output_len=args.output_len,
                                     warmup_s=args.warmup_s,
                                     window_s=args.window_s,
+                                    at_window=readings,
                                 )
                                 row = {"config": config, "frontends": frontends, "front_end": api, "streams": streams}
-                                row |= served_row(r, args, cpu0, server_cpu(proc.pid))
-                                row |= step_shares(steps0, step_counters(found["metrics"]))
+                                (cpu0, steps0), (cpu1, steps1) = readings.taken
+                                row |= served_row(r, args, cpu0, cpu1)
+                                row |= step_shares(steps0, steps1)
                                 alone = engine.get(streams, {}).get("engine_tok_s")
                                 row["engine_tok_s"] = alone
                                 row["ratio"] = row["served_tok_s"] / alone if alone else None

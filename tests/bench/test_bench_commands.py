@@ -199,6 +199,9 @@ def test_serve_report_on_a_tiny_server_with_two_front_ends(tmp_path: Path) -> No
         assert r["rows_per_step"] >= 1
         assert r["life_p50_ms"] > r["tail_p50_ms"] >= 0, "a request's life holds its stream's end"
         assert r["engine_life_ms"] == pytest.approx(1e3 * r["streams"] * 6 / r["engine_tok_s"])
+        if r["streams"] == 1:  # a step gives its one stream one token: the steps counted span the clients' window
+            tokens = r["served_tok_s"] * 2
+            assert abs(r["engine_steps"] - tokens) <= 0.2 * tokens + 3, (r["engine_steps"], tokens)
     assert set(doc["engine_alone"]) == {"target-only 1", "target-only 3"}
     for alone in doc["engine_alone"].values():
         assert alone["engine_steps"] > 0 and alone["launched_share"] == 0
