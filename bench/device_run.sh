@@ -30,6 +30,8 @@
 #                                     ALONE_EACH=0 measures the engine alone in the first run only;
 #                                     PREFILL=1 adds `bench throughput` of 64 x 128-token prompts in each;
 #                                     FRONT_ENDS= (empty) leaves only the engine-alone figures (in the log)
+#   bash bench/device_run.sh alonebusy  SmolLM2: the engine alone at 64 streams on a quiet host and beside a served
+#                                     load on the CPU (CONFIGS, default target-only)
 #   bash bench/device_run.sh gc       SmolLM2: garbage-collector pauses of the step loop at 256 streams, heap as is and frozen
 #   bash bench/device_run.sh replicas `bench serve` of `serve --replicas 2` (two engines on the GPU, 4 front ends)
 #                                     against plain serve, target-only, 64 and 256 streams
@@ -45,7 +47,7 @@
 # GGUF in /root/model, `.device/llama3-8b/config.json` carried. Every command has a time limit, so one that
 # hangs costs only its own figures. Everything lands in $OUT/<phase>.tgz (a run returns at most eight files).
 set -uo pipefail
-PHASE=${1:?"phase: 8b, adaptive8b, ray8b, smollm2, ray, prof, tiles, default, serveprof, serve, serveab, gc, replicas, served, e3a, e3b or e3"}
+PHASE=${1:?"phase: 8b, adaptive8b, ray8b, smollm2, ray, prof, tiles, default, serveprof, serve, serveab, alonebusy, gc, replicas, served, e3a, e3b or e3"}
 M=${M:-/root/model/SmolLM2-135M-Instruct.Q4_1.gguf}
 L8B=${L8B:-.device/llama3-8b}
 V=${DRAFT_VOCAB:-0}  # 8b: the random head's draft vocabulary (0: the target's)
@@ -160,6 +162,17 @@ case $PHASE in
         done
       fi
     done
+    ;;
+  alonebusy)  # the engine alone at 64 streams, on a quiet host and beside a served load on the CPU (a tiny `serve`,
+    # 4 front ends, 8 client processes): whether host load alone slows the engine's steps as serving does
+    alone() { python3 -m mtpserve bench serve --model "$M" --device cuda --configs "${CONFIGS:-target-only}" --streams 64 \
+      --front-ends= --warmup-s 3 --window-s 5 --json "$R/alone_$1.json"; }
+    step alone_quiet 120 alone quiet
+    python3 -m mtpserve bench serve --tiny --device cpu --configs target-only --streams 64 --frontends 4 \
+      --client-procs 8 --warmup-s 0 --window-s 90 --no-engine-alone > "$R/load.log" 2>&1 &
+    sleep 25  # the load's server and clients running
+    step alone_busy 120 alone busy
+    kill %1 2>/dev/null; wait
     ;;
   gc)  # garbage-collector pauses in the engine's step loop, start-up heap as it is and frozen
     step gc 240 python3 bench/probes/gc_pauses.py --model "$M" --device cuda --streams 256 --steps 2000 --out "$R"

@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"{config} engine alone, {streams} streams: {engine[streams]}", file=sys.stderr)
                         save_so_far(args, rows, model, alone_by_run)
                 prompts = prompts_for(args, vocab)
-                for frontends in args.frontends:
+                for frontends in args.frontends if apis else []:  # no API to drive: the engine alone only
                     cmd = serve_command(args, Path(tmp) / "serve.yaml", frontends)
                     proc, found, _log = bench_report.serve_subprocess(cmd, ROOT, SERVING, args.startup_timeout)
                     try:

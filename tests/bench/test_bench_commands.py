@@ -207,6 +207,20 @@ def test_serve_report_on_a_tiny_server_with_two_front_ends(tmp_path: Path) -> No
         assert alone["engine_steps"] > 0 and alone["launched_share"] == 0
 
 
+def test_serve_without_an_api_measures_the_engine_alone_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--front-ends=` (none): the engine-alone figures, and no server started for rows nobody drives."""
+
+    def no_server(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a server was started with no API to drive")
+
+    monkeypatch.setattr(bench_report, "serve_subprocess", no_server)
+    argv = ["bench", "serve", "--tiny", "--device", "cpu", "--configs", "target-only", "--streams", "1"]
+    argv += ["--front-ends=", "--prompt-len", "8", "--output-len", "6", "--warmup-s", "0.5", "--window-s", "1"]
+    assert main([*argv, "--json", str(tmp_path / "alone.json")]) == 0
+    doc = json.loads((tmp_path / "alone.json").read_text())
+    assert doc["results"] == [] and doc["engine_alone"]["target-only 1"]["engine_tok_s"] > 0
+
+
 def test_serve_report_so_far_is_marked_incomplete(tmp_path: Path) -> None:
     """What `bench serve` has finished is on disk after each row, marked incomplete, so a run that a time limit
     cuts short keeps its figures."""
