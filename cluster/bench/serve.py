@@ -297,11 +297,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 (cpu0, steps0), (cpu1, steps1) = readings.taken
                                 row |= served_row(r, args, cpu0, cpu1)
                                 row |= step_shares(steps0, steps1)
-                                alone = engine.get(streams, {}).get("engine_tok_s")
+                                by_alone = engine.get(streams, {})
+                                alone = by_alone.get("engine_tok_s")
                                 row["engine_tok_s"] = alone
                                 row["ratio"] = row["served_tok_s"] / alone if alone else None
                                 row["engine_life_ms"] = 1e3 * streams * args.output_len / alone if alone else None
-                                row["engine_ttft_p50_ms"] = engine.get(streams, {}).get("engine_ttft_p50_ms")
+                                row["engine_ttft_p50_ms"] = by_alone.get("engine_ttft_p50_ms")
                                 rows.append(row)
                                 print(short(row), file=sys.stderr, flush=True)
                                 save_so_far(args, rows, model, alone_by_run)
