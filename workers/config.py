@@ -236,8 +236,14 @@ class SchedulerConfig(_Strict):
         ADMIT_WAIT_MS,
         ge=0,
         description="while steps are launched ahead, requests that arrive wait up to this long to join the batch "
-        "together (or until they are an eighth of it): each join reads the launched steps and runs a step in turn; "
+        "together (or until they are an eighth of it), since each join adds a prefill replay to a step; "
         "0 joins each at the next step",
+    )
+    join_ahead: bool = Field(
+        True,
+        description="arriving requests whose whole prompt fits one chunk join in a step launched ahead, their "
+        "prompts replayed beside the decode rows; off, or for longer prompts, each join first reads the launched "
+        "steps and runs a step in turn",
     )
     prefix_caching: bool = Field(
         True,

@@ -50,3 +50,4 @@ class LaunchedStep:
     host: torch.Tensor  # [m, W] the same on the host; valid once `ready` has completed
     ready: torch.cuda.Event | None  # recorded after the copy to `host` (None off CUDA)
     tree: bool = False  # launched on the tree step (its results are laid out as `ResultColumns`)
+    chunks: int = 0  # leading prompt chunks of requests that joined in it (`joined_step.py`)

@@ -26,6 +26,7 @@ from mtpserve.speculative.tree import DraftTree, forced_walk
 from mtpserve.speculative.verify import ForcedAcceptance, forced_chain, verify, verify_greedy
 from mtpserve.workers.captured_steps import CapturedSteps, LaunchableStep
 from mtpserve.workers.eager_rows import Verified, processed_logits
+from mtpserve.workers.joined_step import joinable, prompt_results, prompt_rows, without_drafted
 from mtpserve.workers.launch_spec import LaunchedStep, LaunchSpec
 from mtpserve.workers.step_buffers import HOST_TWINS
 from mtpserve.workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
@@ -107,6 +108,11 @@ class TargetRunner:
         positions = tree_positions(plan.seqs, trees).to(dev)
         return self.model.forward_features(ids, positions, self.cache, meta)
 
+    @property
+    def joins(self) -> bool:
+        """Whether `launch` takes arriving requests' prompts ahead of a step's generation rows."""
+        return self._spec is not None and self.steps.prefill is not None
+
     def launch_spec(self) -> LaunchSpec | None:
         """What `launch` queues: generation steps through the fused chain step and tree steps through the tree
         step when the draft is colocated, else target-only steps through the target step; None when it queues
@@ -129,28 +135,36 @@ class TargetRunner:
 
     @torch.no_grad()
     def launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep | None:
-        """Queue a generation step of captured shape without waiting for it; None for any other plan
-        (run it with `execute`). With `after`, each sequence's token_ids[0] holds its row in `after`'s
-        plan, and its inputs (tokens, and positions when drafting; a tree step's trees) come from that
-        step's results on the device; `after` need not have finished, and must be a step of the same kind
-        (a tree step after a tree step). Read with `collect`."""
+        """Queue a generation step of captured shape without waiting for it, with arriving requests' whole
+        prompts ahead of its generation rows if any (`joined_step.py`); None for any other plan (run it with
+        `execute`). With `after`, each generation row's token_ids[0] holds its row in `after`'s plan, and its
+        inputs (tokens, and positions when drafting; a tree step's trees) come from that step's results on the
+        device; `after` need not have finished, and must be a step of the same kind (a tree step after a tree
+        step). Read with `collect`."""
         spec = self.launch_spec()
-        bucket = None if spec is None else spec.bucket_for(plan)
-        if spec is None or bucket is None:
+        if spec is None:
             return None
+        chunks = prompt_rows(plan)
+        gen = _sub_plan(plan, plan.seqs[chunks:]) if chunks else plan
+        bucket = spec.bucket_for(gen) if gen.seqs else 0
         tree = spec.is_tree(plan)
+        chain = self.steps.chain is not None
+        prefill_bucket = joinable(self.steps.prefill, plan, chunks, chain) if chunks else 0
+        if bucket is None or prefill_bucket is None or (chunks and (tree or plan.num_draft_tokens not in spec.depths)):
+            return None
         if after is not None and after.tree != tree:
             raise ValueError(f"step {plan.step_id}: a launched step reads the results of a step of its own kind")
         for rid in plan.finished_request_ids:
             self._keys.pop(rid, None)
-        previous = None if after is None else after.results
-        launchable: LaunchableStep | None = self.steps.tree if tree else self.steps.chain
-        if launchable is not None:
-            results = launchable.launch(plan, bucket, self.keys(plan), previous)
-        else:
-            assert self.steps.target is not None  # a spec without tree or chain steps takes target-only steps
-            tokens = None if previous is None else previous[:, 1]
-            _, results = self.steps.target.run(plan, bucket, self.keys(plan), tokens)
+        parts = []
+        if chunks:
+            prefill, seqs = self.steps.prefill, plan.seqs[:chunks]
+            assert prefill is not None  # joinable found its bucket
+            first = prefill.launch(_sub_plan(plan, seqs), prefill_bucket, self._context_keys(seqs))
+            parts.append(prompt_results(first, seqs, plan.num_draft_tokens, chain))
+        if gen.seqs:
+            parts.append(self._replay(gen, bucket, tree, None if after is None else after.results))
+        results = parts[0] if len(parts) == 1 else torch.cat(parts)
         m, width = results.shape
         ring = self._results.get(width)
         if ring is None:
@@ -166,7 +180,16 @@ class TargetRunner:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return LaunchedStep(plan, results, host, ready, tree=tree)
+        return LaunchedStep(plan, results, host, ready, tree=tree, chunks=chunks)
+
+    def _replay(self, plan: StepPlan, bucket: int, tree: bool, previous: torch.Tensor | None) -> torch.Tensor:
+        """Replay the captured generation step for `plan` without waiting: its device results."""
+        launchable: LaunchableStep | None = self.steps.tree if tree else self.steps.chain
+        if launchable is not None:
+            return launchable.launch(plan, bucket, self.keys(plan), previous)
+        assert self.steps.target is not None  # a spec without tree or chain steps takes target-only steps
+        tokens = None if previous is None else previous[:, 1]
+        return self.steps.target.run(plan, bucket, self.keys(plan), tokens)[1]
 
     def collect(self, step: LaunchedStep) -> TargetOutput:
         """Wait for a launched step and return its tokens (and, with the fused or tree step, the next drafts)."""
@@ -174,8 +197,10 @@ class TargetRunner:
             step.ready.synchronize()
         launchable: LaunchableStep | None = self.steps.tree if step.tree else self.steps.chain
         if launchable is not None:
-            return launchable.read(step.plan, step.host)
-        return token_results(step.plan, step.host.tolist())
+            out = launchable.read(step.plan, step.host)
+        else:
+            out = token_results(step.plan, step.host.tolist())
+        return without_drafted(out, step.chunks) if step.chunks else out
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> TargetOutput:

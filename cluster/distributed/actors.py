@@ -197,6 +197,7 @@ class RemoteTarget:
         self.group = group
         self.healthy = True
         self.drafting = False  # whether the ranks run a draft (the engine overlaps such steps only if asked)
+        self.joins = False  # the ranks launch generation steps only: arrivals join in steps run in turn
         self.listeners: list[Callable[[bool], None]] = []
         self.hops: dict[str, float] = {"steps": 0.0}
         self.steps_ahead = group.cfg.model.launched_ahead(remote=True)

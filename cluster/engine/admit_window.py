@@ -1,7 +1,8 @@
 """When requests that arrive while steps are launched ahead join the batch.
 
-A waiting request joins through `Scheduler.schedule`, so the launched steps must be read first, and its prompt
-chunk runs beside the decode rows in a step run in turn: each join costs the batch about a step's overlap. Joining
+A waiting request joins in a step launched ahead (`Scheduler.plan_ahead`, its whole prompt in a prefill replay
+beside the decode rows), or, when it cannot, through `Scheduler.schedule` once the launched steps are read, in a step
+run in turn that costs the batch about a step's overlap. Either way each join costs a step a prefill replay; joining
 arrivals together spreads that cost: they wait while few have arrived, for at most `scheduler.admit_wait_ms`
 counted from their arrival or from the end of the last step that admitted requests, whichever is later (so that
 a slow joining step does not make every later arrival overdue at once)."""

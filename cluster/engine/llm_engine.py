@@ -79,6 +79,11 @@ class Launched(Protocol):
 class LaunchingTarget(Protocol):
     """A target that can queue a captured generation step before the one ahead of it has been read."""
 
+    @property
+    def joins(self) -> bool:
+        """Whether launched steps may carry arriving requests' prompts (`Scheduler.plan_ahead`)."""
+        ...
+
     def launch(self, plan: StepPlan, after: Any = None) -> Launched | None:
         """Launch `plan` (inputs from `after`'s results when given); None when it cannot be launched."""
         ...
@@ -154,9 +159,7 @@ class LLMEngine:
         self.health_listeners: list[Callable[[bool], None]] = []  # told when workers go down / come back
         self._ids = itertools.count()
         self._launcher: LaunchingTarget | None = None  # set when steps may be launched ahead (see `step`)
-        speculative = draft is not None or target.drafting
-        if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
-            self._launcher = target if isinstance(target, LaunchingTarget) else None
+        self.use_target(target)
         self._launched: deque[Launched] = deque()  # launched steps whose tokens are not read yet (see `step`)
         self._period_start = 0.0  # when the last step began (`_observe_period`)
         self._read: tuple[int, int] | None = None  # (batch, draft count) of the launched step the last call read
@@ -167,6 +170,17 @@ class LLMEngine:
         # Given, a step whose draft runs here after the target hands its tokens to this callback before the
         # draft proposes (the next step needs the drafts, the client does not), and `step` leaves them out.
         self.on_tokens: Callable[[list[RequestOutput]], None] | None = None
+
+    def use_target(self, target: TargetExecutor) -> None:
+        """Run steps on `target` from now on (nothing launched may be pending): launched ahead when the config
+        allows and it can, with arrivals joining launched steps when it takes their prompts."""
+        self.target = target
+        cfg, speculative = self.cfg, self.draft is not None or target.drafting
+        self._launcher = None
+        if cfg.model.overlap_steps and (cfg.model.overlap_speculative or not speculative):
+            self._launcher = target if isinstance(target, LaunchingTarget) else None
+        launcher = self._launcher
+        self.scheduler.join_ahead = cfg.scheduler.join_ahead and launcher is not None and launcher.joins
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -323,7 +337,8 @@ class LLMEngine:
         if not self._launched:
             self._refill = True
             plan = self.scheduler.schedule(hold=self.steps_launched > 0)
-            first = runner.launch(plan) if runner is not None else None
+            prompts = bool(plan.seqs) and plan.seqs[0].is_context  # launched only where arrivals join ahead
+            first = runner.launch(plan) if runner is not None and (self.scheduler.join_ahead or not prompts) else None
             if first is None:
                 self._read, self._steady = None, False  # a step run in turn: the next period is not a launched one
                 return self._execute(plan)
@@ -335,7 +350,8 @@ class LLMEngine:
         out = runner.collect(current)
         self.steps_launched += 1
         read = (len(current.plan.seqs), current.plan.num_draft_tokens)
-        self._steady = self._read is not None and self._read[1] == read[1]
+        joined = bool(current.plan.seqs) and current.plan.seqs[0].is_context  # its period holds a prefill too
+        self._steady = self._read is not None and self._read[1] == read[1] and not joined
         self._read = read
         outputs = self._apply(current.plan, out, out.draft_outputs)
         if self._launched and not self.has_unfinished():

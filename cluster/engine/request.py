@@ -84,6 +84,18 @@ class Request:
             allowed=None if self.grammar is None else self.grammar.row_masks(branches),
         )
 
+    def append_until_stop(self, tokens: list[int], max_model_len: int) -> tuple[list[int], str | None]:
+        """Append tokens one by one up to the first stop condition: (the tokens appended, the reason)."""
+        emitted: list[int] = []
+        for tok in tokens:
+            self.output_token_ids.append(tok)
+            emitted.append(tok)
+            if tok in self.stop_set:
+                return emitted, "stop"
+            if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+                return emitted, "length"
+        return emitted, None
+
     @property
     def all_token_ids(self) -> list[int]:
         """Prompt followed by generated tokens."""

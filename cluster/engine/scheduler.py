@@ -11,7 +11,7 @@ import torch
 
 from mtpserve.cluster.engine.admit_window import AdmitWindow
 from mtpserve.cluster.engine.block_manager import BlockManager
-from mtpserve.cluster.engine.prefix_keys import extend_keys, num_keyable_blocks
+from mtpserve.cluster.engine.prefix_cache import attach_cached, register_blocks
 from mtpserve.cluster.engine.request import Request, RequestStatus
 from mtpserve.cluster.engine.request_output import RequestOutput
 from mtpserve.speculative.adaptive import AdaptiveDepth, StepKind
@@ -52,6 +52,7 @@ class Scheduler:
         self.cfg = cfg
         self.depth = depth
         self.window = AdmitWindow(cfg.admit_wait_ms)  # when arrivals join a batch on launched steps
+        self.join_ahead = False  # arrivals may join in `plan_ahead`'s steps (the engine sets it when its target can)
         self.tree = tree  # the draft tree of steps whose draft count is its budget (adaptive or not)
         self._ahead: set[int] = set()  # steps planned by `plan_ahead` whose results are not applied yet
         self._next_kind: StepKind | None = None  # a kind `plan_ahead` chose for the step `schedule` plans next
@@ -150,28 +151,44 @@ class Scheduler:
         if hold and not self.window.admit_now(self.waiting, len(gen), free_slots=self._free_slots, now=now):
             budget = 0  # they join a later step, and this one can be launched
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_requests:
-            req = self.waiting[0]
-            self._attach_cached(req)
-            plan = self._chunk_plan(req, budget, scheduled, allow_preempt=False)
+            plan = self._admit(self.waiting[0], budget, scheduled, now)
             if plan is None:
-                self._release(req)
                 break
-            self.prefix_query_tokens += req.num_tokens
-            self.prefix_hit_tokens += req.num_computed_tokens
-            self.waiting.popleft()
-            self.window.admitted_in = self._step + 1  # this plan's id
-            req.status = RequestStatus.RUNNING
-            if req.scheduled_time is None:
-                req.scheduled_time = now
-            self.running.append(req)
             ctx.append(plan)
-            scheduled.add(req.request_id)
             budget -= len(plan.token_ids)
         self._step += 1
         if padded:
             self._real_drafts[self._step] = padded
         finished, self._finished_since_plan = self._finished_since_plan, []
         return StepPlan(self._step, ctx + gen, self.k if kind is None else kind.num_draft_tokens, finished)
+
+    def _admit(self, req: Request, budget: int, scheduled: set[str], now: float, whole: bool = False) -> SeqPlan | None:
+        """Admit the first waiting request with its first prompt chunk (its cached prefix attached); None, and it
+        keeps waiting, when the chunk does not fit the budget and free blocks, or with `whole` is not its last."""
+        self._attach_cached(req)
+        plan = self._chunk_plan(req, budget, scheduled, allow_preempt=False)
+        if plan is None or (whole and not plan.is_final_chunk):
+            self._release(req)
+            return None
+        self.prefix_query_tokens += req.num_tokens
+        self.prefix_hit_tokens += req.num_computed_tokens
+        self.waiting.popleft()
+        self.window.admitted_in = self._step + 1  # this plan's id
+        req.status = RequestStatus.RUNNING
+        if req.scheduled_time is None:
+            req.scheduled_time = now
+        self.running.append(req)
+        scheduled.add(req.request_id)
+        return plan
+
+    def _unadmit(self, req: Request) -> None:
+        """Undo `_admit` for a request whose planned step will not run: it waits first again, its blocks freed."""
+        self.prefix_query_tokens -= req.num_tokens
+        self.prefix_hit_tokens -= req.num_computed_tokens
+        self._release(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     @property
     def _free_slots(self) -> int:
@@ -195,29 +212,36 @@ class Scheduler:
         return StepKind(num_draft_tokens)
 
     def plan_ahead(self, pending: StepPlan, unapplied: int = 1) -> StepPlan | None:
-        """The generation step after `pending`, the last of `unapplied` launched generation steps (each
-        planned from the one before it) whose results are not applied yet.
+        """The generation step after `pending`, the last of `unapplied` launched steps (each planned from the one
+        before it) whose results are not applied yet; with `join_ahead`, waiting requests due to join
+        (`admit_window.py`) come in it with their whole prompts as final chunks.
 
-        Each sequence's token_ids[0] holds its row in `pending`: its inputs (last token, and the drafts
-        and position when speculating; a tree step's tree) come from that row's results on the device, and
-        its drafts (and a tree's parents) here are placeholders. Requests that the unapplied steps surely
-        finish (by max_tokens), or whose next positions could pass max_model_len, are left out; those they
-        may finish (a stop token, or enough accepted drafts) stay in, and `update` drops their extra steps.
-        Blocks are grown for the most tokens the unapplied steps can accept (a tree's depth + 1 each). None
-        when the step should go through `schedule` instead: waiting requests should join (`admit_window.py`),
-        requests run outside `pending`, blocks would need a preemption, the kind changes, a request has logit
-        rules (they read the output so far), or nothing is left to run.
+        Each continuing sequence's token_ids[0] holds its row in `pending`: its inputs (last token, and the
+        drafts and position when speculating; a tree step's tree) come from that row's results on the device,
+        and its drafts (and a tree's parents) here are placeholders. A request whose prompt chunk ends in
+        `pending` continues from the first token that chunk samples. Requests that the unapplied steps surely
+        finish (by max_tokens), or whose next positions could pass max_model_len, are left out; those they may
+        finish (a stop token, or enough accepted drafts) stay in, and `update` drops their extra steps. Blocks
+        grow for the most tokens the unapplied steps can accept (a tree's depth + 1 each). None
+        when the step should go through `schedule` instead: waiting requests should join and cannot join here
+        (a prompt longer than a chunk, logit rules, no room), requests run outside `pending` or mid-prompt in
+        it, blocks would need a preemption, the kind changes, a request has logit rules (they read the output
+        so far), or nothing is left to run.
 
-        Example, K=3, pending = step 7 over requests A (row 0) and B (row 1), at positions 40 and 90, one
-        step unapplied: step 8 plans A as token_ids [0, 0, 0, 0] (row 0 of step 7; three placeholder drafts)
-        at start 44 and B as [1, 0, 0, 0] at start 94, since step 7 emits at most K + 1 = 4 tokens each; A's
-        blocks grow to hold positions up to 44 + 3. The runner reads A's last token and drafts from step 7's
-        results row 0 on the device. Had step 7 been A's last by max_tokens, A would be left out of step 8."""
+        Example, K=3, pending = step 7 over requests A (row 0) and B (row 1), at positions 40 and 90, one step
+        unapplied: step 8 plans A as token_ids [0, 0, 0, 0] (row 0 of step 7; three placeholder drafts) at start
+        44 and B as [1, 0, 0, 0] at start 94, since step 7 emits at most K + 1 = 4 tokens each; A's blocks grow
+        to hold positions up to 44 + 3. The runner reads A's last token and drafts from step 7's results row 0
+        on the device. Had step 7 been A's last by max_tokens, A would be left out of step 8. Had C (a 20-token
+        prompt) been due to join, step 8 would also hold C's chunk [c0..c19] at start 0, and step 9 would plan
+        C as [row of C in step 8, 0, 0, 0] at start 20."""
         k = pending.num_draft_tokens
         planned = {sp.request_id for sp in pending.seqs}
         join = self.window.admit_now(self.waiting, len(pending.seqs), free_slots=self._free_slots, now=time.monotonic())
-        if join or any(r.request_id not in planned or r.processed for r in self.running):
+        if (join and not self.join_ahead) or any(r.request_id not in planned or r.processed for r in self.running):
             return None  # (logit rules read the output so far, which the unapplied steps have not brought)
+        if any(sp.is_context and not sp.is_final_chunk for sp in pending.seqs):
+            return None
         if self.depth is not None:
             kind = self._step_kind(len(pending.seqs))
             if kind != self.depth.kind_of(k):  # a new kind starts from `schedule`, the stored drafts fitted to it
@@ -232,14 +256,22 @@ class Scheduler:
         seqs: list[SeqPlan] = []
         for row, sp in enumerate(pending.seqs):
             req = self.requests.get(sp.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING or sp.is_context or len(sp.token_ids) != k + 1:
-                continue
-            most = kind.most_tokens * unapplied  # tokens the unapplied steps can emit (at least one each)
-            if len(req.output_token_ids) + unapplied >= req.params.max_tokens or (
-                req.num_tokens + most >= self.max_model_len
+            if (
+                req is None
+                or req.status is not RequestStatus.RUNNING
+                or (not sp.is_context and len(sp.token_ids) != k + 1)
             ):
                 continue
-            start = req.num_computed_tokens + most  # an upper bound (exact for target-only steps)
+            if len(req.output_token_ids) + unapplied >= req.params.max_tokens or (
+                req.num_tokens + kind.most_tokens * unapplied >= self.max_model_len
+            ):
+                continue
+            if sp.is_context:  # its prompt ends in `pending`: the next step reads the token at its end
+                start = sp.end
+            elif req.in_context:  # its prompt ends in an earlier unapplied step, which `pending` follows
+                start = sp.start + kind.most_tokens
+            else:  # an upper bound (exact for target-only steps)
+                start = req.num_computed_tokens + kind.most_tokens * unapplied
             if not self.blocks.grow(req.block_ids, self.slots_needed(start + k + 1)):
                 return None
             seqs.append(
@@ -247,18 +279,33 @@ class Scheduler:
                     req, [row, *drafts], start, None, draft_parents=None if parents is None else list(parents)
                 )
             )
-        if not seqs:
+        ctx: list[SeqPlan] = []
+        if join:
+            budget = self.cfg.max_num_batched_tokens - sum(len(sp.token_ids) for sp in seqs)
+            while self.waiting and budget > 0 and self._free_slots > 0 and not self.waiting[0].processed:
+                chunk = self._admit(self.waiting[0], budget, set(), time.monotonic(), whole=True)
+                if chunk is None:
+                    break
+                ctx.append(chunk)
+                budget -= len(chunk.token_ids)
+            if not ctx:
+                return None
+        if not seqs and not ctx:
             return None
         self._step += 1
         self._ahead.add(self._step)
         finished, self._finished_since_plan = self._finished_since_plan, []
-        return StepPlan(self._step, seqs, k, finished)
+        return StepPlan(self._step, ctx + seqs, k, finished)
 
     def cancel_ahead(self, plan: StepPlan) -> None:
-        """Give back a `plan_ahead` plan that will not run: its finished request ids go to the next plan
-        (the blocks it grew stay with their requests, which use them later)."""
+        """Give back a `plan_ahead` plan that will not run: its finished request ids go to the next plan, the
+        requests it admitted wait again (the blocks it grew for running requests stay with them, which use them
+        later)."""
         self._ahead.discard(plan.step_id)
         self._finished_since_plan[:0] = plan.finished_request_ids
+        for sp in reversed(plan.seqs):
+            if sp.is_context:
+                self._unadmit(self.requests[sp.request_id])
 
     def _chunk_plan(self, req: Request, budget: int, scheduled: set[str], allow_preempt: bool) -> SeqPlan | None:
         start = req.num_computed_tokens
@@ -324,33 +371,12 @@ class Scheduler:
 
     # ---- prefix cache ----------------------------------------------------------------------------
     def _attach_cached(self, req: Request) -> None:
-        """Give a request without blocks the cached blocks of its longest known prefix."""
-        if not self.prefix_caching or req.block_ids:
-            return
-        size = self.cfg.block_size
-        n = num_keyable_blocks(req.num_tokens, size)
-        keys = self._keys(req, n)
-        req.block_ids = self.blocks.match(keys[:n])
-        req.num_keyed_blocks = len(req.block_ids)
-        req.num_computed_tokens = len(req.block_ids) * size
-
-    def _keys(self, req: Request, n: int) -> list[bytes]:
-        """The request's block keys, computed up to block n (reading only the tokens not yet keyed)."""
-        size = self.cfg.block_size
-        return extend_keys(req.block_keys, req.token_ids_from(len(req.block_keys) * size), size, n)
+        if self.prefix_caching:
+            attach_cached(self.blocks, req, self.cfg.block_size)
 
     def _register(self, req: Request) -> None:
-        """Key the request's full blocks whose target and draft KV are final."""
-        size = self.cfg.block_size
-        if not self.prefix_caching or req.num_computed_tokens // size <= req.num_keyed_blocks:
-            return  # no block has filled since the last call (most steps)
-        n = min(req.num_computed_tokens // size, len(req.block_ids), num_keyable_blocks(req.num_tokens, size))
-        if n <= req.num_keyed_blocks:
-            return
-        keys = self._keys(req, n)
-        for b in range(req.num_keyed_blocks, n):
-            self.blocks.register(req.block_ids[b], keys[b])
-        req.num_keyed_blocks = n
+        if self.prefix_caching:
+            register_blocks(self.blocks, req, self.cfg.block_size)
 
     def _release(self, req: Request) -> None:
         """Give back a request's blocks and rewind its context cursor to the start."""
@@ -390,7 +416,9 @@ class Scheduler:
             req = self.requests.get(sp.request_id)
             if req is None or req.finished or req.status is not RequestStatus.RUNNING:
                 continue
-            if ahead and self.on_verify is not None:  # what the step verified, in place of the placeholders
+            if (
+                ahead and self.on_verify is not None and not sp.is_context
+            ):  # what the step verified, in place of the placeholders
                 tokens, parents = [req.all_token_ids[-1], *req.draft_token_ids], req.draft_parents
                 sp = replace(sp, token_ids=tokens, start=req.num_computed_tokens, draft_parents=parents)
             if sp.is_context:
@@ -438,7 +466,7 @@ class Scheduler:
             out += tokens  # the common step: no stop token, and no limit reached
             emitted, reason = list(tokens), None
         else:
-            emitted, reason = self._append_until_stop(req, tokens)
+            emitted, reason = req.append_until_stop(tokens, self.max_model_len)
         if reason is None and ended:
             reason = "stop"
         self._register(req)
@@ -457,22 +485,6 @@ class Scheduler:
             timings=req.timings() if reason else None,
             logprobs=None if logprobs is None else logprobs.head(len(emitted)),
         )
-
-    def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], str | None]:
-        """Append tokens one by one up to the first stop condition: (the tokens appended, the reason)."""
-        p = req.params
-        emitted: list[int] = []
-        reason = None
-        for tok in tokens:
-            req.output_token_ids.append(tok)
-            emitted.append(tok)
-            if tok in req.stop_set:
-                reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                reason = "length"
-            if reason:
-                break
-        return emitted, reason
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mtpserve.cluster.engine.scheduler as scheduler_module
+import mtpserve.cluster.engine.prefix_cache as prefix_cache_module
 from mtpserve.cluster.engine.block_manager import BlockManager
 from mtpserve.cluster.engine.llm_engine import LLMEngine
 from mtpserve.cluster.engine.prefix_keys import ROOT_KEY, block_key, extend_keys, num_keyable_blocks
@@ -212,8 +212,8 @@ def test_a_cache_that_ignores_the_next_token_corrupts_the_last_shared_draft_row(
     _, _, want_kv = alone(b, 4, 8)
     for naive, bad_rows in [(False, set()), (True, {2 * BLOCK - 1})]:
         if naive:
-            monkeypatch.setattr(scheduler_module, "num_keyable_blocks", naive_keyable)
-            monkeypatch.setattr(scheduler_module, "extend_keys", naive_keys)
+            monkeypatch.setattr(prefix_cache_module, "num_keyable_blocks", naive_keyable)
+            monkeypatch.setattr(prefix_cache_module, "extend_keys", naive_keys)
         eng = engine(4, caching=True)
         run_cached(eng, [a], 8, {})
         _, _, kv = run_cached(eng, [b], 8, {})

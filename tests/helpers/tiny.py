@@ -174,11 +174,8 @@ def rebuilt(runner: Any, **steps: Any) -> TargetRunner:
 
 def with_steps(eng: LLMEngine, **steps: Any) -> TargetRunner:
     """Give an in-process engine's target runner these captured steps (`rebuilt`); returns the new runner."""
-    old = eng.target
-    runner = rebuilt(old, **steps)
-    eng.target = runner
-    if eng._launcher is old:
-        eng._launcher = runner
+    runner = rebuilt(eng.target, **steps)
+    eng.use_target(runner)
     return runner
 
 

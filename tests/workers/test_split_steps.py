@@ -19,8 +19,9 @@ CHUNK = 20
 
 
 def fixed_shape_steps(eng: LLMEngine, k: int) -> list[tuple[int, int, int]]:
-    """Give the runner the prefill step and the generation step of its kind (eager over fixed buffers);
-    returns a log of (generation rows, the first chunk's rows, prompt chunks) for every split step."""
+    """Give the runner the prefill step and the generation step of its kind (eager over fixed buffers), arrivals
+    joining in steps run in turn; returns a log of (generation rows, the first chunk's rows, prompt chunks) for
+    every split step."""
     runner = eng.target
     model, cache = runner.model, runner.cache  # type: ignore[attr-defined]
     prefill = CapturedPrefill(
@@ -32,6 +33,7 @@ def fixed_shape_steps(eng: LLMEngine, k: int) -> list[tuple[int, int, int]]:
     else:
         target = UniformTargetStep(model, cache, 1, max_batch=8, max_blocks=16, device="cpu", use_graphs=False)
         runner = with_steps(eng, prefill=prefill, target=target)
+    eng.scheduler.join_ahead = False  # arrivals join in split steps run in turn (joining ahead: test_joined_steps)
     log: list[tuple[int, int, int]] = []
     orig = runner.run_split  # type: ignore[attr-defined]
 
