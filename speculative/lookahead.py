@@ -26,16 +26,22 @@ class LookaheadBuffer:
         """max_num_requests."""
         return self.tokens.shape[0]
 
-    def write(self, lookahead_tokens: torch.Tensor | list[int]) -> torch.Tensor:
-        """Store this step's per-context-request tokens at entries 0..C-1 and -1 everywhere else."""
+    def write(self, lookahead_tokens: torch.Tensor | list[int], host: torch.Tensor | None = None) -> torch.Tensor:
+        """Store this step's per-context-request tokens at entries 0..C-1 and -1 everywhere else, staged
+        through `host` when given (a buffer like `staging()` that no queued copy still reads)."""
         src = torch.as_tensor(lookahead_tokens, dtype=self.tokens.dtype)
         c = src.numel()
         if c > self.capacity:
             raise ValueError(f"{c} context requests exceed max_num_requests={self.capacity}")
-        self._host.fill_(INVALID_TOKEN)
-        self._host[:c].copy_(src)
-        self.tokens.copy_(self._host, non_blocking=True)
+        host = self._host if host is None else host
+        host.fill_(INVALID_TOKEN)
+        host[:c].copy_(src)
+        self.tokens.copy_(host, non_blocking=True)
         return self.tokens
+
+    def staging(self) -> torch.Tensor:
+        """A host buffer to stage writes through (pinned for a CUDA tensor)."""
+        return torch.empty_like(self._host, pin_memory=self.tokens.is_cuda)
 
 
 def lookahead_for_chunk(sequence: list[int], chunk_end: int, is_final_chunk: bool) -> int:

@@ -20,6 +20,8 @@ import torch
 from mtpserve.speculative.messages import SeqPlan, SeqResult, StepPlan, TargetOutput
 from mtpserve.workers.prefill_step import CapturedPrefill
 
+Replay = tuple[list[int], int]  # a prefill replay: the chunks it takes (their indexes) and its row bucket
+
 
 def prompt_rows(plan: StepPlan) -> int:
     """How many of the plan's sequences lead it as prompt chunks (0 for a generation step)."""
@@ -29,10 +31,10 @@ def prompt_rows(plan: StepPlan) -> int:
     return n
 
 
-def joinable(prefill: CapturedPrefill | None, plan: StepPlan, chunks: int, chain: bool) -> int | None:
-    """The prefill bucket that takes the plan's leading `chunks` in one replay, when the rest are generation rows
-    and every chunk ends its prompt without logit rules; with a `chain`, the prefill step must draft the plan's
-    depth. None otherwise."""
+def joinable(prefill: CapturedPrefill | None, plan: StepPlan, chunks: int, chain: bool) -> list[Replay] | None:
+    """The prefill replays that take the plan's leading `chunks` (`CapturedPrefill.groups`: each replay's chunk
+    indexes and row bucket), when the rest are generation rows and every chunk ends its prompt without logit
+    rules; with a `chain`, the prefill step must draft the plan's depth. None otherwise."""
     if prefill is None or any(s.is_context for s in plan.seqs[chunks:]):
         return None
     if chain and plan.num_draft_tokens > 0 and (prefill.chain is None or prefill.k < plan.num_draft_tokens):
@@ -40,8 +42,7 @@ def joinable(prefill: CapturedPrefill | None, plan: StepPlan, chunks: int, chain
     seqs = plan.seqs[:chunks]
     if any(not s.is_final_chunk or s.processing is not None for s in seqs):
         return None
-    groups = prefill.groups(seqs)
-    return groups[0][1] if groups is not None and len(groups) == 1 else None
+    return prefill.groups(seqs)
 
 
 def prompt_results(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,24 +38,42 @@ class PrefillBuffers:
     block_size: int
     scratch_block: int
     max_blocks: int  # blocks a request may hold
+    twins: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, fstaging), in turn
+    twin: int = 0  # the pair `staging` and `fstaging` are now
+
+    def rotate(self) -> int:
+        """Fill the next pair of host twins from now on (replays queued back to back each read their own);
+        returns its index."""
+        self.twin = (self.twin + 1) % len(self.twins)
+        self.staging, self.fstaging = self.twins[self.twin]
+        return self.twin
 
     @classmethod
     def allocate(
-        cls, max_tokens: int, max_blocks: int, block_size: int, scratch_block: int, device: torch.device
+        cls, max_tokens: int, max_blocks: int, block_size: int, scratch_block: int, device: torch.device, twins: int = 1
     ) -> PrefillBuffers:
-        """Buffers for steps of up to `max_tokens` rows and requests of up to `max_blocks` blocks."""
+        """Buffers for steps of up to `max_tokens` rows and requests of up to `max_blocks` blocks, with `twins`
+        pairs of host twins."""
         slots, width = PREFILL_SLOTS, max_blocks + -(-max_tokens // block_size) + 1
         sizes = [max_tokens] * 3 + [slots * width] * 2 + [slots] * 6
         packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
-        staging = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+        pin = device.type == "cuda"
+        pairs = [
+            (
+                torch.zeros(sum(sizes), dtype=torch.long, pin_memory=pin),
+                torch.zeros((slots, 4), dtype=torch.float32, pin_memory=pin),
+            )
+            for _ in range(twins)
+        ]
+        staging, fstaging = pairs[0]
         ids, pos, slot_map, table, chain, q_start, q_len, seq_len, real_len, last, source = packed.split(sizes)
         fpacked = torch.zeros((slots, 4), dtype=torch.float32, device=device)
-        fstaging = torch.zeros((slots, 4), dtype=torch.float32, pin_memory=device.type == "cuda")
         return cls(
             packed=packed, staging=staging, input_ids=ids, positions=pos, slot_mapping=slot_map,
             block_table=table.view(slots, width), chain_table=chain.view(slots, width), q_start=q_start,
             q_len=q_len, seq_len=seq_len, real_len=real_len, last_row=last, source=source, fpacked=fpacked,
             fstaging=fstaging, block_size=block_size, scratch_block=scratch_block, max_blocks=max_blocks,
+            twins=pairs,
         )  # fmt: skip
 
     def sampling(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

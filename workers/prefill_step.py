@@ -87,9 +87,10 @@ class CapturedPrefill:
         self.model, self.cache, self.chain, self.k = model, cache, chain, k
         dev = torch.device(device)
         self.buffers = PrefillBuffers.allocate(
-            max_tokens, max_blocks, block_size=cache.block_size, scratch_block=cache.scratch_block, device=dev
+            max_tokens, max_blocks, cache.block_size, cache.scratch_block, dev, twins=PREFILL_REPLAYS + 1
         )
-        self._copied: torch.cuda.Event | None = None  # when the last launch's inputs left their host buffers
+        self._copied: list[torch.cuda.Event | None] = [None] * (PREFILL_REPLAYS + 1)  # when each twin's copy left
+        self._lookahead = [chain.lookahead.staging() for _ in self._copied] if chain is not None else []
         sizes = prefill_sizes(max_tokens)
         self.final = GreedyAndSampledSteps(partial(self._forward, final=True), sizes, dev, use_graphs)
         self.partial = (
@@ -172,8 +173,10 @@ class CapturedPrefill:
         guess, then a final chunk's drafts) that stays valid until the next launch. `keys` holds each chunk's
         sampling key (0 where it is greedy or not final), or None when none samples."""
         seqs = plan.seqs
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous launch's copies read the host buffers refilled here
+        twin = self.buffers.rotate()
+        copied = self._copied[twin]
+        if copied is not None:
+            copied.synchronize()  # an earlier launch's copies read the host buffers refilled here
         self.buffers.fill(seqs, bucket)
         finals = [s for s in seqs if s.is_final_chunk]
         mode = sampling_mode(finals)
@@ -182,10 +185,10 @@ class CapturedPrefill:
                 raise ValueError("a sampling final chunk needs its sampling key")
             self.buffers.fill_sampling(seqs, keys)
         if self.chain is not None:
-            self.chain.lookahead.write([s.lookahead_token for s in seqs])
+            self.chain.lookahead.write([s.lookahead_token for s in seqs], host=self._lookahead[twin])
         if self.buffers.packed.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            event = self._copied[twin] = torch.cuda.Event()
+            event.record()
         if self.partial is not None and not finals:
             return self.partial.run(bucket)[: len(seqs)]
         return self.final.run(bucket, mode)[: len(seqs)]

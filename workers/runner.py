@@ -142,24 +142,24 @@ class TargetRunner:
         device; `after` need not have finished, and must be a step of the same kind (a tree step after a tree
         step). Read with `collect`."""
         spec = self.launch_spec()
-        if spec is None:
+        if spec is None or not plan.seqs:
             return None
         chunks = prompt_rows(plan)
         gen = _sub_plan(plan, plan.seqs[chunks:]) if chunks else plan
         bucket = spec.bucket_for(gen) if gen.seqs else 0
         tree = spec.is_tree(plan)
         chain = self.steps.chain is not None
-        prefill_bucket = joinable(self.steps.prefill, plan, chunks, chain) if chunks else 0
-        if bucket is None or prefill_bucket is None or (chunks and (tree or plan.num_draft_tokens not in spec.depths)):
+        replays = joinable(self.steps.prefill, plan, chunks, chain) if chunks else []
+        if bucket is None or replays is None or (chunks and (tree or plan.num_draft_tokens not in spec.depths)):
             return None
         if after is not None and after.tree != tree:
             raise ValueError(f"step {plan.step_id}: a launched step reads the results of a step of its own kind")
         for rid in plan.finished_request_ids:
             self._keys.pop(rid, None)
         parts = []
-        if chunks:
-            prefill, seqs = self.steps.prefill, plan.seqs[:chunks]
-            assert prefill is not None  # joinable found its bucket
+        for members, prefill_bucket in replays:  # each read into `parts` before the next replay overwrites it
+            prefill, seqs = self.steps.prefill, [plan.seqs[i] for i in members]
+            assert prefill is not None  # joinable found its replays
             first = prefill.launch(_sub_plan(plan, seqs), prefill_bucket, self._context_keys(seqs))
             parts.append(prompt_results(first, seqs, plan.num_draft_tokens, chain))
         if gen.seqs:

@@ -122,14 +122,16 @@ def test_arrivals_join_launched_steps_with_the_tokens_of_steps_run_in_turn(k: in
     assert blocks.num_free == blocks.num_blocks
 
 
-def test_prompts_a_replay_cannot_take_join_in_turn() -> None:
-    """A prompt longer than a chunk, and two arriving together that overflow one prefill replay, join the old
-    way (the launched steps read, then steps run in turn); the plan the runner refused gives its admitted
-    requests back to the queue, in order. Tokens equal those without launching, and every block comes back."""
+def test_prompts_the_prefill_replays_cannot_take_join_in_turn() -> None:
+    """A prompt longer than a chunk, and five arriving together that need more prefill replays than a step takes,
+    join the old way (the launched steps read, then steps run in turn); the plan the runner refused gives its
+    admitted requests back to the queue, in order. Two arriving together that need two replays join ahead.
+    Tokens equal those without launching, and every block comes back."""
     args, _ = mimic_target(seed=2)
-    prompts = random_prompts(5, args.vocab_size, [6, 8, 40, 20, 20], seed=3)
-    params: list[dict[str, Any]] = [{"max_tokens": 16}] * 5
-    at = [0, 0, 2, 6, 6]
+    lengths = [6, 8, 40, 20, 20, 20, 20, 20, 20, 20]
+    prompts = random_prompts(len(lengths), args.vocab_size, lengths, seed=3)
+    params: list[dict[str, Any]] = [{"max_tokens": 16}] * len(lengths)
+    at = [0, 0, 2, 6, 6, 6, 6, 6, 30, 30]
     ref = engine(3, overlap=False, prefill_rows=32)
     want = arrivals(ref, prompts, params, at)
     eng = engine(3, prefill_rows=32)
@@ -138,8 +140,9 @@ def test_prompts_a_replay_cannot_take_join_in_turn() -> None:
     assert got == want
     turn_chunks = [[(len(s.token_ids), s.is_final_chunk) for s in p.seqs if s.is_context] for p in seen["in_turn"]]
     assert [(24, False)] in turn_chunks, f"the 40-token prompt's first chunk ran in turn: {turn_chunks}"
-    assert [(20, True), (20, True)] in turn_chunks, "the two 20-token prompts (40 rows) joined in turn together"
-    assert seen["joined"], "the short prompts joined launched steps"
+    assert [(20, True)] * 5 in turn_chunks, "the five 20-token prompts (five replays) joined in turn together"
+    joined = [[len(s.token_ids) for s in p.seqs if s.is_context] for p, _ in seen["joined"]]
+    assert [20, 20] in joined, f"two 20-token prompts (two replays of 32 rows) joined ahead: {joined}"
     assert eng.scheduler.num_waiting == 0
     blocks = eng.scheduler.blocks
     assert blocks.num_free == blocks.num_blocks
