@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 START_DELAY_S = 1.0  # client processes start together, this long after the jobs are handed out
+STREAMS_PER_CONNECTION = 4  # gRPC streams one connection carries (HTTP opens one per concurrent request)
 
 
 @dataclass(frozen=True)
@@ -136,13 +137,17 @@ async def http_loop(job: LoopJob, rec: Recorder) -> None:
 
 
 async def grpc_loop(job: LoopJob, rec: Recorder) -> None:
-    """Streams over grpc.aio Generate calls, a channel per 32 streams."""
+    """Streams over grpc.aio Generate calls, a connection per STREAMS_PER_CONNECTION streams (a server's front-end
+    processes share its port, and each connection stays with the process that accepted it: with a few, some front
+    ends would sit idle while others saturate)."""
     import grpc
 
     from mtpserve.proto.mtpserve.v1 import inference_pb2 as pb
     from mtpserve.proto.mtpserve.v1 import inference_pb2_grpc as pb_grpc
 
-    channels = [grpc.aio.insecure_channel(job.address) for _ in range(max(1, job.streams // 32))]
+    own = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own, not one shared with the others
+    n = -(-job.streams // STREAMS_PER_CONNECTION)
+    channels = [grpc.aio.insecure_channel(job.address, options=own) for _ in range(max(1, n))]
     stubs = [pb_grpc.InferenceStub(c) for c in channels]
     turn = [0]
 
