@@ -87,7 +87,12 @@ class CapturedPrefill:
         self.model, self.cache, self.chain, self.k = model, cache, chain, k
         dev = torch.device(device)
         self.buffers = PrefillBuffers.allocate(
-            max_tokens, max_blocks, cache.block_size, cache.scratch_block, dev, twins=PREFILL_REPLAYS + 1
+            max_tokens,
+            max_blocks,
+            block_size=cache.block_size,
+            scratch_block=cache.scratch_block,
+            device=dev,
+            twins=PREFILL_REPLAYS + 1,
         )
         self._copied: list[torch.cuda.Event | None] = [None] * (PREFILL_REPLAYS + 1)  # when each twin's copy left
         self._lookahead = [chain.lookahead.staging() for _ in self._copied] if chain is not None else []

@@ -160,12 +160,14 @@ class StepBuffers:
         staging = self.stagings[self.turn]
         host = staging.numpy()
         pad = self._padding(bucket)
-        used = pad.shape[0]
-        host[:used] = pad
+        host[: pad.shape[0]] = pad
+        table = self._regions(host)[-1]
+        table[n:bucket, : -(-q // self.block_size)] = self.scratch_block  # what padding rows read
         if n == 1 and q == 1 and valid_rows is None:
             self._fill_one(host, token_ids[0][0], starts[0], tables[0])
         elif n:
             self._fill_many(host, token_ids, starts, tables, valid_rows=valid_rows)
+        used = pad.shape[0] + bucket * m
         self.packed[:used].copy_(staging[:used], non_blocking=True)
 
     def _regions(self, host: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -175,16 +177,17 @@ class StepBuffers:
         return host[:r], host[r : 2 * r], host[2 * r : 3 * r], host[3 * r : 3 * r + b], table
 
     def _padding(self, bucket: int) -> np.ndarray:
-        """The used prefix of a host twin for `bucket` sequences that are all padding (scratch block rows)."""
+        """A host twin's tokens, positions, slots and lengths for `bucket` sequences that are all padding (scratch
+        block rows). The block tables are not reset: a row is read only up to its length, so past a request's
+        blocks its entries may be stale (valid block ids either way)."""
         pad = self._pads.get(bucket)
         if pad is None:
             q, bs, r, b = self.q_len, self.block_size, self.max_batch * self.q_len, self.max_batch
-            pad = np.zeros(3 * r + b + bucket * self.max_blocks, dtype=np.int64)
+            pad = np.zeros(3 * r + b, dtype=np.int64)
             offsets = np.tile(np.arange(q), bucket)
             pad[r : r + bucket * q] = offsets
             pad[2 * r : 2 * r + bucket * q] = self.scratch_block * bs + offsets % bs
             pad[3 * r : 3 * r + bucket] = q
-            pad[3 * r + b :] = self.scratch_block
             self._pads[bucket] = pad
         return pad
 
@@ -207,10 +210,12 @@ class StepBuffers:
         valid_rows: list[int] | None,
     ) -> None:
         ids, pos, slots, lens, table = self._regions(host)
-        q, bs, n, m = self.q_len, self.block_size, len(token_ids), self.max_blocks
+        q, bs, n = self.q_len, self.block_size, len(token_ids)
         real = n * q
         counts = np.fromiter(map(len, tables), dtype=np.int64, count=n)
-        table[:n][np.arange(m)[None, :] < counts[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64)
+        blocks = np.fromiter(chain.from_iterable(tables), np.int64)
+        firsts = np.repeat(np.cumsum(counts) - counts, counts)  # each entry's request's first entry in `blocks`
+        table[np.repeat(np.arange(n), counts), np.arange(blocks.size) - firsts] = blocks
         ids[:real] = np.fromiter(chain.from_iterable(token_ids), np.int64, count=real)
         start = np.fromiter(starts, np.int64, count=n)
         p = start[:, None] + np.arange(q)[None, :]  # [n, Q]

@@ -30,7 +30,9 @@ def test_fill_pads_onto_scratch_block() -> None:
     assert buf.slot_mapping[:6].tolist() == [1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 8, 9, 10]
     assert (buf.slot_mapping[6:12] // 4 == 99).all(), "padding rows write only the scratch block"
     assert buf.seq_lens[:4].tolist() == [8, 3, 3, 3]
-    assert buf.block_tables[0].tolist() == [3, 1, 99, 99]
+    assert buf.block_tables[0, :2].tolist() == [3, 1] and buf.block_tables[1, :1].tolist() == [2]
+    assert buf.block_tables[2:4, 0].tolist() == [99, 99], "padding rows read the scratch block (entries past a"
+    # request's blocks are never read, and are left as they were)
     ptrs = buf.addresses()
     first = buf.turn
     buf.fill([[1, 2, 3]], starts=[4], tables=[[7, 6]], bucket=1)  # a smaller step after a larger one
@@ -38,7 +40,7 @@ def test_fill_pads_onto_scratch_block() -> None:
         "a step leaves the previous step's host twin alone: its copy may still be queued"
     )
     assert buf.input_ids[:3].tolist() == [1, 2, 3] and buf.slot_mapping[:3].tolist() == [6 * 4, 6 * 4 + 1, 6 * 4 + 2]
-    assert buf.seq_lens[:1].tolist() == [7] and buf.block_tables[0].tolist() == [7, 6, 99, 99]
+    assert buf.seq_lens[:1].tolist() == [7] and buf.block_tables[0, :2].tolist() == [7, 6]
     assert buf.addresses() == ptrs
     base, size = buf.packed.data_ptr(), buf.packed.numel() * 8
     assert all(base <= a < base + size for a in ptrs[:5]), "every index field is a view of the packed buffer"
@@ -275,28 +277,29 @@ def test_advance_kernel_matches_the_torch_reference(k: int) -> None:
 
 def _reference_fill(
     buf: StepBuffers, token_ids: list[list[int]], starts: list[int], tables: list[list[int]], bucket: int
-) -> dict[str, list[int]]:
-    """What `fill` must leave in the first `bucket` sequences' fields, written out row by row."""
-    q, bs, scratch, m = buf.q_len, buf.block_size, buf.scratch_block, buf.max_blocks
+) -> dict[str, Any]:
+    """What `fill` must leave in the first `bucket` sequences' fields, written out row by row; of the block tables,
+    each row's entries up to what its length reads (past them, entries are never read)."""
+    q, bs, scratch = buf.q_len, buf.block_size, buf.scratch_block
     ids, pos, slots, lens, table = [], [], [], [], []
     for b in range(bucket):
         real = b < len(token_ids)
-        row_table = (tables[b] if real else []) + [scratch] * (m - (len(tables[b]) if real else 0))
-        table += row_table
+        row_table = tables[b] if real else [scratch] * -(-q // bs)
+        table.append(row_table)
         lens.append(starts[b] + q if real else q)
         for j in range(q):
             p = starts[b] + j if real else j
             ids.append(token_ids[b][j] if real else 0)
             pos.append(p)
             slots.append(row_table[p // bs] * bs + p % bs if real else scratch * bs + j % bs)
-    return {"ids": ids, "pos": pos, "slots": slots, "lens": lens, "table": table}
+    return {"ids": ids, "pos": pos, "slots": slots, "lens": lens, "tables": table}
 
 
 @pytest.mark.parametrize("q", [1, 4])
 def test_fill_matches_a_row_by_row_reference_after_any_earlier_step(q: int) -> None:
     """Random steps of 0-8 sequences, each filled after another step of a different size: the one-row
     decode path and the vectorised path both write exactly the reference rows, and nothing of the earlier
-    steps leaks into padding or past a sequence's blocks."""
+    steps leaks into padding or into what a sequence's length reads."""
     rng = random.Random(q)
     buf = StepBuffers.allocate(8, q, 6, block_size=4, scratch_block=50, device=torch.device("cpu"))
     sizes = [1, 2, 4, 8]
@@ -313,4 +316,4 @@ def test_fill_matches_a_row_by_row_reference_after_any_earlier_step(q: int) -> N
         assert buf.positions[:rows].tolist() == want["pos"]
         assert buf.slot_mapping[:rows].tolist() == want["slots"]
         assert buf.seq_lens[:bucket].tolist() == want["lens"]
-        assert buf.block_tables[:bucket].reshape(-1).tolist() == want["table"]
+        assert [buf.block_tables[b, : len(t)].tolist() for b, t in enumerate(want["tables"])] == want["tables"]
