@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import selectors
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
@@ -127,6 +127,9 @@ class PipedEngine:
         self._sender = PeerSender(self._broken)
         self._joining: list[Connection] = []
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._readable = selectors.DefaultSelector()  # every peer's pipe and the wake pipe, polled between steps
+        self._readable.register(conn, selectors.EVENT_READ)
+        self._readable.register(self._wake_r, selectors.EVENT_READ)
         self._listener = listener
         if listener is not None:
             threading.Thread(target=self._accept, args=(listener,), name="mtpserve-engine-accept", daemon=True).start()
@@ -153,6 +156,7 @@ class PipedEngine:
         finally:
             self._sender.flush()
             self._sender.stop()
+            self._readable.close()
             if self._listener is not None:
                 with contextlib.suppress(OSError):
                     self._listener.close()
@@ -190,6 +194,7 @@ class PipedEngine:
                 conn.close()
                 continue
             self.peers.append(peer)
+            self._readable.register(conn, selectors.EVENT_READ)
             log.info("a front end joined (%d peers)", len(self.peers))
 
     def _leave(self, peer: Peer, answer: bool) -> None:
@@ -201,6 +206,7 @@ class PipedEngine:
         if answer:
             self._send_to(peer, (STOPPED, engine_load(self.engine)))
         self.peers.remove(peer)
+        self._readable.unregister(peer.conn)
         for other in self.peers:
             other.stale = True  # its requests' blocks are free now
         self._sender.close(peer.conn)
@@ -210,7 +216,7 @@ class PipedEngine:
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when `block`); False when the primary peer stops or its
         pipe closes."""
-        ready = mp_connection.wait([p.conn for p in self.peers] + [self._wake_r], None if block else 0)
+        ready = {key.fileobj for key, _ in self._readable.select(None if block else 0)}
         if self._wake_r in ready:
             self._adopt()
         for peer in list(self.peers):
