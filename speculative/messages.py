@@ -55,6 +55,14 @@ class StepPlan:
         """Target rows scheduled."""
         return sum(len(s.token_ids) for s in self.seqs)
 
+    @property
+    def num_chunks(self) -> int:
+        """The context chunks that lead the plan (0 for a step of generation rows only)."""
+        n = 0
+        while n < len(self.seqs) and self.seqs[n].is_context:
+            n += 1
+        return n
+
 
 @dataclass
 class SeqResult:

@@ -23,14 +23,6 @@ from mtpserve.workers.prefill_step import CapturedPrefill
 Replay = tuple[list[int], int]  # a prefill replay: the chunks it takes (their indexes) and its row bucket
 
 
-def prompt_rows(plan: StepPlan) -> int:
-    """How many of the plan's sequences lead it as prompt chunks (0 for a generation step)."""
-    n = 0
-    while n < len(plan.seqs) and plan.seqs[n].is_context:
-        n += 1
-    return n
-
-
 def joinable(prefill: CapturedPrefill | None, plan: StepPlan, chunks: int, chain: bool) -> list[Replay] | None:
     """The prefill replays that take the plan's leading `chunks` (`CapturedPrefill.groups`: each replay's chunk
     indexes and row bucket), when the rest are generation rows and every chunk ends its prompt without logit
@@ -45,18 +37,16 @@ def joinable(prefill: CapturedPrefill | None, plan: StepPlan, chunks: int, chain
     return prefill.groups(seqs)
 
 
-def prompt_results(
-    first: torch.Tensor, seqs: list[SeqPlan], depth: int, chain: bool, dtype: torch.dtype = torch.long
-) -> torch.Tensor:
+def prompt_results(first: torch.Tensor, seqs: list[SeqPlan], depth: int, chain: bool) -> torch.Tensor:
     """The prefill replay's rows `first` ([chunks, 1 + drafts]: first token, drafts) laid out as the generation
     step's results: [first, 0 x depth | 0 | drafts[:depth] | end] with a chain, [0 | first] target-only."""
     n, dev = len(seqs), first.device
     if not chain:
-        return torch.stack([torch.zeros(n, dtype=dtype, device=dev), first[:, 0].to(dtype)], dim=1)
-    rows = torch.zeros((n, 2 * depth + 3), dtype=dtype, device=dev)
+        return torch.stack([torch.zeros(n, dtype=torch.long, device=dev), first[:, 0].long()], dim=1)
+    rows = torch.zeros((n, 2 * depth + 3), dtype=torch.long, device=dev)
     rows[:, 0] = first[:, 0]
     rows[:, depth + 2 : 2 * depth + 2] = first[:, 1 : 1 + depth]
-    ends = torch.tensor([s.end for s in seqs], dtype=dtype, pin_memory=dev.type == "cuda")
+    ends = torch.tensor([s.end for s in seqs], dtype=torch.long, pin_memory=dev.type == "cuda")
     rows[:, -1] = ends.to(dev, non_blocking=True)
     return rows
 

@@ -26,7 +26,7 @@ from mtpserve.speculative.tree import DraftTree, forced_walk
 from mtpserve.speculative.verify import ForcedAcceptance, forced_chain, verify, verify_greedy
 from mtpserve.workers.captured_steps import CapturedSteps, LaunchableStep
 from mtpserve.workers.eager_rows import Verified, processed_logits
-from mtpserve.workers.joined_step import joinable, prompt_results, prompt_rows, without_drafted
+from mtpserve.workers.joined_step import joinable, prompt_results, without_drafted
 from mtpserve.workers.launch_spec import LaunchedStep, LaunchSpec
 from mtpserve.workers.step_buffers import HOST_TWINS
 from mtpserve.workers.tree_verify import accept, branch_moves, move_branches, plan_trees, tree_positions
@@ -144,7 +144,7 @@ class TargetRunner:
         spec = self.launch_spec()
         if spec is None or not plan.seqs:
             return None
-        chunks = prompt_rows(plan)
+        chunks = plan.num_chunks
         gen = _sub_plan(plan, plan.seqs[chunks:]) if chunks else plan
         bucket = spec.bucket_for(gen) if gen.seqs else 0
         tree = spec.is_tree(plan)

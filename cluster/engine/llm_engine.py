@@ -337,8 +337,8 @@ class LLMEngine:
         if not self._launched:
             self._refill = True
             plan = self.scheduler.schedule(hold=self.steps_launched > 0)
-            prompts = bool(plan.seqs) and plan.seqs[0].is_context  # launched only where arrivals join ahead
-            first = runner.launch(plan) if runner is not None and (self.scheduler.join_ahead or not prompts) else None
+            joins = self.scheduler.join_ahead or not plan.num_chunks  # prompt chunks launch only where arrivals may
+            first = runner.launch(plan) if runner is not None and joins else None
             if first is None:
                 self._read, self._steady = None, False  # a step run in turn: the next period is not a launched one
                 return self._execute(plan)
@@ -350,8 +350,8 @@ class LLMEngine:
         out = runner.collect(current)
         self.steps_launched += 1
         read = (len(current.plan.seqs), current.plan.num_draft_tokens)
-        joined = bool(current.plan.seqs) and current.plan.seqs[0].is_context  # its period holds a prefill too
-        self._steady = self._read is not None and self._read[1] == read[1] and not joined
+        # a step whose prompts joined holds a prefill too: its period is not a steady one
+        self._steady = self._read is not None and self._read[1] == read[1] and not current.plan.num_chunks
         self._read = read
         outputs = self._apply(current.plan, out, out.draft_outputs)
         if self._launched and not self.has_unfinished():
